@@ -1,0 +1,1 @@
+"""The protocol-agnostic engine core. Never imports grpc or generated protobuf code."""

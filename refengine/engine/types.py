@@ -1,0 +1,221 @@
+"""Engine-level request and output types.
+
+These are the only types that cross the boundary between the engine core and an
+edge (the gRPC server, the CLI, tests). They hold plain Python values, never
+tensors or protobuf messages.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token.
+
+    ``temperature`` 0 means greedy. ``top_k`` 0 or -1 disables top-k. ``seed``
+    ``None`` draws from the engine's generator; a set seed gives a per-request
+    generator, so the output does not depend on what else is in the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    num_sequences: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class StoppingParams:
+    """When an output ends.
+
+    ``max_tokens`` ``None`` = until the context limit. ``min_tokens`` suppresses EOS
+    and stop tokens (not stop strings' matching, which cannot happen before any
+    text exists) until that many tokens were produced.
+    """
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_in_output: bool = False
+
+
+@dataclass(frozen=True)
+class CandidateSpec:
+    """Which alternative tokens to report next to each token's logprob."""
+
+    mode: Literal["top_n", "token_ids", "all"]
+    top_n: int = 0
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class LogprobParams:
+    """Logprob reporting for prompt and output positions.
+
+    ``prompt_logprob_start`` skips prompt positions before it (position 0 never has
+    a logprob: nothing predicts the first token).
+    """
+
+    prompt_logprobs: bool = False
+    prompt_candidates: CandidateSpec | None = None
+    prompt_logprob_start: int = 0
+    output_logprobs: bool = False
+    output_candidates: CandidateSpec | None = None
+
+
+@dataclass(frozen=True)
+class KvParams:
+    """Per-request prefix-cache options."""
+
+    bypass_prefix_cache: bool = False
+    cache_salt: str | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """One request as the engine sees it. Exactly one of ``prompt`` /
+    ``prompt_token_ids`` is set; the engine tokenizes ``prompt``.
+
+    ``priority``: higher runs sooner; FCFS within a priority.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingParams = field(default_factory=StoppingParams)
+    logprobs: LogprobParams = field(default_factory=LogprobParams)
+    kv: KvParams = field(default_factory=KvParams)
+    priority: int = 0
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class FinishInfo:
+    """Why one output ended. For STOP exactly one of the three match fields is set."""
+
+    reason: FinishReason
+    stop_token_id: int | None = None
+    stop_text: str | None = None
+    eos_token_id: int | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank in the distribution the token was drawn from
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """One token with its (optional) logprob, rank and candidates, all together."""
+
+    token_id: int
+    text: str
+    logprob: float | None = None
+    rank: int | None = None
+    candidates: tuple[Candidate, ...] = ()
+
+
+@dataclass(frozen=True)
+class SequenceDelta:
+    """What one output (``index``) produced this step: new tokens and new text only.
+
+    ``finish`` is set on the output's last delta; nothing follows it for this index.
+    """
+
+    index: int
+    tokens: tuple[TokenInfo, ...] = ()
+    text: str = ""
+    finish: FinishInfo | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Everything a request produced in one engine step.
+
+    ``prompt_tokens`` (prompt logprobs) appears at most once, before any output
+    token. ``usage`` is set exactly on the final output (``finished`` True).
+    ``error`` is set when the engine failed the request after acceptance; it is then
+    also the final output.
+    """
+
+    request_id: str
+    deltas: tuple[SequenceDelta, ...] = ()
+    prompt_tokens: tuple[TokenInfo, ...] | None = None
+    finished: bool = False
+    usage: Usage | None = None
+    error: EngineFault | None = None
+
+
+@dataclass(frozen=True)
+class EngineFault:
+    """A failure after acceptance. ``retryable``: the unchanged request could succeed later."""
+
+    code: Literal["overloaded", "draining", "internal", "cancelled"]
+    message: str
+    retryable: bool
+
+
+class RequestError(Exception):
+    """A request refused before acceptance. Nothing was allocated for it."""
+
+
+class InvalidRequestError(RequestError, ValueError):
+    """The request is malformed or out of range; the message says what is wrong."""
+
+
+class DuplicateRequestError(RequestError):
+    """``request_id`` is already in use by an active request."""
+
+
+class OverloadedError(RequestError):
+    """The engine cannot take more work now; retrying later may succeed."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of live load figures."""
+
+    running_requests: int
+    waiting_requests: int
+    used_kv_blocks: int
+    total_kv_blocks: int
+    cached_kv_blocks: int
+    running_tokens: int
+    waiting_tokens: int
+    prefill_batch_size: int  # sequences that computed prompt tokens in the last step
+    decode_batch_size: int  # sequences that decoded in the last step
