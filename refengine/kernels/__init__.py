@@ -1,0 +1,1 @@
+"""Compute kernels: attention backends behind one interface, and their torch references."""

@@ -1,0 +1,98 @@
+"""The torch reference attention backend (CPU and GPU, any dtype).
+
+Decode sequences (one query token) are batched into one padded
+scaled-dot-product call; sequences with several query tokens (prefill chunks)
+run one call each with a causal mask offset by their cached context. Keys and
+values are gathered from the paged cache by slot index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class _PrefillPlan:
+    query_rows: slice
+    context_slots: torch.Tensor  # [seq_len]
+    mask: torch.Tensor  # [query_len, seq_len] bool, True = attend
+
+
+@dataclass
+class _DecodePlan:
+    query_rows: torch.Tensor  # [num_decodes]
+    context_slots: torch.Tensor  # [num_decodes, max_seq_len]
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_seq_len]
+
+
+def _context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    positions = torch.arange(seq_len)
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+class TorchReferenceBackend(AttentionBackend):
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._decode: _DecodePlan | None = None
+        self._prefills: list[_PrefillPlan] = []
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self._meta = meta
+        self._prefills = []
+        decode_seqs = []
+        for i in range(meta.num_seqs):
+            query_len = meta.query_len(i)
+            if query_len == 1:
+                decode_seqs.append(i)
+                continue
+            seq_len = meta.seq_lens[i]
+            slots = _context_slots(meta.block_tables[i], seq_len, meta.block_size)
+            query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
+            mask = torch.arange(seq_len).unsqueeze(0) <= query_pos
+            rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+            self._prefills.append(_PrefillPlan(rows, slots, mask))
+        self._decode = self._plan_decodes(meta, decode_seqs) if decode_seqs else None
+
+    @staticmethod
+    def _plan_decodes(meta: AttentionMetadata, seqs: list[int]) -> _DecodePlan:
+        seq_lens = torch.tensor([meta.seq_lens[i] for i in seqs])
+        max_len = int(seq_lens.max())
+        positions = torch.arange(max_len)
+        num_blocks = -(-max_len // meta.block_size)
+        tables = meta.block_tables[seqs][:, :num_blocks]
+        slots = tables[:, positions // meta.block_size] * meta.block_size + positions % meta.block_size
+        mask = (positions.unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
+        rows = torch.tensor([meta.query_start_loc[i] for i in seqs])
+        return _DecodePlan(rows, slots, mask)
+
+    def forward(self, q, k, v, k_cache, v_cache, scale):
+        assert self._meta is not None, "prepare() must run before forward()"
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, self._meta.slot_mapping, k)
+        v_flat.index_copy_(0, self._meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for plan in self._prefills:
+            query = q[plan.query_rows].transpose(0, 1)  # [H, Lq, D]
+            keys = k_flat[plan.context_slots].transpose(0, 1)  # [Hkv, L, D]
+            values = v_flat[plan.context_slots].transpose(0, 1)
+            attn = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=True
+            )
+            out[plan.query_rows] = attn.transpose(0, 1)
+        if self._decode is not None:
+            plan = self._decode
+            query = q[plan.query_rows].unsqueeze(2)  # [B, H, 1, D]
+            keys = k_flat[plan.context_slots].transpose(1, 2)  # [B, Hkv, L, D]
+            values = v_flat[plan.context_slots].transpose(1, 2)
+            attn = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=True
+            )
+            out[plan.query_rows] = attn.squeeze(2)
+        return out

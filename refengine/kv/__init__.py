@@ -1,0 +1,1 @@
+"""Paged KV cache: block pool, prefix-cache hashing, per-sequence block tables."""

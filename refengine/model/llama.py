@@ -1,0 +1,89 @@
+"""The Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, SmolLM2).
+
+Stateless over requests: the runner passes token ids, positions, the attention
+backend (already prepared for this step) and the KV cache tensors. Q/K/V and
+gate/up projections are fused into one matmul each, loaded from the Hugging
+Face per-projection weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from refengine.config import ModelConfig
+from refengine.kernels.attention.base import AttentionBackend
+from refengine.model.rope import RotaryEmbedding
+
+KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalize in float32, scale in the model dtype (as the reference does)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaLayer:
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig) -> None:
+        attn = f"{prefix}.self_attn"
+        mlp = f"{prefix}.mlp"
+        self.input_norm = weights[f"{prefix}.input_layernorm.weight"]
+        self.post_attn_norm = weights[f"{prefix}.post_attention_layernorm.weight"]
+        self.qkv_weight = torch.cat([weights[f"{attn}.{p}_proj.weight"] for p in "qkv"])
+        self.qkv_bias = (
+            torch.cat([weights[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if config.attention_bias else None
+        )
+        self.o_weight = weights[f"{attn}.o_proj.weight"]
+        self.gate_up_weight = torch.cat([weights[f"{mlp}.gate_proj.weight"], weights[f"{mlp}.up_proj.weight"]])
+        self.down_weight = weights[f"{mlp}.down_proj.weight"]
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int) -> None:
+        self.config = config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.embed_tokens = weights["model.embed_tokens.weight"]
+        self.layers = [LlamaLayer(weights, f"model.layers.{i}", config) for i in range(config.num_hidden_layers)]
+        self.norm = weights["model.norm.weight"]
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.rope = RotaryEmbedding(config, max_positions, self.embed_tokens.dtype, str(self.embed_tokens.device))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionBackend,
+        kv_caches: KvCaches,
+    ) -> torch.Tensor:  # [T, hidden]
+        eps = self.config.rms_norm_eps
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = rms_norm(hidden, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            q, k = self.rope.apply(q, k, positions)
+            attn_out = attn.forward(q, k, v, k_cache, v_cache, self.scale)
+            hidden = hidden + F.linear(attn_out.reshape(-1, q_size), layer.o_weight)
+            x = rms_norm(hidden, layer.post_attn_norm, eps)
+            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
+        return rms_norm(hidden, self.norm, eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,1 @@
+"""Continuous batching: which sequences run each step, and how many tokens each computes."""

