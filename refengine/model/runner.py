@@ -75,7 +75,7 @@ class ModelRunner:
         bs = self.block_size
         for item in scheduled:
             seq = item.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
+            start, end = item.start, item.start + item.num_new_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table

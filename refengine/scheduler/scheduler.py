@@ -27,13 +27,21 @@ from refengine.scheduler.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    """One sequence's share of a step: tokens ``start … start + num_new_tokens - 1``.
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes the sequence's last known token, i.e. samples."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    ``samples``: the step computes the sequence's newest token, so its logits give
+    the next token (fixed at scheduling time; the sequence grows afterwards).
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int
+    samples: bool
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        return cls(seq, num_new_tokens, start, start + num_new_tokens == seq.num_tokens)
 
 
 @dataclass
@@ -105,7 +113,7 @@ class Scheduler:
             if copies is None:
                 break
             out.block_copies.extend(copies)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            out.scheduled.append(ScheduledSequence.of(seq, num_new))
             budget -= num_new
             i += 1
 
@@ -132,7 +140,7 @@ class Scheduler:
             self.running.append(seq)
             num_running_slots += seq.seq_slots
             out.block_copies.extend(copies)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            out.scheduled.append(ScheduledSequence.of(seq, num_new))
             budget -= num_new
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

@@ -1,0 +1,146 @@
+"""After the model ran: sample, fork, append tokens, check stops, detokenize, and
+turn all of it into per-request ``RequestOutput`` deltas.
+
+This is the engine's ``postprocess``: it updates request state; the runner and the
+scheduler stay unaware of requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from refengine.engine.detokenizer import token_text
+from refengine.engine.request import OutputState, Request
+from refengine.engine.types import Candidate, FinishInfo, FinishReason, SequenceDelta, TokenInfo
+from refengine.sampling.sampler import SampledToken, Sampler, SamplingRow, prompt_logprobs
+from refengine.scheduler.scheduler import ScheduledSequence
+
+
+@dataclass
+class _RowTarget:
+    request: Request
+    index: int  # output index that receives the sampled token
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, sampler: Sampler, engine) -> None:  # noqa: ANN001 - engine: see Engine
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.engine = engine
+
+    # -- token info ----------------------------------------------------------
+    def _token_info(self, sampled: SampledToken | tuple, token_id: int) -> TokenInfo:
+        if isinstance(sampled, SampledToken):
+            logprob, rank, candidates = sampled.logprob, sampled.rank, sampled.candidates
+        else:
+            logprob, rank, candidates = sampled
+        return TokenInfo(
+            token_id=token_id,
+            text=token_text(self.tokenizer, token_id),
+            logprob=logprob,
+            rank=rank,
+            candidates=tuple(
+                Candidate(tid, lp, rk, token_text(self.tokenizer, tid)) for tid, lp, rk in candidates
+            ),
+        )
+
+    # -- prompt logprobs -----------------------------------------------------
+    def record_prompt_logprobs(self, request: Request, item: ScheduledSequence, logits: torch.Tensor) -> None:
+        """Row j of ``logits`` predicts the token at position start+j+1.
+
+        ``prompt_infos[k]`` holds position ``prompt_logprob_start + k``; positions
+        recomputed after a preemption are already recorded and skipped.
+        """
+        seq = item.seq
+        start = item.start
+        first_pos = request.params.logprobs.prompt_logprob_start
+        infos = request.prompt_infos
+        if first_pos == 0 and not infos:
+            first_id = request.prompt_token_ids[0]
+            infos.append(TokenInfo(first_id, token_text(self.tokenizer, first_id)))  # nothing predicts it (L2)
+        rows, targets = [], []
+        for j in range(item.num_new_tokens):
+            pos = start + j + 1
+            if pos == first_pos + len(infos) + len(rows) and pos < seq.num_prompt_tokens:
+                rows.append(j)
+                targets.append(request.prompt_token_ids[pos])
+        if not rows:
+            return
+        results = prompt_logprobs(logits[rows], targets, True, request.params.logprobs.prompt_candidates)
+        for token_id, result in zip(targets, results, strict=True):
+            infos.append(self._token_info(result, token_id))
+
+    # -- sampling ------------------------------------------------------------
+    def sample(self, sampling: list[tuple[Request, OutputState, torch.Tensor]]) -> list[SequenceDelta | None]:
+        """Sample for every (request, output, logits row) and apply the tokens.
+        A request not yet forked gets ``num_sequences`` rows from the same logits."""
+        rows: list[SamplingRow] = []
+        logits_rows: list[torch.Tensor] = []
+        targets: list[_RowTarget] = []
+        for request, out, logits in sampling:
+            indices = range(request.num_sequences) if not request.forked else [out.seq.index]
+            for index in indices:
+                rows.append(self._sampling_row(request, out, index))
+                logits_rows.append(logits)
+                targets.append(_RowTarget(request, index))
+        if not rows:
+            return []
+        sampled = self.sampler(torch.stack(logits_rows), rows)
+        deltas = []
+        for target, token in zip(targets, sampled, strict=True):
+            request = target.request
+            if not request.forked:
+                self.engine.fork(request)
+            deltas.append((request, self.append_token(request, request.outputs[target.index], token)))
+        return deltas
+
+    def _sampling_row(self, request: Request, out: OutputState, index: int) -> SamplingRow:
+        p = request.params
+        seq = out.seq
+        suppressed: Seq[int] = ()
+        if seq.num_output_tokens < p.stopping.min_tokens:
+            suppressed = tuple(self.engine.eos_token_ids) + tuple(p.stopping.stop_token_ids)
+        generator = request.generators[index]
+        return SamplingRow(
+            params=p.sampling,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=seq.token_ids[seq.num_prompt_tokens :],
+            generator=generator,
+            suppressed_token_ids=suppressed,
+            want_logprob=request.wants_output_logprobs,
+            candidates=p.logprobs.output_candidates,
+        )
+
+    def append_token(self, request: Request, out: OutputState, sampled: SampledToken) -> SequenceDelta:
+        seq = out.seq
+        token_id = sampled.token_id
+        seq.token_ids.append(token_id)
+        finish = out.stop.check_token(token_id, seq.num_output_tokens)
+        token_stop = finish is not None and finish.reason is FinishReason.STOP
+        tokens: tuple[TokenInfo, ...] = ()
+        text = ""
+        if not (token_stop and out.stop.should_drop_stop_token):
+            tokens = (self._token_info(sampled, token_id) if request.wants_output_logprobs
+                      else TokenInfo(token_id, token_text(self.tokenizer, token_id)),)
+            out.num_emitted_tokens += 1
+            text, string_finish = out.stop.feed_text(out.detokenizer.add_token(token_id))
+            if string_finish is not None:
+                finish = string_finish
+        if finish is not None and finish.stop_text is None:
+            # Ending for another reason: release what was held back.
+            tail, string_finish = out.stop.feed_text(out.detokenizer.flush())
+            text += tail
+            if string_finish is not None:
+                finish = string_finish
+            else:
+                text += out.stop.finish_text()
+        if finish is not None:
+            self.finish_output(out, finish)
+        return SequenceDelta(index=seq.index, tokens=tokens, text=text, finish=finish)
+
+    def finish_output(self, out: OutputState, finish: FinishInfo) -> None:
+        out.finish = finish
+        self.engine.scheduler.finish(out.seq)

@@ -1,0 +1,122 @@
+"""Checks a request before the engine accepts it (RULES G1, G4–G7).
+
+Every check raises ``InvalidRequestError`` with a message naming the field and
+the allowed range; nothing is allocated before all checks pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from refengine.engine.types import CandidateSpec, GenerationRequest, InvalidRequestError
+
+MAX_STOP_STRINGS = 1024
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_model_len: int
+    max_num_sequences: int
+    max_logprobs: int
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message)
+
+
+def _finite(name: str, value: float) -> None:
+    _require(isinstance(value, int | float) and math.isfinite(value), f"{name} must be a finite number, got {value}")
+
+
+def validate_inputs(request: GenerationRequest) -> None:
+    """G1: exactly one input. Checked before tokenizing."""
+    _require(bool(request.request_id), "request_id must be non-empty")
+    has_prompt = request.prompt is not None
+    has_ids = request.prompt_token_ids is not None
+    _require(has_prompt != has_ids, "exactly one of prompt or token_ids must be set")
+
+
+def validate_sampling(request: GenerationRequest, limits: Limits) -> None:
+    s = request.sampling
+    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        _finite(name, getattr(s, name))
+    _require(s.temperature >= 0, f"temperature must be >= 0, got {s.temperature}")
+    _require(0 < s.top_p <= 1, f"top_p must be in (0, 1], got {s.top_p}")
+    _require(s.top_k >= -1, f"top_k must be >= 0, or -1 to disable, got {s.top_k}")
+    _require(0 <= s.min_p <= 1, f"min_p must be in [0, 1], got {s.min_p}")
+    _require(s.repetition_penalty > 0, f"repetition_penalty must be > 0, got {s.repetition_penalty}")
+    _require(
+        1 <= s.num_sequences <= limits.max_num_sequences,
+        f"num_sequences must be in [1, {limits.max_num_sequences}], got {s.num_sequences}",
+    )
+    _require(s.seed is None or 0 <= s.seed < 1 << 64, f"seed must be a uint64, got {s.seed}")
+
+
+def validate_stopping(request: GenerationRequest, limits: Limits) -> None:
+    st = request.stopping
+    _require(st.max_tokens is None or st.max_tokens >= 1, f"max_tokens must be >= 1, got {st.max_tokens}")
+    _require(st.min_tokens >= 0, f"min_tokens must be >= 0, got {st.min_tokens}")
+    if st.max_tokens is not None:
+        _require(st.min_tokens <= st.max_tokens, f"min_tokens ({st.min_tokens}) > max_tokens ({st.max_tokens})")
+    _require(len(st.stop_strings) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
+    _require(len(st.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+    for text in st.stop_strings:
+        _require(0 < len(text) <= MAX_STOP_STRING_CHARS, f"stop strings must have 1-{MAX_STOP_STRING_CHARS} characters")
+    for token_id in st.stop_token_ids:
+        _require(0 <= token_id < limits.vocab_size, f"stop token id {token_id} is not in the vocabulary")
+
+
+def _validate_candidates(name: str, spec: CandidateSpec | None, limits: Limits) -> None:
+    if spec is None:
+        return
+    if spec.mode == "top_n":
+        _require(
+            1 <= spec.top_n <= limits.max_logprobs,
+            f"{name}.top_n must be in [1, {limits.max_logprobs}], got {spec.top_n}",
+        )
+    elif spec.mode == "token_ids":
+        _require(len(spec.token_ids) > 0, f"{name}.token_ids must list at least one token id")
+        for token_id in spec.token_ids:
+            _require(0 <= token_id < limits.vocab_size, f"{name} token id {token_id} is not in the vocabulary")
+
+
+def validate_logprobs(request: GenerationRequest, limits: Limits) -> None:
+    lp = request.logprobs
+    _validate_candidates("prompt_candidates", lp.prompt_candidates, limits)
+    _validate_candidates("output_candidates", lp.output_candidates, limits)
+    _require(lp.prompt_logprob_start >= 0, "prompt_logprob_start must be >= 0")
+
+
+def validate_prompt(request: GenerationRequest, prompt_token_ids: list[int], limits: Limits) -> int:
+    """Checks the tokenized prompt against the vocabulary and context limit (G7).
+    Returns the resolved ``max_tokens``: unset means up to the context limit."""
+    num_prompt = len(prompt_token_ids)
+    _require(num_prompt > 0, "the prompt is empty")
+    for token_id in prompt_token_ids:
+        _require(
+            isinstance(token_id, int) and 0 <= token_id < limits.vocab_size,
+            f"token id {token_id} is not in the vocabulary (size {limits.vocab_size})",
+        )
+    _require(
+        num_prompt < limits.max_model_len,
+        f"the prompt has {num_prompt} tokens; the context limit is {limits.max_model_len} "
+        "and at least one token must be generated",
+    )
+    _require(
+        request.logprobs.prompt_logprob_start < num_prompt,
+        f"prompt_logprob_start ({request.logprobs.prompt_logprob_start}) must be < the prompt length ({num_prompt})",
+    )
+    max_tokens = request.stopping.max_tokens
+    if max_tokens is None:
+        return limits.max_model_len - num_prompt
+    _require(
+        num_prompt + max_tokens <= limits.max_model_len,
+        f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context limit "
+        f"of {limits.max_model_len}",
+    )
+    return max_tokens

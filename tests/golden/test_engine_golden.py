@@ -1,0 +1,188 @@
+"""Golden tests: the engine on SmolLM2-135M (fp32) against transformers, and greedy
+bit-identity whatever the batch, chunking, preemption or prefix-cache hits (G18)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
+from refengine.engine.engine import Engine
+from refengine.engine.types import GenerationRequest, SamplingParams, StoppingParams
+from refengine.model.loader import load_model_config, load_tokenizer, load_weights, model_fingerprint
+from refengine.model.runner import ModelRunner
+from refengine.scheduler.scheduler import ScheduledSequence
+from refengine.scheduler.sequence import Sequence
+
+pytestmark = pytest.mark.golden
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "A haiku about the ocean:\n",
+    "List of prime numbers: 2, 3, 5,",
+    "Explain photosynthesis in simple terms.",
+]
+NUM_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def model_parts(smollm2_dir):
+    return (
+        load_model_config(smollm2_dir),
+        load_weights(smollm2_dir),
+        load_tokenizer(smollm2_dir),
+        model_fingerprint(smollm2_dir),
+    )
+
+
+def make_engine(model_parts, num_blocks: int = 512, budget: int = 2048, max_seqs: int = 64) -> Engine:
+    config, weights, tokenizer, fingerprint = model_parts
+    engine_config = EngineConfig(
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+    )
+    return Engine(engine_config, config, weights, tokenizer, model_fingerprint=fingerprint)
+
+
+def greedy_request(i: int, prompt_ids: list[int], rid: str | None = None) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=rid or f"greedy-{i}",
+        prompt_token_ids=prompt_ids,
+        sampling=SamplingParams(temperature=0.0),
+        stopping=StoppingParams(max_tokens=NUM_TOKENS, ignore_eos=True),
+    )
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(model_parts) -> list[list[int]]:
+    tokenizer = model_parts[2]
+    return [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_smollm2, prompt_ids) -> list[list[int]]:
+    """transformers' own greedy decoding with its KV cache, EOS ignored."""
+    results = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            out = hf_smollm2(torch.tensor([ids]), use_cache=True)
+            past, generated = out.past_key_values, []
+            for _ in range(NUM_TOKENS):
+                token = int(out.logits[0, -1].argmax())
+                generated.append(token)
+                out = hf_smollm2(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            results.append(generated)
+    return results
+
+
+@pytest.fixture(scope="module")
+def alone(model_parts, prompt_ids) -> list[list[int]]:
+    engine = make_engine(model_parts)
+    return [
+        engine.run_until_done([greedy_request(i, ids)])[0].outputs[0].token_ids
+        for i, ids in enumerate(prompt_ids)
+    ]
+
+
+def test_prefill_and_decode_logits_match_transformers(model_parts, hf_smollm2, prompt_ids) -> None:
+    config, weights, _, _ = model_parts
+    runner = ModelRunner(config, weights, CacheConfig(block_size=16, num_blocks=64), 2048)
+    ids = prompt_ids[2] + prompt_ids[6]
+    with torch.no_grad():
+        reference = hf_smollm2(torch.tensor([ids])).logits[0]
+    prefill_len = len(ids) - 3
+    seq = Sequence("g", 0, list(ids[:prefill_len]), prefill_len, len(ids) + 8)
+    seq.block_table = list(range(8))
+    got = []
+    half = prefill_len // 2  # a prefill in two chunks, then three decode steps
+    for num_new in (half, prefill_len - half):
+        got.append(runner.execute([ScheduledSequence.of(seq, num_new)], [True])[0])
+        seq.num_computed_tokens += num_new
+    for pos in range(prefill_len, len(ids)):
+        seq.token_ids.append(ids[pos])
+        got.append(runner.execute([ScheduledSequence.of(seq, 1)], [False])[0])
+        seq.num_computed_tokens += 1
+    max_diff = (torch.cat(got) - reference).abs().max().item()
+    assert max_diff <= 1e-3, f"engine vs transformers logits differ by {max_diff}"
+
+
+def test_greedy_matches_transformers(alone, hf_greedy) -> None:
+    for i, (ours, theirs) in enumerate(zip(alone, hf_greedy, strict=True)):
+        assert ours == theirs, f"prompt {i} ({PROMPTS[i]!r}) diverges from transformers"
+
+
+def test_greedy_identical_inside_a_mixed_batch_of_32(model_parts, prompt_ids, alone) -> None:
+    engine = make_engine(model_parts)
+    requests = [greedy_request(i, ids) for i, ids in enumerate(prompt_ids)]
+    for j in range(24):  # sampled neighbours with various lengths and settings
+        requests.append(
+            GenerationRequest(
+                request_id=f"noise-{j}",
+                prompt_token_ids=prompt_ids[j % 8] * (1 + j % 3),
+                sampling=SamplingParams(
+                    temperature=0.8 + 0.02 * j, top_p=0.9, top_k=50 if j % 2 else 0, seed=j
+                ),
+                stopping=StoppingParams(max_tokens=8 + 4 * (j % 10)),
+            )
+        )
+    results = engine.run_until_done(requests)
+    assert [r.outputs[0].token_ids for r in results[:8]] == alone
+    assert engine.pool.num_used == 0
+
+
+def test_greedy_identical_with_forced_chunking(model_parts, prompt_ids, alone) -> None:
+    engine = make_engine(model_parts, budget=16)
+    results = engine.run_until_done([greedy_request(i, ids) for i, ids in enumerate(prompt_ids)])
+    assert [r.outputs[0].token_ids for r in results] == alone
+
+
+def test_greedy_identical_under_preemption(model_parts, prompt_ids, alone) -> None:
+    engine = make_engine(model_parts, num_blocks=12)  # 8 sequences need ~5 blocks each at the end
+    preemptions = []
+    original = engine.scheduler._preempt
+
+    def counting_preempt(seq, out):
+        preemptions.append(seq.request_id)
+        original(seq, out)
+
+    engine.scheduler._preempt = counting_preempt
+    results = engine.run_until_done([greedy_request(i, ids) for i, ids in enumerate(prompt_ids)])
+    assert preemptions, "the pool was meant to be small enough to force preemption"
+    assert [r.outputs[0].token_ids for r in results] == alone
+    engine.pool.check_integrity()
+    assert engine.pool.num_used == 0
+
+
+def test_greedy_identical_on_prefix_cache_hits(model_parts, prompt_ids, alone) -> None:
+    engine = make_engine(model_parts)
+    long_ids = [ids * 6 for ids in prompt_ids]  # long enough to fill several blocks
+    first = engine.run_until_done([greedy_request(i, ids) for i, ids in enumerate(long_ids)])
+    second = engine.run_until_done([greedy_request(i, ids, f"again-{i}") for i, ids in enumerate(long_ids)])
+    assert all(r.usage.cached_prompt_tokens == 0 for r in first)
+    assert all(r.usage.cached_prompt_tokens >= 16 for r in second)
+    assert [r.outputs[0].token_ids for r in first] == [r.outputs[0].token_ids for r in second]
+    # The short prompts: a third run with them must still equal the lone run.
+    third = engine.run_until_done([greedy_request(i, ids, f"short-{i}") for i, ids in enumerate(prompt_ids)])
+    assert [r.outputs[0].token_ids for r in third] == alone
+
+
+def test_seeded_sampling_same_alone_and_in_batch(model_parts, prompt_ids) -> None:
+    engine = make_engine(model_parts)
+
+    def sampled(rid: str, seed: int) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=rid,
+            prompt_token_ids=prompt_ids[1],
+            sampling=SamplingParams(temperature=1.0, seed=seed),
+            stopping=StoppingParams(max_tokens=24, ignore_eos=True),
+        )
+
+    solo = engine.run_until_done([sampled("solo", 7)])[0].outputs[0].token_ids
+    batch = engine.run_until_done([sampled(f"n{i}", 100 + i) for i in range(5)] + [sampled("in-batch", 7)])
+    assert batch[-1].outputs[0].token_ids == solo
+    assert len({tuple(r.outputs[0].token_ids) for r in batch}) == len(batch), "different seeds must differ"

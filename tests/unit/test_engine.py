@@ -1,0 +1,303 @@
+"""The engine end to end on a tiny random Llama, with transformers as the oracle."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
+from refengine.engine.engine import Engine
+from refengine.engine.types import (
+    CandidateSpec,
+    DuplicateRequestError,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    KvParams,
+    LogprobParams,
+    SamplingParams,
+    StoppingParams,
+)
+from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
+from tests.unit.tokenizer_fixture import byte_fallback_tokenizer
+
+TOKENIZER = byte_fallback_tokenizer()
+VOCAB = len(TOKENIZER)
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = make_tiny_hf_model(vocab_size=VOCAB, max_position_embeddings=256)
+    return model, model_config_from_hf(model), hf_weights(model)
+
+
+def make_engine(tiny, num_blocks=256, budget=512, max_seqs=32, block_size=4, caching=True) -> Engine:
+    _, config, weights = tiny
+    return Engine(
+        EngineConfig(max_model_len=256, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                                          enable_prefix_caching=caching),
+                     scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs)),
+        config, weights, TOKENIZER, model_fingerprint="tiny")
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+def greedy(rid: str, ids: list[int], max_tokens: int = 16, **stopping) -> GenerationRequest:
+    return GenerationRequest(rid, prompt_token_ids=ids, sampling=SamplingParams(temperature=0.0),
+                             stopping=StoppingParams(max_tokens=max_tokens, ignore_eos=True, **stopping))
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    out = []
+    with torch.no_grad():
+        seq = torch.tensor([ids])
+        for _ in range(n):
+            token = int(model(seq).logits[0, -1].argmax())
+            out.append(token)
+            seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def assert_idle(engine: Engine) -> None:
+    engine.pool.check_integrity()
+    assert engine.pool.num_used == 0, "KV blocks leaked"
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_greedy_matches_transformers(tiny) -> None:
+    engine = make_engine(tiny)
+    prompts = [prompt(i, 5 + 7 * i) for i in range(4)]
+    results = engine.run_until_done([greedy(f"r{i}", p) for i, p in enumerate(prompts)])
+    for p, r in zip(prompts, results, strict=True):
+        assert r.outputs[0].token_ids == hf_greedy(tiny[0], p, 16)
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("setting", ["chunked", "preempting", "no-cache", "batch-of-one"])
+def test_greedy_is_batch_and_schedule_invariant(tiny, setting) -> None:
+    prompts = [prompt(100 + i, 3 + 9 * i) for i in range(6)]
+    reference = make_engine(tiny).run_until_done([greedy(f"r{i}", p, 24) for i, p in enumerate(prompts)])
+    kwargs = {"chunked": dict(budget=5), "preempting": dict(num_blocks=24),
+              "no-cache": dict(caching=False), "batch-of-one": dict(max_seqs=1)}[setting]
+    engine = make_engine(tiny, **kwargs)
+    results = engine.run_until_done([greedy(f"r{i}", p, 24) for i, p in enumerate(prompts)])
+    assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in reference]
+    assert_idle(engine)
+
+
+def test_prefix_cache_hit_reported_and_salted(tiny) -> None:
+    engine = make_engine(tiny)
+    ids = prompt(7, 30)
+    first = engine.run_until_done([greedy("a", ids)])[0]
+    second = engine.run_until_done([greedy("b", ids)])[0]
+    assert first.usage.cached_prompt_tokens == 0
+    assert second.usage.cached_prompt_tokens == 28  # 7 full blocks of 4; the last token is recomputed
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    salted = GenerationRequest("c", prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
+                               stopping=StoppingParams(max_tokens=4), kv=KvParams(cache_salt="tenant"))
+    bypass = GenerationRequest("d", prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
+                               stopping=StoppingParams(max_tokens=4), kv=KvParams(bypass_prefix_cache=True))
+    assert engine.run_until_done([salted])[0].usage.cached_prompt_tokens == 0
+    assert engine.run_until_done([bypass])[0].usage.cached_prompt_tokens == 0
+    assert_idle(engine)
+
+
+def test_num_sequences_share_prompt_and_finish_once_each(tiny) -> None:
+    engine = make_engine(tiny, block_size=4)
+    ids = prompt(9, 10)  # a partial last block: forks must copy it on write
+    single = engine.run_until_done([greedy("one", ids, 12)])[0].outputs[0].token_ids
+    many = engine.run_until_done([GenerationRequest(
+        "many", prompt_token_ids=ids, sampling=SamplingParams(temperature=0, num_sequences=3),
+        stopping=StoppingParams(max_tokens=12, ignore_eos=True))])[0]
+    assert [o.token_ids for o in many.outputs] == [single] * 3
+    sampled = engine.run_until_done([GenerationRequest(
+        "sampled", prompt_token_ids=ids, sampling=SamplingParams(temperature=1.0, seed=3, num_sequences=4),
+        stopping=StoppingParams(max_tokens=12, ignore_eos=True))])[0]
+    assert len({tuple(o.token_ids) for o in sampled.outputs}) == 4
+    assert all(o.finish.reason is FinishReason.LENGTH for o in sampled.outputs)
+    assert sampled.usage.completion_tokens == 48
+    assert_idle(engine)
+
+
+def test_seeded_sampling_reproducible_in_any_batch(tiny) -> None:
+    engine = make_engine(tiny)
+
+    def req(rid, seed, p=prompt(11, 12)):
+        return GenerationRequest(rid, prompt_token_ids=p, sampling=SamplingParams(temperature=0.9, top_k=40,
+                                 seed=seed), stopping=StoppingParams(max_tokens=20, ignore_eos=True))
+
+    alone = engine.run_until_done([req("alone", 5)])[0].outputs[0].token_ids
+    batch = engine.run_until_done([req(f"x{i}", 50 + i, prompt(i, 4 + i)) for i in range(7)] + [req("in", 5)])
+    assert batch[-1].outputs[0].token_ids == alone
+    assert engine.run_until_done([req("other", 6)])[0].outputs[0].token_ids != alone
+
+
+def test_stop_conditions(tiny) -> None:
+    engine = make_engine(tiny)
+    ids = prompt(13, 8)
+    free_run = engine.run_until_done([greedy("free", ids, 20)])[0].outputs[0]
+    stop_id = free_run.token_ids[5]
+    first_at = free_run.token_ids.index(stop_id)
+    by_token = engine.run_until_done([greedy("tok", ids, 20, stop_token_ids=(stop_id,))])[0].outputs[0]
+    assert by_token.finish.reason is FinishReason.STOP and by_token.finish.stop_token_id == stop_id
+    assert by_token.token_ids == free_run.token_ids[:first_at]  # the stop token is kept out (G14)
+    kept = engine.run_until_done([greedy("kept", ids, 20, stop_token_ids=(stop_id,),
+                                         include_stop_in_output=True)])[0].outputs[0]
+    assert kept.token_ids == free_run.token_ids[: first_at + 1]
+    text = free_run.text
+    stop_text = text[len(text) // 2 : len(text) // 2 + 2]
+    by_text = engine.run_until_done([greedy("txt", ids, 20, stop_strings=(stop_text,))])[0].outputs[0]
+    assert by_text.finish.stop_text == stop_text and by_text.text == text[: text.find(stop_text)]
+    length = engine.run_until_done([greedy("len", ids, 3)])[0].outputs[0]
+    assert length.finish.reason is FinishReason.LENGTH and len(length.token_ids) == 3
+    assert_idle(engine)
+
+
+def test_min_tokens_suppresses_eos(tiny) -> None:
+    engine = make_engine(tiny)
+    ids = prompt(17, 6)
+    eos_request = GenerationRequest("eos", prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
+                                    stopping=StoppingParams(max_tokens=10, stop_token_ids=(), min_tokens=0))
+    engine.eos_token_ids = tuple(engine.run_until_done([greedy("probe", ids, 1)])[0].outputs[0].token_ids)
+    assert engine.run_until_done([eos_request])[0].outputs[0].finish.eos_token_id is not None
+    with_min = GenerationRequest("min", prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
+                                 stopping=StoppingParams(max_tokens=10, min_tokens=4))
+    out = engine.run_until_done([with_min])[0].outputs[0]
+    assert len(out.token_ids) >= 4 and engine.eos_token_ids[0] not in out.token_ids[:4]
+
+
+def test_prompt_logprobs_match_transformers(tiny) -> None:
+    engine = make_engine(tiny, budget=7)  # chunked: logprobs are gathered across chunks
+    ids = prompt(19, 20)
+    request = GenerationRequest("lp", prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
+                                stopping=StoppingParams(max_tokens=2),
+                                logprobs=LogprobParams(prompt_logprobs=True, output_logprobs=True,
+                                                       prompt_candidates=CandidateSpec("top_n", top_n=3)))
+    result = engine.run_until_done([request])[0]
+    with torch.no_grad():
+        reference = torch.log_softmax(tiny[0](torch.tensor([ids])).logits[0].float(), -1)
+    assert [t.token_id for t in result.prompt_tokens] == ids
+    assert result.prompt_tokens[0].logprob is None
+    for pos in range(1, len(ids)):
+        info = result.prompt_tokens[pos]
+        assert info.logprob == pytest.approx(reference[pos - 1, ids[pos]].item(), abs=1e-4)
+        assert [c.token_id for c in info.candidates] == reference[pos - 1].topk(3).indices.tolist()
+    first = result.outputs[0].tokens[0]
+    assert first.rank == 1 and first.logprob == pytest.approx(reference[-1].max().item(), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(prompt_token_ids=[]), "empty"),
+        (dict(prompt_token_ids=[VOCAB + 5]), "vocabulary"),
+        (dict(prompt_token_ids=None), "exactly one"),
+        (dict(stopping=StoppingParams(max_tokens=-1)), "max_tokens"),
+        (dict(stopping=StoppingParams(max_tokens=2, min_tokens=3)), "min_tokens"),
+        (dict(sampling=SamplingParams(top_p=0.0)), "top_p"),
+        (dict(sampling=SamplingParams(temperature=-1)), "temperature"),
+        (dict(sampling=SamplingParams(num_sequences=0)), "num_sequences"),
+        (dict(sampling=SamplingParams(repetition_penalty=float("nan"))), "repetition_penalty"),
+        (dict(prompt_token_ids=[5] * 300), "context limit"),
+        (dict(stopping=StoppingParams(max_tokens=254)), "context limit"),
+    ],
+)
+def test_bad_input_raises_typed_error_and_allocates_nothing(tiny, change, message) -> None:
+    engine = make_engine(tiny)
+    fields = dict(prompt_token_ids=[5, 6, 7], stopping=StoppingParams(max_tokens=4))
+    fields.update(change)
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.add_request(GenerationRequest("bad", **fields))
+    assert not engine.has_unfinished_requests
+    assert_idle(engine)
+
+
+def test_request_that_can_never_fit_is_rejected(tiny) -> None:
+    engine = make_engine(tiny, num_blocks=4)  # 16 tokens in all
+    with pytest.raises(InvalidRequestError, match="KV blocks"):
+        engine.add_request(greedy("huge", prompt(1, 10), 10))
+
+
+def test_duplicate_request_id_until_finished(tiny) -> None:
+    engine = make_engine(tiny)
+    engine.add_request(greedy("dup", prompt(1, 5)))
+    with pytest.raises(DuplicateRequestError):
+        engine.add_request(greedy("dup", prompt(2, 5)))
+    while engine.has_unfinished_requests:
+        engine.step()
+    engine.run_until_done([greedy("dup", prompt(2, 5))])  # reusable once ended (G2)
+    assert engine.was_finished("dup")
+
+
+def test_hundreds_of_random_requests_with_aborts_leak_nothing(tiny) -> None:
+    rng = random.Random(1234)
+    engine = make_engine(tiny, num_blocks=40, budget=24, max_seqs=12)
+    streams = {}
+    for i in range(300):
+        n = rng.choice([1, 1, 1, 2, 3])
+        request = GenerationRequest(
+            f"q{i}",
+            prompt_token_ids=prompt(i, rng.randint(1, 40)),
+            sampling=SamplingParams(temperature=rng.choice([0.0, 0.7, 1.2]), num_sequences=n,
+                                    seed=rng.choice([None, i]), top_k=rng.choice([0, 5])),
+            stopping=StoppingParams(max_tokens=rng.randint(1, 30), stop_strings=rng.choice([(), ("e",), ("th",)])),
+            logprobs=LogprobParams(prompt_logprobs=rng.random() < 0.2, output_logprobs=rng.random() < 0.3),
+            kv=KvParams(cache_salt=rng.choice([None, "s"])),
+            priority=rng.randint(-1, 1),
+        )
+        streams[request.request_id] = (request, engine.add_request(request))
+        for _ in range(rng.randint(0, 3)):
+            engine.step()
+        if rng.random() < 0.25:
+            engine.abort(rng.choice(list(streams)))
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert_idle(engine)
+    for request, stream in streams.values():
+        completion = stream.result(timeout=0)
+        assert all(o.finish is not None for o in completion.outputs)
+        assert completion.usage.completion_tokens == sum(len(o.tokens) for o in completion.outputs)
+        assert completion.usage.prompt_tokens == len(request.prompt_token_ids)
+
+
+def test_abort_cancels_every_output(tiny) -> None:
+    engine = make_engine(tiny)
+    stream = engine.add_request(GenerationRequest("ab", prompt_token_ids=prompt(3, 9),
+                                sampling=SamplingParams(num_sequences=3, temperature=1.0),
+                                stopping=StoppingParams(max_tokens=200, ignore_eos=True)))
+    for _ in range(3):
+        engine.step()
+    assert engine.abort("ab") and not engine.abort("missing")
+    engine.step()
+    completion = stream.result(timeout=0)
+    assert [o.finish.reason for o in completion.outputs] == [FinishReason.CANCELLED] * 3
+    assert_idle(engine)
+
+
+def test_background_loop_serves_concurrent_threads(tiny) -> None:
+    engine = make_engine(tiny)
+    engine.start()
+    try:
+        results = {}
+
+        def worker(i: int) -> None:
+            stream = engine.add_request(greedy(f"t{i}", prompt(i, 6), 8))
+            results[i] = stream.result(timeout=60).outputs[0].token_ids
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i in range(8):
+            assert results[i] == hf_greedy(tiny[0], prompt(i, 6), 8)
+    finally:
+        engine.shutdown()
+    assert_idle(engine)
