@@ -11,6 +11,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import torch
 
@@ -82,12 +83,13 @@ class Engine:
         self.limits = Limits(model_config.vocab_size, self.max_model_len, config.max_num_sequences,
                              config.max_logprobs)
         self.requests: dict[str, Request] = {}  # accepted and in the scheduler
+        self._prompt_logprob_requests: set[str] = set()  # prompt logprobs not yet emitted
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
         self._abort_ids: set[str] = set()
         self._active_ids: set[str] = set()  # inbox + accepted, for duplicate detection
         self._finished_ids: OrderedDict[str, None] = OrderedDict()
-        self._last_step = (0, 0)  # (prefill, decode) batch sizes of the last step
+        self._stats = self._snapshot_stats(0, 0)
         self._loop_thread: threading.Thread | None = None
         self._stopping = False
 
@@ -172,21 +174,25 @@ class Engine:
             return bool(self._active_ids)
 
     def stats(self) -> EngineStats:
+        """Live load figures: a snapshot taken at the end of the last step, plus the
+        requests enqueued since (safe to call from any thread)."""
         with self._lock:
-            requests = list(self.requests.values())
-            num_inbox = len(self._inbox)
-        running = [r for r in requests if any(o.seq.status is SequenceStatus.RUNNING for o in r.outputs)]
-        waiting_tokens = sum(len(r.prompt_token_ids) for r in requests if r not in running)
+            snapshot, num_inbox = self._stats, len(self._inbox)
+        return replace(snapshot, waiting_requests=snapshot.waiting_requests + num_inbox)
+
+    def _snapshot_stats(self, num_prefill: int, num_decode: int) -> EngineStats:
+        running = [r for r in self.requests.values()
+                   if any(o.seq.status is SequenceStatus.RUNNING for o in r.outputs)]
         return EngineStats(
             running_requests=len(running),
-            waiting_requests=len(requests) - len(running) + num_inbox,
+            waiting_requests=len(self.requests) - len(running),
             used_kv_blocks=self.pool.num_used,
             total_kv_blocks=self.pool.num_blocks,
             cached_kv_blocks=self.pool.num_cached,
             running_tokens=sum(o.seq.num_tokens for r in running for o in r.outputs),
-            waiting_tokens=waiting_tokens,
-            prefill_batch_size=self._last_step[0],
-            decode_batch_size=self._last_step[1],
+            waiting_tokens=sum(len(r.prompt_token_ids) for r in self.requests.values() if r not in running),
+            prefill_batch_size=num_prefill,
+            decode_batch_size=num_decode,
         )
 
     # -- the step (engine thread) ----------------------------------------------
@@ -210,9 +216,12 @@ class Engine:
                     to_sample.append((request, request.outputs[item.seq.index], item_logits[-1]))
             for request, delta in self.processor.sample(to_sample):
                 deltas.setdefault(request.request_id, []).append(delta)
-            num_prefill = sum(1 for s in sched.scheduled if s.num_new_tokens > 1)
-            self._last_step = (num_prefill, len(sched.scheduled) - num_prefill)
-        return self._emit(deltas)
+        outputs = self._emit(deltas)
+        num_prefill = sum(1 for s in sched.scheduled if s.num_new_tokens > 1)
+        stats = self._snapshot_stats(num_prefill, len(sched.scheduled) - num_prefill)
+        with self._lock:
+            self._stats = stats
+        return outputs
 
     def _wants_prompt_logits(self, seq: Sequence) -> bool:
         request = self.requests[seq.request_id]
@@ -247,6 +256,8 @@ class Engine:
         request.outputs.append(self._output_state(request, seq))
         request.forked = p.sampling.num_sequences == 1
         self.requests[request.request_id] = request
+        if request.wants_prompt_logprobs:
+            self._prompt_logprob_requests.add(request.request_id)
         self.scheduler.add(seq)
 
     def _output_state(self, request: Request, seq: Sequence) -> OutputState:
@@ -302,10 +313,13 @@ class Engine:
 
     def _emit(self, deltas: dict[str, list[SequenceDelta]]) -> list[RequestOutput]:
         outputs = []
-        for request_id in list(deltas) + [r for r in self.requests if r not in deltas]:
+        pending_prompt = [r for r in self._prompt_logprob_requests if r not in deltas]
+        for request_id in list(deltas) + pending_prompt:
             request = self.requests[request_id]
             prompt_tokens = None
-            if request.prompt_infos and not request.prompt_logprobs_sent and request.outputs[0].seq.num_computed_tokens >= len(request.prompt_token_ids):
+            prompt_done = request.outputs[0].seq.num_computed_tokens >= len(request.prompt_token_ids)
+            if request.prompt_infos and not request.prompt_logprobs_sent and prompt_done:
+                self._prompt_logprob_requests.discard(request_id)
                 prompt_tokens = tuple(request.prompt_infos)
                 request.prompt_logprobs_sent = True
             request_deltas = deltas.get(request_id, [])
@@ -327,6 +341,7 @@ class Engine:
 
     def _retire(self, request: Request) -> None:
         del self.requests[request.request_id]
+        self._prompt_logprob_requests.discard(request.request_id)
         with self._lock:
             self._active_ids.discard(request.request_id)
             self._abort_ids.discard(request.request_id)
@@ -354,6 +369,9 @@ class Engine:
             self._retire(request)
             outputs.append(out)
             self._deliver(request, out)
+        stats = self._snapshot_stats(0, 0)
+        with self._lock:
+            self._stats = stats
         return outputs
 
     # -- driving ---------------------------------------------------------------

@@ -129,7 +129,8 @@ def test_num_sequences_share_prompt_and_finish_once_each(tiny) -> None:
 def test_seeded_sampling_reproducible_in_any_batch(tiny) -> None:
     engine = make_engine(tiny)
 
-    def req(rid, seed, p=prompt(11, 12)):
+    def req(rid, seed, p=None):
+        p = p or prompt(11, 12)
         return GenerationRequest(rid, prompt_token_ids=p, sampling=SamplingParams(temperature=0.9, top_k=40,
                                  seed=seed), stopping=StoppingParams(max_tokens=20, ignore_eos=True))
 
