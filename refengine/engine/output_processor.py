@@ -7,14 +7,14 @@ scheduler stay unaware of requests.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
 from refengine.engine.detokenizer import token_text
 from refengine.engine.request import OutputState, Request
-from refengine.engine.types import Candidate, FinishInfo, FinishReason, SequenceDelta, TokenInfo
+from refengine.engine.stop_checker import process_token
+from refengine.engine.types import Candidate, FinishInfo, SequenceDelta, TokenInfo
 from refengine.sampling.sampler import SampledToken, Sampler, SamplingRow, prompt_logprobs
 from refengine.scheduler.scheduler import ScheduledSequence
 
@@ -74,7 +74,9 @@ class OutputProcessor:
             infos.append(self._token_info(result, token_id))
 
     # -- sampling ------------------------------------------------------------
-    def sample(self, sampling: list[tuple[Request, OutputState, torch.Tensor]]) -> list[SequenceDelta | None]:
+    def sample(
+        self, sampling: list[tuple[Request, OutputState, torch.Tensor]]
+    ) -> list[tuple[Request, SequenceDelta]]:
         """Sample for every (request, output, logits row) and apply the tokens.
         A request not yet forked gets ``num_sequences`` rows from the same logits."""
         rows: list[SamplingRow] = []
@@ -100,16 +102,13 @@ class OutputProcessor:
     def _sampling_row(self, request: Request, out: OutputState, index: int) -> SamplingRow:
         p = request.params
         seq = out.seq
-        suppressed: Seq[int] = ()
-        if seq.num_output_tokens < p.stopping.min_tokens:
-            suppressed = tuple(self.engine.eos_token_ids) + tuple(p.stopping.stop_token_ids)
         generator = request.generators[index]
         return SamplingRow(
             params=p.sampling,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=seq.token_ids[seq.num_prompt_tokens :],
             generator=generator,
-            suppressed_token_ids=suppressed,
+            suppressed_token_ids=tuple(out.stop.suppressed_token_ids(seq.num_output_tokens)),
             want_logprob=request.wants_output_logprobs,
             candidates=p.logprobs.output_candidates,
         )
@@ -118,28 +117,17 @@ class OutputProcessor:
         seq = out.seq
         token_id = sampled.token_id
         seq.token_ids.append(token_id)
-        finish = out.stop.check_token(token_id, seq.num_output_tokens)
-        token_stop = finish is not None and finish.reason is FinishReason.STOP
+        step = process_token(out.stop, out.detokenizer, token_id, seq.num_output_tokens)
         tokens: tuple[TokenInfo, ...] = ()
-        text = ""
-        if not (token_stop and out.stop.should_drop_stop_token):
-            tokens = (self._token_info(sampled, token_id) if request.wants_output_logprobs
-                      else TokenInfo(token_id, token_text(self.tokenizer, token_id)),)
+        if step.keep_token:
             out.num_emitted_tokens += 1
-            text, string_finish = out.stop.feed_text(out.detokenizer.add_token(token_id))
-            if string_finish is not None:
-                finish = string_finish
-        if finish is not None and finish.stop_text is None:
-            # Ending for another reason: release what was held back.
-            tail, string_finish = out.stop.feed_text(out.detokenizer.flush())
-            text += tail
-            if string_finish is not None:
-                finish = string_finish
+            if request.wants_output_logprobs:
+                tokens = (self._token_info(sampled, token_id),)
             else:
-                text += out.stop.finish_text()
-        if finish is not None:
-            self.finish_output(out, finish)
-        return SequenceDelta(index=seq.index, tokens=tokens, text=text, finish=finish)
+                tokens = (TokenInfo(token_id, token_text(self.tokenizer, token_id)),)
+        if step.finish is not None:
+            self.finish_output(out, step.finish)
+        return SequenceDelta(index=seq.index, tokens=tokens, text=step.text, finish=step.finish)
 
     def finish_output(self, out: OutputState, finish: FinishInfo) -> None:
         out.finish = finish

@@ -1,0 +1,145 @@
+"""Incremental detokenization: a growing list of token ids in, stable text deltas out.
+
+Decoding one token at a time and concatenating is wrong: a character may be split
+over several tokens (byte-level BPE pieces, SentencePiece ``<0xE2>`` byte-fallback
+tokens), and a decoder may strip the leading space of the first token it sees.
+So, as vLLM does, we decode a short *window* of ids twice - with and without the
+newest tokens - and emit the difference once it is stable:
+
+    ids:   ... | prefix window | unread tokens
+                 ^prefix_offset ^read_offset
+    delta = decode(ids[prefix_offset:])[len(decode(ids[prefix_offset:read_offset])):]
+
+A boundary (``read_offset``) is *stable* when text decoded before it can no longer
+change whatever follows: the decoded text does not end in U+FFFD (an incomplete
+UTF-8 character) and the last token is not a byte-fallback token (the ByteFallback
+decoder turns a whole run of byte tokens into U+FFFD, one per byte, if any byte of
+the run is invalid - so even a complete character may still change).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+REPLACEMENT_CHAR = "\ufffd"
+CONTEXT_TOKENS = 5  # prompt tokens decoded as left context of the first output tokens (as vLLM)
+
+
+def decode(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    """The engine's one definition of "the text of these ids": special tokens kept,
+    no tokenization-space clean-up (it is not local, so it cannot be streamed)."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+@dataclass
+class _TokenizerInfo:
+    """Facts about one tokenizer, computed once and shared by all requests."""
+
+    byte_token_ids: frozenset[int]  # ids of ``<0xNN>`` byte-fallback tokens
+    context_ids: tuple[int, ...]  # a neutral left context for ``token_text`` ("a"), or ()
+    context_text: str
+    token_texts: dict[int, str] = field(default_factory=dict)
+
+
+_INFO: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, _TokenizerInfo] = weakref.WeakKeyDictionary()
+
+
+def _info(tokenizer: PreTrainedTokenizerBase) -> _TokenizerInfo:
+    info = _INFO.get(tokenizer)
+    if info is None:
+        byte_ids = set()
+        for byte in range(256):
+            name = f"<0x{byte:02X}>"
+            token_id = tokenizer.convert_tokens_to_ids(name)
+            if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == name:
+                byte_ids.add(token_id)
+        context_ids = tuple(tokenizer.encode("a", add_special_tokens=False))
+        context_text = decode(tokenizer, context_ids)
+        if context_text != "a":  # an odd tokenizer: do without context rather than guess
+            context_ids, context_text = (), ""
+        info = _TokenizerInfo(frozenset(byte_ids), context_ids, context_text)
+        _INFO[tokenizer] = info
+    return info
+
+
+def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
+    """One token's own text, for ``TokenInfo.text`` and candidates (cached per tokenizer).
+
+    Decoded after a neutral left context ("a") so that a SentencePiece ``▁word``
+    keeps its leading space (decoding it alone would strip it). A token that is only
+    part of a UTF-8 character (a byte piece) reads as U+FFFD, as ``decode([id])`` does.
+    """
+    info = _info(tokenizer)
+    text = info.token_texts.get(token_id)
+    if text is None:
+        with_context = decode(tokenizer, [*info.context_ids, token_id])
+        if info.context_ids and with_context.startswith(info.context_text):
+            text = with_context[len(info.context_text) :]
+        else:
+            text = decode(tokenizer, [token_id])
+        info.token_texts[token_id] = text
+    return text
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas.
+
+    Invariants:
+    - Once ``flush`` was called, the concatenation of all deltas is the text the
+      output adds after the prompt: ``decode(ctx + out)[len(decode(ctx)):]`` where
+      ``ctx`` is the prompt's last ``CONTEXT_TOKENS`` ids, or empty when the prompt
+      does not end at a stable boundary. For byte-level BPE (SmolLM2, Llama 3) this
+      equals ``decode(out)``; for SentencePiece it differs from ``decode(out)`` only
+      by keeping the first output token's leading space, which is the point.
+    - A delta from ``add_token`` never ends in U+FFFD and never changes later:
+      text that may still change is held back until it is stable or ``flush``.
+    - Cost per token: two decodes of a short window (ids since the last stable
+      boundary but one), never of the whole output.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self._byte_token_ids = _info(tokenizer).byte_token_ids
+        context = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        context_text = decode(tokenizer, context)
+        if context and (context[-1] in self._byte_token_ids or context_text.endswith(REPLACEMENT_CHAR)):
+            context, context_text = [], ""  # unstable boundary: decode the output on its own
+        self._ids = context  # ids[prefix_offset:], the window; older ids are dropped
+        self._read_offset = len(context)  # relative to self._ids; everything before it was emitted
+        self._prefix_text = context_text  # decode(self._ids[:self._read_offset])
+
+    def add_token(self, token_id: int) -> str:
+        """Append one output token; return the text that became stable (maybe "")."""
+        self._ids.append(token_id)
+        if token_id in self._byte_token_ids:
+            return ""  # a byte-fallback run may still turn into replacement characters
+        text = decode(self._tokenizer, self._ids)
+        if (
+            len(text) <= len(self._prefix_text)
+            or text.endswith(REPLACEMENT_CHAR)
+            or not text.startswith(self._prefix_text)
+        ):
+            # Not stable yet: hold back, the window grows. (A decoder that is not local at
+            # any boundary would hold everything until flush; none of the Llama family's is.)
+            return ""
+        delta = text[len(self._prefix_text) :]
+        # The unread tokens become the next prefix window; the new boundary is the end.
+        del self._ids[: self._read_offset]
+        self._read_offset = len(self._ids)
+        self._prefix_text = decode(self._tokenizer, self._ids)
+        return delta
+
+    def flush(self) -> str:
+        """At finish: release whatever was held back (U+FFFD where bytes never completed)."""
+        text = decode(self._tokenizer, self._ids)
+        delta = text[len(self._prefix_text) :]
+        self._ids = []
+        self._read_offset = 0
+        self._prefix_text = ""
+        return delta

@@ -1,0 +1,213 @@
+"""IncrementalDetokenizer and token_text against the tokenizer's own ``decode``.
+
+Oracle: ``tokenizer.decode`` of the ids (SmolLM2, byte-level BPE: ``decode(out)``
+exactly; the tiny SentencePiece tokenizer: the text the output adds after the
+prompt, which keeps the first output token's leading space).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+
+from refengine.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, decode, token_text
+from tests.unit.tokenizer_fixture import byte_fallback_tokenizer, smollm2_tokenizer
+
+TEXTS = [
+    "Hello, world! The quick brown fox.",
+    "naïve café — déjà vu «quotes» ½ ∑ π≈3.14",
+    "emoji 😀🎉👍🏽 and a family 👨‍👩‍👧 flag 🇫🇷",
+    "中文测试，日本語のテキスト、한국어 텍스트",
+    "mixed: 世界😀é  two  spaces\nnew line\ttab",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def run(tokenizer, prompt: list[int], out: list[int]) -> tuple[list[str], str]:
+    """Feed ``out`` token by token; return the add_token deltas and the flush tail."""
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detok.add_token(token_id) for token_id in out]
+    return deltas, detok.flush()
+
+
+def check_stream(tokenizer, prompt: list[int], out: list[int], expected_of) -> None:
+    """Invariants of one stream. ``expected_of(k)`` = oracle text for ``out[:k]``."""
+    deltas, tail = run(tokenizer, prompt, out)
+    final = expected_of(len(out))
+    assert "".join(deltas) + tail == final
+    emitted = ""
+    for k, delta in enumerate(deltas, start=1):
+        assert not delta.endswith(REPLACEMENT_CHAR), (prompt, out[:k], delta)
+        emitted += delta
+        # Never emits text that later changes: a prefix of both the text so far and the final text.
+        assert expected_of(k).startswith(emitted), (prompt, out[:k], emitted)
+        assert final.startswith(emitted)
+    if REPLACEMENT_CHAR not in final:
+        assert all(REPLACEMENT_CHAR not in delta for delta in [*deltas, tail])
+
+
+# ---------------------------------------------------------------- SmolLM2 (byte-level BPE)
+
+
+@functools.cache
+def smollm2_byte_pieces() -> list[int]:
+    """Ids that are only part of a UTF-8 character (their own text shows U+FFFD)."""
+    tok = smollm2_tokenizer()
+    return [i for i in range(len(tok)) if REPLACEMENT_CHAR in decode(tok, [i])]
+
+
+def smollm2_random_ids(rng: random.Random, n: int) -> list[int]:
+    tok = smollm2_tokenizer()
+    pieces = smollm2_byte_pieces()
+    text_ids = [i for text in TEXTS for i in tok.encode(text, add_special_tokens=False)]
+    ids = []
+    for _ in range(n):
+        kind = rng.random()
+        if kind < 0.45:
+            ids.append(rng.choice(pieces))
+        elif kind < 0.75:
+            ids.append(rng.choice(text_ids))
+        elif kind < 0.8:
+            ids.append(rng.choice(tok.all_special_ids))
+        else:
+            ids.append(rng.randrange(len(tok)))
+    return ids
+
+
+def test_smollm2_has_multibyte_pieces() -> None:
+    assert len(smollm2_byte_pieces()) > 100  # the random streams really do split characters
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_smollm2_random_streams_match_decode(seed: int) -> None:
+    tok = smollm2_tokenizer()
+    rng = random.Random(seed)
+    for _ in range(60):
+        prompt = smollm2_random_ids(rng, rng.choice([0, 1, 2, 7, 20]))
+        out = smollm2_random_ids(rng, rng.randint(1, 40))
+        check_stream(tok, prompt, out, lambda k, out=out: decode(tok, out[:k]))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_smollm2_encoded_texts(text: str) -> None:
+    tok = smollm2_tokenizer()
+    chat = tok.apply_chat_template([{"role": "user", "content": "Say it."}], tokenize=False)
+    prompt = tok.encode(chat + "<|im_start|>assistant\n", add_special_tokens=False)
+    out = tok.encode(text, add_special_tokens=False)
+    assert decode(tok, out) == text
+    check_stream(tok, prompt, out, lambda k: decode(tok, out[:k]))
+
+
+def test_smollm2_emoji_held_until_complete() -> None:
+    tok = smollm2_tokenizer()
+    out = tok.encode(" 😀!", add_special_tokens=False)
+    assert len(out) >= 3  # the emoji is split over byte pieces
+    deltas, tail = run(tok, tok.encode("Hi", add_special_tokens=False), out)
+    assert deltas[0] == ""  # " \xf0\x9f..." is incomplete: held back
+    assert "".join(deltas) + tail == " 😀!"
+    assert "😀" in "".join(deltas)  # released by add_token once complete, not only by flush
+
+
+def test_smollm2_incomplete_at_finish_flushes_replacement() -> None:
+    tok = smollm2_tokenizer()
+    out = tok.encode(" 😀", add_special_tokens=False)[:-1]  # cut the emoji short
+    deltas, tail = run(tok, [], out)
+    assert "".join(deltas) == ""
+    assert tail == decode(tok, out) and tail.endswith(REPLACEMENT_CHAR)
+
+
+def test_window_stays_short() -> None:
+    tok = smollm2_tokenizer()
+    out = tok.encode(" ".join(TEXTS) * 20, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [1, 2, 3])
+    longest = 0
+    for token_id in out:
+        detok.add_token(token_id)
+        longest = max(longest, len(detok._ids))
+    assert longest <= 12  # decoding cost per token does not grow with the output
+
+
+def test_smollm2_token_text_is_decode_of_one_id() -> None:
+    tok = smollm2_tokenizer()
+    for token_id in range(len(tok)):
+        assert token_text(tok, token_id) == decode(tok, [token_id])
+    assert token_text(tok, tok.eos_token_id) == "<|im_end|>"
+
+
+# ------------------------------------------------- tiny SentencePiece tokenizer with byte fallback
+
+
+def byte_ids(tok) -> list[int]:
+    return [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)]
+
+
+def sentencepiece_expected(tok, prompt: list[int], out: list[int]) -> str:
+    """The text ``out`` adds after ``prompt``; decoded alone when the prompt does not
+    end at a stable boundary (a byte token, or an incomplete character)."""
+    prompt_text = decode(tok, prompt)
+    if not prompt or prompt[-1] in byte_ids(tok) or prompt_text.endswith(REPLACEMENT_CHAR):
+        return decode(tok, out)
+    full = decode(tok, prompt + out)
+    assert full.startswith(prompt_text)
+    return full[len(prompt_text) :]
+
+
+def sentencepiece_random_ids(rng: random.Random, n: int) -> list[int]:
+    tok = byte_fallback_tokenizer()
+    utf8 = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "é世界😀".encode()]
+    ids = []
+    for _ in range(n):
+        kind = rng.random()
+        if kind < 0.3:  # a whole character as bytes, often cut short by the next pick
+            start = rng.randrange(len(utf8))
+            ids.extend(utf8[start : start + rng.randint(1, 4)])
+        elif kind < 0.45:
+            ids.append(rng.choice(byte_ids(tok)))
+        else:
+            ids.append(rng.randrange(len(tok)))
+    return ids[:n]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_byte_fallback_random_streams_match_decode(seed: int) -> None:
+    tok = byte_fallback_tokenizer()
+    rng = random.Random(1000 + seed)
+    for _ in range(100):
+        prompt = sentencepiece_random_ids(rng, rng.choice([0, 0, 1, 3, 9]))
+        out = sentencepiece_random_ids(rng, rng.randint(1, 30))
+        check_stream(tok, prompt, out, lambda k, p=prompt, o=out: sentencepiece_expected(tok, p, o[:k]))
+        if not prompt:
+            assert "".join(run(tok, prompt, out)[0]) + run(tok, prompt, out)[1] == decode(tok, out)
+
+
+def test_byte_run_completed_then_broken_turns_to_replacements() -> None:
+    # The ByteFallback decoder turns a whole run of byte tokens into U+FFFD when any
+    # byte is invalid, so a complete "€" is not stable until a non-byte token follows.
+    tok = byte_fallback_tokenizer()
+    euro = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "€".encode()]
+    stray = tok.convert_tokens_to_ids("<0x80>")
+    t = tok.convert_tokens_to_ids("t")
+    deltas, tail = run(tok, [], [*euro, stray, t])
+    assert "".join(deltas) + tail == decode(tok, [*euro, stray, t]) == "\ufffd" * 4 + "t"
+    deltas, tail = run(tok, [], [*euro, t])
+    assert deltas == ["", "", "", "€t"] and tail == ""
+
+
+def test_prompt_context_keeps_leading_space() -> None:
+    tok = byte_fallback_tokenizer()
+    prompt = tok.encode("the", add_special_tokens=False)
+    out = tok.encode("the in", add_special_tokens=False)  # ▁the ▁in
+    assert decode(tok, out) == "the in"  # decoded alone, the first space is stripped
+    deltas, tail = run(tok, prompt, out)
+    assert deltas == [" the", " in"] and tail == ""
+    assert "".join(run(tok, [], out)[0]) == "the in"  # no prompt: nothing to separate from
+
+
+def test_byte_fallback_token_text() -> None:
+    tok = byte_fallback_tokenizer()
+    assert token_text(tok, tok.convert_tokens_to_ids("▁the")) == " the"  # leading space kept
+    assert token_text(tok, tok.convert_tokens_to_ids("世")) == "世"
+    assert token_text(tok, tok.convert_tokens_to_ids("<0xE4>")) == REPLACEMENT_CHAR
+    assert token_text(tok, tok.eos_token_id) == "</s>"
