@@ -18,7 +18,7 @@ import torch
 from refengine.config import EngineConfig
 from refengine.engine.detokenizer import IncrementalDetokenizer
 from refengine.engine.output_processor import OutputProcessor
-from refengine.engine.request import OutputSink, OutputState, Request, output_generator
+from refengine.engine.request import OutputSink, OutputState, Request, TokenHoldBack, output_generator
 from refengine.engine.stop_checker import StopChecker
 from refengine.engine.stream import RequestStream
 from refengine.engine.types import (
@@ -225,7 +225,7 @@ class Engine:
 
     def _wants_prompt_logits(self, seq: Sequence) -> bool:
         request = self.requests[seq.request_id]
-        return request.wants_prompt_logprobs and not request.prompt_logprobs_sent and seq.index == 0
+        return request.wants_prompt_logprobs and not request.prompt_logprobs_ready and seq.index == 0
 
     def _drain_inbox(self, deltas: dict[str, list[SequenceDelta]]) -> None:
         with self._lock:
@@ -266,6 +266,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
             stop=StopChecker(request.params.stopping, self.eos_token_ids, request.max_tokens),
             generator=request.generators[seq.index],
+            held_tokens=TokenHoldBack(request.params.stopping.include_stop_in_output),
         )
 
     def fork(self, request: Request) -> None:
@@ -317,8 +318,7 @@ class Engine:
         for request_id in list(deltas) + pending_prompt:
             request = self.requests[request_id]
             prompt_tokens = None
-            prompt_done = request.outputs[0].seq.num_computed_tokens >= len(request.prompt_token_ids)
-            if request.prompt_infos and not request.prompt_logprobs_sent and prompt_done:
+            if request.prompt_logprobs_ready and not request.prompt_logprobs_sent:
                 self._prompt_logprob_requests.discard(request_id)
                 prompt_tokens = tuple(request.prompt_infos)
                 request.prompt_logprobs_sent = True

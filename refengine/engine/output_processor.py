@@ -67,11 +67,11 @@ class OutputProcessor:
             if pos == first_pos + len(infos) + len(rows) and pos < seq.num_prompt_tokens:
                 rows.append(j)
                 targets.append(request.prompt_token_ids[pos])
-        if not rows:
-            return
-        results = prompt_logprobs(logits[rows], targets, True, request.params.logprobs.prompt_candidates)
-        for token_id, result in zip(targets, results, strict=True):
-            infos.append(self._token_info(result, token_id))
+        if rows:
+            results = prompt_logprobs(logits[rows], targets, True, request.params.logprobs.prompt_candidates)
+            for token_id, result in zip(targets, results, strict=True):
+                infos.append(self._token_info(result, token_id))
+        request.prompt_logprobs_ready = first_pos + len(infos) == seq.num_prompt_tokens
 
     # -- sampling ------------------------------------------------------------
     def sample(
@@ -118,13 +118,14 @@ class OutputProcessor:
         token_id = sampled.token_id
         seq.token_ids.append(token_id)
         step = process_token(out.stop, out.detokenizer, token_id, seq.num_output_tokens)
-        tokens: tuple[TokenInfo, ...] = ()
         if step.keep_token:
-            out.num_emitted_tokens += 1
             if request.wants_output_logprobs:
-                tokens = (self._token_info(sampled, token_id),)
+                info = self._token_info(sampled, token_id)
             else:
-                tokens = (TokenInfo(token_id, token_text(self.tokenizer, token_id)),)
+                info = TokenInfo(token_id, token_text(self.tokenizer, token_id))
+            out.held_tokens.add(info, step.num_detokenized_chars)
+        tokens = out.held_tokens.release(len(step.text), step.finish)
+        out.num_emitted_tokens += len(tokens)
         if step.finish is not None:
             self.finish_output(out, step.finish)
         return SequenceDelta(index=seq.index, tokens=tokens, text=step.text, finish=step.finish)

@@ -8,6 +8,7 @@ that share the prompt's KV blocks (copy-on-write on the last partial block).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +34,41 @@ def output_generator(seed: int | None, index: int) -> torch.Generator | None:
     return generator
 
 
+class TokenHoldBack:
+    """Tokens wait until all of their text has been emitted (G11, G14).
+
+    Offsets count characters of the detokenized output. A token whose text is still
+    held back (it may become part of a stop string) is held too. When a stop string
+    matched and is excluded, the tokens whose text reaches into it are dropped;
+    when it is included, or the output ends for another reason, every held token
+    is released.
+    """
+
+    def __init__(self, include_stop_in_output: bool) -> None:
+        self._include_stop = include_stop_in_output
+        self._held: deque[tuple[TokenInfo, int]] = deque()  # (token, end offset of its text)
+        self._text_end = 0  # detokenized characters so far
+        self._emitted_end = 0  # characters emitted so far
+
+    def add(self, token: TokenInfo, num_chars: int) -> None:
+        self._text_end += num_chars
+        self._held.append((token, self._text_end))
+
+    def release(self, num_emitted_chars: int, finish: FinishInfo | None) -> tuple[TokenInfo, ...]:
+        self._emitted_end += num_emitted_chars
+        drop_rest = finish is not None and finish.stop_text is not None and not self._include_stop
+        if finish is not None and not drop_rest:
+            released = tuple(token for token, _ in self._held)
+            self._held.clear()
+            return released
+        released = []
+        while self._held and self._held[0][1] <= self._emitted_end:
+            released.append(self._held.popleft()[0])
+        if finish is not None:
+            self._held.clear()
+        return tuple(released)
+
+
 @dataclass(eq=False)
 class OutputState:
     """Per-output bookkeeping next to its Sequence."""
@@ -41,6 +77,7 @@ class OutputState:
     detokenizer: IncrementalDetokenizer
     stop: StopChecker
     generator: torch.Generator | None
+    held_tokens: TokenHoldBack
     num_emitted_tokens: int = 0
     finish: FinishInfo | None = None
 
@@ -55,6 +92,7 @@ class Request:
     outputs: list[OutputState] = field(default_factory=list)
     forked: bool = False  # num_sequences outputs exist (always True when num_sequences == 1)
     prompt_infos: list[TokenInfo] = field(default_factory=list)
+    prompt_logprobs_ready: bool = False  # every requested prompt position is recorded
     prompt_logprobs_sent: bool = False
     abort_requested: bool = False
 

@@ -18,8 +18,10 @@ Per sampled token the engine calls ``process_token`` (below), which does, in ord
 
 Which stop string matches: the first one to be *completed* reading the text left
 to right (the output stops there: nothing after it is generated or emitted); when
-several complete at the same character, the longest. Tokens are never held back:
-a token whose text contains part of a matched stop string stays in the tokens.
+several complete at the same character, the longest. Tokens follow their text:
+the engine holds a token back while any of its text is held back, and with
+``include_stop_in_output = false`` drops the tokens whose text reaches into a
+matched stop string (``TokenHoldBack`` in ``engine/output_processor.py``).
 """
 
 from __future__ import annotations
@@ -175,9 +177,10 @@ class StopChecker:
 class TokenStep:
     """What one sampled token adds to its output's delta."""
 
-    keep_token: bool  # append this token (its TokenInfo) to the delta's tokens
+    keep_token: bool  # the token belongs to the output (False: a dropped stop token / EOS)
     text: str  # append to the delta's text
     finish: FinishInfo | None  # set on the output's last step; nothing follows it
+    num_detokenized_chars: int = 0  # text this token added before stop-string hold-back
 
 
 def process_token(
@@ -193,7 +196,7 @@ def process_token(
         text += detokenizer.flush()
     emitted, string_finish = stop.feed_text(text)
     if string_finish is not None:
-        return TokenStep(keep_token, emitted, string_finish)
+        return TokenStep(keep_token, emitted, string_finish, len(text))
     if finish is not None:
         emitted += stop.finish_text()
-    return TokenStep(keep_token, emitted, finish)
+    return TokenStep(keep_token, emitted, finish, len(text))

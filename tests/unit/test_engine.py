@@ -152,10 +152,24 @@ def test_stop_conditions(tiny) -> None:
     kept = engine.run_until_done([greedy("kept", ids, 20, stop_token_ids=(stop_id,),
                                          include_stop_in_output=True)])[0].outputs[0]
     assert kept.token_ids == free_run.token_ids[: first_at + 1]
-    text = free_run.text
-    stop_text = text[len(text) // 2 : len(text) // 2 + 2]
+    # A random tiny model emits mostly byte tokens: find a prompt whose output has plain text.
+    for seed in range(100):
+        ids = prompt(seed, 8)
+        text = engine.run_until_done([greedy(f"scan{seed}", ids, 20)])[0].outputs[0].text
+        plain = [i for i in range(1, len(text) - 1) if text[i : i + 2].isascii() and text[i : i + 2].strip()]
+        if plain:
+            break
+    free_run = engine.run_until_done([greedy("free2", ids, 20)])[0].outputs[0]
+    stop_text = text[plain[0] : plain[0] + 2]
     by_text = engine.run_until_done([greedy("txt", ids, 20, stop_strings=(stop_text,))])[0].outputs[0]
     assert by_text.finish.stop_text == stop_text and by_text.text == text[: text.find(stop_text)]
+    # Tokens follow their text: none whose text reaches into the excluded stop string (G14).
+    assert stop_text not in TOKENIZER.decode(by_text.token_ids)
+    assert by_text.token_ids == free_run.token_ids[: len(by_text.token_ids)]
+    with_stop = engine.run_until_done([greedy("txt2", ids, 20, stop_strings=(stop_text,),
+                                              include_stop_in_output=True)])[0].outputs[0]
+    assert with_stop.text == text[: text.find(stop_text) + len(stop_text)]
+    assert stop_text in TOKENIZER.decode(with_stop.token_ids)
     length = engine.run_until_done([greedy("len", ids, 3)])[0].outputs[0]
     assert length.finish.reason is FinishReason.LENGTH and len(length.token_ids) == 3
     assert_idle(engine)
@@ -190,6 +204,10 @@ def test_prompt_logprobs_match_transformers(tiny) -> None:
         info = result.prompt_tokens[pos]
         assert info.logprob == pytest.approx(reference[pos - 1, ids[pos]].item(), abs=1e-4)
         assert [c.token_id for c in info.candidates] == reference[pos - 1].topk(3).indices.tolist()
+    ended_at_prompt = engine.run_until_done([GenerationRequest(
+        "lp1", prompt_token_ids=ids, stopping=StoppingParams(max_tokens=1),
+        logprobs=LogprobParams(prompt_logprobs=True, prompt_logprob_start=5))])[0]
+    assert [t.token_id for t in ended_at_prompt.prompt_tokens] == ids[5:]
     first = result.outputs[0].tokens[0]
     assert first.rank == 1 and first.logprob == pytest.approx(reference[-1].max().item(), abs=1e-4)
 

@@ -1,0 +1,183 @@
+"""A small typed client for any OpenEngine v0.1.0 server, over the generated stubs.
+
+    with OpenEngineClient("127.0.0.1:50051") as client:
+        client.wait_until_ready()
+        for event in client.generate(prompt="Hello", max_tokens=16, temperature=0.0):
+            ...
+
+Synchronous (one ``grpc`` channel). ``generate`` yields raw ``GenerateResponse`` events;
+:func:`stream_text` yields just the text of output 0 and raises :class:`GenerationError`
+when the stream ends with an ``EngineError``.
+
+Chat: OpenEngine v0.1.0 has no chat API; templates are applied by the caller.
+``stream_text(chat=True)`` therefore applies the model's chat template *locally*, which
+works only when this machine can resolve the served model by name (a manifest such as the
+embedded ``smollm2-135m-instruct``); otherwise it raises a ``ValueError`` saying so.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from refengine.protocol import oe
+
+Metadata = Sequence[tuple[str, str]]
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # receives ``all``-candidate outputs of large vocabularies
+
+
+class GenerationError(RuntimeError):
+    """An accepted request ended with an ``EngineError``."""
+
+    def __init__(self, error: oe.EngineError) -> None:
+        super().__init__(f"{oe.ErrorCode.Name(error.code)}: {error.message}")
+        self.error = error
+
+
+class OpenEngineClient:
+    def __init__(self, address: str, *, timeout: float | None = 30.0,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, metadata: Metadata = (),
+                 channel_options: Sequence[tuple[str, object]] = ()) -> None:
+        """``timeout``: deadline of unary RPCs (``generate`` takes its own). ``channel_options``:
+        extra gRPC channel arguments (e.g. ``("grpc.use_local_subchannel_pool", 1)`` for a
+        connection of its own)."""
+        self.address = address
+        self.timeout = timeout
+        self.metadata = tuple(metadata)
+        self.channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            *channel_options,
+        ])
+        self.inference = oe.InferenceStub(self.channel)
+        self.control = oe.ControlStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> OpenEngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _md(self, metadata: Metadata | None) -> tuple[tuple[str, str], ...]:
+        return self.metadata + tuple(metadata or ())
+
+    # -- Inference ---------------------------------------------------------------
+    def generate(
+        self,
+        request: oe.GenerateRequest | None = None,
+        *,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        model: str = "",
+        request_id: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+        num_sequences: int | None = None,
+        stop: Sequence[str] = (),
+        metadata: Metadata | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[oe.GenerateResponse]:
+        """Stream one request's events. Either pass a full ``request`` or the common
+        fields. Cancelling: close the returned iterator (``.close()``) or break out of it."""
+        if request is None:
+            request = oe.GenerateRequest(request_id=request_id or f"client-{uuid.uuid4().hex}", model=model)
+            if prompt is not None:
+                request.prompt = prompt
+            if token_ids is not None:
+                request.token_ids.ids.extend(token_ids)
+            if max_tokens is not None:
+                request.stopping.max_tokens = max_tokens
+            if temperature is not None:
+                request.sampling.temperature = temperature
+            if seed is not None:
+                request.sampling.seed = seed
+            if num_sequences is not None:
+                request.sampling.num_sequences = num_sequences
+            for text in stop:
+                request.stopping.conditions.add(stop_text=text)
+        call = self.inference.Generate(request, metadata=self._md(metadata), timeout=timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # no-op when the stream already ended
+
+    # -- Control -----------------------------------------------------------------
+    def server_info(self) -> oe.ServerInfo:
+        return self.control.GetServerInfo(oe.GetServerInfoRequest(), timeout=self.timeout,
+                                          metadata=self.metadata)
+
+    def model_info(self, model: str = "") -> oe.ModelInfo:
+        """``model`` empty = the server's first supported model."""
+        model = model or self.server_info().supported_models[0]
+        return self.control.GetModelInfo(oe.GetModelInfoRequest(model=model), timeout=self.timeout,
+                                         metadata=self.metadata)
+
+    def load(self, include_per_rank: bool = False) -> oe.LoadInfo:
+        request = oe.GetLoadRequest(include_per_rank=include_per_rank)
+        return self.control.GetLoad(request, timeout=self.timeout, metadata=self.metadata)
+
+    def health(self, include_inference_probe: bool = False, model: str = "",
+               role: int = oe.ENGINE_ROLE_UNSPECIFIED) -> oe.HealthResponse:
+        request = oe.HealthRequest(include_inference_probe=include_inference_probe, model=model, role=role)
+        return self.control.Health(request, timeout=self.timeout, metadata=self.metadata)
+
+    def abort(self, request_id: str | None = None, *, all_requests: bool = False,
+              kv_session: oe.KvSessionRef | None = None) -> oe.AbortResponse:
+        """Set exactly one target (the server rejects none or several with INVALID_ARGUMENT)."""
+        request = oe.AbortRequest()
+        if request_id is not None:
+            request.request_id = request_id
+        if all_requests:
+            request.all_requests.SetInParent()
+        if kv_session is not None:
+            request.kv_session.CopyFrom(kv_session)
+        return self.control.Abort(request, timeout=self.timeout, metadata=self.metadata)
+
+    def wait_until_ready(self, timeout: float = 300.0, poll: float = 0.2) -> oe.HealthResponse:
+        """Poll ``Health`` until READY; raises ``TimeoutError`` (with the last state) otherwise."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                health = self.control.Health(oe.HealthRequest(), timeout=min(5.0, timeout))
+                if health.state == oe.HEALTH_STATE_READY:
+                    return health
+                last = oe.HealthState.Name(health.state)
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            time.sleep(poll)
+        raise TimeoutError(f"{self.address} not READY after {timeout:g} s (last: {last})")
+
+
+def _chat_prompt(model: str, prompt: str) -> str:
+    from refengine.model.loader import load_tokenizer, resolve_model
+
+    try:
+        tokenizer = load_tokenizer(resolve_model(model).path)
+    except Exception as exc:  # noqa: BLE001 - any failure means: no local tokenizer
+        raise ValueError(f"--chat with --remote needs model {model!r}'s chat template on this machine "
+                         f"(OpenEngine v0.1.0 has no chat API): {exc}") from exc
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def stream_text(address: str, prompt: str, model: str = "", max_tokens: int = 128, temperature: float = 0.0,
+                chat: bool = False) -> Iterator[str]:
+    """Text deltas of output 0, for ``refengine generate --remote``."""
+    with OpenEngineClient(address) as client:
+        if chat:
+            prompt = _chat_prompt(model or client.server_info().supported_models[0], prompt)
+        events = client.generate(prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature)
+        for event in events:
+            kind = event.WhichOneof("event")
+            if kind == "token" and event.token.output_index == 0 and event.token.text:
+                yield event.token.text
+            elif kind == "error":
+                raise GenerationError(event.error)

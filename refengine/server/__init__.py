@@ -1,0 +1,23 @@
+"""The gRPC edge: OpenEngine v0.1.0 (``openengine.v1``) over grpc.aio.
+
+Read in this order:
+
+- ``app.py``          ``refengine serve``: listeners, engine loading, signals, drain.
+- ``options.py``      the server's own settings (ports, message sizes, grace, stall timeout).
+- ``state.py``        lifecycle (STARTING → READY → DRAINING) shared by every servicer.
+- ``metadata.py``     request metadata keys (RULES M1–M5).
+- ``capabilities.py`` the one table of supported features (D4): discovery and validation read it.
+- ``validation.py``   everything refused before acceptance (G1–G8, D4, D7, K5, K6, M3).
+- ``convert.py``      proto → engine request types.
+- ``responses.py``    engine outputs → ``GenerateResponse`` events (G9–G16, L1–L3, X1).
+- ``stream_bridge.py`` engine thread → event loop hand-off, bounded, with stall detection.
+- ``inference.py``    ``Inference.Generate``.
+- ``control.py``      ``Control``: discovery, load, abort, LoRA / KV-event stubs.
+- ``health.py``       ``Control.Health``, the inference probe, grpc.health.v1 status.
+- ``errors.py``       engine exceptions and faults → gRPC status codes / ``EngineError``.
+- ``wire.py``         servicer registration; unparseable request bytes → INVALID_ARGUMENT.
+
+Invariants: this package never touches tensors and never waits on model compute on
+the event loop; the engine runs on its own thread and hands outputs over with
+``loop.call_soon_threadsafe``.
+"""

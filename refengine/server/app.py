@@ -1,0 +1,235 @@
+"""``refengine serve``: an OpenEngine v0.1.0 server over grpc.aio.
+
+Startup: the listeners open first (Health = STARTING, grpc.health.v1 NOT_SERVING), the
+model loads on a daemon worker thread, then ``Engine.start()`` runs the step loop on its
+own thread and the state turns READY. The event loop never waits on model compute.
+
+Shutdown on SIGTERM/SIGINT (a second signal skips the grace period):
+1. DRAINING: new Generate → UNAVAILABLE; Health and the other Control RPCs keep answering;
+2. running streams get ``--shutdown-grace-seconds`` to finish;
+3. the rest end with one ``EngineError(DRAINING, retryable=true)`` and their engine
+   requests are aborted (KV freed);
+4. the listeners stop, the engine thread stops, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+
+import grpc
+from grpc_reflection.v1alpha import reflection
+
+from refengine.config import EngineConfig
+from refengine.protocol import oe
+from refengine.server.control import ControlServicer
+from refengine.server.errors import DRAINED
+from refengine.server.health import GrpcHealth
+from refengine.server.inference import InferenceServicer
+from refengine.server.options import MIB, ROLES, ServerOptions
+from refengine.server.state import Lifecycle, ServerState
+from refengine.server.wire import add_servicer
+
+logger = logging.getLogger("refengine.server")
+
+FLUSH_SECONDS = 1.0  # after the grace period: time for the terminal events to be written
+SUPPORTED_ROLES = ("aggregated",)  # prefill/decode need KV transfer (a later issue)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerOptions()
+    g = parser.add_argument_group("server")
+    g.add_argument("--role", choices=ROLES, default=d.role,
+                   help="engine role (prefill/decode need KV transfer, not in this build)")
+    g.add_argument("--host", default=d.host, help="address of the Inference listener")
+    g.add_argument("--port", type=int, default=d.port,
+                   help="port of the Inference listener (0 = any free port)")
+    g.add_argument("--control-host", default=None, help="address of the Control listener (None: --host)")
+    g.add_argument("--control-port", type=int, default=None,
+                   help="serve Control on its own listener at this port (None: share the Inference listener)")
+    g.add_argument("--instance-id", default=None, help="ServerInfo.instance_id (None: random per process)")
+    g.add_argument("--max-send-message-mib", type=int, default=d.max_send_message_bytes // MIB,
+                   help="largest gRPC message the server sends, MiB")
+    g.add_argument("--max-receive-message-mib", type=int, default=d.max_receive_message_bytes // MIB,
+                   help="largest gRPC message the server accepts, MiB")
+    g.add_argument("--shutdown-grace-seconds", type=float, default=d.shutdown_grace_seconds,
+                   help="on SIGTERM/SIGINT, how long running streams may take to finish")
+    g.add_argument("--stream-buffer", type=int, default=d.stream_buffer,
+                   help="engine outputs a stream may hold undelivered before its stall clock starts")
+    g.add_argument("--stall-timeout-seconds", type=float, default=d.stall_timeout_seconds,
+                   help="a stream whose client reads nothing this long while its buffer is full is aborted "
+                   "(EngineError OVERLOADED, retryable)")
+    g.add_argument("--health-probe-timeout-seconds", type=float, default=d.health_probe_timeout_seconds,
+                   help="bound of Health(include_inference_probe)")
+    g.add_argument("--log-level", default="INFO", help="logging level")
+
+
+def options_from_args(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        control_host=args.control_host,
+        control_port=args.control_port,
+        instance_id=args.instance_id,
+        max_send_message_bytes=args.max_send_message_mib * MIB,
+        max_receive_message_bytes=args.max_receive_message_mib * MIB,
+        shutdown_grace_seconds=args.shutdown_grace_seconds,
+        stream_buffer=args.stream_buffer,
+        stall_timeout_seconds=args.stall_timeout_seconds,
+        health_probe_timeout_seconds=args.health_probe_timeout_seconds,
+    )
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = options_from_args(args)
+    except ValueError as exc:
+        print(f"refengine serve: {exc}", file=sys.stderr)
+        return 2
+    from refengine.cli import engine_config_from_args  # the CLI owns the engine flags
+
+    if options.role not in SUPPORTED_ROLES:
+        print(f"refengine serve: --role {options.role} needs KV transfer between prefill and decode servers, "
+              f"which this build does not implement yet; use --role aggregated", file=sys.stderr)
+        return 2
+    server = Server(options, engine_config_from_args(args))
+    code = asyncio.run(server.run())
+    if server.loader is not None and server.loader.is_alive():
+        # Stopped while loading: interpreter finalization would tear down a thread that is
+        # inside native code (torch, safetensors) and abort; leave without finalizing.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _load_in_thread(config: EngineConfig) -> tuple[asyncio.Future, threading.Thread]:
+    """Load the engine on a daemon thread (a signal during loading must not wait for it)."""
+    from refengine.engine.engine import Engine
+
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def load() -> None:
+        try:
+            engine = Engine.from_config(config)
+        except BaseException as exc:  # noqa: BLE001 - reported to the loop, logged there
+            error = exc
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
+        else:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(engine))
+
+    thread = threading.Thread(target=load, name="refengine-load", daemon=True)
+    thread.start()
+    return future, thread
+
+
+class Server:
+    """One process: listeners, state, engine, signals."""
+
+    def __init__(self, options: ServerOptions, engine_config: EngineConfig) -> None:
+        self.options = options
+        self.state = ServerState(options, engine_config)
+        self.health = GrpcHealth(oe.SERVICE_NAMES)
+        self.listeners: list[grpc.aio.Server] = []
+        self._stop = asyncio.Event()
+        self._signals = 0
+        self._tasks: set[asyncio.Task] = set()
+        self.loader: threading.Thread | None = None
+
+    def _build_listeners(self) -> None:
+        o = self.options
+        inference, control = InferenceServicer(self.state), ControlServicer(self.state)
+        reflected = (*oe.SERVICE_NAMES, "grpc.health.v1.Health", reflection.SERVICE_NAME)
+        shared = o.control_port is None
+        main = grpc.aio.server(options=o.grpc_options())
+        add_servicer(inference, "Inference", main)
+        plan = [(main, o.host, o.port, "Inference" + (" + Control" if shared else ""))]
+        if shared:
+            add_servicer(control, "Control", main)
+        else:
+            side = grpc.aio.server(options=o.grpc_options())
+            add_servicer(control, "Control", side)
+            plan.append((side, o.control_host or o.host, o.control_port, "Control"))
+        for server, host, port, what in plan:
+            self.health.register(server)
+            reflection.enable_server_reflection(reflected, server)
+            bound = server.add_insecure_port(f"{host}:{port}")
+            print(f"refengine: listening on {host}:{bound} ({what})", flush=True)
+            self.listeners.append(server)
+
+    def _background(self, coro) -> None:  # noqa: ANN001 - a coroutine
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)  # keep a reference until done (asyncio holds tasks weakly)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_signal(self) -> None:
+        self._signals += 1
+        action = "draining" if self._signals == 1 else "stopping now"
+        logger.info("signal %d received: %s", self._signals, action)
+        self._stop.set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.state.on_change(lambda lifecycle: self._background(self.health.follow(lifecycle)))
+        await self.health.follow(Lifecycle.STARTING)
+        self._build_listeners()
+        for server in self.listeners:
+            await server.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+        code = await self._load_and_serve()
+        await self._shutdown()
+        return code
+
+    async def _load_and_serve(self) -> int:
+        loading, self.loader = _load_in_thread(self.state.engine_config)
+        stopping = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            logger.info("stopped while the model was loading")
+            return 0
+        if loading.exception() is not None:
+            stopping.cancel()
+            exc = loading.exception()
+            logger.error("the model failed to load: %s: %s", type(exc).__name__, exc)
+            self.state.set_load_failed(f"{type(exc).__name__}: {exc}")
+            return 1
+        engine = loading.result()
+        engine.start()
+        self.state.set_ready(engine)
+        logger.info("ready: %s (%d KV blocks)", engine.served_model_name, engine.pool.num_blocks)
+        await stopping
+        await self._drain()
+        return 0
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.state.set_draining()
+        deadline = loop.time() + self.options.shutdown_grace_seconds
+        while self.state.streams and loop.time() < deadline and self._signals < 2:
+            await asyncio.sleep(0.05)
+        leftover = [b for b in self.state.streams if b.fail(DRAINED)]
+        for bridge in leftover:
+            self.state.engine.abort(bridge.request_id)
+        if leftover:
+            logger.info("grace period over: ended %d streams with DRAINING", len(leftover))
+        flush_deadline = loop.time() + FLUSH_SECONDS
+        while self.state.streams and loop.time() < flush_deadline:
+            await asyncio.sleep(0.02)
+
+    async def _shutdown(self) -> None:
+        self.state.set_draining()
+        await asyncio.gather(*(server.stop(0.5) for server in self.listeners))
+        if self.state.engine is not None:
+            await asyncio.to_thread(self.state.engine.shutdown)
+        logger.info("stopped")

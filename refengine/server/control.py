@@ -1,0 +1,189 @@
+"""``Control``: discovery (D1–D7), load (H4), health (H1–H3, in ``health.py``), abort
+(A1–A3), and the LoRA / KV-event RPCs this build does not offer yet.
+
+Unary RPCs report failures with a non-OK status only (X2). While the model loads, every
+RPC but ``Health`` answers UNAVAILABLE (retry when Health is READY).
+
+Choices where the contract is silent (ref):
+- ``DeploymentCapacity.max_running_requests`` is the scheduler's ``max_num_seqs`` (each
+  of a request's outputs counts), ``max_loras`` = 0 (LoRA disabled, a reported value);
+- ``ServerInfo.kv_connector`` reports ``enabled = false``: no KV transfer in this build;
+- LoRA RPCs → FAILED_PRECONDITION "LoRA is disabled" (R5), including ``ListLoras``;
+- ``GetKvEventSources`` / ``SubscribeKvEvents`` → UNIMPLEMENTED (not advertised);
+- ``Abort(kv_session)`` → NOT_FOUND: this build holds no KV sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+from google.protobuf import struct_pb2
+
+import refengine
+from refengine.protocol import oe
+from refengine.server.capabilities import model_info
+from refengine.server.errors import Rejection, invalid
+from refengine.server.health import ROLES, health_response
+from refengine.server.metadata import read_trace_context
+from refengine.server.state import ServerState
+from refengine.server.validation import check_model
+
+SCHEMA_REVISION = 1
+MINIMUM_CLIENT_REVISION = 1
+SCHEMA_RELEASE = "v0.1.0"
+LORA_DISABLED = "LoRA is disabled on this server (supports_lora=false)"
+logger = logging.getLogger(__name__)
+
+
+def _struct(values: dict) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update(values)
+    return s
+
+
+class ControlServicer(oe.ControlServicer):
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def _run(self, context: grpc.aio.ServicerContext, build):  # noqa: ANN001, ANN202
+        """Read the trace context (M5), build the reply, map ``Rejection`` to a status."""
+        read_trace_context(context.invocation_metadata())
+        try:
+            return await build()
+        except Rejection as rejection:
+            await context.abort(rejection.code, rejection.message)
+        except Exception as exc:  # a bug: report it as INTERNAL, keep serving
+            logger.exception("Control RPC failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    # -- discovery -------------------------------------------------------------
+    def server_info(self) -> oe.ServerInfo:
+        engine = self.state.engine_for_control()
+        config = engine.config
+        return oe.ServerInfo(
+            engine_name="refengine",
+            engine_version=refengine.__version__,
+            engine_role=ROLES[self.state.options.role],
+            instance_id=self.state.instance_id,
+            supported_models=list(self.state.caps.served_names),
+            parallelism=oe.ParallelismInfo(
+                tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
+                data_parallel_rank=0, data_parallel_start_rank=0, decode_context_parallel_size=1,
+            ),
+            kv_connector=oe.KvConnectorInfo(enabled=False),
+            schema_revision=SCHEMA_REVISION,
+            minimum_client_revision=MINIMUM_CLIENT_REVISION,
+            schema_release=SCHEMA_RELEASE,
+            capacity=oe.DeploymentCapacity(
+                kv_block_size=config.cache.block_size,
+                total_kv_blocks=engine.pool.num_blocks,
+                max_running_requests=config.scheduler.max_num_seqs,
+                max_batched_tokens=config.scheduler.max_num_batched_tokens,
+                max_loras=0,
+            ),
+            extra=_struct({"device": config.device, "dtype": config.dtype}),
+        )
+
+    async def GetServerInfo(self, request, context):  # noqa: ANN001, ANN201, N802
+        async def build() -> oe.ServerInfo:
+            return self.server_info()
+
+        return await self._run(context, build)
+
+    async def GetModelInfo(self, request, context):  # noqa: ANN001, ANN201, N802
+        async def build() -> oe.ModelInfo:
+            engine = self.state.engine_for_control()
+            if not request.model:
+                raise invalid("model is required; use one of ServerInfo.supported_models")  # D3 (ref)
+            check_model(request.model, self.state.caps)
+            return model_info(self.state.caps, {"vocab_size": engine.limits.vocab_size})
+
+        return await self._run(context, build)
+
+    # -- load --------------------------------------------------------------------
+    async def GetLoad(self, request, context):  # noqa: ANN001, ANN201, N802
+        async def build() -> oe.LoadInfo:
+            stats = self.state.engine_for_control().stats()
+            load = oe.LoadInfo(
+                instance_id=self.state.instance_id,
+                timestamp_unix_nanos=time.time_ns(),
+                running_requests=stats.running_requests,
+                queued_requests=stats.waiting_requests,
+                active_kv_sessions=0,
+                used_kv_blocks=stats.used_kv_blocks,
+                total_kv_blocks=stats.total_kv_blocks,
+                running_tokens=stats.running_tokens,
+                waiting_tokens=stats.waiting_tokens,
+                prefill_batch_size=stats.prefill_batch_size,
+                decode_batch_size=stats.decode_batch_size,
+                attributes=_struct({"cached_kv_blocks": stats.cached_kv_blocks,
+                                    "open_streams": len(self.state.streams)}),
+            )
+            if request.include_per_rank:
+                load.ranks.append(oe.RankLoadInfo(
+                    data_parallel_rank=0,
+                    running_requests=stats.running_requests,
+                    queued_requests=stats.waiting_requests,
+                    used_kv_blocks=stats.used_kv_blocks,
+                    total_kv_blocks=stats.total_kv_blocks,
+                    prefill_batch_size=stats.prefill_batch_size,
+                    decode_batch_size=stats.decode_batch_size,
+                ))
+            return load
+
+        return await self._run(context, build)
+
+    # -- health ------------------------------------------------------------------
+    async def Health(self, request, context):  # noqa: ANN001, ANN201, N802
+        return await self._run(context, lambda: health_response(self.state, request))
+
+    # -- abort -------------------------------------------------------------------
+    async def Abort(self, request, context):  # noqa: ANN001, ANN201, N802
+        async def build() -> oe.AbortResponse:
+            target = request.WhichOneof("target")
+            if target is None:
+                raise invalid("set exactly one abort target: request_id, kv_session or all_requests {}")  # A1
+            engine = self.state.engine_for_control()
+            if target == "kv_session":
+                session_id = request.kv_session.session_id
+                raise Rejection(grpc.StatusCode.NOT_FOUND, f"KV session {session_id!r} not found (none here)")
+            if target == "all_requests":  # A3
+                aborted = engine.abort_all()
+                if not aborted:
+                    return oe.AbortResponse(status=oe.ABORT_STATUS_ALREADY_FINISHED,
+                                            message="nothing was running")
+                return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED,
+                                        message=f"aborted {len(aborted)} requests")
+            if not request.request_id:
+                raise invalid("request_id must be non-empty")
+            if engine.abort(request.request_id):  # A2
+                return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED, message="aborted")
+            if engine.was_finished(request.request_id):
+                return oe.AbortResponse(status=oe.ABORT_STATUS_ALREADY_FINISHED, message="already finished")
+            raise Rejection(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} is known")
+
+        return await self._run(context, build)
+
+    # -- not offered in this build -------------------------------------------------
+    async def _lora_disabled(self, context):  # noqa: ANN001, ANN202
+        read_trace_context(context.invocation_metadata())
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, LORA_DISABLED)
+
+    async def LoadLora(self, request, context):  # noqa: ANN001, ANN201, N802
+        await self._lora_disabled(context)
+
+    async def UnloadLora(self, request, context):  # noqa: ANN001, ANN201, N802
+        await self._lora_disabled(context)
+
+    async def ListLoras(self, request, context):  # noqa: ANN001, ANN201, N802
+        await self._lora_disabled(context)
+
+    async def GetKvEventSources(self, request, context):  # noqa: ANN001, ANN201, N802
+        read_trace_context(context.invocation_metadata())
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV event sources are not offered by this build")
+
+    async def SubscribeKvEvents(self, request, context):  # noqa: ANN001, ANN201, N802
+        read_trace_context(context.invocation_metadata())
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are not offered by this build")

@@ -1,0 +1,148 @@
+"""``GenerateRequest`` (proto) → ``GenerationRequest`` (engine), every field mapped.
+
+| proto                                   | engine                                           |
+|-----------------------------------------|--------------------------------------------------|
+| prompt / token_ids.ids                  | prompt / prompt_token_ids                        |
+| sampling.* (unset = engine default)     | SamplingParams (num_sequences unset = 1)         |
+| stopping.max_tokens (unset = to limit)  | StoppingParams.max_tokens                        |
+| stopping.conditions stop_text / id      | stop_strings / stop_token_ids (order kept)       |
+| stopping.min_tokens/ignore_eos/include_stop_in_output | same names                         |
+| response.return_*_logprobs, *_candidates| LogprobParams (top_n 0 = no candidates, ref)     |
+| response.prompt_logprob_start           | LogprobParams.prompt_logprob_start               |
+| kv.bypass_prefix_cache / kv.cache_salt  | KvParams ("" salt = no salt, ref)                |
+| metadata openengine-priority            | GenerationRequest.priority                       |
+| extra (Struct)                          | :class:`StreamSettings` (keys below)             |
+
+``extra`` known keys (G8; anything else is ignored, a wrong type or range is INVALID_ARGUMENT):
+
+- ``refengine.stream_buffer`` (integer ≥ 1): lower this stream's buffer below the server's;
+- ``refengine.stall_timeout_seconds`` (number > 0): lower this stream's stall timeout.
+
+Both can only tighten the server's settings, never loosen them.
+
+Rejected here (INVALID_ARGUMENT): an empty ``StopCondition`` (G6). Guided decoding, media
+and LoRA never reach this module (``validation.py`` refuses them while unsupported).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf import struct_pb2
+
+from refengine.engine.types import (
+    CandidateSpec,
+    GenerationRequest,
+    KvParams,
+    LogprobParams,
+    SamplingParams,
+    StoppingParams,
+)
+from refengine.protocol import oe
+from refengine.server.errors import invalid
+from refengine.server.metadata import RequestMetadata
+
+EXTRA_STREAM_BUFFER = "refengine.stream_buffer"
+EXTRA_STALL_TIMEOUT = "refengine.stall_timeout_seconds"
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """Per-stream delivery settings: the server's, possibly tightened by ``extra``."""
+
+    stream_buffer: int
+    stall_timeout_seconds: float
+
+
+def _number(extra: struct_pb2.Struct, key: str) -> float | None:
+    if key not in extra.fields:
+        return None
+    value = extra.fields[key]
+    if value.WhichOneof("kind") != "number_value":
+        raise invalid(f"extra[{key!r}] must be a number, got {value.WhichOneof('kind')}")
+    return value.number_value
+
+
+def stream_settings(extra: struct_pb2.Struct, server: StreamSettings) -> StreamSettings:
+    """G8: read the known ``extra`` keys; unknown keys are ignored."""
+    buffer = _number(extra, EXTRA_STREAM_BUFFER)
+    if buffer is not None and not (buffer == int(buffer) and 1 <= buffer <= server.stream_buffer):
+        raise invalid(f"extra[{EXTRA_STREAM_BUFFER!r}] must be an integer in [1, {server.stream_buffer}], "
+                      f"got {buffer}")
+    stall = _number(extra, EXTRA_STALL_TIMEOUT)
+    if stall is not None and not 0 < stall <= server.stall_timeout_seconds:
+        raise invalid(f"extra[{EXTRA_STALL_TIMEOUT!r}] must be in (0, {server.stall_timeout_seconds}], "
+                      f"got {stall}")
+    return StreamSettings(
+        stream_buffer=int(buffer) if buffer is not None else server.stream_buffer,
+        stall_timeout_seconds=stall if stall is not None else server.stall_timeout_seconds,
+    )
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                    "repetition_penalty", "seed", "num_sequences")
+
+
+def _sampling(s: oe.SamplingParams) -> SamplingParams:
+    """Only the fields the client set; the rest keep the engine's defaults (proto3 presence)."""
+    return SamplingParams(**{name: getattr(s, name) for name in _SAMPLING_FIELDS if s.HasField(name)})
+
+
+def _stopping(st: oe.StoppingOptions) -> StoppingParams:
+    stop_strings: list[str] = []
+    stop_token_ids: list[int] = []
+    for position, condition in enumerate(st.conditions):
+        kind = condition.WhichOneof("condition")
+        if kind == "stop_text":
+            stop_strings.append(condition.stop_text)
+        elif kind == "stop_token_id":
+            stop_token_ids.append(condition.stop_token_id)
+        else:
+            raise invalid(f"stopping.conditions[{position}] is empty; set stop_text or stop_token_id")
+    return StoppingParams(
+        max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
+        min_tokens=st.min_tokens,
+        stop_strings=tuple(stop_strings),
+        stop_token_ids=tuple(stop_token_ids),
+        ignore_eos=st.ignore_eos,
+        include_stop_in_output=st.include_stop_in_output,
+    )
+
+
+def _candidates(selection: oe.CandidateTokenSelection) -> CandidateSpec | None:
+    mode = selection.WhichOneof("selection")
+    if mode == "top_n":
+        return CandidateSpec("top_n", top_n=selection.top_n) if selection.top_n > 0 else None
+    if mode == "token_ids":
+        return CandidateSpec("token_ids", token_ids=tuple(selection.token_ids.ids))
+    if mode == "all":
+        return CandidateSpec("all")
+    return None
+
+
+def _logprobs(r: oe.ResponseOptions) -> LogprobParams:
+    return LogprobParams(
+        prompt_logprobs=r.return_prompt_logprobs,
+        prompt_candidates=_candidates(r.prompt_candidates) if r.HasField("prompt_candidates") else None,
+        prompt_logprob_start=r.prompt_logprob_start,
+        output_logprobs=r.return_output_logprobs,
+        output_candidates=_candidates(r.output_candidates) if r.HasField("output_candidates") else None,
+    )
+
+
+def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata) -> GenerationRequest:
+    """Map a validated ``GenerateRequest``; raises ``Rejection`` for G6's empty condition."""
+    kind = request.WhichOneof("input")
+    return GenerationRequest(
+        request_id=request.request_id,
+        prompt=request.prompt if kind == "prompt" else None,
+        prompt_token_ids=list(request.token_ids.ids) if kind == "token_ids" else None,
+        sampling=_sampling(request.sampling),
+        stopping=_stopping(request.stopping),
+        logprobs=_logprobs(request.response),
+        kv=KvParams(
+            bypass_prefix_cache=request.kv.bypass_prefix_cache,
+            cache_salt=request.kv.cache_salt or None,
+        ),
+        priority=meta.priority or 0,
+    )

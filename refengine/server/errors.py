@@ -1,0 +1,84 @@
+"""Failures → the wire (RULES X1–X3).
+
+Two transports, chosen by *when* a failure happens (X1):
+
+- before acceptance (validation, admission): a non-OK gRPC status, no events. Raise
+  :class:`Rejection`; the servicer turns it into ``context.abort(code, message)``;
+- after acceptance (the engine took the request): exactly one terminal
+  ``EngineError`` event, then status OK. :func:`engine_error` builds it.
+
+``retryable`` is true only when the unchanged request could succeed later (X3):
+overload and draining, never invalid input or an engine fault.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from refengine.engine.types import (
+    DuplicateRequestError,
+    EngineFault,
+    InvalidRequestError,
+    OverloadedError,
+    RequestError,
+)
+from refengine.protocol import oe
+
+
+class Rejection(Exception):
+    """A request refused before acceptance: a gRPC status code and a message saying
+    what is wrong (never a stack trace)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> Rejection:
+    return Rejection(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def rejection_from_engine(exc: RequestError) -> Rejection:
+    """``Engine.add_request`` refusals (nothing was allocated) → status codes.
+
+    Overload is RESOURCE_EXHAUSTED, the gRPC code for admission/capacity exhaustion.
+    """
+    if isinstance(exc, InvalidRequestError):
+        return Rejection(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, DuplicateRequestError):
+        return Rejection(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+    if isinstance(exc, OverloadedError):
+        return Rejection(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    return Rejection(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+#: EngineFault.code (engine vocabulary) → ErrorCode (wire vocabulary).
+ERROR_CODES = {
+    "overloaded": oe.ERROR_CODE_OVERLOADED,
+    "draining": oe.ERROR_CODE_DRAINING,
+    "internal": oe.ERROR_CODE_INTERNAL,
+    "cancelled": oe.ERROR_CODE_CANCELLED,
+}
+
+#: Faults the server itself raises after acceptance (the engine never sees them).
+STALLED_CONSUMER = EngineFault(
+    "overloaded",
+    "the client did not read the stream for longer than the stall timeout; the request was "
+    "aborted to free its resources; retry and read the stream promptly",
+    retryable=True,
+)
+DRAINED = EngineFault(
+    "draining",
+    "the server shut down before the request finished (drain grace period over); retry on another "
+    "instance",
+    retryable=True,
+)
+
+
+def engine_error(fault: EngineFault) -> oe.EngineError:
+    return oe.EngineError(
+        code=ERROR_CODES.get(fault.code, oe.ERROR_CODE_INTERNAL),
+        message=fault.message,
+        retryable=fault.retryable,
+    )

@@ -1,0 +1,151 @@
+"""``Control.Health`` and the standard grpc.health.v1 service (RULES H1–H3).
+
+Checks, each with a state and a message:
+
+- ``grpc``       READY whenever this RPC is answered;
+- ``model``      STARTING while loading, READY once loaded, NOT_READY if loading failed;
+- ``scheduler``  STARTING / READY / DRAINING, following the server lifecycle;
+- ``role``       only when the request names a ``role``: NOT_READY if it is not ours;
+- ``inference_probe`` only when asked: a one-token greedy generation through the engine,
+  bounded by ``--health-probe-timeout-seconds`` (H2). Each probe uses its own request id,
+  so concurrent probes are independent.
+
+The overall ``state`` is the worst check (H1), in the order READY < DEGRADED < STARTING <
+DRAINING < NOT_READY. grpc.health.v1 reports SERVING exactly while the lifecycle is READY,
+for the empty service name and for each OpenEngine service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer as GrpcHealthServicer
+
+from refengine.engine.types import (
+    FinishReason,
+    GenerationRequest,
+    KvParams,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    StoppingParams,
+)
+from refengine.protocol import oe
+from refengine.server.state import Lifecycle, ServerState
+from refengine.server.validation import check_model
+
+SEVERITY = [
+    oe.HEALTH_STATE_READY,
+    oe.HEALTH_STATE_DEGRADED,
+    oe.HEALTH_STATE_STARTING,
+    oe.HEALTH_STATE_DRAINING,
+    oe.HEALTH_STATE_NOT_READY,
+]
+LIFECYCLE_STATE = {
+    Lifecycle.STARTING: oe.HEALTH_STATE_STARTING,
+    Lifecycle.READY: oe.HEALTH_STATE_READY,
+    Lifecycle.DRAINING: oe.HEALTH_STATE_DRAINING,
+    Lifecycle.NOT_READY: oe.HEALTH_STATE_NOT_READY,
+}
+ROLES = {
+    "aggregated": oe.ENGINE_ROLE_AGGREGATED,
+    "prefill": oe.ENGINE_ROLE_PREFILL,
+    "decode": oe.ENGINE_ROLE_DECODE,
+}
+
+
+def overall(checks: list[oe.HealthCheck]) -> int:
+    """H1: the worst check's state."""
+    return max((c.state for c in checks), key=SEVERITY.index, default=oe.HEALTH_STATE_READY)
+
+
+def _check(name: str, state: int, message: str) -> oe.HealthCheck:
+    return oe.HealthCheck(name=name, state=state, message=message)
+
+
+async def inference_probe(engine, timeout: float) -> oe.HealthCheck:  # noqa: ANN001 - Engine
+    """H2: generate one greedy token from a one-token prompt; READY when it arrives in time."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[RequestOutput] = loop.create_future()
+
+    def sink(out: RequestOutput) -> None:  # engine thread
+        if out.finished:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
+
+    mc = engine.model_config
+    first = mc.bos_token_id if mc.bos_token_id is not None else (list(mc.eos_token_ids) or [0])[0]
+    request_id = f"refengine-health-probe-{uuid.uuid4().hex}"
+    params = GenerationRequest(
+        request_id=request_id,
+        prompt_token_ids=[first],
+        sampling=SamplingParams(temperature=0.0),
+        stopping=StoppingParams(max_tokens=1, ignore_eos=True),
+        kv=KvParams(bypass_prefix_cache=True),
+    )
+    started = time.perf_counter()
+    try:
+        engine.add_request(params, sink)
+    except RequestError as exc:
+        return _check("inference_probe", oe.HEALTH_STATE_DEGRADED, f"probe not admitted: {exc}")
+    try:
+        out = await asyncio.wait_for(asyncio.shield(done), timeout)
+    except TimeoutError:
+        engine.abort(request_id)
+        return _check("inference_probe", oe.HEALTH_STATE_NOT_READY, f"no token within {timeout:g} s")
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    if out.error is not None:
+        return _check("inference_probe", oe.HEALTH_STATE_NOT_READY, f"probe failed: {out.error.message}")
+    finishes = [d.finish for d in out.deltas if d.finish is not None]
+    if finishes and finishes[-1].reason is FinishReason.CANCELLED:
+        return _check("inference_probe", oe.HEALTH_STATE_DEGRADED, "probe was aborted")
+    return _check("inference_probe", oe.HEALTH_STATE_READY, f"1 token in {elapsed_ms:.0f} ms")
+
+
+async def health_response(state: ServerState, request: oe.HealthRequest) -> oe.HealthResponse:
+    """Build the ``HealthResponse``; raises ``Rejection`` for an unknown probe model (D3)."""
+    lifecycle = state.lifecycle
+    checks = [_check("grpc", oe.HEALTH_STATE_READY, "serving")]
+    if state.engine is not None:
+        checks.append(_check("model", oe.HEALTH_STATE_READY, f"{state.engine.served_model_name} loaded"))
+    elif lifecycle is Lifecycle.NOT_READY:
+        checks.append(_check("model", oe.HEALTH_STATE_NOT_READY, f"load failed: {state.load_error}"))
+    else:
+        checks.append(_check("model", oe.HEALTH_STATE_STARTING, f"loading {state.engine_config.model}"))
+    checks.append(_check("scheduler", LIFECYCLE_STATE[lifecycle], lifecycle.value))
+    ours = ROLES[state.options.role]
+    if request.role not in (oe.ENGINE_ROLE_UNSPECIFIED, ours):
+        checks.append(_check("role", oe.HEALTH_STATE_NOT_READY,
+                             f"this server's role is {state.options.role}, not the one asked for"))
+    if request.include_inference_probe:
+        if request.model and state.caps is not None:
+            check_model(request.model, state.caps)
+        checks.append(await _probe_check(state))
+    return oe.HealthResponse(state=overall(checks), checks=checks)
+
+
+async def _probe_check(state: ServerState) -> oe.HealthCheck:
+    if state.lifecycle is not Lifecycle.READY or state.engine is None:
+        lifecycle = state.lifecycle
+        return _check("inference_probe", LIFECYCLE_STATE[lifecycle], f"not run: {lifecycle.value}")
+    return await inference_probe(state.engine, state.options.health_probe_timeout_seconds)
+
+
+class GrpcHealth:
+    """grpc.health.v1: SERVING exactly while READY, for "" and every OpenEngine service."""
+
+    def __init__(self, service_names: tuple[str, ...]) -> None:
+        self.servicer = GrpcHealthServicer()
+        self.service_names = ("",) + tuple(service_names)
+
+    async def follow(self, lifecycle: Lifecycle) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if lifecycle is Lifecycle.READY
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in self.service_names:
+            await self.servicer.set(name, status)
+
+    def register(self, server: grpc.aio.Server) -> None:
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)

@@ -1,0 +1,96 @@
+"""``Inference.Generate``: one server-streaming RPC per request.
+
+Phases (RULES X1):
+
+1. before acceptance: metadata (M1–M3), lifecycle, edge validation (G1–G4, G8, D4, D7,
+   K5, K6), then ``Engine.add_request`` (G5–G7, G2 duplicates, admission). Any refusal is a
+   non-OK status with zero events;
+2. accepted: engine outputs flow through an :class:`OutputBridge` and a
+   :class:`ResponseBuilder` to the client until the terminal event (the last
+   ``GenerationFinished`` or one ``EngineError``), then status OK.
+
+Whatever ends the RPC early — client cancel or disconnect (A5), a broken write, a stalled
+consumer, the drain deadline — the ``finally`` block aborts the engine request if it is
+still running, so its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from refengine.engine.types import RequestError
+from refengine.protocol import oe
+from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
+from refengine.server.errors import STALLED_CONSUMER, Rejection, rejection_from_engine
+from refengine.server.metadata import read_inference_metadata
+from refengine.server.responses import ResponseBuilder
+from refengine.server.state import ServerState
+from refengine.server.stream_bridge import OutputBridge
+from refengine.server.validation import ServerFacts, validate_generate
+
+logger = logging.getLogger(__name__)
+
+
+class InferenceServicer(oe.InferenceServicer):
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        options = state.options
+        self.server_stream = StreamSettings(options.stream_buffer, options.stall_timeout_seconds)
+
+    def _facts(self, engine) -> ServerFacts:  # noqa: ANN001 - Engine
+        tokenizer = engine.tokenizer
+        return ServerFacts(
+            role=self.state.options.role,
+            caps=self.state.caps,
+            max_send_message_bytes=self.state.options.max_send_message_bytes,
+            count_prompt_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+        )
+
+    def _accept(self, request: oe.GenerateRequest, context: grpc.aio.ServicerContext) -> OutputBridge:
+        """Everything before acceptance. Returns the bridge of the accepted request or
+        raises ``Rejection`` (nothing was allocated)."""
+        meta = read_inference_metadata(context.invocation_metadata())
+        engine = self.state.engine_for_generate()
+        validate_generate(request, meta, self._facts(engine))
+        settings = stream_settings(request.extra, self.server_stream)
+        params = to_engine_request(request, meta)
+        bridge = OutputBridge(asyncio.get_running_loop(), request.request_id, settings.stream_buffer,
+                              settings.stall_timeout_seconds, self._on_stall)
+        try:
+            engine.add_request(params, bridge.sink)
+        except RequestError as exc:
+            raise rejection_from_engine(exc) from None
+        return bridge
+
+    def _on_stall(self, bridge: OutputBridge) -> None:
+        if bridge.fail(STALLED_CONSUMER):
+            logger.warning("request %s: client stopped reading for %.1f s; aborting it",
+                           bridge.request_id, bridge.stall_timeout)
+            self.state.engine.abort(bridge.request_id)
+
+    async def Generate(self, request: oe.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        try:
+            bridge = self._accept(request, context)
+        except Rejection as rejection:
+            await context.abort(rejection.code, rejection.message)
+            return
+        except Exception as exc:  # a bug, not the client's fault: say so, keep serving
+            logger.exception("request %s: refused by an internal error", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return
+        builder = ResponseBuilder(request.request_id, max(request.sampling.num_sequences, 1),
+                                  self.state.options.max_send_message_bytes)
+        self.state.streams.add(bridge)
+        try:
+            while not builder.terminal_sent:
+                out = await bridge.next()
+                for event in builder.events(out):
+                    await context.write(event)
+        finally:
+            self.state.streams.discard(bridge)
+            bridge.close()
+            if not bridge.engine_finished:  # cancelled, disconnected, failed: free the KV (A5)
+                self.state.engine.abort(request.request_id)

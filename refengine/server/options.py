@@ -1,0 +1,61 @@
+"""The server's own settings, one frozen dataclass; every default is documented here and
+shown by ``refengine serve --help``. Engine settings live in ``refengine.config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 1 << 20
+ROLES = ("aggregated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How ``refengine serve`` listens and streams.
+
+    - ``host``/``port``: the Inference listener (also Control unless ``control_port`` is set).
+      ``port`` 0 picks a free port (logged at start).
+    - ``control_host``/``control_port``: put Control on its own listener (``None`` = share).
+      grpc.health.v1 and server reflection are on every listener.
+    - ``max_send_message_bytes``/``max_receive_message_bytes``: gRPC message limits. A response
+      that could not fit (e.g. ``all`` candidates over a long prompt) is refused before acceptance.
+    - ``shutdown_grace_seconds``: on SIGTERM/SIGINT, running streams get this long to finish;
+      the rest end with ``EngineError(DRAINING, retryable)``.
+    - ``stream_buffer``: engine outputs one stream may hold undelivered before its stall clock
+      starts. The engine thread never blocks: outputs past the buffer still queue, but only
+      for ``stall_timeout_seconds``.
+    - ``stall_timeout_seconds``: a full buffer with no write completing for this long aborts
+      the request and ends the stream with ``EngineError(OVERLOADED, retryable)``.
+    - ``health_probe_timeout_seconds``: bound of ``Health(include_inference_probe)``.
+    """
+
+    role: str = "aggregated"
+    host: str = "0.0.0.0"
+    port: int = 50051
+    control_host: str | None = None
+    control_port: int | None = None
+    instance_id: str | None = None  # None = a random id per process
+    max_send_message_bytes: int = 16 * MIB
+    max_receive_message_bytes: int = 16 * MIB
+    shutdown_grace_seconds: float = 30.0
+    stream_buffer: int = 64
+    stall_timeout_seconds: float = 30.0
+    health_probe_timeout_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.stream_buffer < 1:
+            raise ValueError("stream_buffer must be >= 1")
+        for name in ("shutdown_grace_seconds", "stall_timeout_seconds", "health_probe_timeout_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_send_message_bytes < MIB or self.max_receive_message_bytes < MIB:
+            raise ValueError("message size limits must be at least 1 MiB")
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_send_message_length", self.max_send_message_bytes),
+            ("grpc.max_receive_message_length", self.max_receive_message_bytes),
+            ("grpc.so_reuseport", 0),  # two servers must never silently share a port
+        ]

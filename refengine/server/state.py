@@ -1,0 +1,87 @@
+"""Server lifecycle shared by every servicer (RULES H3).
+
+``STARTING`` (listening, model loading on a worker thread) → ``READY`` (engine running) →
+``DRAINING`` (SIGTERM/SIGINT: no new Generate, running streams finish within the grace
+period) → the process exits. ``NOT_READY``: the model failed to load.
+
+All mutation happens on the event loop thread; the engine is reached only through its
+thread-safe API (``add_request``, ``abort``, ``stats``, ...).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from collections.abc import Callable
+
+import grpc
+
+from refengine.config import EngineConfig
+from refengine.server.capabilities import Capabilities, capabilities_of
+from refengine.server.errors import Rejection
+from refengine.server.options import ServerOptions
+from refengine.server.stream_bridge import OutputBridge
+
+
+class Lifecycle(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    NOT_READY = "not_ready"
+
+
+class ServerState:
+    def __init__(self, options: ServerOptions, engine_config: EngineConfig) -> None:
+        self.options = options
+        self.engine_config = engine_config
+        self.instance_id = options.instance_id or f"refengine-{uuid.uuid4().hex[:12]}"
+        self.lifecycle = Lifecycle.STARTING
+        self.engine = None  # refengine.engine.engine.Engine once loaded
+        self.caps: Capabilities | None = None
+        self.load_error: str | None = None
+        self.started_at = time.monotonic()
+        self.streams: set[OutputBridge] = set()  # accepted Generate streams not yet ended
+        self._listeners: list[Callable[[Lifecycle], None]] = []
+
+    def on_change(self, listener: Callable[[Lifecycle], None]) -> None:
+        self._listeners.append(listener)
+
+    def _set(self, lifecycle: Lifecycle) -> None:
+        self.lifecycle = lifecycle
+        for listener in self._listeners:
+            listener(lifecycle)
+
+    def set_ready(self, engine) -> None:  # noqa: ANN001 - Engine
+        self.engine = engine
+        self.caps = capabilities_of(engine)
+        if self.lifecycle is Lifecycle.STARTING:
+            self._set(Lifecycle.READY)
+
+    def set_load_failed(self, message: str) -> None:
+        self.load_error = message
+        self._set(Lifecycle.NOT_READY)
+
+    def set_draining(self) -> None:
+        if self.lifecycle in (Lifecycle.STARTING, Lifecycle.READY):
+            self._set(Lifecycle.DRAINING)
+
+    def engine_for_control(self):  # noqa: ANN201 - Engine
+        """The engine, for Control RPCs (served while READY and DRAINING)."""
+        if self.engine is None:
+            if self.lifecycle is Lifecycle.NOT_READY:
+                raise Rejection(grpc.StatusCode.UNAVAILABLE, f"the model failed to load: {self.load_error}")
+            raise Rejection(grpc.StatusCode.UNAVAILABLE,
+                            "the model is still loading; retry when Health is READY")
+        return self.engine
+
+    def engine_for_generate(self):  # noqa: ANN201 - Engine
+        """The engine, for new Generate requests: only while READY.
+
+        DRAINING refuses with UNAVAILABLE before acceptance (ref, X1: a status, not an
+        ``EngineError``, because nothing was accepted; UNAVAILABLE tells clients to retry
+        on another instance)."""
+        if self.lifecycle is Lifecycle.DRAINING:
+            raise Rejection(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down); "
+                            "retry on another instance")
+        return self.engine_for_control()

@@ -1,0 +1,129 @@
+"""Engine thread → event loop hand-off for one request's outputs.
+
+The engine calls :meth:`OutputBridge.sink` on its own thread after every step; the sink
+only schedules :meth:`_push` on the loop (``call_soon_threadsafe``), so the engine thread
+never blocks and never runs gRPC code. The servicer awaits :meth:`next`.
+
+Bounded delivery: ``capacity`` outputs may wait undelivered. When the buffer is full and
+the consumer takes nothing for ``stall_timeout`` seconds (its gRPC writes are stuck behind
+a client that does not read), ``on_stall`` runs once: the server aborts the engine request
+and the stream ends with a terminal ``EngineError(OVERLOADED, retryable)``. Outputs beyond
+``capacity`` still queue meanwhile (the engine must not block), so the overflow is bounded
+by what the engine produces in one stall timeout.
+
+Invariants:
+- :meth:`next` returns each engine output once, in order; after a failure (:meth:`fail`)
+  it returns one synthesized terminal output (``error`` set, the engine's usage) and the
+  buffered outputs are dropped;
+- a failure never replaces an outcome the engine already reached (``engine_finished``);
+- the stall clock runs only while the engine request is still active.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+from refengine.engine.types import EngineFault, RequestOutput, Usage
+
+ABORT_CONFIRM_SECONDS = 5.0  # how long a failed stream waits for the engine's final usage
+
+
+class OutputBridge:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        request_id: str,
+        capacity: int,
+        stall_timeout: float,
+        on_stall: Callable[[OutputBridge], None],
+    ) -> None:
+        self.request_id = request_id
+        self.capacity = capacity
+        self.stall_timeout = stall_timeout
+        self.engine_finished = False  # the engine's final output reached the loop
+        self.failure: EngineFault | None = None
+        self._loop = loop
+        self._on_stall = on_stall
+        self._pending: deque[RequestOutput] = deque()
+        self._wakeup = asyncio.Event()
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._final_usage: Usage | None = None
+        self._terminal_returned = False
+
+    # -- engine thread ----------------------------------------------------------
+    def sink(self, out: RequestOutput) -> None:
+        """The engine's ``OutputSink``: never blocks, never raises."""
+        try:
+            self._loop.call_soon_threadsafe(self._push, out)
+        except RuntimeError:  # the loop is closed: the server is gone, nobody reads
+            pass
+
+    # -- event loop -------------------------------------------------------------
+    def _push(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.engine_finished = True
+            self._final_usage = out.usage
+            self._stop_stall_clock()
+        if self.failure is None:
+            self._pending.append(out)
+            if len(self._pending) >= self.capacity and not self.engine_finished:
+                self._start_stall_clock()
+        self._wakeup.set()
+
+    def _start_stall_clock(self) -> None:
+        if self._stall_timer is None:
+            self._stall_timer = self._loop.call_later(self.stall_timeout, self._stalled)
+
+    def _stop_stall_clock(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        if not self.engine_finished and self.failure is None:
+            self._on_stall(self)
+
+    def fail(self, fault: EngineFault) -> bool:
+        """End the stream with ``fault`` (stall, drain). False when the engine already
+        finished the request (its own outcome stands) or a failure was already set."""
+        if self.engine_finished or self.failure is not None or self._terminal_returned:
+            return False
+        self.failure = fault
+        self._pending.clear()
+        self._stop_stall_clock()
+        self._wakeup.set()
+        return True
+
+    async def next(self) -> RequestOutput:
+        """The next output to send; after a failure, the terminal one (once the engine
+        confirmed the abort, so its usage is final)."""
+        while True:
+            if self.failure is not None:
+                return await self._terminal_failure()
+            if self._pending:
+                out = self._pending.popleft()
+                self._stop_stall_clock()  # the consumer made progress
+                if len(self._pending) >= self.capacity and not self.engine_finished:
+                    self._start_stall_clock()
+                if out.finished:
+                    self._terminal_returned = True
+                return out
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    async def _terminal_failure(self) -> RequestOutput:
+        deadline = self._loop.time() + ABORT_CONFIRM_SECONDS
+        while not self.engine_finished and self._loop.time() < deadline:
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), deadline - self._loop.time())
+            except TimeoutError:
+                break  # report the failure anyway; usage is then unknown
+        self._terminal_returned = True
+        return RequestOutput(self.request_id, finished=True, usage=self._final_usage, error=self.failure)
+
+    def close(self) -> None:
+        self._stop_stall_clock()

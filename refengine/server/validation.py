@@ -1,0 +1,178 @@
+"""Everything ``Generate`` refuses before acceptance (RULES G1–G4, G8 via convert, D4, D7,
+K5, K6, M3), each with the gRPC status the contract names and a message saying what is
+wrong and what is allowed.
+
+Range checks of sampling/stopping values (G5–G7) are the engine's (``Engine.add_request``
+raises ``InvalidRequestError`` with the field name); this module checks what only the edge
+knows: the served model, the server's role, the capability table, message-size limits.
+
+Status choices (ref, where the contract only says "non-OK"):
+- unsupported feature (guided decoding, media): INVALID_ARGUMENT, naming the capability;
+- ``lora_name`` while LoRA is disabled: NOT_FOUND, as for any unknown adapter (R4); the
+  same answer once LoRA lands and the adapter is not loaded;
+- a ``kv.session`` on an aggregated or prefill server: FAILED_PRECONDITION "role mismatch" (K6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from refengine.protocol import oe
+from refengine.server.capabilities import Capabilities
+from refengine.server.errors import Rejection, invalid
+from refengine.server.metadata import RequestMetadata
+
+#: Transfer backends a decode server can attach to (disaggregation lands in a later issue).
+SUPPORTED_TRANSFER_BACKENDS: tuple[str, ...] = ()
+#: Conservative wire size of one candidate (``LogProb``) and of one ``TokenInfo`` without them.
+CANDIDATE_BYTES = 40
+TOKEN_INFO_BYTES = 48
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What validation needs to know about this server."""
+
+    role: str
+    caps: Capabilities
+    max_send_message_bytes: int
+    count_prompt_tokens: Callable[[str], int]  # the engine's tokenizer, for size estimates
+
+
+def check_model(model: str, caps: Capabilities) -> None:
+    """G3/D3: empty = the default (only) model; anything else must be served."""
+    if model and model not in caps.served_names:
+        raise Rejection(grpc.StatusCode.NOT_FOUND,
+                        f"model {model!r} is not served here; supported_models = {list(caps.served_names)}")
+
+
+def _check_session(session: oe.KvSessionRef) -> None:
+    """K5: a decode request's session is checked before acceptance."""
+    if not session.session_id:
+        raise invalid("kv.session.session_id must be non-empty")
+    for endpoint in session.endpoints:
+        if not endpoint.host or not 0 < endpoint.port < 65536:
+            raise invalid(f"kv.session endpoint {endpoint.host}:{endpoint.port} is not a host:port")
+    if session.transfer_backend not in SUPPORTED_TRANSFER_BACKENDS:
+        raise invalid(f"kv.session.transfer_backend {session.transfer_backend!r} is not supported "
+                      f"(supported: {list(SUPPORTED_TRANSFER_BACKENDS)})")
+
+
+def check_role(request: oe.GenerateRequest, role: str, meta: RequestMetadata) -> None:
+    """D7, K5, K6, M3: role/request compatibility, before acceptance."""
+    has_session = request.HasField("kv") and request.kv.HasField("session")
+    if has_session and meta.target_dp_rank is not None and meta.target_dp_rank != request.kv.session.dp_rank:
+        raise invalid(f"openengine-target-dp-rank {meta.target_dp_rank} disagrees with "
+                      f"kv.session.dp_rank {request.kv.session.dp_rank} (the session is authoritative)")
+    if has_session and role != "decode":
+        raise Rejection(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"role mismatch: this is a {role} server; only a decode server accepts kv.session")
+    if role == "decode":
+        if not has_session:
+            raise invalid("this is a decode server: the request must carry kv.session from a prefill "
+                          "server's PrefillReady")
+        _check_session(request.kv.session)
+
+
+def _check_candidates(name: str, selection: oe.CandidateTokenSelection, caps: Capabilities) -> None:
+    mode = selection.WhichOneof("selection")
+    if mode is None:
+        raise invalid(f"response.{name} is set but selects nothing; set top_n, token_ids or all {{}}")
+    if mode not in caps.candidate_modes:
+        raise invalid(f"response.{name}: candidate mode {mode!r} is not supported "
+                      f"(supported: {list(caps.candidate_modes)})")
+    if mode == "top_n" and selection.top_n > caps.max_top_n:
+        raise invalid(f"response.{name}.top_n is {selection.top_n}; the maximum is {caps.max_top_n}")
+
+
+def check_features(request: oe.GenerateRequest, caps: Capabilities) -> None:
+    """D4: every requested feature must be advertised in the capability table."""
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise invalid("exactly one input is required: set prompt or token_ids")  # G1
+    if (kind == "prompt" and not caps.text_input) or (kind == "token_ids" and not caps.token_ids_input):
+        raise invalid(f"input {kind!r} is not supported by model {caps.served_model_name!r}")
+    if request.HasField("guided") and (request.guided.WhichOneof("guide") or request.guided.backend):
+        mode = request.guided.WhichOneof("guide")
+        if mode is None:
+            raise invalid("guided.backend is set but no guide (json_schema, regex, ...) is")
+        if mode not in caps.guided_modes:
+            raise invalid(f"guided decoding mode {mode!r} is not supported "
+                          f"(generation.guided_decoding.modes = {list(caps.guided_modes)})")
+    if request.media and not caps.multimodal:
+        raise invalid(f"model {caps.served_model_name!r} does not accept media (supports_multimodal=false)")
+    if request.lora_name and not caps.lora:
+        raise Rejection(grpc.StatusCode.NOT_FOUND,
+                        f"LoRA adapter {request.lora_name!r} not found: LoRA is disabled on this server "
+                        "(supports_lora=false)")
+    s = request.sampling
+    if s.HasField("num_sequences") and s.num_sequences == 0:
+        raise invalid("sampling.num_sequences must be > 0 when present (omit it for 1)")  # G4
+    if s.HasField("num_sequences") and s.num_sequences > caps.max_num_sequences:
+        raise invalid(f"sampling.num_sequences is {s.num_sequences}; the advertised maximum is "
+                      f"{caps.max_num_sequences}")
+    r = request.response
+    if r.return_prompt_logprobs and not caps.prompt_logprobs:
+        raise invalid("prompt logprobs are not supported")
+    if r.return_output_logprobs and not caps.output_logprobs:
+        raise invalid("output logprobs are not supported")
+    for name in ("prompt_candidates", "output_candidates"):
+        if r.HasField(name):
+            _check_candidates(name, getattr(r, name), caps)
+    if request.stopping.include_stop_in_output and not caps.stop_in_output:
+        raise invalid("stopping.include_stop_in_output is not supported")
+    if request.kv.HasField("cache_salt") and not caps.cache_salt:
+        raise invalid("kv.cache_salt is not supported")
+    if request.kv.bypass_prefix_cache and not caps.prefix_cache_bypass:
+        raise invalid("kv.bypass_prefix_cache is not supported")
+
+
+def _candidates_per_token(selection: oe.CandidateTokenSelection, vocab_size: int) -> int:
+    mode = selection.WhichOneof("selection")
+    if mode == "all":
+        return vocab_size
+    if mode == "token_ids":
+        return len(selection.token_ids.ids)
+    return selection.top_n if mode == "top_n" else 0
+
+
+def check_response_sizes(request: oe.GenerateRequest, facts: ServerFacts) -> None:
+    """Refuse a request whose ``PromptOutput`` (sent once) or single-token ``TokenOutput``
+    could not fit in one gRPC message (ref). Token outputs are split per token when large."""
+    limit = facts.max_send_message_bytes
+    r = request.response
+    vocab = facts.caps.vocab_size
+    if r.HasField("output_candidates"):
+        per_token = TOKEN_INFO_BYTES + CANDIDATE_BYTES * _candidates_per_token(r.output_candidates, vocab)
+        if per_token > limit:
+            raise invalid(f"output candidates need ~{per_token >> 20} MiB per token, over the "
+                          f"{limit >> 20} MiB message limit (--max-send-message-mib)")
+    if not r.HasField("prompt_candidates"):
+        return
+    per_position = TOKEN_INFO_BYTES + CANDIDATE_BYTES * _candidates_per_token(r.prompt_candidates, vocab)
+    if facts.caps.max_context_length * per_position <= limit:
+        return  # fits whatever the prompt: no need to count its tokens
+    if request.WhichOneof("input") == "token_ids":
+        num_prompt = len(request.token_ids.ids)
+    else:
+        num_prompt = facts.count_prompt_tokens(request.prompt)
+    positions = max(num_prompt - r.prompt_logprob_start, 0)
+    size = positions * per_position
+    if size > limit:
+        raise invalid(f"prompt candidates for {positions} positions need ~{size >> 20} MiB in one "
+                      f"PromptOutput, over the {limit >> 20} MiB message limit; raise "
+                      "response.prompt_logprob_start, select fewer candidates, "
+                      "or raise --max-send-message-mib")
+
+
+def validate_generate(request: oe.GenerateRequest, meta: RequestMetadata, facts: ServerFacts) -> None:
+    """All edge checks, in the order a client would want to hear about them. Raises ``Rejection``."""
+    if not request.request_id:
+        raise invalid("request_id must be non-empty")  # G2
+    check_model(request.model, facts.caps)
+    check_role(request, facts.role, meta)
+    check_features(request, facts.caps)
+    check_response_sizes(request, facts)

@@ -1,0 +1,180 @@
+"""Control RPCs on the shared server (RULES D1–D7, H1–H4, A1–A4, R5, X2), plus the
+standard gRPC services next to them: grpc.health.v1 and server reflection.
+
+Lifecycle states that need their own server (STARTING, DRAINING, split listeners) are in
+``test_server_shutdown.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from refengine.client import OpenEngineClient
+from refengine.protocol import oe
+from refengine.server.health import SEVERITY
+from tests.integration.conftest import Stream, check_stream, collect, greedy_request, wait_idle
+
+MODEL = "smollm2-135m-instruct"
+TRACE = (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"), ("tracestate", "a=1"))
+
+
+def _code(call, *args, **kwargs) -> grpc.StatusCode:  # noqa: ANN001, ANN003
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)
+    assert info.value.details()
+    return info.value.code()
+
+
+def test_server_info(client: OpenEngineClient) -> None:
+    info = client.control.GetServerInfo(oe.GetServerInfoRequest(), metadata=TRACE, timeout=10)  # M5
+    assert info.engine_name == "refengine" and info.engine_version
+    assert info.engine_role == oe.ENGINE_ROLE_AGGREGATED  # D7
+    assert info.instance_id and list(info.supported_models) == [MODEL]
+    assert (info.schema_revision, info.minimum_client_revision, info.schema_release) == (1, 1, "v0.1.0")  # D1
+    p = info.parallelism
+    assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size) == (1, 1, 1)
+    assert p.HasField("data_parallel_rank") and p.data_parallel_rank == 0  # D2: present zero
+    assert p.decode_context_parallel_size >= 1  # D5
+    c = info.capacity  # D6
+    assert (c.kv_block_size, c.total_kv_blocks, c.max_running_requests) == (16, 128, 16)
+    assert c.max_batched_tokens > 0 and c.HasField("max_loras") and c.max_loras == 0
+    assert info.kv_connector.HasField("enabled") and not info.kv_connector.enabled
+
+
+def test_model_info(client: OpenEngineClient) -> None:
+    info = client.model_info(MODEL)
+    assert info.served_model_name == MODEL and info.max_context_length == 2048
+    assert info.supports_text_input and info.supports_token_ids_input
+    assert info.HasField("supports_lora") and not info.supports_lora
+    g = info.generation
+    assert g.prompt_logprobs.supported and g.output_logprobs.supported and g.output_logprobs.max_top_n == 20
+    assert g.guided_decoding.HasField("supported") and not g.guided_decoding.supported
+    assert g.max_num_sequences == 16 and g.supports_priority and g.supports_cache_salt
+    assert _code(client.model_info, "no-such-model") == grpc.StatusCode.NOT_FOUND  # D3
+    empty = client.control.GetModelInfo
+    assert _code(empty, oe.GetModelInfoRequest(model="")) == grpc.StatusCode.INVALID_ARGUMENT  # D3 (ref)
+
+
+def test_load_per_rank(client: OpenEngineClient) -> None:
+    idle = wait_idle(client)
+    assert idle.instance_id and idle.HasField("timestamp_unix_nanos")
+    assert idle.HasField("running_requests") and idle.used_kv_blocks <= idle.total_kv_blocks == 128  # H4
+    assert not idle.ranks
+    ranked = client.load(include_per_rank=True)
+    assert len(ranked.ranks) == 1 and ranked.ranks[0].HasField("data_parallel_rank")
+    assert ranked.ranks[0].data_parallel_rank == 0 and ranked.ranks[0].total_kv_blocks == 128
+
+
+def test_health_ready_with_probes(client: OpenEngineClient) -> None:
+    health = client.health()
+    assert health.state == oe.HEALTH_STATE_READY
+    assert {c.name for c in health.checks} >= {"grpc", "model", "scheduler"}
+    results: list[oe.HealthResponse] = []
+
+    def probe() -> None:
+        results.append(client.health(include_inference_probe=True, model=MODEL))
+
+    threads = [threading.Thread(target=probe) for _ in range(4)]  # H2: concurrent probes
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4
+    for result in results:
+        probe_check = [c for c in result.checks if c.name == "inference_probe"]
+        assert len(probe_check) == 1 and probe_check[0].state == oe.HEALTH_STATE_READY, probe_check
+        assert result.state == max((c.state for c in result.checks), key=SEVERITY.index)  # H1
+    wait_idle(client)
+
+
+def test_health_role_and_model_mismatch(client: OpenEngineClient) -> None:
+    health = client.health(role=oe.ENGINE_ROLE_PREFILL)
+    assert health.state == oe.HEALTH_STATE_NOT_READY  # H1: worst check wins
+    assert [c.state for c in health.checks if c.name == "role"] == [oe.HEALTH_STATE_NOT_READY]
+    assert _code(client.health, True, "no-such-model") == grpc.StatusCode.NOT_FOUND
+
+
+def _started(client: OpenEngineClient, request_id: str, num_sequences: int = 1):  # noqa: ANN202
+    request = greedy_request(request_id, "Write a long story about a cat.", max_tokens=400, ignore_eos=True)
+    request.sampling.num_sequences = num_sequences
+    if num_sequences > 1:
+        request.sampling.temperature = 0.7
+    events = client.generate(request, timeout=120)
+    first = next(events)
+    assert first.WhichOneof("event") == "token"
+    return request, [first], events
+
+
+def test_abort_request(client: OpenEngineClient) -> None:
+    assert _code(client.abort) == grpc.StatusCode.INVALID_ARGUMENT  # A1: no target
+    assert _code(client.abort, "never-seen") == grpc.StatusCode.NOT_FOUND  # A2
+    request, seen, events = _started(client, "abort-me", num_sequences=2)
+    assert client.abort("abort-me").status == oe.ABORT_STATUS_ABORTED
+    seen.extend(events)
+    stream = Stream(events=seen)
+    check_stream(stream, request)  # A4: one GenerationFinished(CANCELLED) per output, then OK
+    assert {stream.finished(i).reason for i in range(2)} == {oe.FINISH_REASON_CANCELLED}
+    assert client.abort("abort-me").status == oe.ABORT_STATUS_ALREADY_FINISHED  # A2
+    wait_idle(client)
+
+
+def test_abort_all_requests(client: OpenEngineClient) -> None:
+    wait_idle(client)
+    idle = client.abort(all_requests=True)
+    assert idle.status == oe.ABORT_STATUS_ALREADY_FINISHED  # A3: nothing ran
+    started = [_started(client, f"all-{i}") for i in range(2)]
+    assert client.abort(all_requests=True).status == oe.ABORT_STATUS_ABORTED
+    for request, seen, events in started:
+        stream = Stream(events=[*seen, *events])
+        check_stream(stream, request)
+        assert stream.finished(0).reason == oe.FINISH_REASON_CANCELLED
+    wait_idle(client)  # A4: KV freed
+    session = oe.KvSessionRef(session_id="nope")
+    assert _code(client.abort, kv_session=session) == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("rpc,request_,code", [
+    ("LoadLora", oe.LoadLoraRequest(adapter=oe.LoraAdapter(lora_id=1, lora_name="a", source_path="/tmp")),
+     grpc.StatusCode.FAILED_PRECONDITION),  # R5
+    ("UnloadLora", oe.UnloadLoraRequest(lora_name="a"), grpc.StatusCode.FAILED_PRECONDITION),
+    ("ListLoras", oe.ListLorasRequest(), grpc.StatusCode.FAILED_PRECONDITION),
+    ("GetKvEventSources", oe.GetKvEventSourcesRequest(), grpc.StatusCode.UNIMPLEMENTED),
+])
+def test_unoffered_rpcs(client: OpenEngineClient, rpc: str, request_: object, code: grpc.StatusCode) -> None:
+    assert _code(getattr(client.control, rpc), request_) == code
+
+
+def test_subscribe_kv_events_unimplemented(client: OpenEngineClient) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        list(client.control.SubscribeKvEvents(oe.SubscribeKvEventsRequest(), timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_grpc_health_v1(server_address: str) -> None:
+    with grpc.insecure_channel(server_address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "openengine.v1.Inference", "openengine.v1.Control"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_lists_the_services(server_address: str) -> None:
+    with grpc.insecure_channel(server_address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        services = set(database.get_services())
+        assert {"openengine.v1.Inference", "openengine.v1.Control", "grpc.health.v1.Health"} <= services
+        generate = database.FindFileContainingSymbol("openengine.v1.Inference")
+        assert generate.package == "openengine.v1"
+
+
+def test_generate_still_works_after_control_traffic(client: OpenEngineClient) -> None:
+    request = greedy_request("after-control", "Hello", max_tokens=2)
+    check_stream(collect(client, request), request)

@@ -1,0 +1,155 @@
+"""Lifecycle on a server of its own (RULES H3, X1, X3): STARTING before the model is
+loaded, Control on a separate listener, and a SIGTERM drain: DRAINING, new requests refused,
+running streams finish within the grace period or end with one terminal
+``EngineError(DRAINING, retryable)``, then exit 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from refengine.client import OpenEngineClient
+from refengine.protocol import oe
+from tests.integration.conftest import (
+    ServerProcess,
+    Stream,
+    check_stream,
+    collect,
+    greedy_request,
+    start_server,
+    wait_ready,
+)
+
+GRACE = 4.0
+
+
+@dataclass
+class Starting:
+    """What the server answered before its model was loaded."""
+
+    health: int
+    grpc_health: int
+    generate_code: grpc.StatusCode
+    server_info_code: grpc.StatusCode
+
+
+def _grpc_health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def _observe_starting(server: ServerProcess) -> Starting:
+    with OpenEngineClient(server.control_address, timeout=5) as control, \
+            OpenEngineClient(server.address, timeout=5) as inference:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                health = control.health().state
+                break
+            except grpc.RpcError:
+                if time.monotonic() > deadline or server.proc.poll() is not None:
+                    raise RuntimeError(f"no Health answer:\n{server.log_tail()}") from None
+                time.sleep(0.05)
+        generate = collect(inference, greedy_request("early", "Hi", max_tokens=1), timeout=5)
+        assert not generate.events
+        try:
+            control.server_info()
+            info_code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            info_code = exc.code()
+        return Starting(health, _grpc_health(server.control_address), generate.code, info_code)
+
+
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Starting]]:
+    log = tmp_path_factory.mktemp("refengine-shutdown") / "server.log"
+    server = start_server(log, "--max-model-len", "2048", "--num-kv-blocks", "128",
+                          "--shutdown-grace-seconds", str(GRACE), control_port=True, wait_ready=False)
+    try:
+        starting = _observe_starting(server)
+        wait_ready(server)
+        yield server, starting
+    finally:
+        server.stop()
+
+
+def test_starting_before_the_model_is_loaded(own_server: tuple[ServerProcess, Starting]) -> None:
+    server, starting = own_server
+    assert starting.health == oe.HEALTH_STATE_STARTING  # H3
+    assert starting.grpc_health == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert starting.generate_code == grpc.StatusCode.UNAVAILABLE
+    assert starting.server_info_code == grpc.StatusCode.UNAVAILABLE
+    assert server.startup_states[-1] == "HEALTH_STATE_READY"
+
+
+def test_control_on_its_own_listener(own_server: tuple[ServerProcess, Starting]) -> None:
+    server, _ = own_server
+    assert server.control_address != server.address
+    with OpenEngineClient(server.address) as inference, OpenEngineClient(server.control_address) as control:
+        assert control.server_info().engine_name == "refengine"
+        with pytest.raises(grpc.RpcError) as info:
+            inference.server_info()
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        refused = collect(control, greedy_request("wrong-port", "Hi", max_tokens=1))
+        assert refused.code == grpc.StatusCode.UNIMPLEMENTED
+        request = greedy_request("right-port", "Hi", max_tokens=2)
+        check_stream(collect(inference, request), request)
+        assert _grpc_health(server.address) == health_pb2.HealthCheckResponse.SERVING
+
+
+def _consume(client: OpenEngineClient, request: oe.GenerateRequest, into: Stream, started: threading.Event) -> None:
+    try:
+        for event in client.generate(request, timeout=120):
+            into.events.append(event)
+            started.set()
+    except grpc.RpcError as exc:
+        into.code, into.details = exc.code(), exc.details()
+    started.set()
+
+
+def test_sigterm_drains_then_exits_zero(own_server: tuple[ServerProcess, Starting]) -> None:
+    server, _ = own_server
+    short = greedy_request("short", "Count: one, two,", max_tokens=4)
+    long = greedy_request("long", "Write a very long story.", max_tokens=1500, ignore_eos=True)
+    streams = {"short": Stream(), "long": Stream()}
+    with OpenEngineClient(server.address) as inference, OpenEngineClient(server.control_address) as control:
+        threads = []
+        for request in (short, long):
+            started = threading.Event()
+            thread = threading.Thread(target=_consume, args=(inference, request, streams[request.request_id], started))
+            thread.start()
+            assert started.wait(60), "no first event"
+            threads.append(thread)
+        server.signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        states = []
+        while time.monotonic() - signalled < GRACE - 0.5:
+            states.append(control.health().state)
+            if states[-1] == oe.HEALTH_STATE_DRAINING:
+                break
+            time.sleep(0.05)
+        assert states[-1] == oe.HEALTH_STATE_DRAINING, states  # H3
+        assert _grpc_health(server.control_address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        refused = collect(inference, greedy_request("late", "Hi", max_tokens=1), timeout=5)
+        assert refused.code == grpc.StatusCode.UNAVAILABLE and not refused.events  # X1 (ref: UNAVAILABLE)
+        for thread in threads:
+            thread.join(GRACE + 10)
+        code = server.proc.wait(GRACE + 10)
+        elapsed = time.monotonic() - signalled
+    assert code == 0, server.log_tail()
+    assert elapsed < GRACE + 5, f"exit took {elapsed:.1f} s"
+    check_stream(streams["short"], short)  # finished within the grace period
+    cut = streams["long"]
+    check_stream(cut, long, success=False)
+    final = cut.events[-1]
+    assert final.WhichOneof("event") == "error", final
+    assert final.error.code == oe.ERROR_CODE_DRAINING and final.error.retryable  # X3
+    assert "Traceback" not in server.log_tail(20000), server.log_tail()

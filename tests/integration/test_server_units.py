@@ -1,0 +1,167 @@
+"""The gRPC edge's pure parts, without a server or a model: metadata (M1–M3), role checks
+(D7, K5, K6), ``extra`` (G8), request mapping, response building (G10–G16, X1) and the
+stream bridge's stall detection. Fast; catches what the loopback tests cannot provoke
+(an engine that breaks an invariant, a decode-role server)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from google.protobuf import struct_pb2
+
+from refengine.engine.types import (
+    Candidate,
+    EngineFault,
+    FinishInfo,
+    FinishReason,
+    RequestOutput,
+    SequenceDelta,
+    TokenInfo,
+    Usage,
+)
+from refengine.protocol import oe
+from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
+from refengine.server.errors import Rejection
+from refengine.server.metadata import RequestMetadata, read_inference_metadata
+from refengine.server.responses import ResponseBuilder
+from refengine.server.stream_bridge import OutputBridge
+from refengine.server.validation import check_role
+
+USAGE = Usage(prompt_tokens=4, completion_tokens=2, cached_prompt_tokens=0)
+LENGTH = FinishInfo(FinishReason.LENGTH)
+
+
+@pytest.mark.parametrize("metadata,ok", [
+    ((("openengine-priority", "-7"), ("openengine-target-dp-rank", "0"), ("x-other", "a")), True),
+    ((("openengine-priority", "2147483648"),), False),  # int32 overflow
+    ((("openengine-priority", " 1"),), False),
+    ((("openengine-target-dp-rank", "+0"),), False),
+    ((("openengine-routing-key", "a"), ("openengine-routing-key", "b")), False),
+    ((("openengine-unknown", "x"),), True),  # unknown openengine-* keys are ignored
+    ((("traceparent", "garbage"),), True),  # a malformed trace context is ignored, never an error
+])
+def test_metadata(metadata: tuple, ok: bool) -> None:
+    if ok:
+        meta = read_inference_metadata(metadata)
+        assert meta.priority in (None, -7)
+    else:
+        with pytest.raises(Rejection) as info:
+            read_inference_metadata(metadata)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _with_session(**fields: object) -> oe.GenerateRequest:
+    request = oe.GenerateRequest(request_id="r", prompt="x")
+    request.kv.session.CopyFrom(oe.KvSessionRef(**fields))
+    return request
+
+
+@pytest.mark.parametrize("role,request_,meta,code", [
+    ("decode", oe.GenerateRequest(request_id="r", prompt="x"), RequestMetadata(), "INVALID_ARGUMENT"),  # K5
+    ("decode", _with_session(session_id="s", transfer_backend="nixl"), RequestMetadata(), "INVALID_ARGUMENT"),
+    ("decode", _with_session(transfer_backend="nixl"), RequestMetadata(), "INVALID_ARGUMENT"),
+    ("prefill", _with_session(session_id="s"), RequestMetadata(), "FAILED_PRECONDITION"),  # K6
+    ("aggregated", _with_session(session_id="s", dp_rank=1), RequestMetadata(target_dp_rank=0),
+     "INVALID_ARGUMENT"),  # M3
+    ("prefill", oe.GenerateRequest(request_id="r", prompt="x"), RequestMetadata(), None),
+])
+def test_role_checks(role: str, request_: oe.GenerateRequest, meta: RequestMetadata, code: str | None) -> None:
+    if code is None:
+        check_role(request_, role, meta)
+        return
+    with pytest.raises(Rejection) as info:
+        check_role(request_, role, meta)
+    assert info.value.code.name == code and info.value.message
+
+
+def test_extra_stream_settings() -> None:
+    server = StreamSettings(stream_buffer=8, stall_timeout_seconds=5.0)
+    extra = struct_pb2.Struct()
+    extra.update({"refengine.stream_buffer": 2, "refengine.stall_timeout_seconds": 0.5, "other": "ignored"})
+    assert stream_settings(extra, server) == StreamSettings(2, 0.5)
+    assert stream_settings(struct_pb2.Struct(), server) == server  # G8: empty is always valid
+    for bad in ({"refengine.stream_buffer": 9}, {"refengine.stream_buffer": 1.5},
+                {"refengine.stall_timeout_seconds": True}, {"refengine.stall_timeout_seconds": 0}):
+        extra = struct_pb2.Struct()
+        extra.update(bad)
+        with pytest.raises(Rejection):
+            stream_settings(extra, server)
+
+
+def test_request_mapping_keeps_presence() -> None:
+    request = oe.GenerateRequest(request_id="r", prompt="hi", kv=oe.KvOptions(cache_salt=""))
+    request.sampling.top_k = 0
+    request.stopping.conditions.add(stop_token_id=5)
+    request.stopping.conditions.add(stop_text="END")
+    request.response.output_candidates.top_n = 0
+    params = to_engine_request(request, RequestMetadata(priority=3))
+    assert params.sampling.num_sequences == 1 and params.sampling.temperature == 1.0 and params.sampling.seed is None
+    assert params.stopping.stop_token_ids == (5,) and params.stopping.stop_strings == ("END",)
+    assert params.stopping.max_tokens is None and params.logprobs.output_candidates is None  # top_n 0 (ref)
+    assert params.kv.cache_salt is None and params.priority == 3
+
+
+def test_response_builder_usage_and_terminal() -> None:
+    builder = ResponseBuilder("r", 2, 1 << 20)
+    first = builder.events(RequestOutput("r", deltas=(SequenceDelta(0, (TokenInfo(1, "a"),), "a", LENGTH),)))
+    assert [e.WhichOneof("event") for e in first] == ["token", "finished"]
+    assert not any(e.HasField("usage") for e in first)
+    last = builder.events(RequestOutput("r", deltas=(SequenceDelta(1, (), "", LENGTH),), finished=True, usage=USAGE))
+    assert [e.WhichOneof("event") for e in last] == ["finished"] and last[-1].usage.total_tokens == 6
+    assert last[-1].finished.HasField("output_index") and last[-1].finished.output_index == 1  # G10
+    with pytest.raises(RuntimeError):
+        builder.events(RequestOutput("r"))
+
+
+def test_response_builder_turns_broken_invariants_into_one_engine_error() -> None:
+    builder = ResponseBuilder("r", 1, 1 << 20)
+    builder.events(RequestOutput("r", deltas=(SequenceDelta(0, finish=LENGTH),)))
+    events = builder.events(RequestOutput("r", deltas=(SequenceDelta(0, (TokenInfo(1, "a"),), "a"),)))
+    assert events[-1].error.code == oe.ERROR_CODE_INTERNAL and builder.terminal_sent
+    fault = ResponseBuilder("r", 1, 1 << 20).events(
+        RequestOutput("r", finished=True, usage=USAGE, error=EngineFault("internal", "boom", retryable=False)))
+    assert len(fault) == 1 and fault[0].error.message == "boom" and not fault[0].error.retryable
+    assert fault[0].usage.prompt_tokens == 4  # G16: usage on the terminal EngineError
+
+
+def test_large_token_output_is_split_by_tokens() -> None:
+    candidates = tuple(Candidate(i, -1.0, i + 1, "tok") for i in range(2000))
+    tokens = tuple(TokenInfo(i, "t", -0.5, 1, candidates) for i in range(3))
+    builder = ResponseBuilder("r", 1, 64 << 10)
+    events = builder.events(RequestOutput("r", deltas=(SequenceDelta(0, tokens, "ttt"),)))
+    assert [len(e.token.tokens) for e in events] == [1, 1, 1]
+    assert "".join(e.token.text for e in events) == "ttt" and events[-1].token.text == "ttt"
+
+
+def test_bridge_detects_a_stalled_consumer_and_reports_the_engine_usage() -> None:
+    async def scenario() -> tuple[list[str], RequestOutput]:
+        loop = asyncio.get_running_loop()
+        stalled: list[str] = []
+        bridge = OutputBridge(loop, "r", capacity=1, stall_timeout=0.05, on_stall=lambda b: stalled.append("x"))
+        engine_thread = threading.Thread(target=lambda: [bridge.sink(RequestOutput("r")) for _ in range(3)])
+        engine_thread.start()
+        engine_thread.join()
+        await asyncio.sleep(0.2)  # nobody reads: the buffer is full, the clock runs out
+        assert bridge.fail(EngineFault("overloaded", "stalled", retryable=True))
+        bridge.sink(RequestOutput("r", finished=True, usage=USAGE))  # the engine confirms the abort
+        terminal = await asyncio.wait_for(bridge.next(), 2)
+        return stalled, terminal
+
+    stalled, terminal = asyncio.run(scenario())
+    assert stalled == ["x"]
+    assert terminal.error is not None and terminal.error.code == "overloaded" and terminal.usage == USAGE
+
+
+def test_bridge_never_overrides_a_finished_request() -> None:
+    async def scenario() -> bool:
+        bridge = OutputBridge(asyncio.get_running_loop(), "r", 4, 10.0, on_stall=lambda b: None)
+        bridge.sink(RequestOutput("r", finished=True, usage=USAGE))
+        await asyncio.sleep(0.01)
+        refused = not bridge.fail(EngineFault("draining", "late", retryable=True))
+        out = await bridge.next()
+        return refused and out.finished and out.error is None
+
+    assert asyncio.run(scenario())
