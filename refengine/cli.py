@@ -13,25 +13,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d, c, s = EngineConfig(), CacheConfig(), SchedulerConfig()
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=d.model, help="manifest name (models/*.toml) or a path to an HF dir "
-                   "or a .gguf file (default: %(default)s, the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", default=None, help="name clients use (default: the manifest name)")
+                   "or a .gguf file; the default is the embedded SmolLM2-135M-Instruct")
+    g.add_argument("--served-model-name", default=None, help="name clients use (None: the manifest name)")
     g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"],
-                   help="weight and KV dtype (default: %(default)s; fp32 is fastest on CPUs without bf16)")
-    g.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    g.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block (default: %(default)s)")
+                   help="weight and KV dtype (fp32 is fastest on CPUs without bf16)")
+    g.add_argument("--device", default=d.device, help="torch device")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (None: the model's)")
+    g.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV blocks in the pool (default: sized from --kv-memory-mib)")
+                   help="KV blocks in the pool (None: sized from --kv-memory-mib)")
     g.add_argument("--kv-memory-mib", type=int, default=c.kv_memory_bytes >> 20,
-                   help="KV cache memory budget in MiB (default: %(default)s)")
+                   help="KV cache memory budget in MiB")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens,
-                   help="per-step token budget (default: %(default)s)")
+                   help="per-step token budget")
     g.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs,
-                   help="most sequences running at once (default: %(default)s)")
+                   help="most sequences running at once")
     g.add_argument("--max-num-sequences", type=int, default=d.max_num_sequences,
-                   help="most outputs one request may ask for (default: %(default)s)")
+                   help="most outputs one request may ask for")
     g.add_argument("--seed", type=int, default=d.seed, help="seed of the shared sampling generator")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads (None: one per core); 1 is faster on a busy machine")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -43,6 +45,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_sequences=args.max_num_sequences,
         seed=args.seed,
+        num_threads=args.num_threads,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_kv_blocks,
@@ -82,10 +85,10 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     while not stream.finished:
         engine.step()
-        while not stream._queue.empty():
-            for delta in stream._queue.get().deltas:
+        for out in stream.drain():
+            for delta in out.deltas:
                 print(delta.text, end="", flush=True)
-    print()
+    print(flush=True)
     usage = stream.result().usage
     elapsed = time.perf_counter() - start
     print(f"[{usage.completion_tokens} tokens in {elapsed:.2f} s, "
@@ -107,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if add_server_args is not None:
         add_server_args(serve)
 
-    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen = sub.add_parser("generate", help="generate text for one prompt",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)

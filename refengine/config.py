@@ -78,5 +78,6 @@ class EngineConfig:
     max_num_sequences: int = 16  # most outputs one request may ask for (num_sequences)
     max_logprobs: int = 20  # largest top-N candidate count
     seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default (all cores)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -73,6 +73,8 @@ class Engine:
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.model_fingerprint = model_fingerprint
         torch.manual_seed(config.seed)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.runner = ModelRunner(model_config, weights, config.cache, self.max_model_len,
                                   dtype=DTYPES[config.dtype], device=config.device)
         self.pool = BlockPool(self.runner.num_blocks, config.cache.enable_prefix_caching)

@@ -71,6 +71,15 @@ class RequestStream:
             if out.finished:
                 return
 
+    def drain(self) -> list[RequestOutput]:
+        """Outputs queued so far, without waiting (for callers that step the engine)."""
+        drained = []
+        while True:
+            try:
+                drained.append(self._queue.get_nowait())
+            except queue.Empty:
+                return drained
+
     def result(self, timeout: float | None = None) -> Completion:
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.completion.request_id} did not finish in {timeout} s")
