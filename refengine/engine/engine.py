@@ -82,8 +82,9 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
         self.processor = OutputProcessor(tokenizer, self.sampler, self)
-        self.limits = Limits(model_config.vocab_size, self.max_model_len, config.max_num_sequences,
-                             config.max_logprobs)
+        # A request's outputs all run at once, so it may not ask for more than max_num_seqs.
+        max_num_sequences = min(config.max_num_sequences, config.scheduler.max_num_seqs)
+        self.limits = Limits(model_config.vocab_size, self.max_model_len, max_num_sequences, config.max_logprobs)
         self.requests: dict[str, Request] = {}  # accepted and in the scheduler
         self._prompt_logprob_requests: set[str] = set()  # prompt logprobs not yet emitted
         self._lock = threading.Condition()

@@ -24,6 +24,7 @@ from google.protobuf import struct_pb2
 import refengine
 from refengine.protocol import oe
 from refengine.server.capabilities import model_info
+from refengine.server.convert import GENERATE_EXTRA_KEYS
 from refengine.server.errors import Rejection, invalid
 from refengine.server.health import ROLES, health_response
 from refengine.server.metadata import read_trace_context
@@ -98,7 +99,9 @@ class ControlServicer(oe.ControlServicer):
             if not request.model:
                 raise invalid("model is required; use one of ServerInfo.supported_models")  # D3 (ref)
             check_model(request.model, self.state.caps)
-            return model_info(self.state.caps, {"vocab_size": engine.limits.vocab_size})
+            # Publishing the known ``extra`` keys lets a portable suite check G8 unconfigured.
+            return model_info(self.state.caps, {"vocab_size": engine.limits.vocab_size,
+                                                "generate_extra_keys": GENERATE_EXTRA_KEYS})
 
         return await self._run(context, build)
 

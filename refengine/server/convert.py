@@ -44,6 +44,7 @@ from refengine.server.metadata import RequestMetadata
 
 EXTRA_STREAM_BUFFER = "refengine.stream_buffer"
 EXTRA_STALL_TIMEOUT = "refengine.stall_timeout_seconds"
+GENERATE_EXTRA_KEYS = {EXTRA_STREAM_BUFFER: "number", EXTRA_STALL_TIMEOUT: "number"}  # key -> JSON type
 
 
 @dataclass(frozen=True)

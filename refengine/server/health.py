@@ -117,7 +117,9 @@ async def health_response(state: ServerState, request: oe.HealthRequest) -> oe.H
         checks.append(_check("model", oe.HEALTH_STATE_STARTING, f"loading {state.engine_config.model}"))
     checks.append(_check("scheduler", LIFECYCLE_STATE[lifecycle], lifecycle.value))
     ours = ROLES[state.options.role]
-    if request.role not in (oe.ENGINE_ROLE_UNSPECIFIED, ours):
+    # An enum value this build does not know reads as UNSPECIFIED (X4), never as a mismatch.
+    known_roles = set(oe.EngineRole.values())
+    if request.role in known_roles and request.role not in (oe.ENGINE_ROLE_UNSPECIFIED, ours):
         checks.append(_check("role", oe.HEALTH_STATE_NOT_READY,
                              f"this server's role is {state.options.role}, not the one asked for"))
     if request.include_inference_probe:

@@ -1,0 +1,21 @@
+"""OpenEngine v0.1.0 conformance suite.
+
+Points at any OpenEngine server (``host:port``), runs one or more checks per rule
+of ``contract/RULES.md`` through the generated gRPC stubs only, and reports a
+support matrix: PASS, FAIL (observed vs expected) or SKIP (feature not
+advertised). Usage::
+
+    python -m refengine.conformance 127.0.0.1:50051 [--rules G1,G14,L] [--json out.json]
+
+or from Python::
+
+    from refengine.conformance import run
+    results = run("127.0.0.1:50051", rules=["G"])
+"""
+
+from refengine.conformance.registry import Check, Status, all_checks, check, select
+from refengine.conformance.runner import Result, format_matrix, run, run_check
+from refengine.conformance.target import Options, Target
+
+__all__ = ["Check", "Options", "Result", "Status", "Target", "all_checks", "check", "format_matrix", "run",
+           "run_check", "select"]

@@ -1,0 +1,54 @@
+"""``python -m refengine.conformance HOST:PORT [--rules G1,G2] [--json out.json]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from refengine.conformance.registry import Status
+from refengine.conformance.runner import Result, format_matrix, run, to_json
+from refengine.conformance.target import Options
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m refengine.conformance",
+                                     description="Check an OpenEngine v0.1.0 server against contract/RULES.md.")
+    parser.add_argument("address", help="HOST:PORT of the server")
+    parser.add_argument("--rules", default="", help="comma-separated rule ids or sections (e.g. G1,G14,L)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--model", default="", help="model to test (default: the first supported model)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="deadline of one Generate stream, s")
+    parser.add_argument("--slow-reader-seconds", type=float, default=0.0,
+                        help="X1/X3: stall one stream this long (above the server's stall timeout) to provoke "
+                        "a failure after acceptance (default 0: not tried)")
+    parser.add_argument("--slow-reader-extra", default="{}", metavar="JSON",
+                        help="GenerateRequest.extra (a JSON object) of the stalled stream, e.g. to tighten the "
+                        "server's stall timeout")
+    parser.add_argument("--known-extra-keys", default="{}", metavar="JSON",
+                        help='G8: known extra keys and their JSON types, e.g. {"my.knob": "number"}')
+    parser.add_argument("--quiet", action="store_true", help="no per-check progress lines")
+    args = parser.parse_args(argv)
+
+    def progress(r: Result) -> None:
+        if not args.quiet:
+            print(f"{r.status.value:4}  {r.name:45} {r.seconds:6.2f}s  {r.message[:100]}", file=sys.stderr,
+                  flush=True)
+
+    options = Options(model=args.model, stream_timeout_s=args.timeout, slow_reader_s=args.slow_reader_seconds,
+                      slow_reader_extra=json.loads(args.slow_reader_extra),
+                      known_extra_keys=json.loads(args.known_extra_keys))
+    rules = [r for r in args.rules.split(",") if r.strip()] or None
+    try:
+        results = run(args.address, rules, options, on_result=progress)
+    except ValueError as err:
+        parser.error(str(err))
+    print(format_matrix(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(to_json(results, args.address))
+    return 1 if any(r.status is Status.FAIL for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Assertions shared by the checks: rejection before acceptance, and the structural
+invariants every Generate stream must satisfy (G9, G10, G12, G16, X1)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+
+from refengine.conformance.registry import CheckFailed
+from refengine.conformance.target import StreamResult
+from refengine.protocol import oe
+
+INVALID = (grpc.StatusCode.INVALID_ARGUMENT,)
+NON_OK = tuple(c for c in grpc.StatusCode if c != grpc.StatusCode.OK)
+TRANSPORT_CODES = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+
+
+def expect_rejected(res: StreamResult, codes: Iterable[grpc.StatusCode] = INVALID, what: str = "") -> None:
+    """X1: a request refused before acceptance gets a non-OK status in ``codes`` and no event."""
+    codes = tuple(codes)
+    label = f"{what}: " if what else ""
+    if res.ok:
+        raise CheckFailed(f"{label}expected {'/'.join(c.name for c in codes)} before acceptance, "
+                          f"got an accepted stream ({res.describe()})")
+    if res.events:
+        raise CheckFailed(f"{label}rejection {res.code.name} came after {len(res.events)} event(s) "
+                          f"{res.kinds()}; a refusal before acceptance has zero events")
+    if res.code not in codes:
+        raise CheckFailed(f"{label}expected {'/'.join(c.name for c in codes)}, got {res.code.name} "
+                          f"({res.details!r})")
+
+
+def stream_violations(res: StreamResult, num_sequences: int = 1, cancelled_ok: bool = False) -> list[str]:
+    """Every way a completed stream breaks the structural rules; empty = fine.
+
+    Checks: G9 request_id echoed; G10 output_index present and in range; G12 one
+    finish per output, nothing after it, never UNSPECIFIED; G16 usage only on the
+    final event and consistent; X1 an EngineError is the last event and the status
+    is OK. ``cancelled_ok`` allows a client-cancelled status (the stream was cut)."""
+    problems: list[str] = []
+    finished: set[int] = set()
+    final = len(res.events) - 1
+    for i, event in enumerate(res.events):
+        kind = event.WhichOneof("event")
+        if event.request_id != res.request_id:
+            problems.append(f"G9: event {i} ({kind}) has request_id {event.request_id!r}, sent {res.request_id!r}")
+        if kind is None:
+            problems.append(f"event {i} has no event set")
+            continue
+        if event.HasField("usage") and i != final:
+            problems.append(f"G16: usage on event {i} ({kind}), not on the final response (event {final})")
+        if kind in ("token", "finished"):
+            body = getattr(event, kind)
+            if not body.HasField("output_index"):
+                problems.append(f"G10: {kind} event {i} has no output_index (must be present, also 0)")
+            index = body.output_index
+            if index >= num_sequences:
+                problems.append(f"G10: {kind} event {i} has output_index {index}, num_sequences {num_sequences}")
+            if index in finished:
+                problems.append(f"G12: {kind} event {i} for output {index} after its GenerationFinished")
+            if kind == "finished":
+                finished.add(index)
+                if body.reason == oe.FINISH_REASON_UNSPECIFIED:
+                    problems.append(f"G12: GenerationFinished for output {index} has reason UNSPECIFIED")
+        if kind == "error" and i != final:
+            problems.append(f"X1: EngineError at event {i} is followed by {final - i} more event(s)")
+    errors = res.of("error")
+    if res.ok and not errors and res.events:
+        missing = set(range(num_sequences)) - finished
+        if missing and not res.of("prefill_ready"):
+            problems.append(f"G12: stream ended OK without GenerationFinished for output(s) {sorted(missing)}")
+        if not res.events[-1].HasField("usage"):
+            problems.append(f"G16: the final response ({res.kinds()[-1]}) carries no usage")
+    if errors and not res.ok:
+        problems.append(f"X1: status {res.code.name} after an EngineError (the stream must then end OK)")
+    if res.ok and not res.events:
+        problems.append("stream ended OK with no event at all")
+    if not res.ok and not (cancelled_ok and res.code in TRANSPORT_CODES) and res.events:
+        problems.append(f"X1: stream failed with {res.code.name} after {len(res.events)} event(s); after "
+                        "acceptance a failure is one EngineError event, then OK")
+    usage = res.usage()
+    if usage is not None:
+        problems.extend(usage_violations(usage))
+    return problems
+
+
+def usage_violations(usage: Any) -> list[str]:
+    """G16 arithmetic: total = prompt + completion, cached <= prompt, reasoning <= completion."""
+    problems = []
+    if usage.total_tokens != usage.prompt_tokens + usage.completion_tokens:
+        problems.append(f"G16: usage total {usage.total_tokens} != prompt {usage.prompt_tokens} + "
+                        f"completion {usage.completion_tokens}")
+    if usage.HasField("cached_prompt_tokens") and usage.cached_prompt_tokens > usage.prompt_tokens:
+        problems.append(f"G16: cached_prompt_tokens {usage.cached_prompt_tokens} > prompt {usage.prompt_tokens}")
+    if usage.HasField("reasoning_tokens") and usage.reasoning_tokens > usage.completion_tokens:
+        problems.append(f"G16: reasoning_tokens {usage.reasoning_tokens} > completion {usage.completion_tokens}")
+    return problems
+
+
+def expect_valid(res: StreamResult, num_sequences: int = 1, what: str = "") -> StreamResult:
+    """The stream was accepted, ended OK, and satisfies :func:`stream_violations`."""
+    label = f"{what}: " if what else ""
+    if not res.ok:
+        raise CheckFailed(f"{label}expected an accepted stream ending OK, got {res.describe()}")
+    if res.of("error"):
+        err = res.of("error")[0]
+        raise CheckFailed(f"{label}stream ended with EngineError {oe.ErrorCode.Name(err.code)}: {err.message!r}")
+    problems = stream_violations(res, num_sequences)
+    if problems:
+        raise CheckFailed(f"{label}" + "; ".join(problems[:4]))
+    return res
+
+
+def expect_finish(res: StreamResult, reason: int, index: int = 0, what: str = "") -> Any:
+    fin = res.finished(index)
+    label = f"{what}: " if what else ""
+    if fin is None:
+        raise CheckFailed(f"{label}no GenerationFinished for output {index} ({res.describe()})")
+    if fin.reason != reason:
+        raise CheckFailed(f"{label}output {index} finished {oe.FinishReason.Name(fin.reason)}, expected "
+                          f"{oe.FinishReason.Name(reason)} (stop_match {fin.stop_match.WhichOneof('match')})")
+    return fin
+
+
+def is_finite(x: float) -> bool:
+    return isinstance(x, float | int) and math.isfinite(x)

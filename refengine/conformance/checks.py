@@ -1,0 +1,14 @@
+"""Imports every section module so that their checks register (order = RULES.md)."""
+
+from refengine.conformance import (  # noqa: F401
+    checks_abort,
+    checks_determinism,
+    checks_discovery,
+    checks_errors,
+    checks_generate,
+    checks_health,
+    checks_logprobs,
+    checks_metadata,
+    checks_output,
+    checks_stopping,
+)

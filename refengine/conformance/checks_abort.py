@@ -1,0 +1,156 @@
+"""Section A — Abort and client cancellation (A1–A5)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from refengine.conformance.assertions import expect_finish, expect_valid, stream_violations
+from refengine.conformance.registry import check, expect
+from refengine.conformance.target import Background, StreamResult, Target
+from refengine.protocol import oe
+
+
+def _long(t: Target, tag: str, n: int = 1) -> Any:
+    req = t.long_request(tag, temperature=1.0 if n > 1 else 0.0)
+    if n > 1:
+        req.sampling.num_sequences, req.sampling.seed = n, 21
+    return req
+
+
+def _start(t: Target, req: Any) -> tuple[Background, threading.Event]:
+    """Start a stream on a thread; the event is set once its first event arrived (accepted)."""
+    accepted = threading.Event()
+
+    def on_event(res: StreamResult, ev: Any, call: Any) -> bool:
+        accepted.set()
+        return False
+
+    call = t.generate_async(req, on_event=on_event)
+    deadline = time.monotonic() + t.options.stream_timeout_s
+    while not accepted.wait(0.05) and not call.done() and time.monotonic() < deadline:
+        pass
+    if not accepted.is_set():
+        res = call.join()
+        expect(False, f"{req.request_id} produced no event: {res.describe()}")
+    return call, accepted
+
+
+@check("A1", "Abort without a target → INVALID_ARGUMENT")
+def abort_no_target(t: Target) -> str:
+    """A1: exactly one target."""
+    code, _ = t.unary_code("Abort", oe.AbortRequest())
+    expect(code == grpc.StatusCode.INVALID_ARGUMENT, f"Abort() returned {code.name}, expected INVALID_ARGUMENT")
+    return "INVALID_ARGUMENT"
+
+
+@check("A2", "unknown request_id / kv_session → NOT_FOUND; a finished request → ALREADY_FINISHED")
+def abort_unknown_and_finished(t: Target) -> str:
+    """A2: Abort outcomes for ids that are not running."""
+    code, _ = t.unary_code("Abort", oe.AbortRequest(request_id=t.new_id("a2-never-sent")))
+    expect(code == grpc.StatusCode.NOT_FOUND, f"Abort(unknown request_id) returned {code.name}, expected NOT_FOUND")
+    session = oe.KvSessionRef(session_id="oeconf-no-such-session", transfer_backend="grpc")
+    code, _ = t.unary_code("Abort", oe.AbortRequest(kv_session=session))
+    expect(code == grpc.StatusCode.NOT_FOUND, f"Abort(unknown kv_session) returned {code.name}, expected NOT_FOUND")
+    req = t.request("a2", max_tokens=2)
+    expect_valid(t.generate(req))
+    code, resp = t.unary_code("Abort", oe.AbortRequest(request_id=req.request_id))
+    expect(code == grpc.StatusCode.OK, f"Abort(finished request) returned {code.name}, expected OK/ALREADY_FINISHED")
+    expect(resp.status == oe.ABORT_STATUS_ALREADY_FINISHED,
+           f"Abort(finished request) status {oe.AbortStatus.Name(resp.status)}, expected ALREADY_FINISHED")
+    return "NOT_FOUND for unknown ids, ALREADY_FINISHED for a finished one"
+
+
+@check("A3", "all_requests aborts everything (ABORTED), or ALREADY_FINISHED when nothing ran")
+def abort_all(t: Target) -> str:
+    """A3: ``all_requests {}``."""
+    t.wait_idle("A3 before")
+    code, resp = t.unary_code("Abort", oe.AbortRequest(all_requests=oe.AllRequests()))
+    expect(code == grpc.StatusCode.OK, f"Abort(all) on an idle server returned {code.name}")
+    expect(resp.status in (oe.ABORT_STATUS_ALREADY_FINISHED, oe.ABORT_STATUS_ABORTED),
+           f"Abort(all) on an idle server: status {oe.AbortStatus.Name(resp.status)}")
+    idle_status = oe.AbortStatus.Name(resp.status)
+    reqs = [_long(t, "a3"), _long(t, "a3")]
+    calls = [_start(t, r)[0] for r in reqs]
+    code, resp = t.unary_code("Abort", oe.AbortRequest(all_requests=oe.AllRequests()))
+    results = [c.join() for c in calls]
+    expect(code == grpc.StatusCode.OK and resp.status == oe.ABORT_STATUS_ABORTED,
+           f"Abort(all) with 2 running requests: {code.name} "
+           f"{oe.AbortStatus.Name(resp.status) if resp else ''}, expected ABORTED")
+    for res in results:
+        expect_valid(res, what="stream aborted by all_requests")
+        expect_finish(res, oe.FINISH_REASON_CANCELLED, what="stream aborted by all_requests")
+    t.wait_idle("A3")
+    return f"idle: {idle_status}; 2 running streams CANCELLED"
+
+
+@check("A4", "Abort(request_id) ends every unfinished output with CANCELLED and frees its KV")
+def abort_running(t: Target) -> str:
+    """A4: one GenerationFinished(CANCELLED) per unfinished output (ref), KV freed."""
+    n = 2 if (t.max_num_sequences or 1) >= 2 else 1
+    req = _long(t, "a4", n)
+    call, _ = _start(t, req)
+    load = t.load()
+    busy_blocks = load.used_kv_blocks if load.HasField("used_kv_blocks") else None
+    code, resp = t.unary_code("Abort", oe.AbortRequest(request_id=req.request_id))
+    res = call.join()
+    expect(code == grpc.StatusCode.OK and resp.status == oe.ABORT_STATUS_ABORTED,
+           f"Abort(running) returned {code.name} {oe.AbortStatus.Name(resp.status) if resp else ''}")
+    expect_valid(res, num_sequences=n, what="aborted stream")
+    for i in range(n):
+        expect_finish(res, oe.FINISH_REASON_CANCELLED, index=i, what="aborted output")
+    expect(len(res.tokens()) < req.stopping.max_tokens, "the aborted request ran to max_tokens")
+    load = t.wait_idle("A4: after Abort")
+    code, resp = t.unary_code("Abort", oe.AbortRequest(request_id=req.request_id))
+    expect(code == grpc.StatusCode.OK and resp.status == oe.ABORT_STATUS_ALREADY_FINISHED,
+           f"second Abort of the same request: {code.name} {oe.AbortStatus.Name(resp.status) if resp else ''}")
+    return f"{n} output(s) CANCELLED; used_kv_blocks {busy_blocks} -> {load.used_kv_blocks}"
+
+
+@check("A5", "cancelling the call (client cancel) aborts the engine work: GetLoad returns to idle")
+def client_cancel(t: Target) -> str:
+    """A5: a client cancel frees the request (running count and KV back to idle)."""
+    req = _long(t, "a5")
+    res = t.generate(req, on_event=t.canceller(after_events=2))
+    expect(res.code == grpc.StatusCode.CANCELLED or len(res.events) == 2,
+           f"the client cancel did not end the call: {res.describe()}")
+    start = time.monotonic()
+    load = t.wait_idle("A5: after the client cancelled the call")
+    waited = time.monotonic() - start
+    code, resp = t.unary_code("Abort", oe.AbortRequest(request_id=req.request_id))
+    expect(not (code == grpc.StatusCode.OK and resp.status == oe.ABORT_STATUS_ABORTED),
+           "Abort after the client cancel found the request still running")
+    return f"idle {waited:.2f} s after cancel (used_kv_blocks {load.used_kv_blocks})"
+
+
+@check("A5", "closing the channel (client disconnect) aborts the engine work")
+def client_disconnect(t: Target) -> str:
+    """A5: a client that goes away (its channel closed) frees the request."""
+    req = _long(t, "a5d")
+    channel = grpc.insecure_channel(t.address)
+    stub = oe.InferenceStub(channel)
+    call = stub.Generate(req, timeout=t.options.stream_timeout_s)
+    first = next(iter(call))
+    expect(first.request_id == req.request_id, "first event carries the wrong request_id")
+    channel.close()
+    load = t.wait_idle("A5: after the client closed its channel")
+    return f"idle after disconnect (used_kv_blocks {load.used_kv_blocks})"
+
+
+@check("A5", "a client deadline expiring mid-stream aborts the engine work")
+def client_deadline(t: Target) -> str:
+    """A5 (with X1): a deadline ends the call with DEADLINE_EXCEEDED (no synthesized
+    EngineError) and the engine stops the request."""
+    req = t.long_request("a5t", cap=4000)
+    res = t.generate(req, timeout=1.5)
+    expect(res.code == grpc.StatusCode.DEADLINE_EXCEEDED,
+           f"a 1.5 s deadline on a {req.stopping.max_tokens}-token request ended with {res.describe()}")
+    problems = [p for p in stream_violations(res, cancelled_ok=True) if not p.startswith("G12")]
+    expect(not res.of("error"), "a client deadline produced an EngineError event (transport failures are a "
+                                "status only)")
+    expect(not problems, "; ".join(problems))
+    t.wait_idle("A5: after the deadline expired")
+    return f"DEADLINE_EXCEEDED after {len(res.events)} events; idle again"

@@ -1,0 +1,149 @@
+"""Section X — error reporting (X1–X4)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from google.protobuf import json_format
+
+from refengine.conformance.assertions import NON_OK, expect_rejected, stream_violations
+from refengine.conformance.registry import check, expect, skip
+from refengine.conformance.target import StreamResult, Target
+from refengine.protocol import oe
+
+RETRYABLE = {oe.ERROR_CODE_OVERLOADED, oe.ERROR_CODE_DRAINING, oe.ERROR_CODE_KV_TRANSFER_FAILED}
+NEVER_RETRYABLE = {oe.ERROR_CODE_INVALID_ARGUMENT, oe.ERROR_CODE_UNSUPPORTED_FEATURE, oe.ERROR_CODE_ROLE_MISMATCH,
+                   oe.ERROR_CODE_MODEL_NOT_FOUND, oe.ERROR_CODE_DUPLICATE_REQUEST}
+
+
+def _invalid_requests(t: Target) -> list[tuple[str, object]]:
+    no_input = t.request("x1")
+    no_input.ClearField("input")
+    bad_temp = t.request("x1")
+    bad_temp.sampling.temperature = -1.0
+    bad_model = t.request("x1")
+    bad_model.model = "oeconf-no-such-model"
+    bad_token = t.request("x1", token_ids=[0xFFFFFFFF])
+    return [("no input", no_input), ("temperature -1", bad_temp), ("unknown model", bad_model),
+            ("token id 2^32-1", bad_token)]
+
+
+@check("X1", "before acceptance: non-OK status and zero events; an accepted stream never fails by status")
+def error_before_and_after_acceptance(t: Target) -> str:
+    """X1: refusals carry no events; accepted streams (normal, aborted) end OK with their
+    terminal event, an EngineError (if any) being the last event."""
+    for what, req in _invalid_requests(t):
+        expect_rejected(t.generate(req), codes=NON_OK, what=what)
+    streams: list[StreamResult] = [t.generate(t.request("x1ok", max_tokens=3))]
+    req = t.long_request("x1ab")
+    streams.append(t.generate(req, on_event=t.aborter(req.request_id)))
+    for res in streams:
+        expect(res.ok, f"an accepted stream ended with status {res.code.name}: {res.describe()}")
+        problems = stream_violations(res)
+        expect(not problems, "; ".join(problems))
+    t.wait_idle("X1")
+    errors = sum(len(s.of("error")) for s in streams)
+    return (f"{len(_invalid_requests(t))} refusals with zero events; normal and aborted streams end OK "
+            f"({errors} EngineError seen)")
+
+
+@check("X1", "transport failure (client deadline): non-OK status, no synthesized EngineError")
+def transport_failure(t: Target) -> str:
+    """X1: a deadline that expires is a DEADLINE_EXCEEDED status, never an EngineError event."""
+    req = t.long_request("x1dl", cap=4000)
+    res = t.generate(req, timeout=0.4)
+    expect(res.code == grpc.StatusCode.DEADLINE_EXCEEDED, f"0.4 s deadline: {res.describe()}")
+    expect(not res.of("error"), "an EngineError event was synthesized for a transport failure")
+    t.wait_idle("X1 deadline")
+    return f"DEADLINE_EXCEEDED after {len(res.events)} event(s)"
+
+
+@check("X1", "a failure after acceptance (stalled reader) is one terminal EngineError, then OK")
+def error_after_acceptance(t: Target) -> str:
+    """X1: provoke a post-acceptance failure by not reading a stream for
+    ``options.slow_reader_s`` seconds (longer than the server's stall timeout): if the
+    server gives up on the stream it must end it with exactly one EngineError, status OK."""
+    wait = t.options.slow_reader_s
+    if wait <= 0:
+        skip("no post-acceptance failure provoked (set slow_reader_s above the server's stall timeout)")
+    req = t.long_request("x1slow", cap=4000)
+    if t.options.slow_reader_extra:
+        json_format.ParseDict(t.options.slow_reader_extra, req.extra)
+    caps = t.caps.output_logprobs
+    if t.caps.HasField("output_logprobs") and caps.supported:  # big events fill the transport window sooner
+        if oe.CANDIDATE_TOKEN_SELECTION_MODE_ALL in caps.candidate_selection_modes:
+            req.response.return_output_logprobs = True
+            req.response.output_candidates.all.SetInParent()
+        elif caps.HasField("max_top_n"):
+            req.response.return_output_logprobs = True
+            req.response.output_candidates.top_n = caps.max_top_n
+    res = StreamResult(request_id=req.request_id)
+    call = t.inference.Generate(req, timeout=t.options.stream_timeout_s + wait)
+    try:
+        res.events.append(next(call))
+        time.sleep(wait)
+        res.events.extend(call)
+        res.code, res.details = call.code(), call.details() or ""
+    except grpc.RpcError as err:
+        res.code, res.details = err.code(), err.details() or ""
+    finally:
+        t.abort(req.request_id)
+    t.cache.setdefault("x3_streams", []).append(res)
+    errors = res.of("error")
+    if not errors:
+        expect(res.ok, f"a stalled stream ended with {res.describe()[:300]} (not OK, no EngineError)")
+        t.wait_idle("X1 slow reader")
+        return f"the server buffered the whole stream through a {wait:.0f} s stall (no failure provoked)"
+    problems = stream_violations(res)
+    expect(len(errors) == 1, f"{len(errors)} EngineError events in one stream")
+    expect(not problems, "; ".join(problems[:3]))
+    t.wait_idle("X1 slow reader")
+    err = errors[0]
+    return f"{len(res.events)} events, then EngineError {oe.ErrorCode.Name(err.code)} retryable={err.retryable}, OK"
+
+
+@check("X2", "unary RPCs report failures with a non-OK status only")
+def unary_failures(t: Target) -> str:
+    """X2: failing Control calls raise a gRPC status, not an OK response describing an error."""
+    calls = [
+        ("GetModelInfo(unknown)", "GetModelInfo", oe.GetModelInfoRequest(model="oeconf-no-such-model")),
+        ("Abort()", "Abort", oe.AbortRequest()),
+        ("Abort(unknown)", "Abort", oe.AbortRequest(request_id="oeconf-never-sent")),
+        ("UnloadLora(unknown)", "UnloadLora", oe.UnloadLoraRequest(lora_name="oeconf-no-such-adapter")),
+        ("LoadLora(id 0)", "LoadLora", oe.LoadLoraRequest(adapter=oe.LoraAdapter(lora_id=0, lora_name=""))),
+        ("GetKvEventSources(dup ranks)", "GetKvEventSources", oe.GetKvEventSourcesRequest(data_parallel_ranks=[0, 0])),
+    ]
+    seen = []
+    for what, method, request in calls:
+        code, resp = t.unary_code(method, request)
+        expect(code != grpc.StatusCode.OK, f"{what} succeeded with {resp!r}; a failure must be a non-OK status")
+        seen.append(f"{what}={code.name}")
+    return ", ".join(seen)
+
+
+@check("X3", "EngineError.retryable is true only for failures the unchanged request could survive")
+def retryable_truthful(t: Target) -> str:
+    """X3: checked on every EngineError the run could provoke; none = SKIP."""
+    errors = [e for res in t.cache.get("x3_streams", []) for e in res.of("error")]
+    if not errors:
+        skip("no EngineError could be provoked from a client (needs overload, draining or a KV transfer failure)")
+    for err in errors:
+        if err.code in RETRYABLE:
+            expect(err.retryable, f"{oe.ErrorCode.Name(err.code)} with retryable = false")
+        if err.code in NEVER_RETRYABLE:
+            expect(not err.retryable, f"{oe.ErrorCode.Name(err.code)} with retryable = true")
+    return f"{len(errors)} EngineError(s) checked"
+
+
+@check("X4", "unknown enum values are read as UNSPECIFIED, never an error")
+def unknown_enums(t: Target) -> str:
+    """X4: a HealthRequest.role the server does not know acts like UNSPECIFIED (its own role)."""
+    code, resp = t.unary_code("Health", oe.HealthRequest(role=97))
+    expect(code == grpc.StatusCode.OK, f"Health(role=97) returned {code.name}; an unknown enum value must read as "
+                                       "UNSPECIFIED")
+    base = t.unary("Health", oe.HealthRequest())
+    expect(resp.state == base.state, f"Health(role=97) state {resp.state} != Health() state {base.state}")
+    if t.model_info.HasField("supports_multimodal") and t.model_info.supports_multimodal:
+        return "Health(role=97) fine; unknown Modality not sent (needs a media item)"
+    return "Health(role=97) reads as UNSPECIFIED"

@@ -1,0 +1,134 @@
+"""Section H — Health and GetLoad (H1–H4)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from refengine.conformance.assertions import expect_valid
+from refengine.conformance.registry import check, expect
+from refengine.conformance.target import Background, Target
+from refengine.protocol import oe
+
+READY, DEGRADED = oe.HEALTH_STATE_READY, oe.HEALTH_STATE_DEGRADED
+NOT_READY = oe.HEALTH_STATE_NOT_READY
+
+
+def _name(state: int) -> str:
+    return oe.HealthState.Name(state) if state in oe.HealthState.values() else str(state)
+
+
+def _health(t: Target, probe: bool = False, **kw: Any) -> Any:
+    return t.unary("Health", oe.HealthRequest(include_inference_probe=probe, **kw))
+
+
+def _consistent(resp: Any, what: str) -> None:
+    """H1: overall = worst check: READY only if every check is READY, NOT_READY if any
+    check is NOT_READY, and the overall state is one of the checks' states."""
+    expect(resp.state != oe.HEALTH_STATE_UNSPECIFIED, f"{what}: overall state UNSPECIFIED")
+    states = [c.state for c in resp.checks]
+    desc = f"{what}: overall {_name(resp.state)}, checks {[(c.name, _name(c.state)) for c in resp.checks]}"
+    if not states:
+        return
+    expect(all(c.name for c in resp.checks), f"{desc}: a check has no name")
+    expect(resp.state in states, f"{desc}: the overall state is none of the checks' states")
+    if any(s != READY for s in states):
+        expect(resp.state != READY, f"{desc}: READY although a check is not")
+    if NOT_READY in states:
+        expect(resp.state == NOT_READY, f"{desc}: a check is NOT_READY but overall is not")
+
+
+@check("H1", "Health state is consistent with its checks (overall = worst check)")
+def health_consistent(t: Target) -> str:
+    """H1: with and without the inference probe."""
+    plain = _health(t)
+    _consistent(plain, "Health()")
+    probed = _health(t, probe=True)
+    _consistent(probed, "Health(probe)")
+    return f"{_name(plain.state)} with {len(plain.checks)} checks; probe: {_name(probed.state)}"
+
+
+@check("H2", "include_inference_probe runs a bounded probe; concurrent probes are safe")
+def inference_probe(t: Target) -> str:
+    """H2: the probe adds a check, returns promptly, and concurrent probes all succeed."""
+    plain = _health(t)
+    start = time.monotonic()
+    probed = _health(t, probe=True)
+    took = time.monotonic() - start
+    expect(probed.state in (READY, DEGRADED), f"a serving engine's probe reports {_name(probed.state)}")
+    expect(len(probed.checks) > len(plain.checks) or any("probe" in c.name or "inference" in c.name
+                                                            for c in probed.checks),
+           f"the probe added no check: {[c.name for c in plain.checks]} vs {[c.name for c in probed.checks]}")
+    expect(took < t.options.rpc_timeout_s, f"probe took {took:.1f} s")
+    calls = [Background(lambda: _health(t, probe=True)) for _ in range(6)]
+    calls += [Background(lambda: t.generate(t.request("h2", max_tokens=3))) for _ in range(2)]
+    results = [c.join() for c in calls]
+    for resp in results[:6]:
+        expect(resp.state in (READY, DEGRADED), f"a concurrent probe reported {_name(resp.state)}")
+    for res in results[6:]:
+        expect_valid(res, what="Generate next to concurrent probes")
+    t.wait_idle("H2: after probes")
+    return f"probe {took * 1000:.0f} ms; 6 concurrent probes + 2 requests fine"
+
+
+@check("H3", "a serving engine reports READY (or DEGRADED), never STARTING / NOT_READY")
+def serving_state(t: Target) -> str:
+    """H3 (as far as a client can see): while Generate works, Health is not STARTING,
+    DRAINING or NOT_READY.
+    STARTING before readiness and DRAINING while draining need control over the
+    server's lifecycle (see the project's own startup test)."""
+    expect_valid(t.generate(t.request("h3", max_tokens=1)))
+    resp = _health(t)
+    expect(resp.state in (READY, DEGRADED), f"Generate works but Health says {_name(resp.state)}")
+    busy = t.generate_async(t.request("h3", max_tokens=16, ignore_eos=True))
+    during = _health(t)
+    busy.join()
+    expect(during.state in (READY, DEGRADED), f"while serving a request Health says {_name(during.state)}")
+    return f"{_name(resp.state)} while serving"
+
+
+def _load_sane(load: Any, what: str) -> None:
+    if load.HasField("used_kv_blocks") and load.HasField("total_kv_blocks"):
+        expect(load.used_kv_blocks <= load.total_kv_blocks,
+               f"{what}: used_kv_blocks {load.used_kv_blocks} > total_kv_blocks {load.total_kv_blocks}")
+    for rank in load.ranks:
+        if rank.HasField("used_kv_blocks") and rank.HasField("total_kv_blocks"):
+            expect(rank.used_kv_blocks <= rank.total_kv_blocks,
+                   f"{what}: rank {rank.data_parallel_rank} used {rank.used_kv_blocks} > total")
+
+
+@check("H4", "GetLoad: counts rise while requests run, used ≤ total, per-rank rows, back to idle after")
+def load_counts(t: Target) -> str:
+    """H4: running/queued counts and KV blocks follow the work, then return to idle."""
+    idle = t.wait_idle("H4 before")
+    expect(idle.HasField("running_requests") and idle.HasField("queued_requests"),
+           "GetLoad does not report running_requests / queued_requests")
+    _load_sane(idle, "idle")
+    per_rank = t.load(per_rank=True)
+    dp = t.server_info.parallelism
+    expected_rows = dp.data_parallel_size if dp.HasField("data_parallel_size") else None
+    expect(len(per_rank.ranks) >= 1, "include_per_rank returned no RankLoadInfo row")
+    if expected_rows:
+        expect(len(per_rank.ranks) == expected_rows,
+               f"{len(per_rank.ranks)} per-rank rows, data_parallel_size {expected_rows}")
+    calls = [t.generate_async(t.request("h4", max_tokens=40, ignore_eos=True)) for _ in range(3)]
+    busy = t.wait_until(lambda lo: lo.running_requests + lo.queued_requests >= 3, timeout=5)
+    busy_rank = t.load(per_rank=True)
+    results = [c.join() for c in calls]
+    for res in results:
+        expect_valid(res, what="H4 load request")
+    expect(busy.running_requests + busy.queued_requests >= 3,
+           f"3 requests in flight but running={busy.running_requests} queued={busy.queued_requests}")
+    _load_sane(busy, "busy")
+    _load_sane(busy_rank, "busy per rank")
+    if busy.HasField("used_kv_blocks"):
+        expect(busy.used_kv_blocks > (t.idle_used_kv_blocks or 0),
+               f"3 running requests but used_kv_blocks {busy.used_kv_blocks} (idle {t.idle_used_kv_blocks})")
+    if busy_rank.ranks and busy_rank.ranks[0].HasField("running_requests"):
+        total = sum(r.running_requests + r.queued_requests for r in busy_rank.ranks)
+        expect(total >= 1, f"per-rank rows show no work while 3 requests run: {busy_rank.ranks}")
+    after = t.wait_idle("H4: after all requests ended")
+    _load_sane(after, "after")
+    return (f"idle run/queue/used {idle.running_requests}/{idle.queued_requests}/{idle.used_kv_blocks}, busy "
+            f"{busy.running_requests}/{busy.queued_requests}/{busy.used_kv_blocks}, back to idle")
+

@@ -1,0 +1,217 @@
+"""Section L — prompt and output logprobs, ranks and candidates (L1–L6)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grpc
+
+from refengine.conformance.assertions import expect_rejected, expect_valid, is_finite
+from refengine.conformance.registry import check, expect, skip
+from refengine.conformance.target import StreamResult, Target
+from refengine.protocol import oe
+
+TOP_N = oe.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N
+TOKEN_IDS = oe.CANDIDATE_TOKEN_SELECTION_MODE_TOKEN_IDS
+ALL = oe.CANDIDATE_TOKEN_SELECTION_MODE_ALL
+
+
+def _caps(t: Target, which: str) -> Any:
+    """The LogprobCapabilities for 'prompt_logprobs' / 'output_logprobs'; skip when unsupported."""
+    caps = getattr(t.caps, which)
+    if not t.caps.HasField(which) or not caps.supported:
+        skip(f"{which} not advertised as supported")
+    return caps
+
+
+def _has_mode(t: Target, which: str, mode: int) -> bool:
+    return t.caps.HasField(which) and mode in getattr(t.caps, which).candidate_selection_modes
+
+
+def _lp_request(t: Target, tag: str, prompt_lp: bool = False, output_lp: bool = False, ids: list[int] | None = None,
+                max_tokens: int = 4, **kw: Any) -> Any:
+    req = t.request(tag, token_ids=ids, max_tokens=max_tokens, ignore_eos=True, **kw)
+    if prompt_lp:
+        req.response.return_prompt_logprobs = True
+    if output_lp:
+        req.response.return_output_logprobs = True
+    return req
+
+
+def _prompt(res: StreamResult) -> list[Any]:
+    outs = res.of("prompt")
+    expect(len(outs) == 1, f"expected one PromptOutput, got {len(outs)} ({res.kinds()})")
+    return list(outs[0].tokens)
+
+
+@check("L1", "PromptOutput at most once, only when requested, before any TokenOutput")
+def prompt_output_once(t: Target) -> str:
+    """L1: placement and multiplicity of PromptOutput."""
+    res = expect_valid(t.generate(t.request("l1", max_tokens=2)))
+    expect(not res.of("prompt"), f"PromptOutput sent without return_prompt_logprobs ({res.kinds()})")
+    _caps(t, "prompt_logprobs")
+    for max_tokens in (4, 1):
+        req = _lp_request(t, "l1", prompt_lp=True, ids=t.known_token_ids()[:5], max_tokens=max_tokens)
+        kinds = expect_valid(t.generate(req)).kinds()
+        expect(kinds.count("prompt") == 1, f"return_prompt_logprobs with max_tokens {max_tokens}: "
+                                           f"{kinds.count('prompt')} PromptOutput, expected 1 ({kinds})")
+        if "token" in kinds:
+            expect(kinds.index("prompt") < kinds.index("token"), f"PromptOutput after a TokenOutput: {kinds}")
+    return "absent unless requested; once, first (max_tokens 4 and 1)"
+
+
+@check("L2", "the first prompt token has no logprob/rank/candidates; prompt_logprob_start skips earlier positions")
+def prompt_first_token(t: Target) -> str:
+    """L2: position 0 is unconditioned; ``prompt_logprob_start`` (ref) skips positions."""
+    caps = _caps(t, "prompt_logprobs")
+    ids = t.known_token_ids()[:6]
+    req = _lp_request(t, "l2", prompt_lp=True, ids=ids, max_tokens=1)
+    if TOP_N in caps.candidate_selection_modes:
+        req.response.prompt_candidates.top_n = 2
+    tokens = _prompt(expect_valid(t.generate(req)))
+    expect([x.token_id for x in tokens] == ids, f"prompt TokenInfo ids {[x.token_id for x in tokens]}, sent {ids}")
+    first = tokens[0]
+    expect(not first.HasField("logprob") and not first.HasField("rank") and not first.candidates,
+           f"first prompt token carries logprob/rank/candidates: {first}")
+    for i, info in enumerate(tokens[1:], 1):
+        expect(info.HasField("logprob") and info.HasField("rank"), f"prompt position {i} has no logprob/rank")
+    req = _lp_request(t, "l2s", prompt_lp=True, ids=ids, max_tokens=1)
+    req.response.prompt_logprob_start = 3
+    tokens = _prompt(expect_valid(t.generate(req)))
+    expect([x.token_id for x in tokens] == ids[3:],
+           f"prompt_logprob_start 3: positions {[x.token_id for x in tokens]}, expected {ids[3:]}")
+    expect(all(x.HasField("logprob") for x in tokens), "positions after prompt_logprob_start lack logprobs")
+    return "position 0 bare; start=3 reports positions 3.."
+
+
+@check("L3", "one TokenInfo per token with id, text, logprob, rank and candidates together")
+def token_info_aligned(t: Target) -> str:
+    """L3: logprob data is attached to its token, never in a parallel list."""
+    caps = _caps(t, "output_logprobs")
+    req = _lp_request(t, "l3", output_lp=True, max_tokens=5)
+    if TOP_N in caps.candidate_selection_modes:
+        req.response.output_candidates.top_n = 2
+    res = expect_valid(t.generate(req))
+    infos = res.token_infos()
+    expect(len(infos) == res.usage().completion_tokens,
+           f"{len(infos)} TokenInfo for {res.usage().completion_tokens} completion tokens")
+    for i, info in enumerate(infos):
+        expect(info.HasField("logprob") and info.HasField("rank"), f"output token {i} lacks logprob or rank")
+        expect(info.token != "" or info.token_id == 0, f"output token {i} ({info.token_id}) has no text")
+        if TOP_N in caps.candidate_selection_modes:
+            expect(0 < len(info.candidates) <= 2, f"output token {i} has {len(info.candidates)} candidates, top_n 2")
+    return f"{len(infos)} aligned TokenInfo"
+
+
+def _check_ranked(cands: Any, where: str) -> None:
+    ranks = [c.rank for c in cands if c.HasField("rank")]
+    lps = [c.logprob for c in cands]
+    expect(all(lps[i] >= lps[i + 1] - 1e-6 for i in range(len(lps) - 1)), f"{where}: logprobs not ordered {lps}")
+    if ranks:
+        expect(ranks == sorted(ranks) and ranks[0] == 1, f"{where}: ranks {ranks} not ascending from 1")
+
+
+@check("L4", "candidates: top_n ≤ N by rank, token_ids exactly those ids, all = whole vocabulary")
+def candidate_modes(t: Target) -> str:
+    """L4: each advertised CandidateTokenSelection mode; unadvertised modes and top_n above
+    max_top_n are refused (D4)."""
+    caps = _caps(t, "output_logprobs")
+    modes = set(caps.candidate_selection_modes)
+    done = []
+    if TOP_N in modes:
+        req = _lp_request(t, "l4n", output_lp=True, max_tokens=3)
+        req.response.output_candidates.top_n = 3
+        for i, info in enumerate(expect_valid(t.generate(req)).token_infos()):
+            expect(0 < len(info.candidates) <= 3, f"top_n 3: token {i} has {len(info.candidates)} candidates")
+            _check_ranked(info.candidates, f"top_n token {i}")
+        if caps.HasField("max_top_n"):
+            req = _lp_request(t, "l4m", output_lp=True, max_tokens=1)
+            req.response.output_candidates.top_n = caps.max_top_n + 1
+            expect_rejected(t.generate(req), what=f"top_n = max_top_n + 1 = {caps.max_top_n + 1}")
+        done.append("top_n")
+    wanted = sorted(set(t.known_token_ids()[:3]))
+    req = _lp_request(t, "l4i", output_lp=True, max_tokens=2)
+    req.response.output_candidates.token_ids.ids.extend(wanted)
+    if TOKEN_IDS in modes:
+        for i, info in enumerate(expect_valid(t.generate(req)).token_infos()):
+            got = sorted(c.token_id for c in info.candidates)
+            expect(got == wanted, f"token_ids {wanted}: token {i} has candidates {got}")
+        done.append("token_ids")
+    else:
+        expect_rejected(t.generate(req), codes=(grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED,
+                                                grpc.StatusCode.FAILED_PRECONDITION), what="unadvertised token_ids")
+    req = _lp_request(t, "l4a", output_lp=True, max_tokens=2, temperature=1.0)
+    req.sampling.seed = 1
+    req.response.output_candidates.all.SetInParent()
+    if ALL in modes:
+        infos = expect_valid(t.generate(req)).token_infos()
+        sizes = {len(info.candidates) for info in infos}
+        expect(len(sizes) == 1, f"all: candidate counts differ between positions {sizes}")
+        size = sizes.pop()
+        top = max(t.known_token_ids())
+        expect(size > top, f"all: {size} candidates, but token id {top} exists")
+        ids = [c.token_id for c in infos[0].candidates]
+        expect(len(set(ids)) == len(ids), "all: repeated candidate ids")
+        mass = math.fsum(math.exp(c.logprob) for c in infos[0].candidates)
+        expect(abs(mass - 1.0) < 1e-3, f"all: candidate probabilities sum to {mass}, expected 1")
+        done.append(f"all ({size})")
+    else:
+        expect_rejected(t.generate(req), codes=(grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED,
+                                                grpc.StatusCode.FAILED_PRECONDITION), what="unadvertised all")
+    return "modes checked: " + ", ".join(done)
+
+
+@check("L5", "every sampled token carries a finite logprob and a 1-based rank; greedy tokens have rank 1")
+def logprob_and_rank(t: Target) -> str:
+    """L5: logprob/rank of generated tokens (ref: ranks are 1-based, as vLLM)."""
+    caps = _caps(t, "output_logprobs")
+    greedy = expect_valid(t.generate(_lp_request(t, "l5g", output_lp=True, max_tokens=6)))
+    for i, info in enumerate(greedy.token_infos()):
+        expect(info.HasField("logprob") and is_finite(info.logprob) and info.logprob <= 1e-6,
+               f"greedy token {i}: logprob {info.logprob if info.HasField('logprob') else 'absent'}")
+        expect(info.HasField("rank") and info.rank == 1, f"greedy token {i}: rank "
+                                                         f"{info.rank if info.HasField('rank') else 'absent'}, "
+                                                         "expected 1")
+    req = _lp_request(t, "l5s", output_lp=True, max_tokens=8, temperature=1.0)
+    req.sampling.seed = 77
+    if TOP_N in caps.candidate_selection_modes:
+        req.response.output_candidates.top_n = 5
+    for i, info in enumerate(expect_valid(t.generate(req)).token_infos()):
+        expect(info.HasField("logprob") and is_finite(info.logprob) and info.logprob <= 1e-6,
+               f"sampled token {i}: logprob {info.logprob}")
+        expect(info.HasField("rank") and info.rank >= 1, f"sampled token {i}: rank {info.rank}")
+        for c in info.candidates:
+            if c.token_id == info.token_id:
+                expect(abs(c.logprob - info.logprob) < 1e-4,
+                       f"token {i}: logprob {info.logprob} but its candidate entry says {c.logprob}")
+                if c.HasField("rank"):
+                    expect(c.rank == info.rank, f"token {i}: rank {info.rank}, candidate rank {c.rank}")
+    return "greedy rank 1; sampled ranks >= 1 and consistent with candidates"
+
+
+@check("L6", "logprobs are of the distribution sampled from (ref: after temperature)")
+def logprobs_after_temperature(t: Target) -> str:
+    """L6: at temperature T, log p_T(a) - log p_T(b) = (log p_1(a) - log p_1(b)) / T."""
+    caps = _caps(t, "output_logprobs")
+    if TOP_N not in caps.candidate_selection_modes:
+        skip("top_n candidates not advertised (needed to compare distributions)")
+
+    def first_position(temperature: float) -> dict[int, float]:
+        req = _lp_request(t, "l6", output_lp=True, max_tokens=1, temperature=temperature)
+        req.sampling.seed = 3
+        req.response.output_candidates.top_n = 4
+        infos = expect_valid(t.generate(req)).token_infos()
+        return {c.token_id: c.logprob for c in infos[0].candidates}
+
+    base, hot = first_position(1.0), first_position(0.5)
+    common = [tid for tid in base if tid in hot]
+    expect(len(common) >= 2, f"top-4 candidates at T=1 {list(base)} and T=0.5 {list(hot)} share < 2 ids")
+    a = common[0]
+    for b in common[1:]:
+        want = (base[a] - base[b]) / 0.5
+        got = hot[a] - hot[b]
+        expect(abs(got - want) <= 1e-3 * max(1.0, abs(want)),
+               f"T=0.5 log-ratio of tokens {a}/{b} is {got:.5f}; the tempered distribution gives {want:.5f} "
+               f"(T=1 gives {base[a] - base[b]:.5f})")
+    return f"log-ratios scale by 1/T over {len(common)} candidates"

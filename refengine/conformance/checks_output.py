@@ -1,0 +1,192 @@
+"""Section G, part 2 — what an accepted Generate stream contains (G9–G18).
+
+Stop strings and tokens are chosen from a greedy reference run of the same
+prompt, so the checks know where a match must happen without a tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refengine.conformance.assertions import expect_finish, expect_valid
+from refengine.conformance.registry import CheckFailed, check, expect
+from refengine.conformance.target import StreamResult, Target
+from refengine.protocol import oe
+
+EOS_PROMPTS = [
+    "<|im_start|>user\nReply with the single word OK.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
+    "[INST] Say OK. [/INST]",
+    "Question: What is 2 + 2?\nAnswer:",
+]
+LONG_PROMPT = ("In the beginning the universe was created. This has made a lot of people very angry and been "
+               "widely regarded as a bad move.")
+OTHER_PROMPTS = ["Write a poem about the sea.", "1, 2, 3, 4, 5,", "def fibonacci(n):",
+                 "The weather today is", "Translate to French: good morning"]
+
+
+def greedy_reference(t: Target, max_tokens: int = 24, prompt: str | None = None) -> StreamResult:
+    """A greedy, ignore_eos run of the default (or given) prompt, shared between checks."""
+    key = f"greedy:{max_tokens}:{prompt}"
+    if key not in t.cache:
+        res = t.generate(t.request("ref", prompt=prompt, max_tokens=max_tokens, ignore_eos=True))
+        t.cache[key] = expect_valid(res, what="greedy reference run")
+        expect(len(res.tokens()) == max_tokens, f"greedy reference produced {len(res.tokens())} tokens, "
+                                                f"max_tokens {max_tokens} with ignore_eos")
+    return t.cache[key]
+
+
+def eos_reference(t: Target) -> tuple[Any, StreamResult] | None:
+    """A (request, result) whose greedy output ends at the model's EOS, or None."""
+    if "eos" not in t.cache:
+        t.cache["eos"] = None
+        if t.supports_text():
+            for prompt in EOS_PROMPTS:
+                req = t.request("eos", prompt=prompt, max_tokens=48)
+                res = expect_valid(t.generate(req), what="EOS probe")
+                fin = res.finished()
+                if fin.reason == oe.FINISH_REASON_STOP and fin.stop_match.WhichOneof("match") == "eos_token_id":
+                    t.cache["eos"] = (req, res)
+                    break
+    return t.cache["eos"]
+
+
+def spanning_stop(ref: StreamResult, span: int) -> tuple[str, int, int]:
+    """A stop string crossing ``span`` delta boundaries of ``ref`` whose first occurrence
+    is there. Returns (stop, start offset in the text, tokens needed to complete it)."""
+    events = ref.token_events(0)
+    texts = [e.text for e in events]
+    full = "".join(texts)
+    offsets, tokens_through = [], []
+    pos = count = 0
+    for e in events:
+        offsets.append(pos)
+        pos += len(e.text)
+        count += len(e.tokens)
+        tokens_through.append(count)
+    for d in range(1, len(texts) - span):
+        middle = texts[d + 1: d + span]
+        if not texts[d] or not texts[d + span] or (span > 1 and not all(middle)):
+            continue
+        left = texts[d][-2:] if span == 1 else texts[d][-1:]
+        right = texts[d + span][:2] if span == 1 else texts[d + span][:1]
+        stop = left + "".join(middle) + right
+        start = offsets[d] + len(texts[d]) - len(left)
+        if stop.strip() and full.find(stop) == start:
+            return stop, start, tokens_through[d + span]
+    raise CheckFailed(f"no stop string spanning {span + 1} deltas found in the reference text {full!r}")
+
+
+def first_unique_token(ref: StreamResult, lo: int = 2) -> tuple[int, int]:
+    """(position, id) of a reference token at position >= lo that does not occur earlier."""
+    tokens = ref.tokens()
+    for j in range(lo, len(tokens)):
+        if tokens[j] not in tokens[:j]:
+            return j, tokens[j]
+    raise CheckFailed(f"no token usable as a stop token in {tokens}")
+
+
+@check("G9", "every response carries the request's request_id")
+def request_id_echo(t: Target) -> str:
+    """G9: checked on a plain, a multi-output and an aborted stream."""
+    expect_valid(t.generate(t.request("g9", max_tokens=4)))
+    count = 1
+    if t.max_num_sequences and t.max_num_sequences >= 2:
+        req = t.request("g9", max_tokens=3, temperature=1.0)
+        req.sampling.num_sequences, req.sampling.seed = 2, 3
+        expect_valid(t.generate(req), num_sequences=2)
+        count += 1
+    req = t.long_request("g9")
+    res = t.generate(req, on_event=t.aborter(req.request_id))
+    for i, event in enumerate(res.events):
+        expect(event.request_id == req.request_id,
+               f"aborted stream event {i} carries request_id {event.request_id!r}, sent {req.request_id!r}")
+    return f"{count + 1} streams checked"
+
+
+@check("G10", "TokenOutput and GenerationFinished always carry output_index (also 0), within range")
+def output_index(t: Target) -> str:
+    """G10: output_index presence (proto3 optional) and range."""
+    expect_valid(t.generate(t.request("g10", max_tokens=3)))  # presence for index 0 via stream_violations
+    t.need_sequences(3)
+    req = t.request("g10", max_tokens=3, temperature=1.0, ignore_eos=True)
+    req.sampling.num_sequences, req.sampling.seed = 3, 11
+    res = expect_valid(t.generate(req), num_sequences=3)
+    seen = {e.output_index for e in res.of("token")} | {f.output_index for f in res.of("finished")}
+    expect(seen == {0, 1, 2}, f"num_sequences 3 produced output indices {sorted(seen)}, expected [0, 1, 2]")
+    return "indices 0..2 present"
+
+
+@check("G11", "TokenOutput is a delta: concatenated tokens and text give the full output")
+def token_deltas(t: Target) -> str:
+    """G11: deltas hold only new tokens and text."""
+    short = expect_valid(t.generate(t.request("g11", max_tokens=8, ignore_eos=True)))
+    ref = greedy_reference(t)
+    n = len(short.tokens())
+    expect(n == short.usage().completion_tokens,
+           f"{n} tokens across deltas, usage.completion_tokens {short.usage().completion_tokens}")
+    expect(ref.tokens()[:n] == short.tokens(), f"greedy tokens of max_tokens 8 {short.tokens()} are not a prefix "
+                                               f"of max_tokens 24 {ref.tokens()}")
+    expect(ref.text().startswith(short.text()),
+           f"text of max_tokens 8 {short.text()!r} is not a prefix of max_tokens 24 {ref.text()!r}")
+    pieces = sum(len(ti.token) for ti in ref.token_infos())
+    if pieces:
+        expect(len(ref.text()) <= pieces + len(ref.tokens()),
+               f"{len(ref.text())} characters of text for {len(ref.tokens())} tokens whose own texts have "
+               f"{pieces}: text deltas look cumulative")
+    expect(len(ref.token_events()) >= 2, "24 tokens arrived in a single TokenOutput (cannot check deltas)")
+    return f"{len(ref.token_events())} deltas for {len(ref.tokens())} tokens"
+
+
+@check("G12", "one GenerationFinished per output (num_sequences > 1), nothing after it, never UNSPECIFIED")
+def one_finish_per_output(t: Target) -> str:
+    """G12: exactly one finish per output index."""
+    t.need_sequences(3)
+    req = t.request("g12", max_tokens=6, temperature=1.0)
+    req.sampling.num_sequences, req.sampling.seed = 3, 5
+    res = expect_valid(t.generate(req), num_sequences=3)
+    counts = [sum(1 for f in res.of("finished") if f.output_index == i) for i in range(3)]
+    expect(counts == [1, 1, 1], f"GenerationFinished per output: {counts}, expected one each")
+    return "one finish per output for 3 outputs"
+
+
+@check("G13", "LENGTH when max_tokens ends the output (exactly max_tokens tokens)")
+def finish_length(t: Target) -> str:
+    """G13: max_tokens ends the output with reason LENGTH."""
+    res = expect_valid(t.generate(t.request("g13", max_tokens=5, ignore_eos=True)))
+    expect_finish(res, oe.FINISH_REASON_LENGTH)
+    expect(len(res.tokens()) == 5, f"max_tokens 5 produced {len(res.tokens())} tokens")
+    return "LENGTH after 5 tokens"
+
+
+@check("G13", "STOP carries stop_match naming the stop string, stop token or EOS")
+def finish_stop_match(t: Target) -> str:
+    """G13: reason STOP comes with the StopMatch that ended the output."""
+    ref = greedy_reference(t)
+    stop, _, _ = spanning_stop(ref, 1)
+    req = t.request("g13s", max_tokens=24, ignore_eos=True)
+    req.stopping.conditions.add(stop_text=stop)
+    fin = expect_finish(expect_valid(t.generate(req)), oe.FINISH_REASON_STOP, what=f"stop string {stop!r}")
+    expect(fin.stop_match.WhichOneof("match") == "stop_text" and fin.stop_match.stop_text == stop,
+           f"stop_match is {fin.stop_match} for stop string {stop!r}")
+    _, token = first_unique_token(ref)
+    req = t.request("g13t", max_tokens=24, ignore_eos=True)
+    req.stopping.conditions.add(stop_token_id=token)
+    fin = expect_finish(expect_valid(t.generate(req)), oe.FINISH_REASON_STOP, what=f"stop token {token}")
+    expect(fin.stop_match.WhichOneof("match") == "stop_token_id" and fin.stop_match.stop_token_id == token,
+           f"stop_match is {fin.stop_match} for stop token {token}")
+    eos = eos_reference(t)
+    if eos is None:
+        return "stop string and stop token matched; no prompt reached EOS (EOS match not checked)"
+    return f"stop string, stop token and EOS ({eos[1].finished().stop_match.eos_token_id}) matched"
+
+
+@check("G13", "CANCELLED when the request is aborted")
+def finish_cancelled(t: Target) -> str:
+    """G13 (with A4): an aborted output finishes with CANCELLED."""
+    req = t.long_request("g13c")
+    res = t.generate(req, on_event=t.aborter(req.request_id))
+    expect_valid(res, what="aborted stream")
+    expect_finish(res, oe.FINISH_REASON_CANCELLED, what="aborted request")
+    t.wait_idle("G13 abort")
+    return "CANCELLED after Abort"

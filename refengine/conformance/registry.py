@@ -1,0 +1,142 @@
+"""The check registry: every conformance check names the rule it checks.
+
+A check is a plain function ``fn(target) -> str | None`` registered with
+:func:`check`. It talks to the server only through ``target`` (generated gRPC
+stubs on one channel) and ends in one of three ways:
+
+- returns (``None`` or a note) -> PASS,
+- raises :class:`CheckFailed` (``fail(...)``) -> FAIL, with what was observed
+  versus what the rule expects,
+- raises :class:`CheckSkipped` (``skip(...)``) -> SKIP, when the server does not
+  advertise the feature the check needs (the reason says which).
+
+Any other exception is reported as FAIL too (an unexpected gRPC status, a
+timeout): a conformance check never crashes the run.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from refengine.conformance.target import Target
+
+#: Sections of RULES.md, in document order.
+SECTIONS: dict[str, str] = {
+    "D": "discovery",
+    "M": "request metadata",
+    "G": "Generate",
+    "L": "logprobs and candidates",
+    "K": "KV options, prefix cache, disaggregation",
+    "A": "abort",
+    "H": "health and load",
+    "R": "LoRA lifecycle",
+    "E": "KV events",
+    "X": "errors",
+}
+
+_RULE_ID = re.compile(r"^([A-Z])(\d+)$")
+
+
+class Status(enum.Enum):
+    PASS = "PASS"
+    FAIL = "FAIL"
+    SKIP = "SKIP"
+
+
+class CheckFailed(AssertionError):
+    """The server did something the rule forbids (message: observed vs expected)."""
+
+
+class CheckSkipped(Exception):
+    """The check cannot run against this server (feature not advertised)."""
+
+
+def fail(message: str) -> None:
+    raise CheckFailed(message)
+
+
+def skip(reason: str) -> None:
+    raise CheckSkipped(reason)
+
+
+def expect(condition: bool, message: str) -> None:
+    """Fail with ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise CheckFailed(message)
+
+
+CheckFn = Callable[["Target"], "str | None"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One registered check. ``name`` is unique; several checks may share a rule."""
+
+    rule: str
+    title: str
+    fn: CheckFn
+    name: str
+
+    @property
+    def section(self) -> str:
+        return rule_section(self.rule)
+
+    @property
+    def key(self) -> tuple[str, int, str]:
+        """Sort key: section in RULES.md order, rule number, check name."""
+        section = self.section
+        return (f"{list(SECTIONS).index(section):02d}", int(self.rule[1:]), self.name)
+
+
+_REGISTRY: dict[str, Check] = {}
+
+
+def rule_section(rule: str) -> str:
+    match = _RULE_ID.match(rule)
+    if not match or match.group(1) not in SECTIONS:
+        raise ValueError(f"not a rule id: {rule!r}")
+    return match.group(1)
+
+
+def check(rule: str, title: str) -> Callable[[CheckFn], CheckFn]:
+    """Register ``fn`` as a check of ``rule`` (e.g. ``"G14"``) with a one-line title."""
+    rule_section(rule)
+
+    def register(fn: CheckFn) -> CheckFn:
+        name = f"{rule}:{fn.__name__}"
+        if name in _REGISTRY:
+            raise ValueError(f"check {name} registered twice")
+        _REGISTRY[name] = Check(rule=rule, title=title, fn=fn, name=name)
+        return fn
+
+    return register
+
+
+def all_checks() -> list[Check]:
+    """Every registered check, in RULES.md order. Importing the package loads them."""
+    import refengine.conformance.checks  # noqa: F401  (registers every section)
+
+    return sorted(_REGISTRY.values(), key=lambda c: c.key)
+
+
+def select(rules: list[str] | None = None) -> list[Check]:
+    """Checks whose rule id (``G14``) or section (``G``) is in ``rules``; all when None."""
+    checks = all_checks()
+    if not rules:
+        return checks
+    wanted = {r.strip().upper() for r in rules if r.strip()}
+    unknown = {w for w in wanted if w not in SECTIONS and not any(c.rule == w for c in checks)}
+    if unknown:
+        raise ValueError(f"no check for: {', '.join(sorted(unknown))}")
+    return [c for c in checks if c.rule in wanted or c.section in wanted]
+
+
+def rules_in(markdown: str, sections: str) -> list[str]:
+    """Rule ids defined in a RULES.md text (lines ``- G14 ...``) for the given sections."""
+    found = re.findall(r"^- ([A-Z]\d+)\b", markdown, flags=re.MULTILINE)
+    return [r for r in found if r[0] in sections]

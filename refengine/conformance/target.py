@@ -1,0 +1,320 @@
+"""The server under test, seen only through the generated OpenEngine stubs.
+
+:class:`Target` holds one gRPC channel, the two stubs, what discovery said
+(``ServerInfo``, ``ModelInfo``) and a few helpers every check shares: send a
+Generate and collect the whole stream (:meth:`Target.generate`), build a small
+bounded request (:meth:`Target.request`), wait until the server is idle again
+(:meth:`Target.wait_idle`). Every RPC has a deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from refengine.conformance.registry import CheckFailed, skip
+from refengine.protocol import oe
+
+Metadata = Sequence[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Knobs of a conformance run. ``model`` empty = the first supported model."""
+
+    model: str = ""
+    rpc_timeout_s: float = 10.0  # unary RPCs
+    stream_timeout_s: float = 60.0  # one whole Generate stream
+    idle_timeout_s: float = 20.0  # waiting for GetLoad to return to idle
+    prompt: str = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village,"
+    max_long_prompt: int = 4096  # longest prompt a check may send to reach the context limit
+    # X1/X3: stall a stream this long without reading (0 = don't); set it above the server's
+    # own stall timeout to see a failure after acceptance (refengine: --stall-timeout-seconds).
+    slow_reader_s: float = 0.0
+    slow_reader_extra: dict[str, Any] = field(default_factory=dict)  # GenerateRequest.extra of that stream
+    # G8: known ``extra`` keys -> JSON type ("number", "string", "bool", "list", "struct"), when the
+    # server does not advertise them in ModelInfo.extra["generate_extra_keys"].
+    known_extra_keys: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StreamResult:
+    """Everything one Generate call produced: the events in order and the final status."""
+
+    request_id: str
+    events: list[Any] = field(default_factory=list)  # oe.GenerateResponse
+    times: list[float] = field(default_factory=list)  # perf_counter() of each event
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    details: str = ""
+    started: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.code == grpc.StatusCode.OK
+
+    def kinds(self) -> list[str]:
+        return [e.WhichOneof("event") or "<none>" for e in self.events]
+
+    def of(self, kind: str) -> list[Any]:
+        return [getattr(e, kind) for e in self.events if e.WhichOneof("event") == kind]
+
+    def token_events(self, index: int = 0) -> list[Any]:
+        return [t for t in self.of("token") if t.output_index == index]
+
+    def tokens(self, index: int = 0) -> list[int]:
+        return [ti.token_id for t in self.token_events(index) for ti in t.tokens]
+
+    def token_infos(self, index: int = 0) -> list[Any]:
+        return [ti for t in self.token_events(index) for ti in t.tokens]
+
+    def text(self, index: int = 0) -> str:
+        return "".join(t.text for t in self.token_events(index))
+
+    def finished(self, index: int = 0) -> Any | None:
+        found = [f for f in self.of("finished") if f.output_index == index]
+        return found[-1] if found else None
+
+    def usage(self) -> Any | None:
+        with_usage = [e.usage for e in self.events if e.HasField("usage")]
+        return with_usage[-1] if with_usage else None
+
+    def describe(self) -> str:
+        return f"status {self.code.name} ({self.details!r}), events {self.kinds()}"
+
+
+class Target:
+    """One OpenEngine server, reached at ``address`` (``host:port``)."""
+
+    def __init__(self, address: str, options: Options | None = None) -> None:
+        self.address = address
+        self.options = options or Options()
+        self.channel = grpc.insecure_channel(
+            address, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        )
+        self.inference = oe.InferenceStub(self.channel)
+        self.control = oe.ControlStub(self.channel)
+        self._ids = itertools.count()
+        self._run = uuid.uuid4().hex[:6]
+        self.cache: dict[str, Any] = {}  # results shared between checks (reference runs)
+        self.server_info: Any = None
+        self.model_info: Any = None
+        self.idle_used_kv_blocks: int | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+    def connect(self) -> Target:
+        """Wait for the channel, then run discovery (GetServerInfo, GetModelInfo)."""
+        grpc.channel_ready_future(self.channel).result(timeout=self.options.rpc_timeout_s)
+        self.server_info = self.control.GetServerInfo(oe.GetServerInfoRequest(), timeout=self.options.rpc_timeout_s)
+        served = self.server_info.supported_models
+        model = self.options.model or (served[0] if served else "")
+        self.model_info = self.control.GetModelInfo(oe.GetModelInfoRequest(model=model),
+                                                    timeout=self.options.rpc_timeout_s)
+        load = self.load()
+        if load.running_requests == 0 and load.queued_requests == 0 and load.HasField("used_kv_blocks"):
+            self.idle_used_kv_blocks = load.used_kv_blocks
+        return self
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Target:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- discovery shortcuts -----------------------------------------------------
+    @property
+    def model(self) -> str:
+        return self.model_info.served_model_name or self.options.model
+
+    @property
+    def caps(self) -> Any:
+        return self.model_info.generation
+
+    @property
+    def max_num_sequences(self) -> int | None:
+        return self.caps.max_num_sequences if self.caps.HasField("max_num_sequences") else None
+
+    def need_sequences(self, n: int) -> None:
+        """Skip unless num_sequences = n is advertised."""
+        if self.max_num_sequences is None:
+            skip("max_num_sequences is not advertised")
+        if self.max_num_sequences < n:
+            skip(f"needs num_sequences={n}, max_num_sequences is {self.max_num_sequences}")
+
+    def supports_text(self) -> bool:
+        return not (self.model_info.HasField("supports_text_input") and not self.model_info.supports_text_input)
+
+    @property
+    def max_context_length(self) -> int | None:
+        return self.model_info.max_context_length if self.model_info.HasField("max_context_length") else None
+
+    # -- building requests -------------------------------------------------------
+    def new_id(self, tag: str = "r") -> str:
+        return f"oeconf-{self._run}-{tag}-{next(self._ids)}"
+
+    def request(self, tag: str = "r", prompt: str | None = None, token_ids: Sequence[int] | None = None,
+                max_tokens: int | None = 8, temperature: float | None = 0.0, **stopping: Any) -> Any:
+        """A small bounded request: greedy, ``max_tokens`` 8, default prompt, this model."""
+        req = oe.GenerateRequest(request_id=self.new_id(tag), model=self.model)
+        if token_ids is not None:
+            req.token_ids.ids.extend(token_ids)
+        elif self.supports_text():
+            req.prompt = prompt if prompt is not None else self.options.prompt
+        else:
+            req.token_ids.ids.extend(self.known_token_ids()[:8])
+        if temperature is not None:
+            req.sampling.temperature = temperature
+        if max_tokens is not None:
+            req.stopping.max_tokens = max_tokens
+        for key, value in stopping.items():
+            setattr(req.stopping, key, value)
+        return req
+
+    def long_request(self, tag: str = "long", cap: int = 400, **kw: Any) -> Any:
+        """A request that runs long enough to be aborted or cancelled mid-stream:
+        ignore_eos and up to ``cap`` tokens (fewer when the context is small)."""
+        ctx = self.max_context_length
+        max_tokens = min(cap, max(16, ctx - 160)) if ctx else cap
+        return self.request(tag, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+    def known_token_ids(self) -> list[int]:
+        """Token ids known to be in the vocabulary (seen in a greedy output)."""
+        if "known_ids" not in self.cache:
+            if self.supports_text():
+                res = self.generate(self.request("vocab", max_tokens=16, ignore_eos=True))
+                ids = res.tokens()
+            else:  # no way to learn the vocabulary; small ids exist in every tokenizer
+                ids = list(range(100, 132))
+            if not ids:
+                raise CheckFailed(f"a greedy request produced no tokens: {res.describe()}")
+            self.cache["known_ids"] = ids
+        return list(self.cache["known_ids"])
+
+    # -- calling -------------------------------------------------------------------
+    def generate(self, req: Any, metadata: Metadata | None = None, timeout: float | None = None,
+                 on_event: Callable[[StreamResult, Any, Any], bool] | None = None) -> StreamResult:
+        """Run one Generate to its end and collect every event and the final status.
+
+        ``on_event(result, event, call)`` runs after each event; returning True cancels
+        the call (the status is then CANCELLED, as the client sees it)."""
+        result = StreamResult(request_id=req.request_id, started=time.perf_counter())
+        call = self.inference.Generate(req, metadata=metadata, timeout=timeout or self.options.stream_timeout_s)
+        try:
+            for event in call:
+                result.events.append(event)
+                result.times.append(time.perf_counter())
+                if on_event is not None and on_event(result, event, call):
+                    call.cancel()
+                    break
+        except grpc.RpcError as err:
+            result.code, result.details = err.code(), err.details() or ""
+            return result
+        result.code = call.code() or grpc.StatusCode.OK
+        result.details = call.details() or ""
+        return result
+
+    def generate_async(self, req: Any, metadata: Metadata | None = None, timeout: float | None = None,
+                       on_event: Callable[[StreamResult, Any, Any], bool] | None = None) -> Background:
+        """Run :meth:`generate` on a thread; ``.join()`` returns the StreamResult."""
+        return Background(lambda: self.generate(req, metadata, timeout, on_event))
+
+    def unary(self, method: str, request: Any, metadata: Metadata | None = None) -> Any:
+        """Call a Control RPC by name with the run's deadline."""
+        return getattr(self.control, method)(request, metadata=metadata, timeout=self.options.rpc_timeout_s)
+
+    def unary_code(self, method: str, request: Any, metadata: Metadata | None = None) -> tuple[grpc.StatusCode, Any]:
+        """Like :meth:`unary`, returning (status code, response or None) instead of raising."""
+        try:
+            return grpc.StatusCode.OK, self.unary(method, request, metadata)
+        except grpc.RpcError as err:
+            return err.code(), None
+
+    def load(self, per_rank: bool = False) -> Any:
+        return self.unary("GetLoad", oe.GetLoadRequest(include_per_rank=per_rank))
+
+    def abort(self, request_id: str) -> grpc.StatusCode:
+        code, _ = self.unary_code("Abort", oe.AbortRequest(request_id=request_id))
+        return code
+
+    def aborter(self, request_id: str, after_events: int = 1) -> Callable[[StreamResult, Any, Any], bool]:
+        """An ``on_event`` callback that calls Abort(request_id) once, after ``after_events``
+        events, and keeps reading the stream."""
+        def on_event(res: StreamResult, event: Any, call: Any) -> bool:
+            if len(res.events) == after_events:
+                self.abort(request_id)
+            return False
+
+        return on_event
+
+    def canceller(self, after_events: int = 1) -> Callable[[StreamResult, Any, Any], bool]:
+        """An ``on_event`` callback that cancels the call (client disconnect) after ``after_events``."""
+        return lambda res, event, call: len(res.events) >= after_events
+
+    def wait_until(self, predicate: Callable[[Any], bool], timeout: float | None = None) -> Any:
+        """Poll GetLoad until ``predicate(load)``; returns the last LoadInfo (check it)."""
+        deadline = time.monotonic() + (timeout or self.options.idle_timeout_s)
+        load = self.load()
+        while not predicate(load) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            load = self.load()
+        return load
+
+    def is_idle(self, load: Any) -> bool:
+        idle = load.running_requests == 0 and load.queued_requests == 0
+        if self.idle_used_kv_blocks is not None and load.HasField("used_kv_blocks"):
+            idle = idle and load.used_kv_blocks <= self.idle_used_kv_blocks
+        return idle
+
+    def wait_idle(self, what: str = "") -> Any:
+        """Wait until no request runs or waits and used KV blocks are back at the idle
+        value seen at connect; fail (naming ``what``) when that does not happen."""
+        load = self.wait_until(self.is_idle)
+        if not self.is_idle(load):
+            raise CheckFailed(
+                f"{what + ': ' if what else ''}server not idle after {self.options.idle_timeout_s:.0f} s: "
+                f"running={load.running_requests} queued={load.queued_requests} "
+                f"used_kv_blocks={load.used_kv_blocks} (idle value {self.idle_used_kv_blocks})"
+            )
+        return load
+
+
+class Background:
+    """A function running on a daemon thread; ``join`` re-raises its exception."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._result = fn()
+        except BaseException as err:  # noqa: BLE001 - handed to join()
+            self._error = err
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float = 120.0) -> Any:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise CheckFailed(f"a background call did not end within {timeout:.0f} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def env_options() -> Options:
+    """Options from OECONF_* environment variables (used by the pytest wrapper)."""
+    return Options(model=os.environ.get("OECONF_MODEL", ""))
