@@ -28,7 +28,7 @@ class _PrefillPlan:
 
 @dataclass
 class _DecodePlan:
-    query_rows: torch.Tensor  # [num_decodes]
+    query_rows: torch.Tensor | None  # [num_decodes]; None = every row of the step (a decode-only step)
     block_ids: torch.Tensor  # [num_decodes * max_blocks], row-major
     mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size]
 
@@ -67,7 +67,8 @@ class TorchReferenceBackend(AttentionBackend):
         block_ids = meta.block_tables[seqs][:, :num_blocks].reshape(-1)
         positions = torch.arange(num_blocks * meta.block_size)
         mask = (positions.unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
-        rows = torch.tensor([meta.query_start_loc[i] for i in seqs])
+        all_rows = len(seqs) == meta.num_seqs
+        rows = None if all_rows else torch.tensor([meta.query_start_loc[i] for i in seqs])
         return _DecodePlan(rows, block_ids, mask)
 
     def forward(self, q, k, v, k_cache, v_cache, scale):
@@ -77,6 +78,9 @@ class TorchReferenceBackend(AttentionBackend):
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         k_flat.index_copy_(0, self._meta.slot_mapping, k)
         v_flat.index_copy_(0, self._meta.slot_mapping, v)
+        decode = self._decode
+        if decode is not None and decode.query_rows is None:  # decode-only step: no scatter needed
+            return self._decode_attention(q, k_cache, v_cache, decode, scale)
         out = torch.empty_like(q)
         for plan in self._prefills:
             query = q[plan.query_rows].transpose(0, 1)  # [H, Lq, D]
@@ -88,14 +92,17 @@ class TorchReferenceBackend(AttentionBackend):
                 query, keys, values, attn_mask=plan.mask, is_causal=plan.mask is None, scale=scale, enable_gqa=True
             )
             out[plan.query_rows] = attn.transpose(0, 1)
-        if self._decode is not None:
-            plan = self._decode
-            query = q[plan.query_rows].unsqueeze(2)  # [B, H, 1, D]
-            batch = query.shape[0]
-            keys = k_cache.index_select(0, plan.block_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-            values = v_cache.index_select(0, plan.block_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-            attn = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=True
-            )
-            out[plan.query_rows] = attn.squeeze(2)
+        if decode is not None:
+            out[decode.query_rows] = self._decode_attention(q[decode.query_rows], k_cache, v_cache, decode, scale)
         return out
+
+    @staticmethod
+    def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale: float) -> torch.Tensor:
+        """One padded SDPA call for all decode rows: q [B, H, D] -> [B, H, D]."""
+        batch, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+        keys = k_cache.index_select(0, plan.block_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, plan.block_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=True
+        )
+        return attn.squeeze(2)
