@@ -50,7 +50,7 @@ def run_engine(parts, workload, max_num_seqs: int) -> tuple[float, int]:
     config, weights, tokenizer, fingerprint = parts
     engine = Engine(
         EngineConfig(cache=CacheConfig(num_blocks=4096),
-                     scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=max_num_seqs)),
+                     scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max_num_seqs)),
         config, weights, tokenizer, model_fingerprint=fingerprint)
     requests = [
         GenerationRequest(request_id=f"r{i}", prompt_token_ids=ids, sampling=SamplingParams(temperature=0.0),
@@ -107,7 +107,6 @@ def decode_step_overhead(parts, batch_sizes, context_len: int, repeats: int) -> 
         weights_in_step = [w for layer in model.layers
                            for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
         weights_in_step.append(model.lm_head)
-        x = torch.randn(batch, config.hidden_size)
         inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights_in_step}
         for w in weights_in_step:
             torch.mm(inputs[w.shape[1]], w.t())
@@ -116,7 +115,6 @@ def decode_step_overhead(parts, batch_sizes, context_len: int, repeats: int) -> 
             for w in weights_in_step:
                 torch.mm(inputs[w.shape[1]], w.t())
         matmul_time = (time.perf_counter() - t0) / repeats
-        del x
         rows.append((batch, step_time, matmul_time))
         for s in seqs:
             engine.kv.free(s)

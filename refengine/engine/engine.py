@@ -12,15 +12,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from refengine.config import EngineConfig
+from refengine.config import EngineConfig, ModelConfig
 from refengine.engine.detokenizer import IncrementalDetokenizer
 from refengine.engine.output_processor import OutputProcessor
 from refengine.engine.request import OutputSink, OutputState, Request, TokenHoldBack, output_generator
 from refengine.engine.stop_checker import StopChecker
-from refengine.engine.stream import RequestStream
+from refengine.engine.stream import Completion, RequestStream
 from refengine.engine.types import (
     DuplicateRequestError,
     EngineFault,
@@ -49,6 +50,9 @@ from refengine.sampling.sampler import Sampler
 from refengine.scheduler.scheduler import Scheduler
 from refengine.scheduler.sequence import Sequence, SequenceStatus
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
 FINISHED_ID_WINDOW = 4096  # finished request ids remembered for abort's ALREADY_FINISHED
@@ -58,9 +62,9 @@ class Engine:
     def __init__(
         self,
         config: EngineConfig,
-        model_config,  # noqa: ANN001 - refengine.config.ModelConfig
+        model_config: ModelConfig,
         weights: dict[str, torch.Tensor],
-        tokenizer,  # noqa: ANN001 - a transformers tokenizer
+        tokenizer: PreTrainedTokenizerBase,
         model_fingerprint: str = "",
         served_model_name: str | None = None,
     ) -> None:
@@ -81,7 +85,7 @@ class Engine:
         self.kv = KvCacheManager(self.pool, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
-        self.processor = OutputProcessor(tokenizer, self.sampler, self)
+        self.processor = OutputProcessor(tokenizer, self.sampler, self.fork, self.scheduler.finish)
         # A request's outputs all run at once, so it may not ask for more than max_num_seqs.
         max_num_sequences = min(config.max_num_sequences, config.scheduler.max_num_seqs)
         self.limits = Limits(model_config.vocab_size, self.max_model_len, max_num_sequences, config.max_logprobs)
@@ -378,7 +382,7 @@ class Engine:
         return outputs
 
     # -- driving ---------------------------------------------------------------
-    def run_until_done(self, requests: Seq[GenerationRequest]) -> list:
+    def run_until_done(self, requests: Seq[GenerationRequest]) -> list[Completion]:
         """Synchronous helper: add ``requests``, step until all finish, return Completions."""
         streams = [self.add_request(r) for r in requests]
         while self.has_unfinished_requests:

@@ -7,7 +7,9 @@ scheduler stay unaware of requests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +19,10 @@ from refengine.engine.stop_checker import process_token
 from refengine.engine.types import Candidate, FinishInfo, SequenceDelta, TokenInfo
 from refengine.sampling.sampler import SampledToken, Sampler, SamplingRow, prompt_logprobs
 from refengine.scheduler.scheduler import ScheduledSequence
+from refengine.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -26,10 +32,20 @@ class _RowTarget:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, sampler: Sampler, engine) -> None:  # noqa: ANN001 - engine: see Engine
+    """Owns no request state: ``fork`` creates a request's extra outputs (the engine
+    does, as it owns the scheduler) and ``release`` hands a finished sequence back."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        sampler: Sampler,
+        fork: Callable[[Request], None],
+        release: Callable[[Sequence], None],
+    ) -> None:
         self.tokenizer = tokenizer
         self.sampler = sampler
-        self.engine = engine
+        self.fork = fork
+        self.release = release
 
     # -- token info ----------------------------------------------------------
     def _token_info(self, sampled: SampledToken | tuple, token_id: int) -> TokenInfo:
@@ -95,7 +111,7 @@ class OutputProcessor:
         for target, token in zip(targets, sampled, strict=True):
             request = target.request
             if not request.forked:
-                self.engine.fork(request)
+                self.fork(request)
             deltas.append((request, self.append_token(request, request.outputs[target.index], token)))
         return deltas
 
@@ -132,4 +148,4 @@ class OutputProcessor:
 
     def finish_output(self, out: OutputState, finish: FinishInfo) -> None:
         out.finish = finish
-        self.engine.scheduler.finish(out.seq)
+        self.release(out.seq)

@@ -33,10 +33,28 @@ class _DecodePlan:
     mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size]
 
 
+def _length_groups(meta: AttentionMetadata, seqs: list[int], max_padding: float = 1.5) -> list[list[int]]:
+    """Split decode sequences into groups of similar length, so one padded call per
+    group reads little padding: a group's longest context is at most ``max_padding``
+    times its shortest (rounded up to whole blocks). One group when lengths are close."""
+    if not seqs:
+        return []
+    by_len = sorted(seqs, key=lambda i: meta.seq_lens[i])
+    groups = [[by_len[0]]]
+    for i in by_len[1:]:
+        shortest = max(meta.seq_lens[groups[-1][0]], meta.block_size)
+        if meta.seq_lens[i] > max_padding * shortest:
+            groups.append([])
+        groups[-1].append(i)
+    if len(groups) == 1:
+        return [seqs]  # keep step order: a decode-only step then needs no scatter
+    return groups
+
+
 class TorchReferenceBackend(AttentionBackend):
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
-        self._decode: _DecodePlan | None = None
+        self._decodes: list[_DecodePlan] = []
         self._prefills: list[_PrefillPlan] = []
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -58,7 +76,7 @@ class TorchReferenceBackend(AttentionBackend):
                 mask = torch.arange(num_blocks * meta.block_size).unsqueeze(0) <= query_pos
             rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
             self._prefills.append(_PrefillPlan(rows, meta.block_tables[i, :num_blocks], seq_len, mask))
-        self._decode = self._plan_decodes(meta, decode_seqs) if decode_seqs else None
+        self._decodes = [self._plan_decodes(meta, group) for group in _length_groups(meta, decode_seqs)]
 
     @staticmethod
     def _plan_decodes(meta: AttentionMetadata, seqs: list[int]) -> _DecodePlan:
@@ -67,7 +85,7 @@ class TorchReferenceBackend(AttentionBackend):
         block_ids = meta.block_tables[seqs][:, :num_blocks].reshape(-1)
         positions = torch.arange(num_blocks * meta.block_size)
         mask = (positions.unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
-        all_rows = len(seqs) == meta.num_seqs
+        all_rows = seqs == list(range(meta.num_seqs))
         rows = None if all_rows else torch.tensor([meta.query_start_loc[i] for i in seqs])
         return _DecodePlan(rows, block_ids, mask)
 
@@ -78,9 +96,8 @@ class TorchReferenceBackend(AttentionBackend):
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         k_flat.index_copy_(0, self._meta.slot_mapping, k)
         v_flat.index_copy_(0, self._meta.slot_mapping, v)
-        decode = self._decode
-        if decode is not None and decode.query_rows is None:  # decode-only step: no scatter needed
-            return self._decode_attention(q, k_cache, v_cache, decode, scale)
+        if len(self._decodes) == 1 and self._decodes[0].query_rows is None:  # decode-only: no scatter
+            return self._decode_attention(q, k_cache, v_cache, self._decodes[0], scale)
         out = torch.empty_like(q)
         for plan in self._prefills:
             query = q[plan.query_rows].transpose(0, 1)  # [H, Lq, D]
@@ -92,7 +109,7 @@ class TorchReferenceBackend(AttentionBackend):
                 query, keys, values, attn_mask=plan.mask, is_causal=plan.mask is None, scale=scale, enable_gqa=True
             )
             out[plan.query_rows] = attn.transpose(0, 1)
-        if decode is not None:
+        for decode in self._decodes:
             out[decode.query_rows] = self._decode_attention(q[decode.query_rows], k_cache, v_cache, decode, scale)
         return out
 
