@@ -19,8 +19,8 @@ import torch
 from refengine.config import EngineConfig, ModelConfig
 from refengine.engine.detokenizer import IncrementalDetokenizer
 from refengine.engine.output_processor import OutputProcessor
-from refengine.engine.request import OutputSink, OutputState, Request, TokenHoldBack, output_generator
-from refengine.engine.stop_checker import StopChecker
+from refengine.engine.request import OutputSink, OutputState, Request, output_generator
+from refengine.engine.stop_checker import StopChecker, TokenHoldBack
 from refengine.engine.stream import Completion, RequestStream
 from refengine.engine.types import (
     DuplicateRequestError,

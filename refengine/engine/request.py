@@ -8,14 +8,13 @@ that share the prompt's KV blocks (copy-on-write on the last partial block).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from refengine.engine.detokenizer import IncrementalDetokenizer
-from refengine.engine.stop_checker import StopChecker
+from refengine.engine.stop_checker import StopChecker, TokenHoldBack
 from refengine.engine.types import FinishInfo, GenerationRequest, RequestOutput, TokenInfo
 from refengine.scheduler.sequence import Sequence
 
@@ -32,41 +31,6 @@ def output_generator(seed: int | None, index: int) -> torch.Generator | None:
     generator = torch.Generator()
     generator.manual_seed((seed + index * _SEED_STRIDE) % (1 << 64))
     return generator
-
-
-class TokenHoldBack:
-    """Tokens wait until all of their text has been emitted (G11, G14).
-
-    Offsets count characters of the detokenized output. A token whose text is still
-    held back (it may become part of a stop string) is held too. When a stop string
-    matched and is excluded, the tokens whose text reaches into it are dropped;
-    when it is included, or the output ends for another reason, every held token
-    is released.
-    """
-
-    def __init__(self, include_stop_in_output: bool) -> None:
-        self._include_stop = include_stop_in_output
-        self._held: deque[tuple[TokenInfo, int]] = deque()  # (token, end offset of its text)
-        self._text_end = 0  # detokenized characters so far
-        self._emitted_end = 0  # characters emitted so far
-
-    def add(self, token: TokenInfo, num_chars: int) -> None:
-        self._text_end += num_chars
-        self._held.append((token, self._text_end))
-
-    def release(self, num_emitted_chars: int, finish: FinishInfo | None) -> tuple[TokenInfo, ...]:
-        self._emitted_end += num_emitted_chars
-        drop_rest = finish is not None and finish.stop_text is not None and not self._include_stop
-        if finish is not None and not drop_rest:
-            released = tuple(token for token, _ in self._held)
-            self._held.clear()
-            return released
-        released = []
-        while self._held and self._held[0][1] <= self._emitted_end:
-            released.append(self._held.popleft()[0])
-        if finish is not None:
-            self._held.clear()
-        return tuple(released)
 
 
 @dataclass(eq=False)

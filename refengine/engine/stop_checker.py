@@ -21,7 +21,7 @@ to right (the output stops there: nothing after it is generated or emitted); whe
 several complete at the same character, the longest. Tokens follow their text:
 the engine holds a token back while any of its text is held back, and with
 ``include_stop_in_output = false`` drops the tokens whose text reaches into a
-matched stop string (``TokenHoldBack`` in ``engine/output_processor.py``).
+matched stop string (``TokenHoldBack`` below).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from refengine.engine.types import FinishInfo, FinishReason, StoppingParams
+from refengine.engine.types import FinishInfo, FinishReason, StoppingParams, TokenInfo
 
 if TYPE_CHECKING:
     from refengine.engine.detokenizer import IncrementalDetokenizer
@@ -200,3 +200,38 @@ def process_token(
     if finish is not None:
         emitted += stop.finish_text()
     return TokenStep(keep_token, emitted, finish, len(text))
+
+
+class TokenHoldBack:
+    """Tokens wait until all of their text has been emitted (G11, G14).
+
+    Offsets count characters of the detokenized output. A token whose text is still
+    held back (it may become part of a stop string) is held too. When a stop string
+    matched and is excluded, the tokens whose text reaches into it are dropped;
+    when it is included, or the output ends for another reason, every held token
+    is released.
+    """
+
+    def __init__(self, include_stop_in_output: bool) -> None:
+        self._include_stop = include_stop_in_output
+        self._held: deque[tuple[TokenInfo, int]] = deque()  # (token, end offset of its text)
+        self._text_end = 0  # detokenized characters so far
+        self._emitted_end = 0  # characters emitted so far
+
+    def add(self, token: TokenInfo, num_chars: int) -> None:
+        self._text_end += num_chars
+        self._held.append((token, self._text_end))
+
+    def release(self, num_emitted_chars: int, finish: FinishInfo | None) -> tuple[TokenInfo, ...]:
+        self._emitted_end += num_emitted_chars
+        drop_rest = finish is not None and finish.stop_text is not None and not self._include_stop
+        if finish is not None and not drop_rest:
+            released = tuple(token for token, _ in self._held)
+            self._held.clear()
+            return released
+        released = []
+        while self._held and self._held[0][1] <= self._emitted_end:
+            released.append(self._held.popleft()[0])
+        if finish is not None:
+            self._held.clear()
+        return tuple(released)

@@ -83,9 +83,10 @@ class ModelRunner:
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
-        block_tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int64)
-        for i, item in enumerate(scheduled):
-            block_tables[i, : len(item.seq.block_table)] = torch.tensor(item.seq.block_table)
+        block_tables = torch.tensor(
+            [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table)) for item in scheduled],
+            dtype=torch.int64,
+        )
         meta = AttentionMetadata(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
