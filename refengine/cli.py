@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
+from refengine.config import ATTENTION_BACKENDS, CacheConfig, EngineConfig, SchedulerConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +18,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"],
                    help="weight and KV dtype (fp32 is fastest on CPUs without bf16)")
     g.add_argument("--device", default=d.device, help="torch device")
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
+                   help="auto: the native paged kernel for float32 on CPU (built with the machine's C "
+                   "compiler on first use), else the torch reference")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (None: the model's)")
     g.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None,
@@ -46,6 +49,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_sequences=args.max_num_sequences,
         seed=args.seed,
         num_threads=args.num_threads,
+        attention_backend=args.attention_backend,
         cache=CacheConfig(
             block_size=args.block_size,
             num_blocks=args.num_kv_blocks,

@@ -62,6 +62,9 @@ class SchedulerConfig:
     max_waiting_requests: int = 4096
 
 
+ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights.
@@ -79,5 +82,8 @@ class EngineConfig:
     max_logprobs: int = 20  # largest top-N candidate count
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = torch's default (all cores)
+    # "auto": the native paged kernel for float32 on CPU when it builds, else the torch
+    # reference; "cpu": the native kernel or an error; "torch": the reference.
+    attention_backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

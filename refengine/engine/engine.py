@@ -43,6 +43,7 @@ from refengine.engine.validation import (
     validate_sampling,
     validate_stopping,
 )
+from refengine.kernels.attention import make_attention_backend
 from refengine.kv.block_pool import BlockPool
 from refengine.kv.kv_manager import KvCacheManager
 from refengine.model.runner import DTYPES, ModelRunner
@@ -79,8 +80,9 @@ class Engine:
         torch.manual_seed(config.seed)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        attention = make_attention_backend(config.attention_backend, DTYPES[config.dtype], config.device)
         self.runner = ModelRunner(model_config, weights, config.cache, self.max_model_len,
-                                  dtype=DTYPES[config.dtype], device=config.device)
+                                  dtype=DTYPES[config.dtype], device=config.device, attention=attention)
         self.pool = BlockPool(self.runner.num_blocks, config.cache.enable_prefix_caching)
         self.kv = KvCacheManager(self.pool, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv)

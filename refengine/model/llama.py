@@ -3,7 +3,7 @@
 Stateless over requests: the runner passes token ids, positions, the attention
 backend (already prepared for this step) and the KV cache tensors. Q/K/V and
 gate/up projections are fused into one matmul each, loaded from the Hugging
-Face per-projection weights.
+Face per-projection weights; each projection is a ``kernels.linear.Linear``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from refengine.config import ModelConfig
 from refengine.kernels.attention.base import AttentionBackend
+from refengine.kernels.linear import Linear
 from refengine.model.rope import RotaryEmbedding
 
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -31,13 +32,13 @@ class LlamaLayer:
         mlp = f"{prefix}.mlp"
         self.input_norm = weights[f"{prefix}.input_layernorm.weight"]
         self.post_attn_norm = weights[f"{prefix}.post_attention_layernorm.weight"]
-        self.qkv_weight = torch.cat([weights[f"{attn}.{p}_proj.weight"] for p in "qkv"])
-        self.qkv_bias = (
-            torch.cat([weights[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if config.attention_bias else None
+        self.qkv_proj = Linear(
+            torch.cat([weights[f"{attn}.{p}_proj.weight"] for p in "qkv"]),
+            torch.cat([weights[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if config.attention_bias else None,
         )
-        self.o_weight = weights[f"{attn}.o_proj.weight"]
-        self.gate_up_weight = torch.cat([weights[f"{mlp}.gate_proj.weight"], weights[f"{mlp}.up_proj.weight"]])
-        self.down_weight = weights[f"{mlp}.down_proj.weight"]
+        self.o_proj = Linear(weights[f"{attn}.o_proj.weight"])
+        self.gate_up_proj = Linear(torch.cat([weights[f"{mlp}.gate_proj.weight"], weights[f"{mlp}.up_proj.weight"]]))
+        self.down_proj = Linear(weights[f"{mlp}.down_proj.weight"])
 
 
 class LlamaModel:
@@ -50,7 +51,7 @@ class LlamaModel:
         self.embed_tokens = weights["model.embed_tokens.weight"]
         self.layers = [LlamaLayer(weights, f"model.layers.{i}", config) for i in range(config.num_hidden_layers)]
         self.norm = weights["model.norm.weight"]
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = Linear(self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"])
         self.rope = RotaryEmbedding(config, max_positions, self.embed_tokens.dtype, str(self.embed_tokens.device))
 
     @property
@@ -71,19 +72,19 @@ class LlamaModel:
         hidden = F.embedding(input_ids, self.embed_tokens)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(hidden, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv_proj(x)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(-1, self.num_heads, self.head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
             q, k = self.rope.apply(q, k, positions)
             attn_out = attn.forward(q, k, v, k_cache, v_cache, self.scale)
-            hidden = hidden + F.linear(attn_out.reshape(-1, q_size), layer.o_weight)
+            hidden = hidden + layer.o_proj(attn_out.reshape(-1, q_size))
             x = rms_norm(hidden, layer.post_attn_norm, eps)
-            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
+            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down_proj(F.silu(gate) * up)
         return rms_norm(hidden, self.norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -105,10 +105,12 @@ class TorchReferenceBackend(AttentionBackend):
             values = v_cache.index_select(0, plan.block_ids).view(-1, num_kv_heads, head_dim).transpose(0, 1)
             if plan.mask is None:
                 keys, values = keys[:, : plan.seq_len], values[:, : plan.seq_len]
+            # [1, H, L, D]: SDPA takes its fused CPU flash kernel only for 4-D inputs.
             attn = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=plan.mask, is_causal=plan.mask is None, scale=scale, enable_gqa=True
+                query[None], keys[None], values[None], attn_mask=plan.mask, is_causal=plan.mask is None,
+                scale=scale, enable_gqa=True,
             )
-            out[plan.query_rows] = attn.transpose(0, 1)
+            out[plan.query_rows] = attn[0].transpose(0, 1)
         for decode in self._decodes:
             out[decode.query_rows] = self._decode_attention(q[decode.query_rows], k_cache, v_cache, decode, scale)
         return out

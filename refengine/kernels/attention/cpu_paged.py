@@ -1,0 +1,83 @@
+"""The CPU attention backend: the native paged kernel, plus SDPA for fresh prompts.
+
+Decode rows and prefill chunks that continue a cached context go through the C
+kernel (``kernels/cpu/paged_attention.c``), which reads keys and values in place
+from the paged cache. A prompt chunk with no cached context and at least
+``FRESH_PREFILL_MIN_TOKENS`` tokens is plain causal attention over its own new
+keys, where SDPA's fused flash kernel (blocked, GEMM-like) beats a row-at-a-time
+kernel; it reads those keys straight from the step's ``k``/``v``, not the cache.
+float32 only; the engine picks the torch reference for other dtypes and devices.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from refengine.kernels import cpu
+from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
+
+FRESH_PREFILL_MIN_TOKENS = 64
+
+
+def native_kernel_unavailable_reason() -> str:
+    """Why the native kernel cannot be used here; "" when it can."""
+    return cpu.load("paged_attention").reason
+
+
+class CpuPagedBackend(AttentionBackend):
+    def __init__(self) -> None:
+        library = cpu.load("paged_attention").library
+        if library is None:
+            raise RuntimeError(f"native CPU attention unavailable: {native_kernel_unavailable_reason()}")
+        self._kernel = library.paged_attention
+        self._kernel.restype = ctypes.c_int
+        self._kernel.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float]
+        self._meta: AttentionMetadata | None = None
+        self._fresh_prefills: list[slice] = []
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self._meta = meta
+        self._fresh_prefills = []
+        native = []
+        for i in range(meta.num_seqs):
+            query_len = meta.query_len(i)
+            if query_len == meta.seq_lens[i] and query_len >= FRESH_PREFILL_MIN_TOKENS:
+                self._fresh_prefills.append(slice(meta.query_start_loc[i], meta.query_start_loc[i + 1]))
+            else:
+                native.append(i)
+        # int32 copies the kernel reads; kept alive on self until the next prepare().
+        self._native_seq_ids = torch.tensor(native, dtype=torch.int32)
+        self._query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32)
+        self._seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+        self._block_tables = meta.block_tables.to(torch.int32).contiguous()
+
+    def forward(self, q, k, v, k_cache, v_cache, scale):
+        meta = self._meta
+        assert meta is not None, "prepare() must run before forward()"
+        assert q.dtype == torch.float32 and q.device.type == "cpu", "the native kernel is float32 on CPU"
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        for rows in self._fresh_prefills:
+            # [1, H, L, D]: SDPA takes its fused CPU flash kernel only for 4-D inputs.
+            attn = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
+                is_causal=True, scale=scale, enable_gqa=True,
+            )
+            out[rows] = attn[0].transpose(0, 1)
+        num_native = len(self._native_seq_ids)
+        if num_native:
+            status = self._kernel(
+                out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                self._block_tables.data_ptr(), self._query_start_loc.data_ptr(), self._seq_lens.data_ptr(),
+                self._native_seq_ids.data_ptr(), num_native, q.shape[1], num_kv_heads, head_dim,
+                meta.block_size, self._block_tables.shape[1], scale,
+            )
+            if status != 0:
+                raise MemoryError("paged_attention: could not allocate scratch memory")
+        return out

@@ -1,0 +1,86 @@
+"""Native CPU kernels: C sources compiled on first use with the machine's C compiler.
+
+A kernel is built once per (source, compiler, flags, CPU) into the refengine cache
+(``<cache>/kernels/<key>/``) and loaded with ctypes; ``-march=native`` is why the
+CPU is part of the key. When no compiler is found or the build fails, the loader
+returns ``None`` with the reason, and callers fall back to the torch reference.
+
+The library is linked with ``-fopenmp``: it asks for ``libgomp.so.1``, which torch
+has already loaded, so the kernel's parallel loops share torch's OpenMP thread pool
+(and its ``torch.set_num_threads`` setting) instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
+
+from refengine.model.gguf_convert import default_cache_dir
+
+SOURCE_DIR = Path(__file__).parent
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    library: ctypes.CDLL | None
+    reason: str  # why it is unavailable; "" when loaded
+
+
+def _cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _compiler_version(compiler: str) -> str:
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
+    return result.stdout.splitlines()[0] if result.stdout else compiler
+
+
+@functools.cache
+def load(name: str) -> KernelLibrary:
+    """Build (if needed) and load ``<name>.c`` from this package."""
+    if os.environ.get("REFENGINE_NATIVE_KERNELS", "1") == "0":
+        return KernelLibrary(None, "disabled by REFENGINE_NATIVE_KERNELS=0")
+    compiler = _compiler()
+    if compiler is None:
+        return KernelLibrary(None, "no C compiler found (set CC, or install gcc)")
+    source = (SOURCE_DIR / f"{name}.c").read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), _compiler_version(compiler).encode(),
+                    _cpu_signature().encode()])
+    ).hexdigest()[:16]
+    target = default_cache_dir() / "kernels" / key / f"lib{name}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Build under a temporary name and rename: concurrent processes may race here.
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+        os.close(fd)
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE_DIR / f"{name}.c"), "-o", tmp, "-lm"],
+                                capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            return KernelLibrary(None, f"{compiler} failed to build {name}.c: {result.stderr.strip()[:500]}")
+        os.replace(tmp, target)
+    try:
+        return KernelLibrary(ctypes.CDLL(str(target)), "")
+    except OSError as exc:
+        return KernelLibrary(None, f"could not load {target}: {exc}")
