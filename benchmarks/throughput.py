@@ -5,7 +5,8 @@ output lengths uniform in 16-256 (EOS ignored), fixed seed. transformers runs
 static batches (left-padded, each batch generates its longest output; only each
 request's own output tokens count) at batch sizes 1/8/16/32 and the best rate is
 the peer. Also prints the engine's decode step time at batch 1/8/32/64 next to
-the time of the same step's bare weight matmuls (``torch.mm`` on the same shapes).
+the time of the same step's bare weight matmuls (``torch.mm`` on the same shapes),
+and next to the engine's own projections alone.
 
     python benchmarks/throughput.py            # the full run (~15 min on 2 cores)
     python benchmarks/throughput.py --quick    # a smoke run
@@ -14,6 +15,7 @@ the time of the same step's bare weight matmuls (``torch.mm`` on the same shapes
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import time
@@ -83,39 +85,48 @@ def run_transformers(model, workload, batch_size: int) -> tuple[float, int]:
     return elapsed, tokens
 
 
-def decode_step_overhead(parts, batch_sizes, context_len: int, repeats: int) -> list[tuple[int, float, float]]:
-    """Engine decode step vs the bare matmuls of the same step."""
+def _run_all(calls) -> None:
+    for call in calls:
+        call()
+
+
+def decode_step_overhead(parts, batch_sizes, context_len: int, repeats: int) -> list[tuple[int, float, float, float]]:
+    """Engine decode step vs the bare matmuls of the same step, best of ``repeats`` each.
+
+    Two baselines: ``torch.mm`` on dense weights of the same shapes (the BLAS as a
+    plain torch program calls it), and the engine's own projections alone (oneDNN on
+    prepacked weights), which isolates everything the step adds besides its GEMMs."""
     config, weights, tokenizer, fingerprint = parts
     engine = Engine(EngineConfig(cache=CacheConfig(num_blocks=64 * (context_len // 16 + 2))),
                     config, weights, tokenizer, model_fingerprint=fingerprint)
     runner = engine.runner
+    model = runner.model
+    projections = [p for layer in model.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                         layer.down_proj)]
+    projections.append(model.lm_head)
+    dense = [torch.randn(p.out_features, p.in_features) for p in projections]
     rows = []
     for batch in batch_sizes:
         seqs = []
         for b in range(batch):
             seq = Sequence(f"d{b}", 0, list(range(100, 100 + context_len)), context_len, context_len + 8)
-            engine.kv.allocate(seq, context_len + repeats + 2)
+            engine.kv.allocate(seq, context_len + 2)
             seq.num_computed_tokens = context_len - 1
             seqs.append(seq)
         scheduled = [ScheduledSequence.of(s, 1) for s in seqs]
-        runner.execute(scheduled, [False] * batch)  # warm-up
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            runner.execute(scheduled, [False] * batch)
-        step_time = (time.perf_counter() - t0) / repeats
-        model = runner.model
-        weights_in_step = [w for layer in model.layers
-                           for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
-        weights_in_step.append(model.lm_head)
-        inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights_in_step}
-        for w in weights_in_step:
-            torch.mm(inputs[w.shape[1]], w.t())
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            for w in weights_in_step:
-                torch.mm(inputs[w.shape[1]], w.t())
-        matmul_time = (time.perf_counter() - t0) / repeats
-        rows.append((batch, step_time, matmul_time))
+        inputs = {p.in_features: torch.randn(batch, p.in_features) for p in projections}
+        step = functools.partial(runner.execute, scheduled, [False] * batch)
+        bare_mm = functools.partial(_run_all, [functools.partial(torch.mm, inputs[w.shape[1]], w.t()) for w in dense])
+        engine_gemms = functools.partial(_run_all, [functools.partial(p, inputs[p.in_features]) for p in projections])
+        timings: dict = {f: [] for f in (step, bare_mm, engine_gemms)}
+        for f in timings:
+            f()  # warm-up
+        for _ in range(repeats):  # interleaved, so all three see the same machine state
+            for f, times in timings.items():
+                t0 = time.perf_counter()
+                f()
+                times.append(time.perf_counter() - t0)
+        rows.append((batch, *(min(times) for times in timings.values())))
         for s in seqs:
             engine.kv.free(s)
     return rows
@@ -161,9 +172,11 @@ def main() -> None:
           f"| ratio | {engine_rate / best[0]:.2f}x |")
 
     rows = decode_step_overhead(parts, [1, 8] if args.quick else [1, 8, 32, 64], 128, 5 if args.quick else 20)
-    print("\n| decode batch | step ms | bare matmul ms | overhead |\n|---|---|---|---|")
-    for batch, step, mm in rows:
-        print(f"| {batch} | {step * 1e3:.1f} | {mm * 1e3:.1f} | {step / mm:.2f}x |")
+    print("\n| decode batch | step ms | torch.mm ms | overhead vs torch.mm | engine GEMMs ms | overhead vs own GEMMs |"
+          "\n|---|---|---|---|---|---|")
+    for batch, step, mm, gemms in rows:
+        print(f"| {batch} | {step * 1e3:.1f} | {mm * 1e3:.1f} | {step / mm:.2f}x | {gemms * 1e3:.1f} "
+              f"| {step / gemms:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,19 @@ Every default is documented here and surfaced by ``refengine serve --help``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def default_cache_dir() -> Path:
+    """refengine's cache root: ``$REFENGINE_CACHE_DIR``, else ``$XDG_CACHE_HOME/refengine``
+    (``~/.cache/refengine``). Converted models live in ``<root>/models/<name>``, built
+    native kernels in ``<root>/kernels/<key>``."""
+    if env := os.environ.get("REFENGINE_CACHE_DIR"):
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(xdg).expanduser() / "refengine"
 
 
 @dataclass(frozen=True)

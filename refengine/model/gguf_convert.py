@@ -66,17 +66,6 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def default_cache_dir() -> Path:
-    """refengine's cache root: ``$REFENGINE_CACHE_DIR``, else ``~/.cache/refengine``.
-
-    Converted models live in ``<root>/models/<name>``.
-    """
-    if env := os.environ.get("REFENGINE_CACHE_DIR"):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(xdg).expanduser() / "refengine"
-
-
 def source_fingerprint(gguf_path: Path) -> str:
     """A cheap identity of a GGUF: its size plus its first and last MiB.
 

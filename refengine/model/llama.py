@@ -21,6 +21,8 @@ KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalize in float32, scale in the model dtype (as the reference does)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, bit-identical in float32
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -70,14 +72,15 @@ class LlamaModel:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rope.cos_sin(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = layer.qkv_proj(x)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(-1, self.num_heads, self.head_dim)
-            k = k.view(-1, self.num_kv_heads, self.head_dim)
-            v = v.view(-1, self.num_kv_heads, self.head_dim)
-            q, k = self.rope.apply(q, k, positions)
+            # Queries and keys are rotated together, as one [T, heads + kv_heads, D] tensor.
+            qk = self.rope.apply(qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                                   self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
             attn_out = attn.forward(q, k, v, k_cache, v_cache, self.scale)
             hidden = hidden + layer.o_proj(attn_out.reshape(-1, q_size))
             x = rms_norm(hidden, layer.post_attn_norm, eps)

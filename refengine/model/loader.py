@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from refengine.config import ModelConfig
-from refengine.model.gguf_convert import default_cache_dir, ensure_converted, source_fingerprint
+from refengine.config import ModelConfig, default_cache_dir
+from refengine.model.gguf_convert import ensure_converted, source_fingerprint
 from refengine.model.manifest import (
     Manifest,
     ModelNotFoundError,

@@ -1,7 +1,7 @@
 """Rotary position embeddings, including Llama 3.1's frequency scaling.
 
 The cos/sin tables are computed once for every position in float32, the way the
-Hugging Face reference computes them, and indexed by position each step.
+Hugging Face reference computes them, and indexed by position once per step.
 """
 
 from __future__ import annotations
@@ -41,16 +41,16 @@ class RotaryEmbedding:
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
         freqs = torch.arange(max_positions, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
+        half = dim // 2
         self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        sin = emb.sin()
+        # rotate_half(x) * sin == roll(x, half) * [-sin_low, sin_high]: one op fewer per call.
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype=dtype, device=device)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D]; rotate-half layout (as Hugging Face Llama)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables for one step's positions, [T, 1, D] each; looked up once per step."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] (queries and keys together); rotate-half layout, as Hugging Face Llama."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

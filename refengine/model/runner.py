@@ -43,12 +43,13 @@ class ModelRunner:
         self.model = LlamaModel(config, weights, max_positions=max_model_len)
         self.num_blocks = cache.num_blocks or max(1, cache.kv_memory_bytes // kv_bytes_per_block(
             config, cache.block_size, dtype))
-        shape = (self.num_blocks, cache.block_size, config.num_key_value_heads, config.head_dim)
+        self.attention = attention or TorchReferenceBackend()
+        k_shape, v_shape = self.attention.kv_cache_shapes(
+            self.num_blocks, cache.block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
             for _ in range(config.num_hidden_layers)
         ]
-        self.attention = attention or TorchReferenceBackend()
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks before a step writes into them."""

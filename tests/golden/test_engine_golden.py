@@ -9,6 +9,8 @@ import torch
 from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from refengine.engine.engine import Engine
 from refengine.engine.types import GenerationRequest, SamplingParams, StoppingParams
+from refengine.kernels.attention import make_attention_backend
+from refengine.kernels.attention.cpu_paged import native_kernel_unavailable_reason
 from refengine.model.loader import load_model_config, load_tokenizer, load_weights, model_fingerprint
 from refengine.model.runner import ModelRunner
 from refengine.scheduler.scheduler import ScheduledSequence
@@ -89,15 +91,25 @@ def alone(model_parts, prompt_ids) -> list[list[int]]:
     ]
 
 
-def test_prefill_and_decode_logits_match_transformers(model_parts, hf_smollm2, prompt_ids) -> None:
+ATTENTION_BACKENDS = [
+    "torch",
+    pytest.param("cpu", marks=pytest.mark.skipif(bool(native_kernel_unavailable_reason()),
+                                                 reason=f"native CPU kernel: {native_kernel_unavailable_reason()}")),
+]
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+@pytest.mark.parametrize("repeat", [1, 8], ids=["short", "long"])  # long: the first chunk is a fresh prompt >= 64
+def test_prefill_and_decode_logits_match_transformers(model_parts, hf_smollm2, prompt_ids, backend, repeat) -> None:
     config, weights, _, _ = model_parts
-    runner = ModelRunner(config, weights, CacheConfig(block_size=16, num_blocks=64), 2048)
-    ids = prompt_ids[2] + prompt_ids[6]
+    runner = ModelRunner(config, weights, CacheConfig(block_size=16, num_blocks=64), 2048,
+                         attention=make_attention_backend(backend, torch.float32, "cpu"))
+    ids = (prompt_ids[2] + prompt_ids[6]) * repeat
     with torch.no_grad():
         reference = hf_smollm2(torch.tensor([ids])).logits[0]
     prefill_len = len(ids) - 3
     seq = Sequence("g", 0, list(ids[:prefill_len]), prefill_len, len(ids) + 8)
-    seq.block_table = list(range(8))
+    seq.block_table = list(range(len(ids) // 16 + 1))
     got = []
     half = prefill_len // 2  # a prefill in two chunks, then three decode steps
     for num_new in (half, prefill_len - half):
@@ -107,6 +119,7 @@ def test_prefill_and_decode_logits_match_transformers(model_parts, hf_smollm2, p
         seq.token_ids.append(ids[pos])
         got.append(runner.execute([ScheduledSequence.of(seq, 1)], [False])[0])
         seq.num_computed_tokens += 1
+    assert seq.num_computed_tokens == len(ids)
     max_diff = (torch.cat(got) - reference).abs().max().item()
     assert max_diff <= 1e-3, f"engine vs transformers logits differ by {max_diff}"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import tomllib
@@ -234,6 +235,11 @@ def test_every_package_ships_in_the_wheel() -> None:
     missing = sorted(on_disk - set(setuptools["packages"]))
     assert not missing, f"add {missing} to [tool.setuptools] packages in pyproject.toml"
     assert setuptools["package-dir"]["refengine.manifests"] == "models"
+    # Data files a package reads at run time (the native kernels' C sources) need package-data.
+    for source in (REPO / "refengine").rglob("*.c"):
+        package = ".".join(source.parent.relative_to(REPO).parts)
+        patterns = setuptools["package-data"].get(package, [])
+        assert any(fnmatch.fnmatch(source.name, p) for p in patterns), f"add {source.name} to package-data[{package}]"
 
 
 def test_fingerprint_is_stable_and_content_sensitive(tmp_path: Path) -> None:

@@ -6,10 +6,13 @@ rows ``query_start_loc[i] : query_start_loc[i + 1]`` and after this step holds
 query row ``r`` of sequence ``i`` sits at position ``seq_lens[i] - query_len_i + r``
 and attends to positions ``0 … that position`` (causal).
 
-KV cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``
-for keys and the same for values. Token position ``p`` of a sequence lives in slot
+Token position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``; ``slot_mapping``
-gives that slot for every new token.
+gives that slot for every new token. How a block stores its tokens is the
+backend's choice (``kv_cache_shapes``); the default, per layer, is
+``[num_blocks, block_size, num_kv_heads, head_dim]`` for keys and the same for
+values. Dimension 0 is always the block, so copying or moving whole blocks
+(copy-on-write, preemption) never needs to know the layout.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ class AttentionBackend(ABC):
     position of its own sequence (cached and new), never to another sequence's.
     """
 
+    def kv_cache_shapes(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of one layer's key and value cache tensors (dimension 0 = block)."""
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return shape, shape
+
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step, before any layer: derive per-step index tensors."""
@@ -54,7 +64,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # shaped as kv_cache_shapes says
         v_cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]

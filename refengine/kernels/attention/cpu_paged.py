@@ -2,7 +2,8 @@
 
 Decode rows and prefill chunks that continue a cached context go through the C
 kernel (``kernels/cpu/paged_attention.c``), which reads keys and values in place
-from the paged cache. A prompt chunk with no cached context and at least
+from the paged cache, where this backend stores keys transposed within each block.
+A prompt chunk with no cached context and at least
 ``FRESH_PREFILL_MIN_TOKENS`` tokens is plain causal attention over its own new
 keys, where SDPA's fused flash kernel (blocked, GEMM-like) beats a row-at-a-time
 kernel; it reads those keys straight from the step's ``k``/``v``, not the cache.
@@ -35,8 +36,16 @@ class CpuPagedBackend(AttentionBackend):
         self._kernel = library.paged_attention
         self._kernel.restype = ctypes.c_int
         self._kernel.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float]
+        self._store_kv = library.store_kv
+        self._store_kv.restype = None
+        self._store_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
         self._meta: AttentionMetadata | None = None
         self._fresh_prefills: list[slice] = []
+
+    def kv_cache_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
+        """Keys transposed within a block (``[num_kv_heads, head_dim, block_size]``), so the
+        kernel scores a whole block as one vector; values row-major. See the C source."""
+        return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, block_size, num_kv_heads, head_dim)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
@@ -58,10 +67,10 @@ class CpuPagedBackend(AttentionBackend):
         meta = self._meta
         assert meta is not None, "prepare() must run before forward()"
         assert q.dtype == torch.float32 and q.device.type == "cpu", "the native kernel is float32 on CPU"
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        q = q.contiguous()
+        num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
+        k, v, q = k.contiguous(), v.contiguous(), q.contiguous()
+        self._store_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                       meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim, meta.block_size)
         out = torch.empty_like(q)
         for rows in self._fresh_prefills:
             # [1, H, L, D]: SDPA takes its fused CPU flash kernel only for 4-D inputs.

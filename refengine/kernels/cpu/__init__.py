@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
 
-from refengine.model.gguf_convert import default_cache_dir
+from refengine.config import default_cache_dir
 
 SOURCE_DIR = Path(__file__).parent
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")

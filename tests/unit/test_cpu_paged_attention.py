@@ -1,0 +1,406 @@
+"""The native CPU attention backend against an independent dense oracle, and the kernel loader.
+
+The oracle never touches a backend: each sequence's keys and values are kept as plain
+dense ``[seq_len, num_kv_heads, head_dim]`` tensors, and attention is written out in
+float64 (GQA by repeating KV heads, causal mask by position). The backends only see
+the paged cache, filled the way the engine fills it: a first step writes the cached
+context (a prefill of it), a second step brings the new queries.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from refengine.kernels import cpu
+from refengine.kernels.attention import TorchReferenceBackend, make_attention_backend
+from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
+from refengine.kernels.attention.cpu_paged import (
+    FRESH_PREFILL_MIN_TOKENS,
+    CpuPagedBackend,
+    native_kernel_unavailable_reason,
+)
+
+_REASON = native_kernel_unavailable_reason()
+pytestmark = pytest.mark.skipif(bool(_REASON), reason=f"native CPU attention kernel unavailable: {_REASON}")
+
+NUM_KV_HEADS = 2
+TOLERANCE = 1e-4
+GARBAGE = 50.0  # scale of the random values in never-written cache slots: a leak would show
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@dataclass
+class SeqData:
+    """One sequence: ``context`` cached tokens, then ``new`` tokens in the step under test."""
+
+    context: int
+    new: int
+    k: torch.Tensor  # [context + new, num_kv_heads, head_dim], dense, position order
+    v: torch.Tensor
+    q_context: torch.Tensor  # [context, num_heads, head_dim]: the queries of the step that cached the context
+    q_new: torch.Tensor  # [new, num_heads, head_dim]
+
+    @property
+    def total(self) -> int:
+        return self.context + self.new
+
+
+def make_seq(context: int, new: int, num_heads: int, head_dim: int, seed: int) -> SeqData:
+    gen = torch.Generator().manual_seed(seed)
+    total = context + new
+    return SeqData(
+        context, new,
+        k=torch.randn(total, NUM_KV_HEADS, head_dim, generator=gen),
+        v=torch.randn(total, NUM_KV_HEADS, head_dim, generator=gen),
+        q_context=torch.randn(context, num_heads, head_dim, generator=gen),
+        q_new=torch.randn(new, num_heads, head_dim, generator=gen),
+    )
+
+
+def make_seqs(shape: list[tuple[int, int]], num_heads: int, head_dim: int, seed: int = 0) -> list[SeqData]:
+    return [make_seq(context, new, num_heads, head_dim, seed * 1000 + i) for i, (context, new) in enumerate(shape)]
+
+
+def oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense causal attention in float64: q [L, H, D] are the last L positions of k/v [S, KVH, D]."""
+    query_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    keys = k.double().repeat_interleave(group, dim=1)  # query head h reads KV head h // group
+    values = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q.double(), keys) * scale
+    query_pos = torch.arange(seq_len - query_len, seq_len)
+    future = torch.arange(seq_len)[None, :] > query_pos[:, None]  # [L, S]
+    scores = scores.masked_fill(future[None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return torch.einsum("hls,shd->lhd", weights, values)
+
+
+def assign_blocks(seqs: list[SeqData], block_size: int, spare: int, rng: random.Random) -> tuple[list[list[int]], int]:
+    """Shuffled block ids for every sequence, with ``spare`` blocks nobody owns mixed in."""
+    needed = [math.ceil(s.total / block_size) for s in seqs]
+    num_blocks = sum(needed) + spare
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for n in needed:
+        tables.append(ids[at : at + n])
+        at += n
+    return tables, num_blocks
+
+
+def make_meta(
+    tables: list[list[int]], query_lens: list[int], seq_lens: list[int], block_size: int
+) -> AttentionMetadata:
+    max_blocks = max(len(t) for t in tables)
+    block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int64)  # padded with 0, as documented
+    slots = []
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = torch.tensor(table)
+        for p in range(seq_lens[i] - query_lens[i], seq_lens[i]):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    query_start_loc = [0]
+    for n in query_lens:
+        query_start_loc.append(query_start_loc[-1] + n)
+    return AttentionMetadata(query_start_loc, list(seq_lens), block_tables, torch.tensor(slots, dtype=torch.int64),
+                             block_size)
+
+
+@dataclass
+class StepResults:
+    context_out: list[torch.Tensor | None]  # per sequence: output rows of the context step (None: no context)
+    new_out: list[torch.Tensor]  # per sequence: output rows of the step under test
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def run_steps(
+    backend: AttentionBackend, seqs: list[SeqData], block_size: int, *, seed: int = 0, spare_blocks: int = 3,
+    fill: float | None = None,
+) -> StepResults:
+    """Drives ``backend`` through two steps using only ``kv_cache_shapes``, ``prepare`` and ``forward``:
+    a prefill of every sequence's cached context, then every sequence's new tokens in one batch.
+    Never-written cache slots hold random garbage (or ``fill``)."""
+    rng = random.Random(seed)
+    tables, num_blocks = assign_blocks(seqs, block_size, spare_blocks, rng)
+    head_dim = seqs[0].k.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim)
+    k_shape, v_shape = backend.kv_cache_shapes(num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    gen = torch.Generator().manual_seed(seed + 1)
+    if fill is None:
+        k_cache = torch.randn(k_shape, generator=gen) * GARBAGE
+        v_cache = torch.randn(v_shape, generator=gen) * GARBAGE
+    else:
+        k_cache, v_cache = torch.full(k_shape, fill), torch.full(v_shape, fill)
+
+    context_out: list[torch.Tensor | None] = [None] * len(seqs)
+    cached = [i for i, s in enumerate(seqs) if s.context]
+    if cached:
+        meta = make_meta([tables[i] for i in cached], [seqs[i].context for i in cached],
+                         [seqs[i].context for i in cached], block_size)
+        backend.prepare(meta)
+        out = backend.forward(
+            torch.cat([seqs[i].q_context for i in cached]),
+            torch.cat([seqs[i].k[: seqs[i].context] for i in cached]),
+            torch.cat([seqs[i].v[: seqs[i].context] for i in cached]),
+            k_cache, v_cache, scale,
+        )
+        for j, i in enumerate(cached):
+            context_out[i] = out[meta.query_start_loc[j] : meta.query_start_loc[j + 1]]
+
+    meta = make_meta(tables, [s.new for s in seqs], [s.total for s in seqs], block_size)
+    backend.prepare(meta)
+    out = backend.forward(
+        torch.cat([s.q_new for s in seqs]),
+        torch.cat([s.k[s.context :] for s in seqs]),
+        torch.cat([s.v[s.context :] for s in seqs]),
+        k_cache, v_cache, scale,
+    )
+    new_out = [out[meta.query_start_loc[i] : meta.query_start_loc[i + 1]] for i in range(len(seqs))]
+    return StepResults(context_out, new_out, k_cache, v_cache)
+
+
+def max_error_vs_oracle(seqs: list[SeqData], results: StepResults) -> float:
+    worst = 0.0
+    for s, context_out, new_out in zip(seqs, results.context_out, results.new_out, strict=True):
+        scale = 1.0 / math.sqrt(s.k.shape[-1])
+        if s.context:
+            expected = oracle(s.q_context, s.k[: s.context], s.v[: s.context], scale)
+            worst = max(worst, (context_out.double() - expected).abs().max().item())
+        expected = oracle(s.q_new, s.k, s.v, scale)
+        assert new_out.shape == expected.shape
+        worst = max(worst, (new_out.double() - expected).abs().max().item())
+    return worst
+
+
+# ----------------------------------------------------------------------------- batches
+
+FRESH = FRESH_PREFILL_MIN_TOKENS
+# (context, new) per sequence.
+DECODE_ONLY = [(0, 1), (1, 1), (7, 1), (15, 1), (16, 1), (17, 1), (40, 1), (97, 1)]
+MIXED = [
+    (40, 1),  # decode rows ...
+    (FRESH + 5, 1),  # (its context step took the SDPA path)
+    (20, 13),  # prefill chunks continuing a cached context, crossing block boundaries
+    (16, 16),  # context ending exactly on a block boundary
+    (3, 1),
+    (0, 5),  # fresh prompts shorter than FRESH_PREFILL_MIN_TOKENS: native kernel
+    (0, FRESH - 1),
+    (0, FRESH),  # ... and at least that long: SDPA over the step's own keys
+    (0, FRESH + 9),
+    (9, 1),
+]
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("block_size", [16, 8, 1])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("batch", [DECODE_ONLY, MIXED], ids=["decode_only", "mixed"])
+def test_matches_dense_oracle_and_reference(batch, group, head_dim, block_size) -> None:
+    num_heads = NUM_KV_HEADS * group
+    seqs = make_seqs(batch, num_heads, head_dim, seed=group * 7 + head_dim + block_size)
+    native = run_steps(CpuPagedBackend(), seqs, block_size, seed=block_size)
+    assert max_error_vs_oracle(seqs, native) <= TOLERANCE
+
+    # The torch reference on the same inputs (its own cache layout, same block tables).
+    reference = run_steps(TorchReferenceBackend(), seqs, block_size, seed=block_size)
+    assert max_error_vs_oracle(seqs, reference) <= TOLERANCE
+    for a, b in zip(native.new_out, reference.new_out, strict=True):
+        torch.testing.assert_close(a, b, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_never_reads_unwritten_slots(block_size) -> None:
+    """Unwritten slots full of NaN (partial last blocks, spare blocks) must not reach any output."""
+    seqs = make_seqs(MIXED, NUM_KV_HEADS * 3, 64, seed=5)
+    results = run_steps(CpuPagedBackend(), seqs, block_size, seed=2, fill=float("nan"))
+    assert max_error_vs_oracle(seqs, results) <= TOLERANCE
+
+
+def test_large_scores_stay_finite() -> None:
+    """Scores of a few hundred overflow a float32 exp unless each softmax subtracts its row maximum."""
+    seqs = make_seqs([(30, 1), (20, 7), (0, 9)], NUM_KV_HEADS * 2, 64, seed=9)
+    for s in seqs:
+        s.q_context.mul_(60.0)
+        s.q_new.mul_(60.0)
+    results = run_steps(CpuPagedBackend(), seqs, 16, seed=6)
+    assert all(torch.isfinite(out).all() for out in results.new_out)
+    # Peaked softmaxes amplify float32 rounding of the scores, hence the looser bound.
+    assert max_error_vs_oracle(seqs, results) <= 1e-3
+
+
+def test_single_block_context_and_one_token_sequences() -> None:
+    """Edge sizes: a lone first token, a context shorter than one block, a context of exactly one block."""
+    seqs = make_seqs([(0, 1), (1, 1), (0, 2), (15, 1), (16, 1), (1, 2)], NUM_KV_HEADS * 4, 128, seed=3)
+    results = run_steps(CpuPagedBackend(), seqs, 16, seed=4)
+    assert max_error_vs_oracle(seqs, results) <= TOLERANCE
+
+
+# ----------------------------------------------------------------------------- batch invariance
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_batch_invariance(head_dim) -> None:
+    """A sequence's output rows are bitwise the same alone or amid others, wherever its blocks lie."""
+    seqs = make_seqs(MIXED, NUM_KV_HEADS * 3, head_dim, seed=11)
+    batched = run_steps(CpuPagedBackend(), seqs, 16, seed=1)
+    for i, s in enumerate(seqs):
+        alone = run_steps(CpuPagedBackend(), [s], 16, seed=100 + i, spare_blocks=5)
+        assert torch.equal(alone.new_out[0], batched.new_out[i]), f"sequence {i} {(s.context, s.new)}"
+        if s.context:
+            assert torch.equal(alone.context_out[0], batched.context_out[i]), f"context of sequence {i}"
+
+
+def test_thread_count_invariance() -> None:
+    """Work is split by query row, so the thread count cannot change any row's arithmetic."""
+    seqs = make_seqs(MIXED, NUM_KV_HEADS * 4, 128, seed=12)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run_steps(CpuPagedBackend(), seqs, 16, seed=3)
+    finally:
+        torch.set_num_threads(threads)
+    multi = run_steps(CpuPagedBackend(), seqs, 16, seed=3)
+    for i, (a, b) in enumerate(zip(single.new_out, multi.new_out, strict=True)):
+        assert torch.equal(a, b), f"sequence {i} {MIXED[i]}"
+
+
+# ----------------------------------------------------------------------------- the cache write
+
+
+def read_token(k_cache: torch.Tensor, v_cache: torch.Tensor, slot: int, block_size: int):
+    """A token's key and value read back through CpuPagedBackend's documented layout:
+    keys ``[num_blocks, num_kv_heads, head_dim, block_size]``, values ``[num_blocks, block_size, kv_heads, dim]``."""
+    block, offset = divmod(slot, block_size)
+    return k_cache[block, :, :, offset], v_cache[block, offset]
+
+
+@pytest.mark.parametrize("block_size", [16, 8, 1])
+def test_cache_write_layout_and_untouched_blocks(block_size) -> None:
+    num_heads, head_dim = NUM_KV_HEADS * 2, 64
+    backend = CpuPagedBackend()
+    num_blocks = 64 // block_size + 40
+    k_shape, v_shape = backend.kv_cache_shapes(num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    assert k_shape == (num_blocks, NUM_KV_HEADS, head_dim, block_size)
+    assert v_shape == (num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(k_shape, generator=gen), torch.randn(v_shape, generator=gen)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+
+    # Three sequences (a decode row, a chunk continuing a context, a long fresh prompt) on shuffled blocks.
+    rng = random.Random(block_size)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    shape = [(10, 1), (5, 12), (0, FRESH + 3)]
+    tables, at = [], 0
+    for context, new in shape:
+        n = math.ceil((context + new) / block_size)
+        tables.append(ids[at : at + n])
+        at += n
+    meta = make_meta(tables, [n for _, n in shape], [c + n for c, n in shape], block_size)
+    num_tokens = len(meta.slot_mapping)
+    # q, k, v as non-contiguous views of one fused projection, as the model passes them.
+    qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim, generator=gen)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + NUM_KV_HEADS) * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
+    v = qkv[:, (num_heads + NUM_KV_HEADS) * head_dim :].view(num_tokens, NUM_KV_HEADS, head_dim)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, k_cache, v_cache, 1.0 / math.sqrt(head_dim))
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+    written_k = torch.zeros(k_shape, dtype=torch.bool)
+    written_v = torch.zeros(v_shape, dtype=torch.bool)
+    for t, slot in enumerate(meta.slot_mapping.tolist()):
+        key, value = read_token(k_cache, v_cache, slot, block_size)
+        assert torch.equal(key, k[t]) and torch.equal(value, v[t]), f"token {t} at slot {slot}"
+        block, offset = divmod(slot, block_size)
+        written_k[block, :, :, offset] = True
+        written_v[block, offset] = True
+    assert torch.equal(k_cache[~written_k], k_before[~written_k])
+    assert torch.equal(v_cache[~written_v], v_before[~written_v])
+    touched = set((meta.slot_mapping // block_size).tolist())
+    for block in set(range(num_blocks)) - touched:
+        assert torch.equal(k_cache[block], k_before[block]) and torch.equal(v_cache[block], v_before[block])
+
+
+# ----------------------------------------------------------------------------- choosing a backend
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """An empty kernel cache dir, and the loader's memo cleared before and after."""
+    monkeypatch.setenv("REFENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    cpu.load.cache_clear()
+    yield tmp_path / "cache"
+    cpu.load.cache_clear()  # runs before monkeypatch restores the environment; the next load() re-reads it
+
+
+def test_make_attention_backend_choices() -> None:
+    assert type(make_attention_backend("torch", torch.float32, "cpu")) is TorchReferenceBackend
+    assert type(make_attention_backend("auto", torch.float32, "cpu")) is CpuPagedBackend
+    assert type(make_attention_backend("cpu", torch.float32, "cpu")) is CpuPagedBackend
+    assert type(make_attention_backend("auto", torch.bfloat16, "cpu")) is TorchReferenceBackend
+    assert type(make_attention_backend("auto", torch.float32, "cuda")) is TorchReferenceBackend
+    with pytest.raises(ValueError, match="float32"):
+        make_attention_backend("cpu", torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_attention_backend("flash", torch.float32, "cpu")
+
+
+def test_no_compiler_falls_back(fresh_loader, monkeypatch, tmp_path) -> None:
+    empty = tmp_path / "empty_bin"
+    empty.mkdir()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", str(empty))  # hides gcc too: _compiler() falls back to which("gcc")
+    cpu.load.cache_clear()
+    loaded = cpu.load("paged_attention")
+    assert loaded.library is None
+    assert "compiler" in loaded.reason
+    assert "compiler" in native_kernel_unavailable_reason()
+    assert type(make_attention_backend("auto", torch.float32, "cpu")) is TorchReferenceBackend
+    with pytest.raises(ValueError, match="compiler"):
+        make_attention_backend("cpu", torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="compiler"):
+        CpuPagedBackend()
+    assert not (fresh_loader / "kernels").exists()
+
+
+def test_disabled_by_env(fresh_loader, monkeypatch) -> None:
+    monkeypatch.setenv("REFENGINE_NATIVE_KERNELS", "0")
+    cpu.load.cache_clear()
+    loaded = cpu.load("paged_attention")
+    assert loaded.library is None and "REFENGINE_NATIVE_KERNELS" in loaded.reason
+    assert type(make_attention_backend("auto", torch.float32, "cpu")) is TorchReferenceBackend
+    with pytest.raises(ValueError, match="REFENGINE_NATIVE_KERNELS"):
+        make_attention_backend("cpu", torch.float32, "cpu")
+
+
+def test_build_is_cached(fresh_loader) -> None:
+    first = cpu.load("paged_attention")
+    assert first.library is not None and first.reason == ""
+    assert cpu.load("paged_attention") is first  # memoized within the process
+    path = Path(first.library._name)
+    assert path.name == "libpaged_attention.so" and path.exists()
+    assert path.parent.parent == fresh_loader / "kernels"
+    assert len(path.parent.name) == 16 and all(c in "0123456789abcdef" for c in path.parent.name)
+    assert list(path.parent.iterdir()) == [path]  # the temporary build file was renamed, nothing left over
+    built = path.stat().st_mtime_ns
+
+    cpu.load.cache_clear()
+    second = cpu.load("paged_attention")  # a new process would do this: finds the built library
+    assert second.library is not None and Path(second.library._name) == path
+    assert path.stat().st_mtime_ns == built  # not rebuilt
