@@ -215,15 +215,16 @@ class Engine:
             logits = self.runner.execute(sched.scheduled, want_all)
             self.scheduler.update_after_step(sched)
             to_sample = []
-            for item, item_logits, all_rows in zip(sched.scheduled, logits, want_all, strict=True):
-                if item_logits is None:
+            for i, (item, all_rows) in enumerate(zip(sched.scheduled, want_all, strict=True)):
+                rows = logits.row_ranges[i]
+                if rows is None:
                     continue
                 request = self.requests[item.seq.request_id]
                 if all_rows:
-                    self.processor.record_prompt_logprobs(request, item, item_logits)
+                    self.processor.record_prompt_logprobs(request, item, logits[i])
                 if item.samples:
-                    to_sample.append((request, request.outputs[item.seq.index], item_logits[-1]))
-            for request, delta in self.processor.sample(to_sample):
+                    to_sample.append((request, request.outputs[item.seq.index], rows[1] - 1))
+            for request, delta in self.processor.sample(logits.values, to_sample):
                 deltas.setdefault(request.request_id, []).append(delta)
         outputs = self._emit(deltas)
         num_prefill = sum(1 for s in sched.scheduled if s.num_new_tokens > 1)

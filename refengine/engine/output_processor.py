@@ -91,22 +91,26 @@ class OutputProcessor:
 
     # -- sampling ------------------------------------------------------------
     def sample(
-        self, sampling: list[tuple[Request, OutputState, torch.Tensor]]
+        self, logits: torch.Tensor | None, sampling: list[tuple[Request, OutputState, int]]
     ) -> list[tuple[Request, SequenceDelta]]:
-        """Sample for every (request, output, logits row) and apply the tokens.
-        A request not yet forked gets ``num_sequences`` rows from the same logits."""
+        """Sample for every (request, output, row of ``logits``) and apply the tokens.
+        A request not yet forked gets ``num_sequences`` rows from the same logits row."""
         rows: list[SamplingRow] = []
-        logits_rows: list[torch.Tensor] = []
+        logits_rows: list[int] = []
         targets: list[_RowTarget] = []
-        for request, out, logits in sampling:
+        for request, out, logits_row in sampling:
             indices = range(request.num_sequences) if not request.forked else [out.seq.index]
             for index in indices:
                 rows.append(self._sampling_row(request, out, index))
-                logits_rows.append(logits)
+                logits_rows.append(logits_row)
                 targets.append(_RowTarget(request, index))
         if not rows:
             return []
-        sampled = self.sampler(torch.stack(logits_rows), rows)
+        assert logits is not None, "rows to sample but no logits"
+        # A decode-only step samples every row once, in order: no copy of the logits.
+        if logits_rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(logits_rows)]
+        sampled = self.sampler(logits, rows)
         deltas = []
         for target, token in zip(targets, sampled, strict=True):
             request = target.request

@@ -8,6 +8,7 @@ block tables), runs the model and returns logits for the rows the engine needs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,23 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """One step's logits, computed once as one tensor: ``values`` ``[rows, vocab]``
+    float32, and per scheduled sequence the ``[start, end)`` rows it owns (``None``:
+    it produced none). Indexing by sequence gives a view, never a copy."""
+
+    values: torch.Tensor | None
+    row_ranges: list[tuple[int, int] | None]
+
+    def __getitem__(self, i: int) -> torch.Tensor | None:
+        rows = self.row_ranges[i]
+        return None if rows is None or self.values is None else self.values[rows[0] : rows[1]]
+
+    def __len__(self) -> int:
+        return len(self.row_ranges)
 
 
 class ModelRunner:
@@ -62,12 +80,10 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     @torch.inference_mode()
-    def execute(
-        self, scheduled: Sequence[ScheduledSequence], want_all_logits: Sequence[bool]
-    ) -> list[torch.Tensor | None]:
-        """Run one step. Per scheduled sequence, returns logits for every query row
+    def execute(self, scheduled: Sequence[ScheduledSequence], want_all_logits: Sequence[bool]) -> StepLogits:
+        """Run one step. Per scheduled sequence, logits for every query row
         (``want_all_logits``, for prompt logprobs), or for the last row when the
-        sequence samples this step, or ``None``."""
+        sequence samples this step, or none."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -116,6 +132,5 @@ class ModelRunner:
             else:
                 row_ranges.append(None)
         if not rows:
-            return [None] * len(scheduled)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).cpu()
-        return [logits[r[0] : r[1]] if r is not None else None for r in row_ranges]
+            return StepLogits(None, row_ranges)
+        return StepLogits(self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).cpu(), row_ranges)
