@@ -16,7 +16,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "or a .gguf file; the default is the embedded SmolLM2-135M-Instruct")
     g.add_argument("--served-model-name", default=None, help="name clients use (None: the manifest name)")
     g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"],
-                   help="weight and KV dtype (fp32 is fastest on CPUs without bf16)")
+                   help="weight and KV dtype (the native CPU attention and oneDNN projections take float32 only)")
     g.add_argument("--device", default=d.device, help="torch device")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="auto: the native paged kernel for float32 on CPU (built with the machine's C "
