@@ -13,19 +13,11 @@ import torch.nn.functional as F
 
 from refengine.config import ModelConfig
 from refengine.kernels.attention.base import AttentionBackend
+from refengine.kernels.fused import add_rms_norm, silu_and_mul
 from refengine.kernels.linear import Linear
 from refengine.model.rope import RotaryEmbedding
 
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalize in float32, scale in the model dtype (as the reference does)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, bit-identical in float32
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 class LlamaLayer:
@@ -71,22 +63,23 @@ class LlamaModel:
         eps = self.config.rms_norm_eps
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
+        # ``hidden`` is the residual stream: each add_rms_norm adds a sublayer's output
+        # to it in place and returns the normalized input of the next sublayer.
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rope.cos_sin(positions)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = rms_norm(hidden, layer.input_norm, eps)
+        x = add_rms_norm(hidden, None, self.layers[0].input_norm, eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             qkv = layer.qkv_proj(x)
-            # Queries and keys are rotated together, as one [T, heads + kv_heads, D] tensor.
-            qk = self.rope.apply(qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads,
-                                                                   self.head_dim), cos, sin)
+            # Queries and keys are rotated together, in place, as one [T, heads + kv_heads, D] view.
+            qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+            self.rope.apply_(qk, positions)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
             attn_out = attn.forward(q, k, v, k_cache, v_cache, self.scale)
-            hidden = hidden + layer.o_proj(attn_out.reshape(-1, q_size))
-            x = rms_norm(hidden, layer.post_attn_norm, eps)
-            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down_proj(F.silu(gate) * up)
-        return rms_norm(hidden, self.norm, eps)
+            x = add_rms_norm(hidden, layer.o_proj(attn_out.reshape(-1, q_size)), layer.post_attn_norm, eps)
+            mlp_out = layer.down_proj(silu_and_mul(layer.gate_up_proj(x)))
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = add_rms_norm(hidden, mlp_out, next_norm, eps)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

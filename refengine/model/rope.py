@@ -1,7 +1,7 @@
 """Rotary position embeddings, including Llama 3.1's frequency scaling.
 
 The cos/sin tables are computed once for every position in float32, the way the
-Hugging Face reference computes them, and indexed by position once per step.
+Hugging Face reference computes them, and indexed by position.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import math
 import torch
 
 from refengine.config import ModelConfig
+from refengine.kernels.fused import rotary_
 
 
 def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -47,10 +48,7 @@ class RotaryEmbedding:
         # rotate_half(x) * sin == roll(x, half) * [-sin_low, sin_high]: one op fewer per call.
         self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype=dtype, device=device)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tables for one step's positions, [T, 1, D] each; looked up once per step."""
-        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] (queries and keys together); rotate-half layout, as Hugging Face Llama."""
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+    def apply_(self, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rotate x ``[T, heads, D]`` (queries and keys together) in place; rotate-half
+        layout, as Hugging Face Llama."""
+        rotary_(x, positions, self.cos, self.signed_sin)

@@ -35,10 +35,10 @@ class CpuPagedBackend(AttentionBackend):
             raise RuntimeError(f"native CPU attention unavailable: {native_kernel_unavailable_reason()}")
         self._kernel = library.paged_attention
         self._kernel.restype = ctypes.c_int
-        self._kernel.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float]
+        self._kernel.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int64]
         self._store_kv = library.store_kv
         self._store_kv.restype = None
-        self._store_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+        self._store_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2
         self._meta: AttentionMetadata | None = None
         self._fresh_prefills: list[slice] = []
 
@@ -68,10 +68,12 @@ class CpuPagedBackend(AttentionBackend):
         assert meta is not None, "prepare() must run before forward()"
         assert q.dtype == torch.float32 and q.device.type == "cpu", "the native kernel is float32 on CPU"
         num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
-        k, v, q = k.contiguous(), v.contiguous(), q.contiguous()
+        # Rows may be strided (views into the fused QKV output); each row must be contiguous.
+        q, k, v = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (q, k, v))
         self._store_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
-                       meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim, meta.block_size)
-        out = torch.empty_like(q)
+                       meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim, meta.block_size,
+                       k.stride(0), v.stride(0))
+        out = torch.empty(q.shape, dtype=q.dtype)
         for rows in self._fresh_prefills:
             # [1, H, L, D]: SDPA takes its fused CPU flash kernel only for 4-D inputs.
             attn = F.scaled_dot_product_attention(
@@ -85,7 +87,7 @@ class CpuPagedBackend(AttentionBackend):
                 out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 self._block_tables.data_ptr(), self._query_start_loc.data_ptr(), self._seq_lens.data_ptr(),
                 self._native_seq_ids.data_ptr(), num_native, q.shape[1], num_kv_heads, head_dim,
-                meta.block_size, self._block_tables.shape[1], scale,
+                meta.block_size, self._block_tables.shape[1], scale, q.stride(0),
             )
             if status != 0:
                 raise MemoryError("paged_attention: could not allocate scratch memory")

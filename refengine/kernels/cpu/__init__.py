@@ -28,7 +28,10 @@ import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
 from refengine.config import default_cache_dir
 
 SOURCE_DIR = Path(__file__).parent
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+# Linked in a separate step without -ffast-math: a fast-math link adds crtfastmath.o,
+# whose constructor sets flush-to-zero for the whole process when the library loads.
+LINK_FLAGS = ("-shared", "-fopenmp")
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ def load(name: str) -> KernelLibrary:
         return KernelLibrary(None, "no C compiler found (set CC, or install gcc)")
     source = (SOURCE_DIR / f"{name}.c").read_bytes()
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), _compiler_version(compiler).encode(),
+        b"\0".join([source, " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _compiler_version(compiler).encode(),
                     _cpu_signature().encode()])
     ).hexdigest()[:16]
     target = default_cache_dir() / "kernels" / key / f"lib{name}.so"
@@ -74,11 +77,16 @@ def load(name: str) -> KernelLibrary:
         # Build under a temporary name and rename: concurrent processes may race here.
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
         os.close(fd)
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE_DIR / f"{name}.c"), "-o", tmp, "-lm"],
-                                capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            os.unlink(tmp)
-            return KernelLibrary(None, f"{compiler} failed to build {name}.c: {result.stderr.strip()[:500]}")
+        obj = tmp + ".o"
+        for command in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE_DIR / f"{name}.c"), "-o", obj],
+                        [compiler, *LINK_FLAGS, obj, "-o", tmp, "-lm"]):
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                for path in (tmp, obj):
+                    if os.path.exists(path):
+                        os.unlink(path)
+                return KernelLibrary(None, f"{compiler} failed to build {name}.c: {result.stderr.strip()[:500]}")
+        os.unlink(obj)
         os.replace(tmp, target)
     try:
         return KernelLibrary(ctypes.CDLL(str(target)), "")

@@ -5,7 +5,8 @@
  * times. This kernel reads each once, in place.
  *
  * Layouts (float32, contiguous):
- *   q, out            [num_tokens, num_heads, head_dim]
+ *   q                 [num_tokens, num_heads, head_dim], rows q_row_stride apart
+ *   out               [num_tokens, num_heads, head_dim]
  *   k_cache           [num_blocks, num_kv_heads, head_dim, block_size]   keys transposed
  *   v_cache           [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables      [num_seqs, max_blocks_per_seq]      int32
@@ -203,7 +204,7 @@ static void attend_row(float *out, const float *q, const float *k_cache, const f
 int paged_attention(float *out, const float *q, const float *k_cache, const float *v_cache,
                     const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
                     const int32_t *seq_ids, int num_selected, int num_heads, int num_kv_heads, int head_dim,
-                    int block_size, int max_blocks, float scale)
+                    int block_size, int max_blocks, float scale, int64_t q_row_stride)
 {
     const Shape shape = {num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale};
 
@@ -246,7 +247,7 @@ int paged_attention(float *out, const float *q, const float *k_cache, const floa
             const int query_len = query_start_loc[seq + 1] - query_start_loc[seq];
             const int context_len = seq_lens[seq] - query_len + row_in_seq + 1;
             const int64_t row = query_start_loc[seq] + row_in_seq;
-            attend_row(out + row * num_heads * head_dim, q + row * num_heads * head_dim, k_cache, v_cache,
+            attend_row(out + row * num_heads * head_dim, q + row * q_row_stride, k_cache, v_cache,
                        block_tables + (int64_t)seq * max_blocks, context_len, &shape, scores);
         }
         free(scores);
@@ -256,17 +257,19 @@ int paged_attention(float *out, const float *q, const float *k_cache, const floa
 }
 
 /* Stores the step's new keys (transposed) and values at their slots.
- * k, v: [num_tokens, num_kv_heads, head_dim]; slot = block * block_size + offset. */
+ * k, v: [num_tokens, num_kv_heads, head_dim], rows k_row_stride / v_row_stride apart
+ * (views into the fused QKV output); slot = block * block_size + offset. */
 void store_kv(float *k_cache, float *v_cache, const float *k, const float *v, const int64_t *slot_mapping,
-              int num_tokens, int num_kv_heads, int head_dim, int block_size)
+              int num_tokens, int num_kv_heads, int head_dim, int block_size, int64_t k_row_stride,
+              int64_t v_row_stride)
 {
     const int64_t token_size = (int64_t)num_kv_heads * head_dim;
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < num_tokens; t++) {
         const int64_t block = slot_mapping[t] / block_size, offset = slot_mapping[t] % block_size;
-        memcpy(v_cache + (block * block_size + offset) * token_size, v + t * token_size, sizeof(float) * token_size);
+        memcpy(v_cache + (block * block_size + offset) * token_size, v + t * v_row_stride, sizeof(float) * token_size);
         float *keys = k_cache + block * block_size * token_size + offset;
-        const float *k_token = k + t * token_size;
+        const float *k_token = k + t * k_row_stride;
         for (int64_t i = 0; i < token_size; i++) /* i = kv_head * head_dim + d */
             keys[i * block_size] = k_token[i];
     }

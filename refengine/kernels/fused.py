@@ -1,0 +1,87 @@
+"""Fused elementwise steps of a decoder layer, with torch fallbacks.
+
+float32 tensors on CPU go through ``kernels/cpu/fused_ops.c`` (one pass, one call);
+anything else, or a machine without a C compiler, takes the torch expressions
+below, which define the semantics. Both are checked against each other in
+``tests/unit/test_fused_ops.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from refengine.kernels import cpu
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    library = cpu.load("fused_ops").library
+    if library is None:
+        return None
+    library.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float]
+    library.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
+    library.rotary.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    for function in (library.add_rms_norm, library.silu_and_mul, library.rotary):
+        function.restype = None
+    return library
+
+
+def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+        return _library()
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalize in float32, scale in the model dtype (as the Hugging Face reference does)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += delta`` in place (the residual stream), then return
+    ``rms_norm(residual) * weight``. ``residual`` must be contiguous ``[T, hidden]``."""
+    library = _native(residual, weight) if delta is None else _native(residual, delta, weight)
+    if library is None or not residual.is_contiguous():
+        if delta is not None:
+            residual.add_(delta)
+        return rms_norm(residual, weight, eps)
+    delta = None if delta is None else delta.contiguous()
+    out = torch.empty_like(residual)
+    library.add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(), out.data_ptr(),
+                         weight.data_ptr(), residual.shape[0], residual.shape[1], eps)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[T, 2 * inter]``."""
+    library = _native(gate_up)
+    if library is None or not gate_up.is_contiguous():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    inter = gate_up.shape[1] // 2
+    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
+    library.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+    return out
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """Rotate ``x`` ``[T, heads, D]`` in place (rotate-half layout). ``cos`` and
+    ``signed_sin`` ``[max_positions, D]`` hold ``cos`` and ``[-sin_low, sin_high]``, so
+    the rotation is ``x * cos + roll(x, D / 2) * signed_sin``. Rows of ``x`` may be
+    strided (a view into the fused QKV output); heads within a row are contiguous."""
+    library = _native(x, cos, signed_sin)
+    rows, heads, head_dim = x.shape
+    if library is None or x.stride(2) != 1 or x.stride(1) != head_dim or positions.dtype != torch.int64:
+        rotated = torch.addcmul(x * cos[positions].unsqueeze(1), x.roll(head_dim // 2, dims=-1),
+                                signed_sin[positions].unsqueeze(1))
+        x.copy_(rotated)
+        return
+    positions = positions.contiguous()  # held in a local: the kernel reads its memory
+    library.rotary(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), rows, heads, head_dim,
+                   x.stride(0))

@@ -1,0 +1,112 @@
+"""The fused decoder-layer steps (kernels/fused.py): the native C path against the
+torch fallback and against transformers' own Llama functions as the oracle."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from refengine.kernels import cpu, fused
+
+NATIVE = fused._library() is not None
+native_only = pytest.mark.skipif(not NATIVE, reason="native fused ops unavailable (no C compiler?)")
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request, monkeypatch) -> str:
+    if request.param == "native" and not NATIVE:
+        pytest.skip("native fused ops unavailable (no C compiler?)")
+    if request.param == "torch":
+        monkeypatch.setattr(fused, "_library", lambda: None)
+    return request.param
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    norm = LlamaRMSNorm(x.shape[-1], eps=eps).to(weight.dtype)
+    norm.weight.data.copy_(weight)
+    with torch.no_grad():
+        return norm(x)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_transformers(path, rows, with_delta) -> None:
+    g = torch.Generator().manual_seed(rows)
+    residual = torch.randn(rows, 576, generator=g) * 3
+    delta = torch.randn(rows, 576, generator=g) if with_delta else None
+    weight = torch.randn(576, generator=g)
+    expected_residual = residual + delta if with_delta else residual.clone()
+    out = fused.add_rms_norm(residual, delta, weight, 1e-5)
+    assert (residual - expected_residual).abs().max() <= 1e-6, "the residual stream is updated in place"
+    assert (out - hf_rms_norm(expected_residual, weight, 1e-5)).abs().max() <= 1e-5
+
+
+def test_add_rms_norm_bfloat16_falls_back_to_the_reference_formula() -> None:
+    x = torch.randn(4, 64).bfloat16()
+    weight = torch.randn(64).bfloat16()
+    expected = hf_rms_norm(x.clone(), weight, 1e-6)
+    assert torch.equal(fused.add_rms_norm(x, None, weight, 1e-6), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_silu_and_mul(path, rows) -> None:
+    gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_on_a_strided_qkv_view_matches_transformers(path, head_dim) -> None:
+    """Queries and keys rotated in place inside the fused QKV output, as the model does."""
+    heads, kv_heads, tokens, max_pos = 6, 2, 9, 512
+    g = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    positions = torch.randint(0, max_pos, (tokens,), generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    half = head_dim // 2
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+    q_ref = qkv[:, : heads * head_dim].view(tokens, heads, head_dim).transpose(0, 1)[None]
+    k_ref = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    k_ref = k_ref.transpose(0, 1)[None]
+    q_hf, k_hf = apply_rotary_pos_emb(q_ref.clone(), k_ref.clone(), cos[positions][None], sin[positions][None])
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    fused.rotary_(qk, positions, cos, signed_sin)
+    assert (qk[:, :heads] - q_hf[0].transpose(0, 1)).abs().max() <= 1e-5
+    assert (qk[:, heads:] - k_hf[0].transpose(0, 1)).abs().max() <= 1e-5
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before), "values must be left alone"
+
+
+@native_only
+def test_native_rows_do_not_depend_on_the_batch() -> None:
+    g = torch.Generator().manual_seed(0)
+    residual = torch.randn(64, 576, generator=g)
+    delta = torch.randn(64, 576, generator=g)
+    weight = torch.randn(576, generator=g)
+    gate_up = torch.randn(64, 3072, generator=g)
+    alone_residual = residual[5:6].clone()
+    alone = fused.add_rms_norm(alone_residual, delta[5:6].clone(), weight, 1e-5)
+    batch = fused.add_rms_norm(residual, delta, weight, 1e-5)  # 64 x 576: run on several threads
+    assert torch.equal(alone[0], batch[5]) and torch.equal(alone_residual[0], residual[5])
+    assert torch.equal(fused.silu_and_mul(gate_up[5:6].clone())[0], fused.silu_and_mul(gate_up)[5])
+
+
+def test_loading_the_native_kernels_keeps_subnormal_floats() -> None:
+    """Linking with -ffast-math would add crtfastmath.o, which turns on flush-to-zero for
+    the whole process when the library loads; the kernels are linked without it."""
+    for name in ("paged_attention", "fused_ops"):
+        cpu.load(name)
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # a float32 subnormal
+    assert (tiny * 1.0).item() != 0.0
+    halved = sys.float_info.min
+    halved /= 2
+    assert halved > 0.0
