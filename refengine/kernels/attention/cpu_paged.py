@@ -42,7 +42,9 @@ class CpuPagedBackend(AttentionBackend):
         self._meta: AttentionMetadata | None = None
         self._fresh_prefills: list[slice] = []
 
-    def kv_cache_shapes(self, num_blocks, block_size, num_kv_heads, head_dim):
+    def kv_cache_shapes(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Keys transposed within a block (``[num_kv_heads, head_dim, block_size]``), so the
         kernel scores a whole block as one vector; values row-major. See the C source."""
         return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, block_size, num_kv_heads, head_dim)
@@ -63,7 +65,10 @@ class CpuPagedBackend(AttentionBackend):
         self._seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
         self._block_tables = meta.block_tables.to(torch.int32).contiguous()
 
-    def forward(self, q, k, v, k_cache, v_cache, scale):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         meta = self._meta
         assert meta is not None, "prepare() must run before forward()"
         assert q.dtype == torch.float32 and q.device.type == "cpu", "the native kernel is float32 on CPU"

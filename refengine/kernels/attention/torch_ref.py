@@ -89,7 +89,10 @@ class TorchReferenceBackend(AttentionBackend):
         rows = None if all_rows else torch.tensor([meta.query_start_loc[i] for i in seqs])
         return _DecodePlan(rows, block_ids, mask)
 
-    def forward(self, q, k, v, k_cache, v_cache, scale):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         assert self._meta is not None, "prepare() must run before forward()"
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
