@@ -404,3 +404,22 @@ def test_build_is_cached(fresh_loader) -> None:
     second = cpu.load("paged_attention")  # a new process would do this: finds the built library
     assert second.library is not None and Path(second.library._name) == path
     assert path.stat().st_mtime_ns == built  # not rebuilt
+
+
+def test_unwritable_cache_falls_back(fresh_loader, monkeypatch, tmp_path) -> None:
+    """A cache dir that cannot be created (here: under a regular file) is a reason, not a crash."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    monkeypatch.setenv("REFENGINE_CACHE_DIR", str(blocker / "cache"))
+    cpu.load.cache_clear()
+    loaded = cpu.load("paged_attention")
+    assert loaded.library is None and "could not build or load" in loaded.reason
+    assert type(make_attention_backend("auto", torch.float32, "cpu")) is TorchReferenceBackend
+
+
+def test_failed_build_leaves_nothing_behind(fresh_loader, monkeypatch) -> None:
+    monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
+    cpu.load.cache_clear()
+    loaded = cpu.load("paged_attention")
+    assert loaded.library is None and "failed to build paged_attention.c" in loaded.reason
+    assert [p for p in (fresh_loader / "kernels").rglob("*") if p.is_file()] == []

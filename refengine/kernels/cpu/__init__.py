@@ -32,6 +32,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-s
 # Linked in a separate step without -ffast-math: a fast-math link adds crtfastmath.o,
 # whose constructor sets flush-to-zero for the whole process when the library loads.
 LINK_FLAGS = ("-shared", "-fopenmp")
+BUILD_TIMEOUT_SECONDS = 120
 
 
 @dataclass(frozen=True)
@@ -72,23 +73,36 @@ def load(name: str) -> KernelLibrary:
                     _cpu_signature().encode()])
     ).hexdigest()[:16]
     target = default_cache_dir() / "kernels" / key / f"lib{name}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build under a temporary name and rename: concurrent processes may race here.
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-        os.close(fd)
-        obj = tmp + ".o"
-        for command in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE_DIR / f"{name}.c"), "-o", obj],
-                        [compiler, *LINK_FLAGS, obj, "-o", tmp, "-lm"]):
-            result = subprocess.run(command, capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                for path in (tmp, obj):
-                    if os.path.exists(path):
-                        os.unlink(path)
-                return KernelLibrary(None, f"{compiler} failed to build {name}.c: {result.stderr.strip()[:500]}")
-        os.unlink(obj)
-        os.replace(tmp, target)
     try:
+        if not target.exists():
+            error = _build(compiler, SOURCE_DIR / f"{name}.c", target)
+            if error:
+                return KernelLibrary(None, error)
         return KernelLibrary(ctypes.CDLL(str(target)), "")
-    except OSError as exc:
-        return KernelLibrary(None, f"could not load {target}: {exc}")
+    except OSError as exc:  # an unwritable cache, a library that does not load
+        return KernelLibrary(None, f"could not build or load {target}: {exc}")
+
+
+def _build(compiler: str, source: Path, target: Path) -> str:
+    """Compile and link ``source`` into ``target``; returns the error, "" on success.
+    Builds under a temporary name and renames, as concurrent processes may race here."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    obj = tmp + ".o"
+    try:
+        for command in ([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", obj],
+                        [compiler, *LINK_FLAGS, obj, "-o", tmp, "-lm"]):
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, check=False,
+                                        timeout=BUILD_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                return f"{compiler} took over {BUILD_TIMEOUT_SECONDS} s to build {source.name}"
+            if result.returncode != 0:
+                return f"{compiler} failed to build {source.name}: {result.stderr.strip()[:500]}"
+        os.replace(tmp, target)
+        return ""
+    finally:
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
