@@ -21,7 +21,7 @@ from refengine.kernels import cpu
 from refengine.kernels.attention import TorchReferenceBackend, make_attention_backend
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
 from refengine.kernels.attention.cpu_paged import (
-    FRESH_PREFILL_MIN_TOKENS,
+    SDPA_MIN_QUERY_TOKENS,
     CpuPagedBackend,
     native_kernel_unavailable_reason,
 )
@@ -183,19 +183,21 @@ def max_error_vs_oracle(seqs: list[SeqData], results: StepResults) -> float:
 
 # ----------------------------------------------------------------------------- batches
 
-FRESH = FRESH_PREFILL_MIN_TOKENS
+LONG = SDPA_MIN_QUERY_TOKENS
 # (context, new) per sequence.
 DECODE_ONLY = [(0, 1), (1, 1), (7, 1), (15, 1), (16, 1), (17, 1), (40, 1), (97, 1)]
 MIXED = [
     (40, 1),  # decode rows ...
-    (FRESH + 5, 1),  # (its context step took the SDPA path)
-    (20, 13),  # prefill chunks continuing a cached context, crossing block boundaries
+    (LONG + 5, 1),  # (its context step took the SDPA path)
+    (20, 13),  # short prefill chunks continuing a cached context, crossing block boundaries: native kernel
     (16, 16),  # context ending exactly on a block boundary
     (3, 1),
-    (0, 5),  # fresh prompts shorter than FRESH_PREFILL_MIN_TOKENS: native kernel
-    (0, FRESH - 1),
-    (0, FRESH),  # ... and at least that long: SDPA over the step's own keys
-    (0, FRESH + 9),
+    (0, 5),  # fresh prompts shorter than SDPA_MIN_QUERY_TOKENS: native kernel
+    (0, LONG - 1),
+    (0, LONG),  # ... and at least that long: SDPA over the step's own keys
+    (0, LONG + 9),
+    (37, LONG),  # long chunks continuing a context: SDPA over the gathered blocks, masked by position
+    (16, LONG + 3),
     (9, 1),
 ]
 
@@ -304,7 +306,7 @@ def test_cache_write_layout_and_untouched_blocks(block_size) -> None:
     rng = random.Random(block_size)
     ids = list(range(num_blocks))
     rng.shuffle(ids)
-    shape = [(10, 1), (5, 12), (0, FRESH + 3)]
+    shape = [(10, 1), (5, 12), (0, LONG + 3)]
     tables, at = [], 0
     for context, new in shape:
         n = math.ceil((context + new) / block_size)

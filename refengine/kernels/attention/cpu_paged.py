@@ -1,18 +1,19 @@
-"""The CPU attention backend: the native paged kernel, plus SDPA for fresh prompts.
+"""The CPU attention backend: the native paged kernel, plus SDPA for long chunks.
 
-Decode rows and prefill chunks that continue a cached context go through the C
-kernel (``kernels/cpu/paged_attention.c``), which reads keys and values in place
-from the paged cache, where this backend stores keys transposed within each block.
-A prompt chunk with no cached context and at least
-``FRESH_PREFILL_MIN_TOKENS`` tokens is plain causal attention over its own new
-keys, where SDPA's fused flash kernel (blocked, GEMM-like) beats a row-at-a-time
-kernel; it reads those keys straight from the step's ``k``/``v``, not the cache.
+Decode rows and short chunks go through the C kernel
+(``kernels/cpu/paged_attention.c``), which reads keys and values in place from the
+paged cache, where this backend stores keys transposed within each block. A chunk
+of at least ``SDPA_MIN_QUERY_TOKENS`` query tokens goes to SDPA's fused flash kernel
+(blocked, GEMM-like), which beats a row-at-a-time kernel there: a fresh prompt
+attends causally to its own new keys straight from the step's ``k``/``v``; a chunk
+that continues a cached context gathers its blocks first and masks by position.
 float32 only; the engine picks the torch reference for other dtypes and devices.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,14 @@ import torch.nn.functional as F
 from refengine.kernels import cpu
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
 
-FRESH_PREFILL_MIN_TOKENS = 64
+SDPA_MIN_QUERY_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class _SdpaChunk:
+    rows: slice  # the chunk's query rows in the step
+    block_ids: torch.Tensor | None  # its blocks, in order; None = a fresh prompt (keys from the step itself)
+    mask: torch.Tensor | None  # [query_len, num_blocks * block_size], True = attend; None = plain causal
 
 
 def native_kernel_unavailable_reason() -> str:
@@ -40,7 +48,7 @@ class CpuPagedBackend(AttentionBackend):
         self._store_kv.restype = None
         self._store_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2
         self._meta: AttentionMetadata | None = None
-        self._fresh_prefills: list[slice] = []
+        self._sdpa_chunks: list[_SdpaChunk] = []
 
     def kv_cache_shapes(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -51,14 +59,21 @@ class CpuPagedBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
-        self._fresh_prefills = []
+        self._sdpa_chunks = []
         native = []
         for i in range(meta.num_seqs):
-            query_len = meta.query_len(i)
-            if query_len == meta.seq_lens[i] and query_len >= FRESH_PREFILL_MIN_TOKENS:
-                self._fresh_prefills.append(slice(meta.query_start_loc[i], meta.query_start_loc[i + 1]))
-            else:
+            query_len, seq_len = meta.query_len(i), meta.seq_lens[i]
+            if query_len < SDPA_MIN_QUERY_TOKENS:
                 native.append(i)
+                continue
+            rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+            if query_len == seq_len:  # a fresh prompt: causal over its own new keys
+                self._sdpa_chunks.append(_SdpaChunk(rows, None, None))
+                continue
+            num_blocks = -(-seq_len // meta.block_size)
+            query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
+            mask = torch.arange(num_blocks * meta.block_size).unsqueeze(0) <= query_pos
+            self._sdpa_chunks.append(_SdpaChunk(rows, meta.block_tables[i, :num_blocks], mask))
         # int32 copies the kernel reads; kept alive on self until the next prepare().
         self._native_seq_ids = torch.tensor(native, dtype=torch.int32)
         self._query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32)
@@ -79,13 +94,8 @@ class CpuPagedBackend(AttentionBackend):
                        meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim, meta.block_size,
                        k.stride(0), v.stride(0))
         out = torch.empty(q.shape, dtype=q.dtype)
-        for rows in self._fresh_prefills:
-            # [1, H, L, D]: SDPA takes its fused CPU flash kernel only for 4-D inputs.
-            attn = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
-                is_causal=True, scale=scale, enable_gqa=True,
-            )
-            out[rows] = attn[0].transpose(0, 1)
+        for chunk in self._sdpa_chunks:
+            out[chunk.rows] = self._sdpa(chunk, q, k, v, k_cache, v_cache, scale)
         num_native = len(self._native_seq_ids)
         if num_native:
             status = self._kernel(
@@ -97,3 +107,19 @@ class CpuPagedBackend(AttentionBackend):
             if status != 0:
                 raise MemoryError("paged_attention: could not allocate scratch memory")
         return out
+
+    @staticmethod
+    def _sdpa(chunk: _SdpaChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """One long chunk through SDPA, inputs as [1, heads, tokens, D]: SDPA takes its
+        fused CPU flash kernel only for 4-D inputs."""
+        query = q[chunk.rows].transpose(0, 1)[None]
+        if chunk.block_ids is None:
+            keys, values = k[chunk.rows].transpose(0, 1), v[chunk.rows].transpose(0, 1)
+        else:  # gather the context, turning the transposed key blocks back into rows
+            num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
+            keys = k_cache.index_select(0, chunk.block_ids).permute(1, 0, 3, 2).reshape(num_kv_heads, -1, head_dim)
+            values = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim).transpose(0, 1)
+        attn = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=chunk.mask,
+                                              is_causal=chunk.mask is None, scale=scale, enable_gqa=True)
+        return attn[0].transpose(0, 1)
