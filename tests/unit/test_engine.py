@@ -320,3 +320,21 @@ def test_background_loop_serves_concurrent_threads(tiny) -> None:
     finally:
         engine.shutdown()
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("dtype, backend", [("float32", "torch"), ("bfloat16", "auto")])
+def test_torch_paths_match_the_native_engine(tiny, dtype, backend) -> None:
+    """The torch fallbacks (reference attention; bf16 also unpacked projections and torch
+    elementwise ops) drive the same engine: greedy output of the float32 torch path equals
+    the default (native) path's; the bf16 path runs end to end and frees every block."""
+    _, config, weights = tiny
+    engine = Engine(EngineConfig(max_model_len=256, dtype=dtype, attention_backend=backend,
+                                 cache=CacheConfig(block_size=4, num_blocks=256)),
+                    config, weights, TOKENIZER, model_fingerprint="tiny")
+    requests = [greedy(f"p{i}", prompt(i, 5 + 9 * i), max_tokens=12) for i in range(6)]
+    got = [r.outputs[0].token_ids for r in engine.run_until_done(requests)]
+    assert all(len(ids) == 12 for ids in got)
+    assert engine.pool.num_used == 0
+    if dtype == "float32":
+        default = make_engine(tiny)
+        assert got == [r.outputs[0].token_ids for r in default.run_until_done(requests)]
