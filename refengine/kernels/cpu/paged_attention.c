@@ -48,7 +48,7 @@ static inline vec16 load16(const float *p)
 static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
 
 typedef struct {
-    int num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+    int num_heads, num_kv_heads, head_dim, block_size;
     float scale;
 } Shape;
 
@@ -85,6 +85,7 @@ static void key_scores(const float *q, const float *k_cache, const int32_t *bloc
                 for (int d = 0; d < head_dim; d += 4)
                     for (int u = 0; u < 4 && d + u < head_dim; u++)
                         acc[u] += q_row[d + u] * load16(keys + (d + u) * 16);
+                /* A partial last block's lanes past `count` hold stale slots: computed, never stored. */
                 const vec16 sum = (acc[0] + acc[1] + acc[2] + acc[3]) * s->scale;
                 for (int j = 0; j < count; j++)
                     out[j] = sum[j];
@@ -206,7 +207,7 @@ int paged_attention(float *out, const float *q, const float *k_cache, const floa
                     const int32_t *seq_ids, int num_selected, int num_heads, int num_kv_heads, int head_dim,
                     int block_size, int max_blocks, float scale, int64_t q_row_stride)
 {
-    const Shape shape = {num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale};
+    const Shape shape = {num_heads, num_kv_heads, head_dim, block_size, scale};
 
     /* Work items (query rows) are numbered sequence after sequence; row_starts[i] is
      * the first of selected sequence i, so an item finds its sequence by binary search. */
