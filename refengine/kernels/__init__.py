@@ -1,1 +1,3 @@
-"""Compute kernels: attention backends behind one interface, and their torch references."""
+"""Compute kernels, each with a torch reference: attention backends behind one
+interface (``attention/``), prepacked projections (``linear.py``), fused elementwise
+layer steps (``fused.py``), and the native CPU sources they load (``cpu/``)."""
