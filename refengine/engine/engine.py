@@ -190,16 +190,22 @@ class Engine:
         return replace(snapshot, waiting_requests=snapshot.waiting_requests + num_inbox)
 
     def _snapshot_stats(self, num_prefill: int, num_decode: int) -> EngineStats:
-        running = [r for r in self.requests.values()
-                   if any(o.seq.status is SequenceStatus.RUNNING for o in r.outputs)]
+        # One pass over the requests: this runs after every step.
+        num_running = running_tokens = waiting_tokens = 0
+        for request in self.requests.values():
+            if any(o.seq.status is SequenceStatus.RUNNING for o in request.outputs):
+                num_running += 1
+                running_tokens += sum(o.seq.num_tokens for o in request.outputs)
+            else:
+                waiting_tokens += len(request.prompt_token_ids)
         return EngineStats(
-            running_requests=len(running),
-            waiting_requests=len(self.requests) - len(running),
+            running_requests=num_running,
+            waiting_requests=len(self.requests) - num_running,
             used_kv_blocks=self.pool.num_used,
             total_kv_blocks=self.pool.num_blocks,
             cached_kv_blocks=self.pool.num_cached,
-            running_tokens=sum(o.seq.num_tokens for r in running for o in r.outputs),
-            waiting_tokens=sum(len(r.prompt_token_ids) for r in self.requests.values() if r not in running),
+            running_tokens=running_tokens,
+            waiting_tokens=waiting_tokens,
             prefill_batch_size=num_prefill,
             decode_batch_size=num_decode,
         )

@@ -16,10 +16,10 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from refengine.kernels import cpu
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
+from refengine.kernels.attention.sdpa import chunk_attention, context_mask
 
 SDPA_MIN_QUERY_TOKENS = 64
 
@@ -67,13 +67,10 @@ class CpuPagedBackend(AttentionBackend):
                 native.append(i)
                 continue
             rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
-            if query_len == seq_len:  # a fresh prompt: causal over its own new keys
-                self._sdpa_chunks.append(_SdpaChunk(rows, None, None))
-                continue
-            num_blocks = -(-seq_len // meta.block_size)
-            query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
-            mask = torch.arange(num_blocks * meta.block_size).unsqueeze(0) <= query_pos
-            self._sdpa_chunks.append(_SdpaChunk(rows, meta.block_tables[i, :num_blocks], mask))
+            mask = context_mask(seq_len, query_len, meta.block_size)
+            # A fresh prompt (no mask) attends causally to its own new keys, read from the step.
+            block_ids = None if mask is None else meta.block_tables[i, : mask.shape[1] // meta.block_size]
+            self._sdpa_chunks.append(_SdpaChunk(rows, block_ids, mask))
         # int32 copies the kernel reads; kept alive on self until the next prepare().
         self._native_seq_ids = torch.tensor(native, dtype=torch.int32)
         self._query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32)
@@ -111,15 +108,10 @@ class CpuPagedBackend(AttentionBackend):
     @staticmethod
     def _sdpa(chunk: _SdpaChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """One long chunk through SDPA, inputs as [1, heads, tokens, D]: SDPA takes its
-        fused CPU flash kernel only for 4-D inputs."""
-        query = q[chunk.rows].transpose(0, 1)[None]
         if chunk.block_ids is None:
             keys, values = k[chunk.rows].transpose(0, 1), v[chunk.rows].transpose(0, 1)
         else:  # gather the context, turning the transposed key blocks back into rows
             num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
             keys = k_cache.index_select(0, chunk.block_ids).permute(1, 0, 3, 2).reshape(num_kv_heads, -1, head_dim)
             values = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim).transpose(0, 1)
-        attn = F.scaled_dot_product_attention(query, keys[None], values[None], attn_mask=chunk.mask,
-                                              is_causal=chunk.mask is None, scale=scale, enable_gqa=True)
-        return attn[0].transpose(0, 1)
+        return chunk_attention(q[chunk.rows], keys, values, chunk.mask, scale)

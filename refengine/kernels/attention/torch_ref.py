@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
+from refengine.kernels.attention.sdpa import chunk_attention, context_mask
 
 
 @dataclass
@@ -68,12 +69,7 @@ class TorchReferenceBackend(AttentionBackend):
                 continue
             seq_len = meta.seq_lens[i]
             num_blocks = -(-seq_len // meta.block_size)
-            query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
-            # A prefill with no cached context is plain causal attention, which SDPA runs
-            # with its fast fused path; otherwise the mask is offset by the context.
-            mask = None
-            if query_len != seq_len:
-                mask = torch.arange(num_blocks * meta.block_size).unsqueeze(0) <= query_pos
+            mask = context_mask(seq_len, query_len, meta.block_size)
             rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
             self._prefills.append(_PrefillPlan(rows, meta.block_tables[i, :num_blocks], seq_len, mask))
         self._decodes = [self._plan_decodes(meta, group) for group in _length_groups(meta, decode_seqs)]
@@ -103,17 +99,11 @@ class TorchReferenceBackend(AttentionBackend):
             return self._decode_attention(q, k_cache, v_cache, self._decodes[0], scale)
         out = torch.empty_like(q)
         for plan in self._prefills:
-            query = q[plan.query_rows].transpose(0, 1)  # [H, Lq, D]
             keys = k_cache.index_select(0, plan.block_ids).view(-1, num_kv_heads, head_dim).transpose(0, 1)
             values = v_cache.index_select(0, plan.block_ids).view(-1, num_kv_heads, head_dim).transpose(0, 1)
             if plan.mask is None:
                 keys, values = keys[:, : plan.seq_len], values[:, : plan.seq_len]
-            # [1, H, L, D]: SDPA takes its fused CPU flash kernel only for 4-D inputs.
-            attn = F.scaled_dot_product_attention(
-                query[None], keys[None], values[None], attn_mask=plan.mask, is_causal=plan.mask is None,
-                scale=scale, enable_gqa=True,
-            )
-            out[plan.query_rows] = attn[0].transpose(0, 1)
+            out[plan.query_rows] = chunk_attention(q[plan.query_rows], keys, values, plan.mask, scale)
         for decode in self._decodes:
             out[decode.query_rows] = self._decode_attention(q[decode.query_rows], k_cache, v_cache, decode, scale)
         return out
