@@ -15,6 +15,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=d.model, help="manifest name (models/*.toml) or a path to an HF dir "
                    "or a .gguf file; the default is the embedded SmolLM2-135M-Instruct")
     g.add_argument("--served-model-name", default=None, help="name clients use (None: the manifest name)")
+    g.add_argument("--served-model-alias", action="append", default=[], metavar="NAME", dest="served_model_aliases",
+                   help="a further name clients may use for the model (repeatable; ModelInfo.served_model_aliases)")
     g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"],
                    help="weight and KV dtype (the native CPU attention and oneDNN projections take float32 only)")
     g.add_argument("--device", default=d.device, help="torch device")
@@ -43,6 +45,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
+        served_model_aliases=tuple(args.served_model_aliases),
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,

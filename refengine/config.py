@@ -86,7 +86,10 @@ class EngineConfig:
     """
 
     model: str = "smollm2-135m-instruct"
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # None = the manifest name (or the path's name)
+    # Further names Generate and GetModelInfo accept (D8: ModelInfo.served_model_aliases), e.g. the
+    # directory name a framework uses for the model.
+    served_model_aliases: tuple[str, ...] = ()
     dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int | None = None
@@ -99,3 +102,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        aliases = self.served_model_aliases
+        if any(not alias for alias in aliases):
+            raise ValueError("served_model_aliases: an alias must be a non-empty name")
+        if len(set(aliases)) != len(aliases):
+            raise ValueError(f"served_model_aliases lists a name twice: {list(aliases)}")
+        if self.served_model_name is not None and self.served_model_name in aliases:
+            raise ValueError(f"served_model_aliases repeats the served model name {self.served_model_name!r}")

@@ -1,5 +1,10 @@
 """OpenEngine v0.1.0 conformance suite.
 
+v0.1.0 means the release: signed tag ``v0.1.0`` = commit b5f2bd9, Buf module
+``buf.build/openengine/openengine`` at the immutable commit 768a93c7b44e40f28c692ad0b471a8f2
+(schema revision 1; see :mod:`refengine.conformance.release`), not the earlier
+pre-release copy 4def7c5.
+
 Points at any OpenEngine server (``host:port``), runs one or more checks per rule
 of ``contract/RULES.md`` through the generated gRPC stubs only, and reports a
 support matrix: PASS, FAIL (observed vs expected) or SKIP (feature not

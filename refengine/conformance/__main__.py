@@ -7,13 +7,14 @@ import json
 import sys
 
 from refengine.conformance.registry import Status
+from refengine.conformance.release import RELEASE
 from refengine.conformance.runner import Result, format_matrix, run, to_json
 from refengine.conformance.target import Options
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m refengine.conformance",
-                                     description="Check an OpenEngine v0.1.0 server against contract/RULES.md.")
+                                     description=f"Check an {RELEASE} server against contract/RULES.md.")
     parser.add_argument("address", help="HOST:PORT of the server")
     parser.add_argument("--rules", default="", help="comma-separated rule ids or sections (e.g. G1,G14,L)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")

@@ -8,7 +8,9 @@ from refengine.conformance import (  # noqa: F401
     checks_generate,
     checks_health,
     checks_logprobs,
+    checks_media,
     checks_metadata,
+    checks_models,
     checks_output,
     checks_stopping,
 )

@@ -8,25 +8,34 @@ import grpc
 
 from refengine.conformance.assertions import NON_OK, expect_rejected, expect_valid
 from refengine.conformance.registry import check, expect, fail, skip
+from refengine.conformance.release import (
+    RELEASE_BSR_COMMIT,
+    RELEASE_GIT_COMMIT,
+    RELEASE_TAG,
+    SCHEMA_REVISION,
+    schema_release_problem,
+)
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
-BRANCH_NAMES = {"main", "master", "develop", "dev", "head", "trunk", "latest", "nightly"}
 
-
-@check("D1", "schema_revision = 1, minimum_client_revision = 1, schema_release an immutable tag")
+@check("D1", "schema_revision = 1, minimum_client_revision = 1, schema_release the release's BSR commit")
 def schema_revision(t: Target) -> str:
-    """D1: revision fields of ServerInfo."""
+    """D1: revision fields of ServerInfo. ``schema_release`` must name the schema immutably:
+    the BSR commit of v0.1.0 (768a93c7...), or for an unpublished build a 40-hex Git
+    commit. Tags such as ``v0.1.0``, BSR labels and branch names can move, so never."""
     info = t.server_info
-    expect(info.schema_revision == 1, f"schema_revision is {info.schema_revision}, expected 1")
+    expect(info.schema_revision == SCHEMA_REVISION,
+           f"schema_revision is {info.schema_revision}, expected {SCHEMA_REVISION}")
     expect(info.minimum_client_revision == 1,
            f"minimum_client_revision is {info.minimum_client_revision}, expected 1")
     release = info.schema_release
-    expect(bool(release), "schema_release is empty, expected an immutable tag such as 'v0.1.0'")
-    expect(release.lower() not in BRANCH_NAMES and not release.lower().startswith(("refs/heads", "branch")),
-           f"schema_release {release!r} is a branch name, expected an immutable tag")
-    expect(release == "v0.1.0", f"schema_release {release!r}: revision 1 was released as 'v0.1.0'")
-    return f"schema_release={release}"
+    problem = schema_release_problem(release)
+    expect(problem is None, problem or "")
+    if release == RELEASE_BSR_COMMIT:
+        return f"schema_release = BSR commit {release} ({RELEASE_TAG})"
+    note = " (the release's own Git commit)" if release == RELEASE_GIT_COMMIT else ""
+    return f"schema_release = Git commit {release}{note}: an unpublished build"
 
 
 def _present_values(msg: Any, prefix: str) -> list[tuple[str, Any]]:

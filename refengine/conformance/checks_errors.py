@@ -1,18 +1,24 @@
-"""Section X — error reporting (X1–X4)."""
+"""Section X — error reporting (X1–X4), including the run-wide X4 look at every enum
+value the server sent: X is the last section, so that check sees the whole run."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
 from refengine.conformance.assertions import NON_OK, expect_rejected, stream_violations
-from refengine.conformance.registry import check, expect, skip
+from refengine.conformance.enums import value_name
+from refengine.conformance.registry import check, expect, fail, skip
+from refengine.conformance.release import PRE_RELEASE_VALUES, RELEASE
 from refengine.conformance.target import StreamResult, Target
 from refengine.protocol import oe
 
-RETRYABLE = {oe.ERROR_CODE_OVERLOADED, oe.ERROR_CODE_DRAINING, oe.ERROR_CODE_KV_TRANSFER_FAILED}
+#: X3: always retryable — the unchanged request can succeed once load or the transfer path recovers.
+#: (The release has no DRAINING code; a drain cut-off is CANCELLED, see :func:`retryable_problem`.)
+RETRYABLE = {oe.ERROR_CODE_OVERLOADED, oe.ERROR_CODE_KV_TRANSFER_FAILED}
 NEVER_RETRYABLE = {oe.ERROR_CODE_INVALID_ARGUMENT, oe.ERROR_CODE_UNSUPPORTED_FEATURE, oe.ERROR_CODE_ROLE_MISMATCH,
                    oe.ERROR_CODE_MODEL_NOT_FOUND, oe.ERROR_CODE_DUPLICATE_REQUEST}
 
@@ -59,14 +65,10 @@ def transport_failure(t: Target) -> str:
     return f"DEADLINE_EXCEEDED after {len(res.events)} event(s)"
 
 
-@check("X1", "a failure after acceptance (stalled reader) is one terminal EngineError, then OK")
-def error_after_acceptance(t: Target) -> str:
-    """X1: provoke a post-acceptance failure by not reading a stream for
-    ``options.slow_reader_s`` seconds (longer than the server's stall timeout): if the
-    server gives up on the stream it must end it with exactly one EngineError, status OK."""
+def stalled_stream(t: Target) -> StreamResult:
+    """A long stream whose reader stalls ``options.slow_reader_s`` seconds after its first
+    event: a server with a stall timeout below that gives up on it after acceptance."""
     wait = t.options.slow_reader_s
-    if wait <= 0:
-        skip("no post-acceptance failure provoked (set slow_reader_s above the server's stall timeout)")
     req = t.long_request("x1slow", cap=4000)
     if t.options.slow_reader_extra:
         json_format.ParseDict(t.options.slow_reader_extra, req.extra)
@@ -89,7 +91,21 @@ def error_after_acceptance(t: Target) -> str:
         res.code, res.details = err.code(), err.details() or ""
     finally:
         t.abort(req.request_id)
+    for event in res.events:  # read outside Target.generate: record it for X3/X4 by hand
+        t.observe(event)
     t.cache.setdefault("x3_streams", []).append(res)
+    return res
+
+
+@check("X1", "a failure after acceptance (stalled reader) is one terminal EngineError, then OK")
+def error_after_acceptance(t: Target) -> str:
+    """X1: provoke a post-acceptance failure by not reading a stream for
+    ``options.slow_reader_s`` seconds (longer than the server's stall timeout): if the
+    server gives up on the stream it must end it with exactly one EngineError, status OK."""
+    wait = t.options.slow_reader_s
+    if wait <= 0:
+        skip("no post-acceptance failure provoked (set slow_reader_s above the server's stall timeout)")
+    res = stalled_stream(t)
     errors = res.of("error")
     if not errors:
         expect(res.ok, f"a stalled stream ended with {res.describe()[:300]} (not OK, no EngineError)")
@@ -122,18 +138,43 @@ def unary_failures(t: Target) -> str:
     return ", ".join(seen)
 
 
+def _names_drain(message: str) -> bool:
+    return "drain" in message.lower()
+
+
+def retryable_problem(err: Any) -> str | None:
+    """X3: why ``err.retryable`` (or its code) is wrong for this EngineError; None when fine.
+
+    Retryable: OVERLOADED and KV_TRANSFER_FAILED always; CANCELLED when a drain cut the
+    stream off (ref: its message names the drain). The release has no DRAINING code."""
+    code = value_name(oe.ErrorCode.DESCRIPTOR, err.code)
+    if err.code not in oe.ErrorCode.values():
+        hint = PRE_RELEASE_VALUES.get(("openengine.v1.ErrorCode", err.code), "not a value of the release")
+        return f"EngineError code {err.code} ({err.message!r}): {hint}; {RELEASE} has no DRAINING code"
+    if err.code in RETRYABLE and not err.retryable:
+        return f"{code} with retryable = false ({err.message!r}); the unchanged request can succeed later"
+    if err.code in NEVER_RETRYABLE and err.retryable:
+        return f"{code} with retryable = true ({err.message!r}); the unchanged request fails again"
+    if _names_drain(err.message):
+        if err.code == oe.ERROR_CODE_INTERNAL:
+            return (f"a drain cut-off sent as {code} ({err.message!r}); 11 was DRAINING only in the pre-release "
+                    "copy: the release ends it with CANCELLED, retryable = true")
+        if err.code == oe.ERROR_CODE_CANCELLED and not err.retryable:
+            return f"a drain cut-off ({err.message!r}) is CANCELLED with retryable = true (ref), got false"
+    return None
+
+
 @check("X3", "EngineError.retryable is true only for failures the unchanged request could survive")
 def retryable_truthful(t: Target) -> str:
-    """X3: checked on every EngineError the run could provoke; none = SKIP."""
-    errors = [e for res in t.cache.get("x3_streams", []) for e in res.of("error")]
+    """X3: checked on every EngineError the run saw (any check's streams); none = SKIP."""
+    errors = list(t.engine_errors)
     if not errors:
-        skip("no EngineError could be provoked from a client (needs overload, draining or a KV transfer failure)")
-    for err in errors:
-        if err.code in RETRYABLE:
-            expect(err.retryable, f"{oe.ErrorCode.Name(err.code)} with retryable = false")
-        if err.code in NEVER_RETRYABLE:
-            expect(not err.retryable, f"{oe.ErrorCode.Name(err.code)} with retryable = true")
-    return f"{len(errors)} EngineError(s) checked"
+        skip("no EngineError could be provoked from a client (needs overload, a KV transfer failure or a drain "
+             "cut-off; set slow_reader_s above the server's stall timeout)")
+    problems = [p for p in map(retryable_problem, errors) if p]
+    expect(not problems, "; ".join(problems[:3]))
+    kinds = sorted({f"{oe.ErrorCode.Name(e.code)} retryable={e.retryable}" for e in errors})
+    return f"{len(errors)} EngineError(s) checked: {', '.join(kinds)}"
 
 
 @check("X4", "unknown enum values are read as UNSPECIFIED, never an error")
@@ -147,3 +188,41 @@ def unknown_enums(t: Target) -> str:
     if t.model_info.HasField("supports_multimodal") and t.model_info.supports_multimodal:
         return "Health(role=97) fine; unknown Modality not sent (needs a media item)"
     return "Health(role=97) reads as UNSPECIFIED"
+
+
+def _gather_enum_samples(t: Target) -> None:
+    """Make sure the run saw every kind of enum a client gets, whatever was selected:
+    Health (with probe), discovery, load, a finished and an aborted stream, both Abort
+    outcomes, and (when the options allow) an EngineError."""
+    t.unary("Health", oe.HealthRequest())
+    t.unary("Health", oe.HealthRequest(include_inference_probe=True))
+    t.unary("GetServerInfo", oe.GetServerInfoRequest())
+    t.unary("GetModelInfo", oe.GetModelInfoRequest(model=t.model))
+    t.load(per_rank=True)
+    done = t.request("x4", max_tokens=2)
+    t.generate(done)
+    t.unary_code("Abort", oe.AbortRequest(request_id=done.request_id))  # ALREADY_FINISHED
+    long = t.long_request("x4ab")
+    t.generate(long, on_event=t.aborter(long.request_id))  # ABORTED, FinishReason CANCELLED
+    if not t.engine_errors and t.options.slow_reader_s > 0:
+        stalled_stream(t)
+    t.wait_idle("X4 samples")
+
+
+def _unknown_value(enum: Any, value: int, where: str) -> str:
+    hint = PRE_RELEASE_VALUES.get((enum.full_name, value), "")
+    return f"{enum.name} {value} at {where}" + (f" ({hint})" if hint else "")
+
+
+@check("X4", "every enum value the server sends is a value of the release (HealthState ≤ 4, ErrorCode ≤ 11, ...)")
+def release_enum_values(t: Target) -> str:
+    """X4 (sender side): a client reads an unknown value as UNSPECIFIED, so a server that
+    sends one (e.g. the pre-release HealthState 5 or ErrorCode 12) loses its meaning.
+    Looks at every enum value this run received (Health states, EngineError codes,
+    finish reasons, capability modes, ...) plus samples of its own."""
+    _gather_enum_samples(t)
+    unknown = t.enums.unknown()
+    if unknown:
+        fail(f"values outside {RELEASE} sent: " + "; ".join(_unknown_value(*u) for u in unknown[:6]))
+    errors = "" if t.enums.values("openengine.v1.ErrorCode") else " (no EngineError seen: ErrorCode not sampled)"
+    return f"all values known: {t.enums.summary()}{errors}"

@@ -1,4 +1,8 @@
-"""Section H — Health and GetLoad (H1–H4)."""
+"""Section H — Health and GetLoad (H1–H4).
+
+The release's HealthState is UNSPECIFIED, STARTING, READY, DEGRADED, NOT_READY (= 4).
+There is no DRAINING state: NOT_READY means "cannot accept new work", whatever the
+cause (not serving, shutting down, draining), and NOT_READY is the worst state."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Any
 
 from refengine.conformance.assertions import expect_valid
 from refengine.conformance.registry import check, expect
+from refengine.conformance.release import PRE_RELEASE_VALUES, RELEASE
 from refengine.conformance.target import Background, Target
 from refengine.protocol import oe
 
@@ -71,18 +76,34 @@ def inference_probe(t: Target) -> str:
     return f"probe {took * 1000:.0f} ms; 6 concurrent probes + 2 requests fine"
 
 
-@check("H3", "a serving engine reports READY (or DEGRADED), never STARTING / NOT_READY")
+def _unknown_states(resp: Any) -> list[str]:
+    """Every state in ``resp`` (overall and per check) that the release does not define."""
+    states = [("overall", resp.state)] + [(f"check {c.name!r}", c.state) for c in resp.checks]
+    known = set(oe.HealthState.values())
+    return [f"{where} = {state}" + (f" ({PRE_RELEASE_VALUES[('openengine.v1.HealthState', state)]})"
+                                   if ("openengine.v1.HealthState", state) in PRE_RELEASE_VALUES else "")
+            for where, state in states if state not in known]
+
+
+@check("H3", "a serving engine reports READY (or DEGRADED), never STARTING / NOT_READY; only release states")
 def serving_state(t: Target) -> str:
-    """H3 (as far as a client can see): while Generate works, Health is not STARTING,
-    DRAINING or NOT_READY.
-    STARTING before readiness and DRAINING while draining need control over the
-    server's lifecycle (see the project's own startup test)."""
+    """H3 (as far as a client can see): while Generate works, Health is READY or DEGRADED,
+    not STARTING or NOT_READY, and no state outside the release is sent (nothing above
+    NOT_READY = 4; the release has no DRAINING).
+
+    STARTING before readiness and NOT_READY while draining need control over the
+    server's lifecycle, which a client lacks (the launcher sees startup:
+    tests/conformance/test_conformance.py::test_startup_states)."""
     expect_valid(t.generate(t.request("h3", max_tokens=1)))
     resp = _health(t)
-    expect(resp.state in (READY, DEGRADED), f"Generate works but Health says {_name(resp.state)}")
     busy = t.generate_async(t.request("h3", max_tokens=16, ignore_eos=True))
     during = _health(t)
+    probed = _health(t, probe=True)
     busy.join()
+    for what, r in (("Health()", resp), ("Health() while serving", during), ("Health(probe)", probed)):
+        unknown = _unknown_states(r)
+        expect(not unknown, f"{what}: states outside {RELEASE}: {', '.join(unknown)}")
+    expect(resp.state in (READY, DEGRADED), f"Generate works but Health says {_name(resp.state)}")
     expect(during.state in (READY, DEGRADED), f"while serving a request Health says {_name(during.state)}")
     return f"{_name(resp.state)} while serving"
 
@@ -132,3 +153,66 @@ def load_counts(t: Target) -> str:
     return (f"idle run/queue/used {idle.running_requests}/{idle.queued_requests}/{idle.used_kv_blocks}, busy "
             f"{busy.running_requests}/{busy.queued_requests}/{busy.used_kv_blocks}, back to idle")
 
+
+
+def _scalars(msg: Any) -> tuple[list[str], list[str]]:
+    """(present, absent) optional scalar fields of ``msg``."""
+    names = [fd.name for fd in msg.DESCRIPTOR.fields if fd.message_type is None and fd.has_presence]
+    return [n for n in names if msg.HasField(n)], [n for n in names if not msg.HasField(n)]
+
+
+def _both(msg: Any, a: str, b: str) -> bool:
+    return msg.HasField(a) and msg.HasField(b)
+
+
+def _measurement_problems(row: Any, what: str) -> list[str]:
+    """H4: a present load scalar is a measurement, so it must be one a live engine can have.
+    (A 0 that is really "not filled in" shows up as an impossible value here.)"""
+    problems = []
+    if row.HasField("total_kv_blocks") and row.total_kv_blocks == 0:
+        problems.append(f"{what}: total_kv_blocks present as 0; a serving engine has KV blocks (absent = "
+                        "unavailable, so a 0 here is a default, not a measurement)")
+    if _both(row, "used_kv_blocks", "total_kv_blocks") and row.used_kv_blocks > row.total_kv_blocks:
+        problems.append(f"{what}: used_kv_blocks {row.used_kv_blocks} > total_kv_blocks {row.total_kv_blocks}")
+    if "running_tokens" in row.DESCRIPTOR.fields_by_name and _both(row, "running_tokens", "running_requests"):
+        if (row.running_requests > 0) != (row.running_tokens > 0):
+            problems.append(f"{what}: running_requests {row.running_requests} but running_tokens "
+                            f"{row.running_tokens} (running requests hold tokens, and only they do)")
+    return problems
+
+
+MAX_CLOCK_SKEW_S = 24 * 3600.0  # generous: the server may be remote; a default 0 is ~56 years off
+
+
+def _load_problems(load: Any, what: str) -> list[str]:
+    problems = _measurement_problems(load, what)
+    if load.HasField("timestamp_unix_nanos"):
+        skew = abs(load.timestamp_unix_nanos / 1e9 - time.time())
+        if skew > MAX_CLOCK_SKEW_S:
+            problems.append(f"{what}: timestamp_unix_nanos {load.timestamp_unix_nanos} is {skew / 86400:.0f} days "
+                            "from the client's clock, not a sample time")
+    for rank in load.ranks:
+        label = f"{what} rank {rank.data_parallel_rank if rank.HasField('data_parallel_rank') else '?'}"
+        if not rank.HasField("data_parallel_rank"):
+            problems.append(f"{label}: a RankLoadInfo row without data_parallel_rank cannot be attributed")
+        problems.extend(_measurement_problems(rank, label))
+    return problems
+
+
+@check("H4", "GetLoad scalars use presence: absent = unavailable; every present value is a real measurement")
+def load_presence(t: Target) -> str:
+    """H4: sampled before, while a request runs and after, with per-rank rows; reports which load
+    scalars the server measures (present) and which it cannot (absent)."""
+    before = t.load(per_rank=True)
+    req = t.long_request("h4p")
+    busy_call = t.generate_async(req)
+    busy = t.wait_until(lambda lo: lo.running_requests > 0, timeout=5)
+    busy = t.load(per_rank=True) if busy.running_requests > 0 else busy
+    t.abort(req.request_id)
+    busy_call.join()
+    after = t.wait_idle("H4 presence")
+    problems = _load_problems(before, "before") + _load_problems(busy, "busy") + _load_problems(after, "after")
+    expect(not problems, "; ".join(problems[:4]))
+    present, absent = _scalars(busy)
+    rows = f"; rank rows: {', '.join(_scalars(busy.ranks[0])[0]) or 'none'} present" if busy.ranks else ""
+    return f"present: {', '.join(present) or 'none'}; absent: {', '.join(absent) or 'none'}{rows}"

@@ -4,7 +4,8 @@
 (``ServerInfo``, ``ModelInfo``) and a few helpers every check shares: send a
 Generate and collect the whole stream (:meth:`Target.generate`), build a small
 bounded request (:meth:`Target.request`), wait until the server is idle again
-(:meth:`Target.wait_idle`). Every RPC has a deadline.
+(:meth:`Target.wait_idle`). Every RPC has a deadline, and every enum value the
+server sends through these helpers is recorded (:attr:`Target.enums`, for X4).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from refengine.conformance.enums import EnumLog
 from refengine.conformance.registry import CheckFailed, skip
 from refengine.protocol import oe
 
@@ -107,16 +109,17 @@ class Target:
         self.server_info: Any = None
         self.model_info: Any = None
         self.idle_used_kv_blocks: int | None = None
+        self.enums = EnumLog()  # X4: every enum value received, whichever check caused it
+        self.engine_errors: list[Any] = []  # X3: every EngineError event received (append is thread-safe)
 
     # -- lifecycle -------------------------------------------------------------
     def connect(self) -> Target:
         """Wait for the channel, then run discovery (GetServerInfo, GetModelInfo)."""
         grpc.channel_ready_future(self.channel).result(timeout=self.options.rpc_timeout_s)
-        self.server_info = self.control.GetServerInfo(oe.GetServerInfoRequest(), timeout=self.options.rpc_timeout_s)
+        self.server_info = self.unary("GetServerInfo", oe.GetServerInfoRequest())
         served = self.server_info.supported_models
         model = self.options.model or (served[0] if served else "")
-        self.model_info = self.control.GetModelInfo(oe.GetModelInfoRequest(model=model),
-                                                    timeout=self.options.rpc_timeout_s)
+        self.model_info = self.unary("GetModelInfo", oe.GetModelInfoRequest(model=model))
         load = self.load()
         if load.running_requests == 0 and load.queued_requests == 0 and load.HasField("used_kv_blocks"):
             self.idle_used_kv_blocks = load.used_kv_blocks
@@ -211,6 +214,7 @@ class Target:
         call = self.inference.Generate(req, metadata=metadata, timeout=timeout or self.options.stream_timeout_s)
         try:
             for event in call:
+                self.observe(event)
                 result.events.append(event)
                 result.times.append(time.perf_counter())
                 if on_event is not None and on_event(result, event, call):
@@ -228,9 +232,18 @@ class Target:
         """Run :meth:`generate` on a thread; ``.join()`` returns the StreamResult."""
         return Background(lambda: self.generate(req, metadata, timeout, on_event))
 
+    def observe(self, event: Any) -> None:
+        """Record what a received Generate event says for the run-wide checks (X3, X4);
+        :meth:`generate` does it for every event, a check reading a call itself calls it."""
+        self.enums.observe(event)
+        if event.WhichOneof("event") == "error":
+            self.engine_errors.append(event.error)
+
     def unary(self, method: str, request: Any, metadata: Metadata | None = None) -> Any:
         """Call a Control RPC by name with the run's deadline."""
-        return getattr(self.control, method)(request, metadata=metadata, timeout=self.options.rpc_timeout_s)
+        response = getattr(self.control, method)(request, metadata=metadata, timeout=self.options.rpc_timeout_s)
+        self.enums.observe(response)
+        return response
 
     def unary_code(self, method: str, request: Any, metadata: Metadata | None = None) -> tuple[grpc.StatusCode, Any]:
         """Like :meth:`unary`, returning (status code, response or None) instead of raising."""

@@ -143,3 +143,14 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._prefix_text = ""
         return delta
+
+
+class NoTextDetokenizer:
+    """For an output that sends token ids only (``detokenize = false``) and has no stop
+    strings: no text is needed at all, so none is computed."""
+
+    def add_token(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""

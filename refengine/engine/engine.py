@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from refengine.config import EngineConfig, ModelConfig
-from refengine.engine.detokenizer import IncrementalDetokenizer
+from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from refengine.engine.output_processor import OutputProcessor
 from refengine.engine.request import OutputSink, OutputState, Request, output_generator
 from refengine.engine.stop_checker import StopChecker, TokenHoldBack
@@ -277,9 +277,12 @@ class Engine:
         self.scheduler.add(seq)
 
     def _output_state(self, request: Request, seq: Sequence) -> OutputState:
+        # Without text to send, text is still needed when stop strings must match on it.
+        needs_text = request.params.detokenize or bool(request.params.stopping.stop_strings)
         return OutputState(
             seq=seq,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            detokenizer=(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids) if needs_text
+                         else NoTextDetokenizer()),
             stop=StopChecker(request.params.stopping, self.eos_token_ids, request.max_tokens),
             generator=request.generators[seq.index],
             held_tokens=TokenHoldBack(request.params.stopping.include_stop_in_output),

@@ -48,19 +48,21 @@ class OutputProcessor:
         self.release = release
 
     # -- token info ----------------------------------------------------------
-    def _token_info(self, sampled: SampledToken | tuple, token_id: int) -> TokenInfo:
+    def _text(self, request: Request, token_id: int) -> str:
+        """A token's own text, or "" for a request that asked for token ids only."""
+        return token_text(self.tokenizer, token_id) if request.params.detokenize else ""
+
+    def _token_info(self, request: Request, sampled: SampledToken | tuple, token_id: int) -> TokenInfo:
         if isinstance(sampled, SampledToken):
             logprob, rank, candidates = sampled.logprob, sampled.rank, sampled.candidates
         else:
             logprob, rank, candidates = sampled
         return TokenInfo(
             token_id=token_id,
-            text=token_text(self.tokenizer, token_id),
+            text=self._text(request, token_id),
             logprob=logprob,
             rank=rank,
-            candidates=tuple(
-                Candidate(tid, lp, rk, token_text(self.tokenizer, tid)) for tid, lp, rk in candidates
-            ),
+            candidates=tuple(Candidate(tid, lp, rk, self._text(request, tid)) for tid, lp, rk in candidates),
         )
 
     # -- prompt logprobs -----------------------------------------------------
@@ -76,7 +78,7 @@ class OutputProcessor:
         infos = request.prompt_infos
         if first_pos == 0 and not infos:
             first_id = request.prompt_token_ids[0]
-            infos.append(TokenInfo(first_id, token_text(self.tokenizer, first_id)))  # nothing predicts it (L2)
+            infos.append(TokenInfo(first_id, self._text(request, first_id)))  # nothing predicts it (L2)
         rows, targets = [], []
         for j in range(item.num_new_tokens):
             pos = start + j + 1
@@ -86,7 +88,7 @@ class OutputProcessor:
         if rows:
             results = prompt_logprobs(logits[rows], targets, True, request.params.logprobs.prompt_candidates)
             for token_id, result in zip(targets, results, strict=True):
-                infos.append(self._token_info(result, token_id))
+                infos.append(self._token_info(request, result, token_id))
         request.prompt_logprobs_ready = first_pos + len(infos) == seq.num_prompt_tokens
 
     # -- sampling ------------------------------------------------------------
@@ -140,15 +142,17 @@ class OutputProcessor:
         step = process_token(out.stop, out.detokenizer, token_id, seq.num_output_tokens)
         if step.keep_token:
             if request.wants_output_logprobs:
-                info = self._token_info(sampled, token_id)
+                info = self._token_info(request, sampled, token_id)
             else:
-                info = TokenInfo(token_id, token_text(self.tokenizer, token_id))
+                info = TokenInfo(token_id, self._text(request, token_id))
             out.held_tokens.add(info, step.num_detokenized_chars)
+        # Hold-back works on the text even when it is not sent (stop strings need it).
         tokens = out.held_tokens.release(len(step.text), step.finish)
         out.num_emitted_tokens += len(tokens)
         if step.finish is not None:
             self.finish_output(out, step.finish)
-        return SequenceDelta(index=seq.index, tokens=tokens, text=step.text, finish=step.finish)
+        text = step.text if request.params.detokenize else ""
+        return SequenceDelta(index=seq.index, tokens=tokens, text=text, finish=step.finish)
 
     def finish_output(self, out: OutputState, finish: FinishInfo) -> None:
         out.finish = finish

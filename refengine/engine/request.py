@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refengine.engine.detokenizer import IncrementalDetokenizer
+from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from refengine.engine.stop_checker import StopChecker, TokenHoldBack
 from refengine.engine.types import FinishInfo, GenerationRequest, RequestOutput, TokenInfo
 from refengine.scheduler.sequence import Sequence
@@ -38,7 +38,7 @@ class OutputState:
     """Per-output bookkeeping next to its Sequence."""
 
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | NoTextDetokenizer
     stop: StopChecker
     generator: torch.Generator | None
     held_tokens: TokenHoldBack

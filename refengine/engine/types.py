@@ -101,6 +101,7 @@ class GenerationRequest:
     logprobs: LogprobParams = field(default_factory=LogprobParams)
     kv: KvParams = field(default_factory=KvParams)
     priority: int = 0
+    detokenize: bool = True  # False: token ids only, no text (stop strings still match internally)
 
 
 class FinishReason(enum.Enum):
@@ -185,7 +186,7 @@ class RequestOutput:
 class EngineFault:
     """A failure after acceptance. ``retryable``: the unchanged request could succeed later."""
 
-    code: Literal["overloaded", "draining", "internal", "cancelled"]
+    code: Literal["overloaded", "internal", "cancelled"]
     message: str
     retryable: bool
 

@@ -5,9 +5,11 @@ model loads on a daemon worker thread, then ``Engine.start()`` runs the step loo
 own thread and the state turns READY. The event loop never waits on model compute.
 
 Shutdown on SIGTERM/SIGINT (a second signal skips the grace period):
-1. DRAINING: new Generate → UNAVAILABLE; Health and the other Control RPCs keep answering;
+1. draining: new Generate → UNAVAILABLE; Health answers NOT_READY with a check naming the
+   drain (the release has no DRAINING state), grpc.health.v1 NOT_SERVING; the other Control
+   RPCs keep answering;
 2. running streams get ``--shutdown-grace-seconds`` to finish;
-3. the rest end with one ``EngineError(DRAINING, retryable=true)`` and their engine
+3. the rest end with one ``EngineError(CANCELLED, retryable=true)`` naming the drain, and their engine
    requests are aborted (KV freed);
 4. the listeners stop, the engine thread stops, the process exits 0.
 """
@@ -222,9 +224,11 @@ class Server:
         for bridge in leftover:
             self.state.engine.abort(bridge.request_id)
         if leftover:
-            logger.info("grace period over: ended %d streams with DRAINING", len(leftover))
+            logger.info("grace period over: cancelled %d streams (retryable)", len(leftover))
+        # Let the terminal events be written and the engine apply the aborts (frees their KV).
+        engine = self.state.engine
         flush_deadline = loop.time() + FLUSH_SECONDS
-        while self.state.streams and loop.time() < flush_deadline:
+        while (self.state.streams or engine.has_unfinished_requests) and loop.time() < flush_deadline:
             await asyncio.sleep(0.02)
 
     async def _shutdown(self) -> None:
@@ -232,4 +236,8 @@ class Server:
         await asyncio.gather(*(server.stop(0.5) for server in self.listeners))
         if self.state.engine is not None:
             await asyncio.to_thread(self.state.engine.shutdown)
+            stats = self.state.engine.stats()
+            # Read by the drain tests: after a drain every KV block is free or cached.
+            logger.info("KV pool at exit: %d used, %d cached, %d total blocks",
+                        stats.used_kv_blocks, stats.cached_kv_blocks, stats.total_kv_blocks)
         logger.info("stopped")

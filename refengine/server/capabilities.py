@@ -35,7 +35,7 @@ class Capabilities:
     field names (``top_n``, ``json_schema``, ...)."""
 
     served_model_name: str
-    model_id: str
+    model_id: str  # D8: the canonical model and tokenizer source (manifest name or path)
     max_context_length: int
     vocab_size: int
     max_num_sequences: int
@@ -52,11 +52,12 @@ class Capabilities:
     prefix_cache_bypass: bool = True
     lora: bool = False  # LoRA lands in a later issue (R5, R6)
     multimodal: bool = False
+    served_model_aliases: tuple[str, ...] = ()  # D8: every other accepted name
 
     @property
     def served_names(self) -> tuple[str, ...]:
-        """Names ``GenerateRequest.model`` / ``GetModelInfo.model`` may use (no aliases yet)."""
-        return (self.served_model_name,)
+        """Names ``GenerateRequest.model`` / ``GetModelInfo.model`` may use: the primary name first."""
+        return (self.served_model_name, *self.served_model_aliases)
 
     @property
     def max_output_tokens(self) -> int:
@@ -67,6 +68,7 @@ def capabilities_of(engine) -> Capabilities:  # noqa: ANN001 - refengine.engine.
     limits = engine.limits
     return Capabilities(
         served_model_name=engine.served_model_name,
+        served_model_aliases=tuple(a for a in engine.config.served_model_aliases if a != engine.served_model_name),
         model_id=engine.config.model,
         max_context_length=engine.max_model_len,
         vocab_size=limits.vocab_size,
@@ -93,6 +95,7 @@ def model_info(caps: Capabilities, extra: dict | None = None) -> oe.ModelInfo:
     return oe.ModelInfo(
         model_id=caps.model_id,
         served_model_name=caps.served_model_name,
+        served_model_aliases=list(caps.served_model_aliases),
         max_context_length=caps.max_context_length,
         max_output_tokens=caps.max_output_tokens,
         supports_text_input=caps.text_input,

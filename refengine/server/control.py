@@ -33,7 +33,8 @@ from refengine.server.validation import check_model
 
 SCHEMA_REVISION = 1
 MINIMUM_CLIENT_REVISION = 1
-SCHEMA_RELEASE = "v0.1.0"
+#: D1: the immutable Buf registry commit of the release v0.1.0 (Git tag v0.1.0 = b5f2bd9), never a tag.
+SCHEMA_RELEASE = "768a93c7b44e40f28c692ad0b471a8f2"
 LORA_DISABLED = "LoRA is disabled on this server (supports_lora=false)"
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ class ControlServicer(oe.ControlServicer):
             engine_version=refengine.__version__,
             engine_role=ROLES[self.state.options.role],
             instance_id=self.state.instance_id,
-            supported_models=list(self.state.caps.served_names),
+            # D3/D8: the primary name; aliases are listed in ModelInfo.served_model_aliases.
+            supported_models=[self.state.caps.served_model_name],
             parallelism=oe.ParallelismInfo(
                 tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
                 data_parallel_rank=0, data_parallel_start_rank=0, decode_context_parallel_size=1,

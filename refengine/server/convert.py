@@ -11,7 +11,7 @@
 | response.prompt_logprob_start           | LogprobParams.prompt_logprob_start               |
 | kv.bypass_prefix_cache / kv.cache_salt  | KvParams ("" salt = no salt, ref)                |
 | metadata openengine-priority            | GenerationRequest.priority                       |
-| extra (Struct)                          | :class:`StreamSettings` (keys below)             |
+| extra (Struct)                          | :class:`StreamSettings`, ``detokenize`` (below)  |
 
 ``extra`` known keys (G8; anything else is ignored, a wrong type or range is INVALID_ARGUMENT):
 
@@ -19,6 +19,11 @@
 - ``refengine.stall_timeout_seconds`` (number > 0): lower this stream's stall timeout.
 
 Both can only tighten the server's settings, never loosen them.
+
+- ``detokenize`` (bool, default true): ``false`` sends token ids only — ``TokenOutput.text``
+  and every ``TokenInfo.token`` / candidate ``token`` are empty — and skips detokenization,
+  unless the request has stop strings, which are still matched on the (unsent) text. Sent by
+  clients that detokenize themselves (e.g. Dynamo's frontend).
 
 Rejected here (INVALID_ARGUMENT): an empty ``StopCondition`` (G6). Guided decoding, media
 and LoRA never reach this module (``validation.py`` refuses them while unsupported).
@@ -44,7 +49,9 @@ from refengine.server.metadata import RequestMetadata
 
 EXTRA_STREAM_BUFFER = "refengine.stream_buffer"
 EXTRA_STALL_TIMEOUT = "refengine.stall_timeout_seconds"
-GENERATE_EXTRA_KEYS = {EXTRA_STREAM_BUFFER: "number", EXTRA_STALL_TIMEOUT: "number"}  # key -> JSON type
+EXTRA_DETOKENIZE = "detokenize"
+GENERATE_EXTRA_KEYS = {EXTRA_STREAM_BUFFER: "number", EXTRA_STALL_TIMEOUT: "number",
+                       EXTRA_DETOKENIZE: "bool"}  # key -> JSON type
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,16 @@ def stream_settings(extra: struct_pb2.Struct, server: StreamSettings) -> StreamS
         stream_buffer=int(buffer) if buffer is not None else server.stream_buffer,
         stall_timeout_seconds=stall if stall is not None else server.stall_timeout_seconds,
     )
+
+
+def detokenize_of(extra: struct_pb2.Struct) -> bool:
+    """G8: ``extra["detokenize"]``, a bool when present; absent = true."""
+    if EXTRA_DETOKENIZE not in extra.fields:
+        return True
+    value = extra.fields[EXTRA_DETOKENIZE]
+    if value.WhichOneof("kind") != "bool_value":
+        raise invalid(f"extra[{EXTRA_DETOKENIZE!r}] must be a bool, got {value.WhichOneof('kind')}")
+    return value.bool_value
 
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
@@ -146,4 +163,5 @@ def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata) -> Gen
             cache_salt=request.kv.cache_salt or None,
         ),
         priority=meta.priority or 0,
+        detokenize=detokenize_of(request.extra),
     )

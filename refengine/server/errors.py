@@ -8,7 +8,9 @@ Two transports, chosen by *when* a failure happens (X1):
   ``EngineError`` event, then status OK. :func:`engine_error` builds it.
 
 ``retryable`` is true only when the unchanged request could succeed later (X3):
-overload and draining, never invalid input or an engine fault.
+overload and a stream cut off by the drain, never invalid input or an engine fault.
+The release has no DRAINING error code: a drain cut-off is ``CANCELLED`` with
+``retryable = true`` and a message that names the drain (ref, X3).
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ def rejection_from_engine(exc: RequestError) -> Rejection:
 #: EngineFault.code (engine vocabulary) → ErrorCode (wire vocabulary).
 ERROR_CODES = {
     "overloaded": oe.ERROR_CODE_OVERLOADED,
-    "draining": oe.ERROR_CODE_DRAINING,
     "internal": oe.ERROR_CODE_INTERNAL,
     "cancelled": oe.ERROR_CODE_CANCELLED,
 }
@@ -69,9 +70,9 @@ STALLED_CONSUMER = EngineFault(
     retryable=True,
 )
 DRAINED = EngineFault(
-    "draining",
-    "the server shut down before the request finished (drain grace period over); retry on another "
-    "instance",
+    "cancelled",
+    "cancelled by the server's drain: it is shutting down and the grace period ended before the "
+    "request finished; retry on another instance",
     retryable=True,
 )
 

@@ -4,15 +4,18 @@ Checks, each with a state and a message:
 
 - ``grpc``       READY whenever this RPC is answered;
 - ``model``      STARTING while loading, READY once loaded, NOT_READY if loading failed;
-- ``scheduler``  STARTING / READY / DRAINING, following the server lifecycle;
+- ``scheduler``  STARTING / READY / NOT_READY, following the server lifecycle; while the
+  server drains it is NOT_READY with a message naming the drain (the release has no
+  DRAINING state: H3);
 - ``role``       only when the request names a ``role``: NOT_READY if it is not ours;
 - ``inference_probe`` only when asked: a one-token greedy generation through the engine,
   bounded by ``--health-probe-timeout-seconds`` (H2). Each probe uses its own request id,
   so concurrent probes are independent.
 
 The overall ``state`` is the worst check (H1), in the order READY < DEGRADED < STARTING <
-DRAINING < NOT_READY. grpc.health.v1 reports SERVING exactly while the lifecycle is READY,
-for the empty service name and for each OpenEngine service.
+NOT_READY; no value outside the release's ``HealthState`` (above 4) is ever sent.
+grpc.health.v1 reports SERVING exactly while the lifecycle is READY, for the empty service
+name and for each OpenEngine service.
 """
 
 from __future__ import annotations
@@ -42,14 +45,20 @@ SEVERITY = [
     oe.HEALTH_STATE_READY,
     oe.HEALTH_STATE_DEGRADED,
     oe.HEALTH_STATE_STARTING,
-    oe.HEALTH_STATE_DRAINING,
     oe.HEALTH_STATE_NOT_READY,
 ]
 LIFECYCLE_STATE = {
     Lifecycle.STARTING: oe.HEALTH_STATE_STARTING,
     Lifecycle.READY: oe.HEALTH_STATE_READY,
-    Lifecycle.DRAINING: oe.HEALTH_STATE_DRAINING,
+    Lifecycle.DRAINING: oe.HEALTH_STATE_NOT_READY,
     Lifecycle.NOT_READY: oe.HEALTH_STATE_NOT_READY,
+}
+SCHEDULER_MESSAGES = {
+    Lifecycle.STARTING: "starting: the model is loading",
+    Lifecycle.READY: "ready: accepting new requests",
+    Lifecycle.DRAINING: "draining: shutting down, accepting no new requests; running streams finish "
+                        "within the grace period",
+    Lifecycle.NOT_READY: "not ready: the model failed to load",
 }
 ROLES = {
     "aggregated": oe.ENGINE_ROLE_AGGREGATED,
@@ -115,7 +124,7 @@ async def health_response(state: ServerState, request: oe.HealthRequest) -> oe.H
         checks.append(_check("model", oe.HEALTH_STATE_NOT_READY, f"load failed: {state.load_error}"))
     else:
         checks.append(_check("model", oe.HEALTH_STATE_STARTING, f"loading {state.engine_config.model}"))
-    checks.append(_check("scheduler", LIFECYCLE_STATE[lifecycle], lifecycle.value))
+    checks.append(_check("scheduler", LIFECYCLE_STATE[lifecycle], SCHEDULER_MESSAGES[lifecycle]))
     ours = ROLES[state.options.role]
     # An enum value this build does not know reads as UNSPECIFIED (X4), never as a mismatch.
     known_roles = set(oe.EngineRole.values())
@@ -132,7 +141,7 @@ async def health_response(state: ServerState, request: oe.HealthRequest) -> oe.H
 async def _probe_check(state: ServerState) -> oe.HealthCheck:
     if state.lifecycle is not Lifecycle.READY or state.engine is None:
         lifecycle = state.lifecycle
-        return _check("inference_probe", LIFECYCLE_STATE[lifecycle], f"not run: {lifecycle.value}")
+        return _check("inference_probe", LIFECYCLE_STATE[lifecycle], f"not run: {SCHEDULER_MESSAGES[lifecycle]}")
     return await inference_probe(state.engine, state.options.health_probe_timeout_seconds)
 
 

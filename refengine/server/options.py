@@ -20,7 +20,7 @@ class ServerOptions:
     - ``max_send_message_bytes``/``max_receive_message_bytes``: gRPC message limits. A response
       that could not fit (e.g. ``all`` candidates over a long prompt) is refused before acceptance.
     - ``shutdown_grace_seconds``: on SIGTERM/SIGINT, running streams get this long to finish;
-      the rest end with ``EngineError(DRAINING, retryable)``.
+      the rest end with ``EngineError(CANCELLED, retryable)`` naming the drain.
     - ``stream_buffer``: engine outputs one stream may hold undelivered before its stall clock
       starts. The engine thread never blocks: outputs past the buffer still queue, but only
       for ``stall_timeout_seconds``.

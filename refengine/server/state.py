@@ -2,7 +2,9 @@
 
 ``STARTING`` (listening, model loading on a worker thread) → ``READY`` (engine running) →
 ``DRAINING`` (SIGTERM/SIGINT: no new Generate, running streams finish within the grace
-period) → the process exits. ``NOT_READY``: the model failed to load.
+period) → the process exits. ``NOT_READY``: the model failed to load. These are the server's
+own states; on the wire ``DRAINING`` is ``HEALTH_STATE_NOT_READY`` (H3: the release has no
+draining state).
 
 All mutation happens on the event loop thread; the engine is reached only through its
 thread-safe API (``add_request``, ``abort``, ``stats``, ...).

@@ -46,7 +46,8 @@ def check_model(model: str, caps: Capabilities) -> None:
     """G3/D3: empty = the default (only) model; anything else must be served."""
     if model and model not in caps.served_names:
         raise Rejection(grpc.StatusCode.NOT_FOUND,
-                        f"model {model!r} is not served here; supported_models = {list(caps.served_names)}")
+                        f"model {model!r} is not served here; accepted names (served_model_name and "
+                        f"served_model_aliases) = {list(caps.served_names)}")
 
 
 def _check_session(session: oe.KvSessionRef) -> None:

@@ -3,7 +3,8 @@
 It is started with ``start_server`` of tests/integration/conftest.py, with engine flags
 that make every rule observable quickly on CPU: a 1024-token context (G7 can fill it),
 4 running sequences (M4 can fill every slot and queue behind them), a 256-token step
-budget (G18 forces chunked prefill). Set ``OECONF_TARGET=host:port`` to run the suite
+budget (G18 forces chunked prefill), and one model alias (D8 checks that every listed
+alias is accepted and serves the same model). Set ``OECONF_TARGET=host:port`` to run the suite
 against an already running server instead (any OpenEngine implementation).
 """
 
@@ -19,7 +20,8 @@ import pytest  # noqa: E402
 
 from tests.integration.conftest import ServerProcess, start_server  # noqa: E402
 
-SERVER_ARGS = ("--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "256")
+SERVER_ARGS = ("--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+               "--served-model-alias", "oeconf-alias")
 
 
 @pytest.fixture(scope="session")

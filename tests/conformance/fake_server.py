@@ -1,7 +1,8 @@
 """A toy OpenEngine server for testing the conformance suite itself (no model, no torch).
 
 The engine is tests/conformance/toy_engine.py: ASCII tokens, a deterministic "model",
-the v0.1.0 rules the suite checks, and ``Faults`` that break some of them on purpose
+the rules of the release (OpenEngine v0.1.0, BSR commit 768a93c7...) that the suite
+checks, and ``Faults`` that break some of them on purpose
 so that tests can show the suite catches the violation.
 """
 
@@ -56,7 +57,8 @@ class Control(oe.ControlServicer):
     def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         return oe.ServerInfo(
             engine_name="toy", engine_version="0", engine_role=oe.ENGINE_ROLE_AGGREGATED, instance_id="toy-1",
-            supported_models=["toy"], schema_revision=1, minimum_client_revision=1, schema_release="v0.1.0",
+            supported_models=["toy"], schema_revision=1, minimum_client_revision=1,
+            schema_release=self.engine.faults.schema_release,
             parallelism=oe.ParallelismInfo(tensor_parallel_size=1, data_parallel_size=1, data_parallel_rank=0,
                                            decode_context_parallel_size=1),
             capacity=oe.DeploymentCapacity(kv_block_size=BLOCK, total_kv_blocks=4096,
@@ -87,13 +89,17 @@ class Control(oe.ControlServicer):
             info = oe.LoadInfo(instance_id="toy-1", running_requests=len(running),
                                queued_requests=len(self.engine.jobs) - len(running), used_kv_blocks=used,
                                total_kv_blocks=4096)
+        if self.engine.faults.load_defaults:  # every unmeasured scalar "filled in" with 0
+            for name in ("timestamp_unix_nanos", "active_kv_sessions", "total_kv_blocks", "running_tokens",
+                         "waiting_tokens", "prefill_batch_size", "decode_batch_size"):
+                setattr(info, name, 0)
         if request.include_per_rank:
             info.ranks.add(data_parallel_rank=0, running_requests=info.running_requests,
                            queued_requests=info.queued_requests, used_kv_blocks=used, total_kv_blocks=4096)
         return info
 
     def Health(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        resp = oe.HealthResponse(state=oe.HEALTH_STATE_READY)
+        resp = oe.HealthResponse(state=self.engine.faults.health_state)
         resp.checks.add(name="engine", state=oe.HEALTH_STATE_READY)
         if request.include_inference_probe:
             resp.checks.add(name="inference_probe", state=oe.HEALTH_STATE_READY)

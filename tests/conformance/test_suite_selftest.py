@@ -10,8 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from refengine.conformance import Options, Status, run, select
+from refengine.conformance import Options, Result, Status, run, select
+from refengine.conformance.checks_errors import retryable_problem
 from refengine.conformance.registry import rule_section, rules_in
+from refengine.conformance.release import RELEASE_BSR_COMMIT, RELEASE_GIT_COMMIT, schema_release_problem
+from refengine.protocol import oe
 from tests.conformance.fake_server import Faults, serve
 from tests.conformance.test_conformance import COVERED_SECTIONS, REPO, rules_markdown
 
@@ -24,11 +27,20 @@ def toy_address() -> Iterator[str]:
     engine.running = False
 
 
+#: Checks of the re-base on the release that the toy server can exercise: they must PASS, not SKIP.
+RELEASE_CHECKS = ["D1:schema_revision", "D8:primary_model_name", "D8:model_aliases", "D9:multimodal_validated",
+                  "G19:media_refused_when_unsupported", "G19:media_source_required", "H3:serving_state",
+                  "H4:load_presence", "X4:release_enum_values"]
+
+
 def test_toy_server_passes_the_whole_suite(toy_address: str) -> None:
     results = run(toy_address)
     failed = [f"{r.name}: {r.message}" for r in results if r.status is Status.FAIL]
     assert not failed, "\n".join(failed)
     assert {r.rule for r in results} >= set(rules_in(rules_markdown(), COVERED_SECTIONS))
+    by_name = {r.name: r for r in results}
+    not_passed = {n: by_name[n].message for n in RELEASE_CHECKS if by_name[n].status is not Status.PASS}
+    assert not not_passed, not_passed
 
 
 @pytest.mark.parametrize(
@@ -37,8 +49,18 @@ def test_toy_server_passes_the_whole_suite(toy_address: str) -> None:
         (Faults(leak_stop=True), ["G14"], "G14:stop_string_held_back"),
         (Faults(usage_every_event=True), ["G16", "G13"], "G16:usage_accounting"),
         (Faults(ignore_disconnect=True), ["A5"], "A5:client_cancel"),
+        (Faults(refuse_alias=True), ["D8"], "D8:model_aliases"),
+        (Faults(ignore_media=True), ["G19"], "G19:media_refused_when_unsupported"),
+        (Faults(ignore_media=True), ["G19"], "G19:media_source_required"),
+        (Faults(ignore_media=True), ["D9"], "D9:multimodal_validated"),
+        (Faults(load_defaults=True), ["H4"], "H4:load_presence"),
+        (Faults(health_state=5), ["H3"], "H3:serving_state"),
+        (Faults(health_state=5), ["X4"], "X4:release_enum_values"),
+        (Faults(cancel_reason=4), ["A4", "X4"], "X4:release_enum_values"),
     ],
-    ids=["stop-leak", "usage-everywhere", "ignores-disconnect"],
+    ids=["stop-leak", "usage-everywhere", "ignores-disconnect", "alias-refused", "media-ignored",
+         "source-less-media-ignored", "media-ignored-d9", "load-zero-defaults", "health-state-5-h3",
+         "health-state-5-x4", "finish-reason-4"],
 )
 def test_suite_catches_a_broken_server(faults: Faults, rules: list[str], must_fail: str) -> None:
     server, address, engine = serve(faults)
@@ -49,6 +71,82 @@ def test_suite_catches_a_broken_server(faults: Faults, rules: list[str], must_fa
         engine.running = False
     by_name = {r.name: r for r in results}
     assert by_name[must_fail].status is Status.FAIL, by_name[must_fail]
+
+
+def _run_d1(schema_release: str) -> Result:
+    server, address, engine = serve(Faults(schema_release=schema_release))
+    try:
+        (result,) = run(address, ["D1"])
+    finally:
+        server.stop(0)
+        engine.running = False
+    return result
+
+
+@pytest.mark.parametrize(
+    ("schema_release", "expected"),
+    [
+        (RELEASE_BSR_COMMIT, Status.PASS),
+        (RELEASE_GIT_COMMIT, Status.PASS),  # an unpublished build may name its Git commit
+        ("v0.1.0", Status.FAIL),
+        ("main", Status.FAIL),
+        ("buf.build/openengine/openengine:v0.1.0", Status.FAIL),
+        ("4def7c5", Status.FAIL),
+    ],
+    ids=["bsr-commit", "git-commit", "tag", "branch", "bsr-label", "short-sha"],
+)
+def test_d1_schema_release(schema_release: str, expected: Status) -> None:
+    result = _run_d1(schema_release)
+    assert result.status is expected, result
+
+
+@pytest.mark.parametrize(
+    ("release", "words"),
+    [
+        ("v0.1.0", "is a tag"),
+        ("main", "is a branch name"),
+        ("refs/heads/release-0.1", "is a branch name"),
+        ("buf.build/openengine/openengine:v0.1.0", "BSR label"),
+        ("", "is empty"),
+        ("4def7c5", "not a full commit id"),
+        ("0" * 32, "not the one of v0.1.0"),
+        (RELEASE_GIT_COMMIT.upper(), "upper-case"),
+    ],
+)
+def test_schema_release_messages(release: str, words: str) -> None:
+    problem = schema_release_problem(release)
+    assert problem is not None and words in problem, problem
+    assert RELEASE_BSR_COMMIT in problem  # every refusal says what is expected instead
+
+
+@pytest.mark.parametrize(
+    ("err", "words"),
+    [
+        (oe.EngineError(code=oe.ERROR_CODE_OVERLOADED, retryable=False), "retryable = false"),
+        (oe.EngineError(code=oe.ERROR_CODE_INVALID_ARGUMENT, retryable=True), "retryable = true"),
+        (oe.EngineError(code=oe.ERROR_CODE_CANCELLED, message="server draining", retryable=False), "drain cut-off"),
+        (oe.EngineError(code=oe.ERROR_CODE_INTERNAL, message="draining", retryable=True), "pre-release"),
+        (oe.EngineError(code=12, message="boom"), "pre-release INTERNAL"),
+    ],
+    ids=["overloaded-not-retryable", "invalid-retryable", "drain-not-retryable", "drain-as-internal", "code-12"],
+)
+def test_retryable_problems(err: object, words: str) -> None:
+    problem = retryable_problem(err)
+    assert problem is not None and words in problem, problem
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        oe.EngineError(code=oe.ERROR_CODE_CANCELLED, message="cut off by the server drain", retryable=True),
+        oe.EngineError(code=oe.ERROR_CODE_CANCELLED, message="aborted by an operator", retryable=False),
+        oe.EngineError(code=oe.ERROR_CODE_KV_TRANSFER_FAILED, retryable=True),
+        oe.EngineError(code=oe.ERROR_CODE_INTERNAL, message="engine fault", retryable=False),
+    ],
+    ids=["drain-cancelled-retryable", "operator-cancel", "kv-transfer", "internal"],
+)
+def test_retryable_fine(err: object) -> None:
+    assert retryable_problem(err) is None
 
 
 def test_cli_matrix_json_and_exit_code(toy_address: str, tmp_path) -> None:  # noqa: ANN001

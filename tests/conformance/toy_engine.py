@@ -3,8 +3,9 @@
 Tokens are ASCII characters (ids 0-127) plus EOS (128). The "model" prefers, at
 context length L, the L-th character of a fixed text, so greedy output is readable
 and deterministic; prompts containing ``<|`` end with EOS after 4 tokens. It
-implements the v0.1.0 rules the suite checks, and can be told to break some of
-them (``Faults``) so that tests can show the suite catches the violation.
+implements the rules of the release (OpenEngine v0.1.0: tag b5f2bd9, BSR commit
+768a93c7...) that the suite checks, and can be told to break some of them
+(``Faults``) so that tests can show the suite catches the violation.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from refengine.conformance.release import RELEASE_BSR_COMMIT
 from refengine.protocol import oe
 
 TEXT = "the quick brown fox jumps over the lazy dog, and then it sleeps under a tree. "
@@ -35,6 +37,12 @@ class Faults:
     leak_stop: bool = False  # G14: stop strings stay in the text
     usage_every_event: bool = False  # G16: usage on every event
     ignore_disconnect: bool = False  # A5: a cancelled call keeps running
+    schema_release: str = RELEASE_BSR_COMMIT  # D1: anything else (a tag, a branch) is a violation
+    refuse_alias: bool = False  # D8: the listed alias is not accepted by Generate
+    ignore_media: bool = False  # D9/G19: media accepted and silently ignored by a text-only model
+    load_defaults: bool = False  # H4: every load scalar present, unmeasured ones as 0 (total_kv_blocks 0)
+    health_state: int = oe.HEALTH_STATE_READY  # X4/H3: e.g. 5, the pre-release NOT_READY
+    cancel_reason: int = oe.FINISH_REASON_CANCELLED  # X4: e.g. 4, a FinishReason the release lacks
 
 
 class Refused(Exception):
@@ -136,7 +144,7 @@ class ToyEngine:
         if job.cancelled:
             for out in job.outputs:
                 if not out.done:
-                    self.finish(job, out, oe.FINISH_REASON_CANCELLED)
+                    self.finish(job, out, self.faults.cancel_reason)
             return
         s, st = job.req.sampling, job.req.stopping
         temperature = s.temperature if s.HasField("temperature") else 1.0
@@ -215,7 +223,7 @@ class ToyEngine:
 
     # -- admission ---------------------------------------------------------------
     def submit(self, req: Any, priority: int) -> Job:
-        prompt = validate(req)
+        prompt = validate(req, self.faults)
         max_tokens = req.stopping.max_tokens if req.stopping.HasField("max_tokens") else CTX - len(prompt)
         n = req.sampling.num_sequences if req.sampling.HasField("num_sequences") else 1
         seed = req.sampling.seed if req.sampling.HasField("seed") else None
@@ -245,10 +253,11 @@ class ToyEngine:
             return oe.ABORT_STATUS_ALREADY_FINISHED if request_id in self.finished else None
 
 
-def validate(req: Any) -> list[int]:
-    """G1-G8 as refengine reads them; returns the prompt token ids."""
+def validate(req: Any, faults: Faults) -> list[int]:
+    """G1-G8 (and G19) as refengine reads them; returns the prompt token ids."""
     _require(bool(req.request_id), "request_id is empty")
-    _require(req.model in ("", *MODELS), f"model {req.model!r} not served", grpc.StatusCode.NOT_FOUND)
+    models = ("", MODELS[0]) if faults.refuse_alias else ("", *MODELS)
+    _require(req.model in models, f"model {req.model!r} not served", grpc.StatusCode.NOT_FOUND)
     kind = req.WhichOneof("input")
     _require(kind is not None, "no input")
     prompt = [min(ord(c), 63) if ord(c) >= 128 else ord(c) for c in req.prompt] if kind == "prompt" \
@@ -272,7 +281,7 @@ def validate(req: Any) -> list[int]:
         _require(kind != "top_n" or 1 <= spec.top_n <= MAX_TOP_N, "top_n out of range")
         _require(kind != "token_ids" or all(t < VOCAB for t in spec.token_ids.ids), "candidate id out of vocab")
     _require(req.guided.WhichOneof("guide") is None, "guided decoding is not supported")
-    _require(not req.media, "multimodal input is not supported")
+    _require(not req.media or faults.ignore_media, "multimodal input is not supported")
     _require(not req.lora_name, "unknown LoRA adapter", grpc.StatusCode.NOT_FOUND)
     _require(not req.kv.HasField("session"), "kv.session on an AGGREGATED engine", grpc.StatusCode.FAILED_PRECONDITION)
     extra = json_format.MessageToDict(req.extra)

@@ -35,9 +35,11 @@ from refengine.protocol import oe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
+SHARED_ALIAS = "smollm2-alias"  # a second accepted name (D8: served_model_aliases)
 #: Flags of the shared server: a 2048-token context, 128 KV blocks of 16 tokens, generous
-#: stall timeout (tests tighten it per request through ``extra``), a short drain.
+#: stall timeout (tests tighten it per request through ``extra``), a short drain, one alias.
 SHARED_SERVER_ARGS = (
+    "--served-model-alias", SHARED_ALIAS,
     "--max-model-len", "2048", "--num-kv-blocks", "128", "--max-num-seqs", "16",
     "--stream-buffer", "16", "--stall-timeout-seconds", "20", "--shutdown-grace-seconds", "5",
 )

@@ -35,7 +35,8 @@ def test_server_info(client: OpenEngineClient) -> None:
     assert info.engine_name == "refengine" and info.engine_version
     assert info.engine_role == oe.ENGINE_ROLE_AGGREGATED  # D7
     assert info.instance_id and list(info.supported_models) == [MODEL]
-    assert (info.schema_revision, info.minimum_client_revision, info.schema_release) == (1, 1, "v0.1.0")  # D1
+    assert (info.schema_revision, info.minimum_client_revision) == (1, 1)  # D1
+    assert info.schema_release == "768a93c7b44e40f28c692ad0b471a8f2"  # D1: the BSR commit of v0.1.0, not the tag
     p = info.parallelism
     assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size) == (1, 1, 1)
     assert p.HasField("data_parallel_rank") and p.data_parallel_rank == 0  # D2: present zero

@@ -1,11 +1,13 @@
 """Lifecycle on a server of its own (RULES H3, X1, X3): STARTING before the model is
-loaded, Control on a separate listener, and a SIGTERM drain: DRAINING, new requests refused,
-running streams finish within the grace period or end with one terminal
-``EngineError(DRAINING, retryable)``, then exit 0.
+loaded, Control on a separate listener, and a SIGTERM drain under load: Health NOT_READY
+naming the drain, new requests refused, running streams finish within the grace period or
+end with one terminal ``EngineError(CANCELLED, retryable)`` naming the drain, KV all freed,
+then exit 0.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -27,6 +29,7 @@ from tests.integration.conftest import (
     start_server,
     wait_ready,
 )
+from tests.release_client import ReleaseClient
 
 GRACE = 4.0
 
@@ -115,14 +118,37 @@ def _consume(client: OpenEngineClient, request: oe.GenerateRequest, into: Stream
     started.set()
 
 
-def test_sigterm_drains_then_exits_zero(own_server: tuple[ServerProcess, Starting]) -> None:
+def _scheduler_check(control: OpenEngineClient) -> oe.HealthCheck:
+    (check,) = [c for c in control.health().checks if c.name == "scheduler"]
+    return check
+
+
+def _drained(stream: Stream) -> bool:
+    """Whether the stream was cut off by the drain: its one error event is the retryable
+    CANCELLED the release uses for it (X3), with a message naming the drain."""
+    errors = stream.of("error")
+    if not errors:
+        return False
+    assert len(errors) == 1 and stream.events[-1].WhichOneof("event") == "error", stream.events[-3:]
+    error = errors[0]
+    assert error.code == oe.ERROR_CODE_CANCELLED and error.retryable, error  # X3
+    assert "drain" in error.message, error.message
+    return True
+
+
+def test_sigterm_drains_under_load_then_exits_zero(own_server: tuple[ServerProcess, Starting]) -> None:
+    """H3, X1, X3: a drain with 2 short and 4 long streams running. New requests are
+    refused with UNAVAILABLE and no events; Health is NOT_READY (never a value above 4) with
+    a scheduler check naming the drain; short streams finish, long ones end with the one
+    retryable CANCELLED error; every KV block is free or cached at exit; exit code 0."""
     server, _ = own_server
-    short = greedy_request("short", "Count: one, two,", max_tokens=4)
-    long = greedy_request("long", "Write a very long story.", max_tokens=1500, ignore_eos=True)
-    streams = {"short": Stream(), "long": Stream()}
+    requests = [greedy_request(f"short-{i}", f"Count: one, two, {i}", max_tokens=4) for i in range(2)]
+    requests += [greedy_request(f"long-{i}", f"Write a very long story number {i}.", max_tokens=1500,
+                                ignore_eos=True) for i in range(4)]
+    streams = {r.request_id: Stream() for r in requests}
     with OpenEngineClient(server.address) as inference, OpenEngineClient(server.control_address) as control:
         threads = []
-        for request in (short, long):
+        for request in requests:
             started = threading.Event()
             thread = threading.Thread(target=_consume, args=(inference, request, streams[request.request_id], started))
             thread.start()
@@ -130,26 +156,36 @@ def test_sigterm_drains_then_exits_zero(own_server: tuple[ServerProcess, Startin
             threads.append(thread)
         server.signal(signal.SIGTERM)
         signalled = time.monotonic()
-        states = []
-        while time.monotonic() - signalled < GRACE - 0.5:
-            states.append(control.health().state)
-            if states[-1] == oe.HEALTH_STATE_DRAINING:
-                break
-            time.sleep(0.05)
-        assert states[-1] == oe.HEALTH_STATE_DRAINING, states  # H3
+        states = []  # as a client built from the release's wire shape names them
+        with ReleaseClient(server.control_address) as release:
+            while time.monotonic() - signalled < GRACE - 0.5:
+                health = release.unary("Control", "Health", release.message("HealthRequest"))
+                states.append(release.enum_name("HealthState", health.state))
+                if states[-1] != "HEALTH_STATE_READY":
+                    break
+                time.sleep(0.05)
+        assert states[-1] == "HEALTH_STATE_NOT_READY", states  # H3: no DRAINING state in the release
+        assert "drain" in _scheduler_check(control).message
         assert _grpc_health(server.control_address) == health_pb2.HealthCheckResponse.NOT_SERVING
         refused = collect(inference, greedy_request("late", "Hi", max_tokens=1), timeout=5)
         assert refused.code == grpc.StatusCode.UNAVAILABLE and not refused.events  # X1 (ref: UNAVAILABLE)
+        assert "drain" in refused.details
         for thread in threads:
             thread.join(GRACE + 10)
         code = server.proc.wait(GRACE + 10)
         elapsed = time.monotonic() - signalled
     assert code == 0, server.log_tail()
     assert elapsed < GRACE + 5, f"exit took {elapsed:.1f} s"
-    check_stream(streams["short"], short)  # finished within the grace period
-    cut = streams["long"]
-    check_stream(cut, long, success=False)
-    final = cut.events[-1]
-    assert final.WhichOneof("event") == "error", final
-    assert final.error.code == oe.ERROR_CODE_DRAINING and final.error.retryable  # X3
-    assert "Traceback" not in server.log_tail(20000), server.log_tail()
+    assert None not in states, states  # every state a value the release knows
+    for request in requests:
+        stream = streams[request.request_id]
+        drained = _drained(stream)
+        check_stream(stream, request, success=not drained)
+        if request.request_id.startswith("short"):
+            assert not drained, f"{request.request_id} should finish within the grace period"
+        else:
+            assert drained, f"{request.request_id} (1500 tokens) cannot finish within {GRACE} s"
+    log = server.log_tail(20000)
+    assert "Traceback" not in log, log
+    used = re.search(r"KV pool at exit: (\d+) used", log)
+    assert used is not None and used.group(1) == "0", log[-2000:]

@@ -175,6 +175,33 @@ def test_stop_conditions(tiny) -> None:
     assert_idle(engine)
 
 
+def test_detokenize_false_sends_ids_only_and_still_matches_stop_strings(tiny) -> None:
+    """``detokenize = false`` (Dynamo-style clients): the same token ids, no text in the
+    deltas or token infos; stop strings still end the output where they would with text."""
+    engine = make_engine(tiny)
+    for seed in range(100):  # a prompt whose greedy output contains plain two-char text
+        ids = prompt(seed, 8)
+        text = engine.run_until_done([greedy(f"scan{seed}", ids, 20)])[0].outputs[0].text
+        plain = [i for i in range(1, len(text) - 1) if text[i : i + 2].isascii() and text[i : i + 2].strip()]
+        if plain:
+            break
+    stop_text = text[plain[0] : plain[0] + 2]
+    cases = {"free": {}, "stop": {"stop_strings": (stop_text,)}}
+    for name, stopping in cases.items():
+        with_text = engine.run_until_done([greedy(f"{name}-text", ids, 20, **stopping)])[0].outputs[0]
+        ids_only_request = greedy(f"{name}-ids", ids, 20, **stopping)
+        ids_only_request.detokenize = False
+        stream = engine.add_request(ids_only_request)
+        while engine.has_unfinished_requests:
+            engine.step()
+        ids_only = stream.result().outputs[0]
+        assert ids_only.token_ids == with_text.token_ids, name
+        assert ids_only.finish == with_text.finish, name
+        assert ids_only.text == "" and all(t.text == "" for t in ids_only.tokens), name
+    assert with_text.finish.stop_text == stop_text
+    assert_idle(engine)
+
+
 def test_min_tokens_suppresses_eos(tiny) -> None:
     engine = make_engine(tiny)
     ids = prompt(17, 6)

@@ -188,12 +188,16 @@ def test_diff_is_readable():
 
 
 # sha256 of each file's serialized FileDescriptorProto as protoc embeds it in *_pb2.py (no
-# comments, no json_name), computed from upstream ai-dynamo/openengine v0.1.0 (commit 4def7c5).
+# comments, no json_name). Computed (grpcio-tools 1.85.1) from the upstream ai-dynamo/openengine
+# .proto files at commit 4def7c5 with the release's three documented wire changes applied
+# (tests/data/RULES.md header: no ERROR_CODE_DRAINING and INTERNAL = 11, no HEALTH_STATE_DRAINING
+# and NOT_READY = 4, no KvConnectorInfo.supports_drain and schema_version = 8), which is the
+# release v0.1.0 (tag b5f2bd9, BSR commit 768a93c7b44e40f28c692ad0b471a8f2).
 UPSTREAM_DESCRIPTOR_SHA256 = {
-    "openengine/v1/error.proto": "4f5d6d9d32e1255fd6cea20072843bb6b633ed3cff268a52d250e2ef0951d4d7",
+    "openengine/v1/error.proto": "c04ed9eb450b7f1b738bf3737ea12d557c0f3fefbd8fd9c7ee7dfc75d8164c6f",
     "openengine/v1/generation.proto": "347d596a996c21d120c68290d2b3c57c428598e384646c0cedc5cbbbc70d0578",
-    "openengine/v1/kv.proto": "6689b4dec49b7b27cf1287117d0af84b87d4bd7c5dfc62d33239ec9b8a4dbe5e",
-    "openengine/v1/lifecycle.proto": "d0c9f8ee1b323fc466629c6f28e17db8039e112aa80e73afc05123f14c7ec0f8",
+    "openengine/v1/kv.proto": "36e83d7043c658d7b5a991348d834b6c7ad54446be6b5d5667856ae7b47f73eb",
+    "openengine/v1/lifecycle.proto": "7d0b21c958e0ab330203532be0512ef8f0af4979fa7a4eb466a90b7cc03eb122",
     "openengine/v1/lora.proto": "cfb2b9c5408e2623c5ccf7f0416d977fa882c393128de3add07fd6bb60706a46",
     "openengine/v1/model.proto": "7d095e6be46bc12493d4c15a65196adc7fc0e0a6420d50d95ca5b837352582f3",
     "openengine/v1/openengine.proto": "4db0ae370f0f1bbdd0d7394ef9573c8914c3794a038e21b65ad0491ad181fda9",

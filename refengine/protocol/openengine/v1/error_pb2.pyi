@@ -19,7 +19,6 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_KV_SESSION_NOT_FOUND: _ClassVar[ErrorCode]
     ERROR_CODE_KV_TRANSFER_FAILED: _ClassVar[ErrorCode]
     ERROR_CODE_CANCELLED: _ClassVar[ErrorCode]
-    ERROR_CODE_DRAINING: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_INVALID_ARGUMENT: ErrorCode
@@ -32,7 +31,6 @@ ERROR_CODE_DUPLICATE_REQUEST: ErrorCode
 ERROR_CODE_KV_SESSION_NOT_FOUND: ErrorCode
 ERROR_CODE_KV_TRANSFER_FAILED: ErrorCode
 ERROR_CODE_CANCELLED: ErrorCode
-ERROR_CODE_DRAINING: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 
 class EngineError(_message.Message):

@@ -48,7 +48,7 @@ class KvEndpoint(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., protocol: _Optional[str] = ...) -> None: ...
 
 class KvConnectorInfo(_message.Message):
-    __slots__ = ("enabled", "transfer_backend", "local_endpoints", "supported_protocols", "supports_remote_prefill", "supports_decode_pull", "supports_abort_cleanup", "supports_drain", "schema_version")
+    __slots__ = ("enabled", "transfer_backend", "local_endpoints", "supported_protocols", "supports_remote_prefill", "supports_decode_pull", "supports_abort_cleanup", "schema_version")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
@@ -56,7 +56,6 @@ class KvConnectorInfo(_message.Message):
     SUPPORTS_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_DECODE_PULL_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_ABORT_CLEANUP_FIELD_NUMBER: _ClassVar[int]
-    SUPPORTS_DRAIN_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     transfer_backend: str
@@ -65,9 +64,8 @@ class KvConnectorInfo(_message.Message):
     supports_remote_prefill: bool
     supports_decode_pull: bool
     supports_abort_cleanup: bool
-    supports_drain: bool
     schema_version: int
-    def __init__(self, enabled: _Optional[bool] = ..., transfer_backend: _Optional[str] = ..., local_endpoints: _Optional[_Iterable[_Union[KvEndpoint, _Mapping]]] = ..., supported_protocols: _Optional[_Iterable[str]] = ..., supports_remote_prefill: _Optional[bool] = ..., supports_decode_pull: _Optional[bool] = ..., supports_abort_cleanup: _Optional[bool] = ..., supports_drain: _Optional[bool] = ..., schema_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, enabled: _Optional[bool] = ..., transfer_backend: _Optional[str] = ..., local_endpoints: _Optional[_Iterable[_Union[KvEndpoint, _Mapping]]] = ..., supported_protocols: _Optional[_Iterable[str]] = ..., supports_remote_prefill: _Optional[bool] = ..., supports_decode_pull: _Optional[bool] = ..., supports_abort_cleanup: _Optional[bool] = ..., schema_version: _Optional[int] = ...) -> None: ...
 
 class GetKvEventSourcesRequest(_message.Message):
     __slots__ = ("data_parallel_ranks",)

@@ -16,7 +16,6 @@ class HealthState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HEALTH_STATE_STARTING: _ClassVar[HealthState]
     HEALTH_STATE_READY: _ClassVar[HealthState]
     HEALTH_STATE_DEGRADED: _ClassVar[HealthState]
-    HEALTH_STATE_DRAINING: _ClassVar[HealthState]
     HEALTH_STATE_NOT_READY: _ClassVar[HealthState]
 
 class AbortStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -28,7 +27,6 @@ HEALTH_STATE_UNSPECIFIED: HealthState
 HEALTH_STATE_STARTING: HealthState
 HEALTH_STATE_READY: HealthState
 HEALTH_STATE_DEGRADED: HealthState
-HEALTH_STATE_DRAINING: HealthState
 HEALTH_STATE_NOT_READY: HealthState
 ABORT_STATUS_UNSPECIFIED: AbortStatus
 ABORT_STATUS_ABORTED: AbortStatus

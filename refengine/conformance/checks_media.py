@@ -1,0 +1,154 @@
+"""Multimodal input: D9 (what supports_multimodal promises) and G19 (media refusal).
+
+The suite carries only tiny synthetic samples (a 1x1 PNG, 10 ms of silent WAV, the
+first box of an MP4) and knows no model's media placeholder, so against a multimodal
+model it can check *when* a request is validated (before acceptance), not what the
+model makes of the media; media order needs a model-specific prompt and is not tested.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import wave
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from refengine.conformance.assertions import NON_OK, expect_rejected, stream_violations
+from refengine.conformance.registry import check, expect, fail, skip
+from refengine.conformance.target import StreamResult, Target
+from refengine.protocol import oe
+
+#: EngineError codes that mean "this request was never valid": seen after acceptance, the
+#: request was validated too late (D9/G19 want such a refusal before acceptance).
+LATE_VALIDATION = {oe.ERROR_CODE_INVALID_ARGUMENT, oe.ERROR_CODE_UNSUPPORTED_FEATURE, oe.ERROR_CODE_ROLE_MISMATCH}
+UNREACHABLE_URL = "https://oeconf.invalid/pixel.png"  # .invalid never resolves: nothing is fetched
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def tiny_png() -> bytes:
+    """A valid 1x1 grey PNG."""
+    header = struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(b"\x00\x80"))
+            + _png_chunk(b"IEND", b""))
+
+
+def tiny_wav() -> bytes:
+    """A valid WAV: 10 ms of 8 kHz mono silence."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(8000)
+        w.writeframes(b"\x00\x00" * 80)
+    return buf.getvalue()
+
+
+def tiny_mp4() -> bytes:
+    """Only an MP4 ``ftyp`` box: enough to name the container, not a playable video."""
+    body = b"isom" + struct.pack(">I", 512) + b"isomiso2mp41"
+    return struct.pack(">I", 8 + len(body)) + b"ftyp" + body
+
+
+def _data_uri(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+MediaSpec = Callable[[Any], None]  # fills one MediaItem
+
+#: One item per modality, each through a different source kind (url, data URI, inline bytes).
+SAMPLES: dict[str, MediaSpec] = {
+    "image by url": lambda m: (setattr(m, "modality", oe.MODALITY_IMAGE), setattr(m, "url", UNREACHABLE_URL)),
+    "image as inline bytes": lambda m: (setattr(m, "modality", oe.MODALITY_IMAGE),
+                                        setattr(m, "raw_bytes", tiny_png()), setattr(m, "mime_type", "image/png")),
+    "audio as data URI": lambda m: (setattr(m, "modality", oe.MODALITY_AUDIO),
+                                    setattr(m, "data_uri", _data_uri("audio/wav", tiny_wav()))),
+    "video as inline bytes": lambda m: (setattr(m, "modality", oe.MODALITY_VIDEO),
+                                        setattr(m, "raw_bytes", tiny_mp4()), setattr(m, "mime_type", "video/mp4")),
+}
+
+
+def _with_media(t: Target, tag: str, *specs: MediaSpec) -> Any:
+    req = t.request(tag, max_tokens=2)
+    for spec in specs:
+        spec(req.media.add())
+    return req
+
+
+def _multimodal(t: Target) -> bool | None:
+    return t.model_info.supports_multimodal if t.model_info.HasField("supports_multimodal") else None
+
+
+def _validated_in_time(res: StreamResult, what: str) -> str:
+    """Accepted cleanly or refused before acceptance; a refusal after acceptance fails.
+    Returns "accepted" or "refused"."""
+    if not res.ok or not res.events:
+        expect_rejected(res, codes=NON_OK, what=what)
+        return "refused"
+    late = [e for e in res.of("error") if e.code in LATE_VALIDATION]
+    if late:
+        fail(f"{what}: accepted, then EngineError {oe.ErrorCode.Name(late[0].code)} ({late[0].message!r}); "
+             "the modality is validated before acceptance")
+    problems = stream_violations(res)
+    expect(not problems, f"{what}: " + "; ".join(problems[:3]))
+    return "accepted"
+
+
+@check("D9", "media: modality validated before acceptance (refused outright when supports_multimodal = false)")
+def multimodal_validated(t: Target) -> str:
+    """D9: a text-only model refuses media before acceptance; a multimodal one either
+    accepts a sample or refuses it before acceptance, never after."""
+    mm = _multimodal(t)
+    if mm is None:
+        skip("supports_multimodal is not reported")
+    outcomes: dict[str, list[str]] = {"accepted": [], "refused": []}
+    for what, spec in SAMPLES.items():
+        res = t.generate(_with_media(t, "d9", spec))
+        if mm:
+            outcomes[_validated_in_time(res, what)].append(what)
+        else:
+            expect_rejected(res, codes=NON_OK, what=f"{what} with supports_multimodal = false")
+            outcomes["refused"].append(what)
+    t.wait_idle("D9")
+    if not mm:
+        return f"supports_multimodal = false: {len(SAMPLES)} media items refused before acceptance"
+    return (f"accepted: {outcomes['accepted'] or 'none'}; refused before acceptance: {outcomes['refused'] or 'none'}"
+            " (synthetic samples without the model's placeholder; acceptance of real media not tested)")
+
+
+@check("G19", "supports_multimodal = false: every media item (any modality, any source) refused, never ignored")
+def media_refused_when_unsupported(t: Target) -> str:
+    """G19: media the model cannot take is refused before acceptance with a non-OK status
+    (ref: INVALID_ARGUMENT), alone, several at once, or mixed with a valid text prompt."""
+    if _multimodal(t) is not False:
+        skip("the model does not say supports_multimodal = false; which modality or source a multimodal model "
+             "refuses is not advertised, so an unsupported one cannot be picked (D9 checks validation timing)")
+    cases = [(what, (spec,)) for what, spec in SAMPLES.items()]
+    cases.append(("two images (url, then bytes)", (SAMPLES["image by url"], SAMPLES["image as inline bytes"])))
+    codes = set()
+    for what, specs in cases:
+        res = t.generate(_with_media(t, "g19", *specs))
+        expect_rejected(res, codes=NON_OK, what=f"{what} on a text-only model")
+        codes.add(res.code.name)
+    return f"{len(cases)} media requests refused before acceptance ({', '.join(sorted(codes))})"
+
+
+@check("G19", "a MediaItem setting no source is refused before acceptance")
+def media_source_required(t: Target) -> str:
+    """G19: each item sets exactly one source (the oneof makes "two" impossible to send);
+    an item with none is refused, alone or after a well-formed item, on any model."""
+    def no_source(m: Any) -> None:
+        m.modality, m.mime_type, m.uuid = oe.MODALITY_IMAGE, "image/png", "oeconf-no-source"
+
+    cases = {"an image item without source": (no_source,),
+             "an inline image, then an item without source": (SAMPLES["image as inline bytes"], no_source)}
+    for what, specs in cases.items():
+        expect_rejected(t.generate(_with_media(t, "g19s", *specs)), codes=NON_OK, what=what)
+    mm = _multimodal(t)
+    note = "" if mm else " (the model is not multimodal, so any media is refused anyway)"
+    return f"{len(cases)} source-less items refused before acceptance{note}"
