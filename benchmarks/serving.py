@@ -183,7 +183,7 @@ def grpc_sender(channel: grpc.Channel) -> Callable[[str, Item, Trace], None]:
 
 # -- in-process -------------------------------------------------------------------------
 def inprocess_sender(engine) -> Callable[[str, Item, Trace], None]:  # noqa: ANN001 - Engine
-    from refengine.engine.types import GenerationRequest, SamplingParams, StoppingParams
+    from refengine.types import GenerationRequest, SamplingParams, StoppingParams
 
     def send(request_id: str, item: Item, trace: Trace) -> None:
         stream = engine.add_request(GenerationRequest(
@@ -202,7 +202,7 @@ def inprocess_sender(engine) -> Callable[[str, Item, Trace], None]:  # noqa: ANN
 def load_engine(engine_flags: list[str], threads: int):  # noqa: ANN201 - Engine
     import torch
 
-    from refengine.cli import add_engine_args, engine_config_from_args
+    from refengine.args import add_engine_args, engine_config_from_args
     from refengine.engine.engine import Engine
 
     torch.set_num_threads(threads)

@@ -10,6 +10,7 @@ and next to the engine's own projections alone.
 
     python benchmarks/throughput.py            # the full run (~15 min on 2 cores)
     python benchmarks/throughput.py --quick    # a smoke run
+    python benchmarks/throughput.py --engine-only  # refengine's rate alone (before/after a change)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from refengine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from refengine.engine.engine import Engine  # noqa: E402
-from refengine.engine.types import GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
+from refengine.engine.input_builder import build_model_input  # noqa: E402
 from refengine.model.loader import (  # noqa: E402
     load_model_config,
     load_tokenizer,
@@ -34,8 +35,9 @@ from refengine.model.loader import (  # noqa: E402
     model_fingerprint,
     resolve_model,
 )
-from refengine.scheduler.scheduler import ScheduledSequence  # noqa: E402
+from refengine.scheduler.scheduler import ScheduledSequence, SchedulerOutput  # noqa: E402
 from refengine.scheduler.sequence import Sequence  # noqa: E402
+from refengine.types import GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
 
 
 def make_workload(num_requests: int, seed: int, vocab_size: int, max_prompt: int, max_output: int):
@@ -51,7 +53,7 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, max_prompt: int
 def run_engine(parts, workload, max_num_seqs: int) -> tuple[float, int]:
     config, weights, tokenizer, fingerprint = parts
     engine = Engine(
-        EngineConfig(cache=CacheConfig(num_blocks=4096),
+        EngineConfig(cache=CacheConfig(num_blocks=4096), max_sequences_per_request=min(16, max_num_seqs),
                      scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max_num_seqs)),
         config, weights, tokenizer, model_fingerprint=fingerprint)
     requests = [
@@ -99,7 +101,8 @@ def decode_step_overhead(parts, batch_sizes, context_len: int, repeats: int) -> 
     config, weights, tokenizer, fingerprint = parts
     engine = Engine(EngineConfig(cache=CacheConfig(num_blocks=64 * (context_len // 16 + 2))),
                     config, weights, tokenizer, model_fingerprint=fingerprint)
-    runner = engine.runner
+    runner = engine.core.runner
+    kv = engine.core.kv
     model = runner.model
     projections = [p for layer in model.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
                                                          layer.down_proj)]
@@ -109,13 +112,16 @@ def decode_step_overhead(parts, batch_sizes, context_len: int, repeats: int) -> 
     for batch in batch_sizes:
         seqs = []
         for b in range(batch):
-            seq = Sequence(f"d{b}", 0, list(range(100, 100 + context_len)), context_len, context_len + 8)
-            engine.kv.allocate(seq, context_len + 2)
+            seq = Sequence(f"d{b}", 0, list(range(100, 100 + context_len)), context_len)
+            kv.allocate(seq, context_len + 2)
             seq.num_computed_tokens = context_len - 1
             seqs.append(seq)
-        scheduled = [ScheduledSequence.of(s, 1) for s in seqs]
+        sched = SchedulerOutput([ScheduledSequence.of(s, 1) for s in seqs])
         inputs = {p.in_features: torch.randn(batch, p.in_features) for p in projections}
-        step = functools.partial(runner.execute, scheduled, [False] * batch)
+
+        def step(sched: SchedulerOutput = sched, batch: int = batch) -> None:  # input building included
+            runner.execute(build_model_input(sched, runner.block_size, [1] * batch))
+
         bare_mm = functools.partial(_run_all, [functools.partial(torch.mm, inputs[w.shape[1]], w.t()) for w in dense])
         engine_gemms = functools.partial(_run_all, [functools.partial(p, inputs[p.in_features]) for p in projections])
         timings: dict = {f: [] for f in (step, bare_mm, engine_gemms)}
@@ -128,7 +134,7 @@ def decode_step_overhead(parts, batch_sizes, context_len: int, repeats: int) -> 
                 times.append(time.perf_counter() - t0)
         rows.append((batch, *(min(times) for times in timings.values())))
         for s in seqs:
-            engine.kv.free(s)
+            kv.free(s)
     return rows
 
 
@@ -137,6 +143,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 short requests, batch sizes 1/8 only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--engine-only", action="store_true", help="the engine's rate only: no peer, no step table")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -155,6 +162,8 @@ def main() -> None:
     elapsed, tokens = run_engine(parts, workload, args.max_num_seqs)
     engine_rate = tokens / elapsed
     print(f"refengine: {tokens} tokens in {elapsed:.1f} s = {engine_rate:.1f} tok/s")
+    if args.engine_only:
+        return
 
     import transformers
 

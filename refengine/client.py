@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
@@ -156,24 +156,17 @@ class OpenEngineClient:
         raise TimeoutError(f"{self.address} not READY after {timeout:g} s (last: {last})")
 
 
-def _chat_prompt(model: str, prompt: str) -> str:
-    from refengine.model.loader import load_tokenizer, resolve_model
-
-    try:
-        tokenizer = load_tokenizer(resolve_model(model).path)
-    except Exception as exc:  # noqa: BLE001 - any failure means: no local tokenizer
-        raise ValueError(f"--chat with --remote needs model {model!r}'s chat template on this machine "
-                         f"(OpenEngine v0.1.0 has no chat API): {exc}") from exc
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+#: (served model name, user message) -> the prompt text; e.g. ``refengine.model.chat.chat_prompt``.
+ChatFormatter = Callable[[str, str], str]
 
 
 def stream_text(address: str, prompt: str, model: str = "", max_tokens: int = 128, temperature: float = 0.0,
-                chat: bool = False) -> Iterator[str]:
-    """Text deltas of output 0, for ``refengine generate --remote``."""
+                chat: ChatFormatter | None = None) -> Iterator[str]:
+    """Text deltas of output 0, for ``refengine generate --remote``. OpenEngine v0.1.0 has no
+    chat API: with ``chat``, the caller's formatter applies the model's template here."""
     with OpenEngineClient(address) as client:
-        if chat:
-            prompt = _chat_prompt(model or client.server_info().supported_models[0], prompt)
+        if chat is not None:
+            prompt = chat(model or client.server_info().supported_models[0], prompt)
         events = client.generate(prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature)
         for event in events:
             kind = event.WhichOneof("event")

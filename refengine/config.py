@@ -1,13 +1,28 @@
 """All engine configuration, in one place, as frozen dataclasses.
 
-Every default is documented here and surfaced by ``refengine serve --help``.
+Every default is documented here and surfaced by ``refengine serve --help``
+(``refengine/args.py`` holds the flags). Each dataclass checks its own fields in
+``__post_init__``, so a bad value fails where it is made, with a message naming the
+field and the allowed range, never deep inside the engine.
+
+This module must not import torch: the gRPC server imports it, and the server never
+touches tensors (a test checks both this module and ``refengine.args``).
 """
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# Names the runner maps to torch dtypes (``refengine.model.runner.DTYPES``).
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+# "auto" plus the registered backends, in preference order. The registry in
+# ``refengine.kernels.attention`` defines the backends; this copy exists because this
+# module may not import torch, and ``tests/unit/test_config.py`` checks the two agree.
+ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+UINT64_MAX = (1 << 64) - 1
 
 
 def default_cache_dir() -> Path:
@@ -18,6 +33,55 @@ def default_cache_dir() -> Path:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
     return Path(xdg).expanduser() / "refengine"
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_int(owner: object, name: str, minimum: int, maximum: int | None = None, optional: bool = False) -> None:
+    """``owner.name`` is an int in ``[minimum, maximum]`` (or ``None`` when ``optional``)."""
+    value = getattr(owner, name)
+    if optional and value is None:
+        return
+    if not (_is_int(value) and value >= minimum and (maximum is None or value <= maximum)):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        none = " or None" if optional else ""
+        raise ValueError(f"{type(owner).__name__}.{name} must be an integer {bound}{none}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    # Integral admits numpy integers (from parsed model files); True is an int to Python, not to us.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_positive_float(owner: object, name: str) -> None:
+    value = getattr(owner, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{type(owner).__name__}.{name} must be a number > 0, got {value!r}")
+
+
+def _check_bool(owner: object, name: str) -> None:
+    value = getattr(owner, name)
+    if not isinstance(value, bool):
+        raise ValueError(f"{type(owner).__name__}.{name} must be True or False, got {value!r}")
+
+
+def _check_choice(owner: object, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(owner, name)
+    if value not in choices:
+        raise ValueError(f"{type(owner).__name__}.{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_name(owner: object, name: str, optional: bool = False) -> None:
+    value = getattr(owner, name)
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or not value:
+        none = " or None" if optional else ""
+        raise ValueError(f"{type(owner).__name__}.{name} must be a non-empty string{none}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------- configs
 
 
 @dataclass(frozen=True)
@@ -45,6 +109,23 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        _check_name(self, "architecture")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            _check_int(self, name, 1)
+        # Grouped-query attention: query head h reads KV head h // (heads / kv_heads).
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:  # rotate-half RoPE pairs the two halves of a head
+            raise ValueError(f"ModelConfig.head_dim must be even, got {self.head_dim}")
+        _check_positive_float(self, "rms_norm_eps")
+        _check_positive_float(self, "rope_theta")
+        _check_int(self, "bos_token_id", 0, optional=True)
+        if any(not _is_int(t) or t < 0 for t in self.eos_token_ids):
+            raise ValueError(f"ModelConfig.eos_token_ids must be integers >= 0, got {self.eos_token_ids!r}")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -59,6 +140,12 @@ class CacheConfig:
     kv_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
 
+    def __post_init__(self) -> None:
+        _check_int(self, "block_size", 1)
+        _check_int(self, "num_blocks", 1, optional=True)
+        _check_int(self, "kv_memory_bytes", 1)
+        _check_bool(self, "enable_prefix_caching")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -66,15 +153,37 @@ class SchedulerConfig:
 
     ``max_num_batched_tokens`` is the per-step token budget shared by prefill chunks
     and decodes; ``max_num_seqs`` caps the running set (each of a request's
-    ``num_sequences`` outputs counts as one).
+    ``num_sequences`` outputs counts as one); ``max_active_requests`` caps every
+    accepted, unfinished request (waiting or running); one more is refused as
+    overloaded.
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
-    max_waiting_requests: int = 4096
+    max_active_requests: int = 4096
+
+    def __post_init__(self) -> None:
+        _check_int(self, "max_num_batched_tokens", 1)
+        _check_int(self, "max_num_seqs", 1)
+        _check_int(self, "max_active_requests", 1)
 
 
-ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which native fast paths may be used; each has a torch fallback that defines
+    its semantics, so turning one off changes speed, not meaning.
+
+    ``native_cpu_kernels``: build (with the machine's C compiler, on first use) and use
+    the C kernels in ``refengine/kernels/cpu`` (paged attention, fused elementwise ops).
+    ``onednn_linear``: run float32 CPU projections on weights prepacked for oneDNN.
+    """
+
+    native_cpu_kernels: bool = True
+    onednn_linear: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "native_cpu_kernels")
+        _check_bool(self, "onednn_linear")
 
 
 @dataclass(frozen=True)
@@ -92,22 +201,55 @@ class EngineConfig:
     served_model_aliases: tuple[str, ...] = ()
     dtype: str = "float32"
     device: str = "cpu"
-    max_model_len: int | None = None
-    max_num_sequences: int = 16  # most outputs one request may ask for (num_sequences)
+    max_model_len: int | None = None  # >= 2: room for a prompt token and one generated token
+    # Most outputs one request may ask for (SamplingParams.num_sequences). A request's outputs all
+    # run at once, so this may not exceed scheduler.max_num_seqs.
+    max_sequences_per_request: int = 16
     max_logprobs: int = 20  # largest top-N candidate count
-    seed: int = 0
+    seed: int = 0  # seeds the sampler's shared generator (requests without their own seed)
     num_threads: int | None = None  # torch intra-op threads; None = torch's default (all cores)
-    # "auto": the native paged kernel for float32 on CPU when it builds, else the torch
-    # reference; "cpu": the native kernel or an error; "torch": the reference.
+    # "auto": the first available backend in ATTENTION_BACKENDS order (the native paged kernel
+    # for float32 on CPU when it builds, else the torch reference); a name: that backend or an error.
     attention_backend: str = "auto"
+    # Run the KV pool's integrity check (free + cached + referenced = all blocks) each time the
+    # engine becomes idle; costs a pass over the pool, so off by default.
+    debug_kv_integrity: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
+        _check_name(self, "model")
+        _check_name(self, "served_model_name", optional=True)
+        self._check_aliases()
+        _check_choice(self, "dtype", DTYPE_NAMES)
+        _check_name(self, "device")
+        _check_int(self, "max_model_len", 2, optional=True)
+        _check_int(self, "max_sequences_per_request", 1)
+        _check_int(self, "max_logprobs", 0)
+        _check_int(self, "seed", 0, UINT64_MAX)
+        _check_int(self, "num_threads", 1, optional=True)
+        _check_choice(self, "attention_backend", ATTENTION_BACKENDS)
+        _check_bool(self, "debug_kv_integrity")
+        self._check_parts()
+
+    def _check_aliases(self) -> None:
         aliases = self.served_model_aliases
+        if not isinstance(aliases, tuple):  # a list would make the frozen config unhashable
+            raise ValueError(f"served_model_aliases must be a tuple of names, got {aliases!r}")
         if any(not alias for alias in aliases):
             raise ValueError("served_model_aliases: an alias must be a non-empty name")
         if len(set(aliases)) != len(aliases):
             raise ValueError(f"served_model_aliases lists a name twice: {list(aliases)}")
         if self.served_model_name is not None and self.served_model_name in aliases:
             raise ValueError(f"served_model_aliases repeats the served model name {self.served_model_name!r}")
+
+    def _check_parts(self) -> None:
+        for name, kind in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("kernels", KernelConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"EngineConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        limit = self.scheduler.max_num_seqs
+        if self.max_sequences_per_request > limit:
+            raise ValueError(
+                f"EngineConfig.max_sequences_per_request ({self.max_sequences_per_request}) must be <= "
+                f"SchedulerConfig.max_num_seqs ({limit}): a request's outputs all run at once")

@@ -1,24 +1,25 @@
-"""A request's state inside the engine: its sequences (one per output), and per
-output the detokenizer, stop checker and sampling generator.
+"""A request's state inside the engine core: its ``num_sequences`` outputs, each with
+its own sequence, detokenizer, stop checker, token hold-back and sampling generator.
 
-A request with ``num_sequences`` > 1 starts as one sequence; when its prompt has
-been computed, the first sampling step forks it into ``num_sequences`` sequences
-that share the prompt's KV blocks (copy-on-write on the last partial block).
+All outputs exist from admission. Output 0's sequence computes the prompt; outputs
+1 … n-1 wait (``WAITING_FOR_PROMPT``) with sequences of their own that are not yet
+scheduled. When the prompt has been computed, the first sampling step draws n
+tokens from the same logits row and forks the waiting outputs: a KV-only operation
+(``Scheduler.fork``) that lets their sequences share the prompt's blocks,
+copy-on-write on the last partial block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
 from dataclasses import dataclass, field
 
 import torch
 
 from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from refengine.engine.stop_checker import StopChecker, TokenHoldBack
-from refengine.engine.types import FinishInfo, GenerationRequest, RequestOutput, TokenInfo
 from refengine.scheduler.sequence import Sequence
-
-OutputSink = Callable[[RequestOutput], None]
+from refengine.types import FinishInfo, GenerationRequest, TokenInfo
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads per-output seeds of one request apart
 
@@ -33,32 +34,41 @@ def output_generator(seed: int | None, index: int) -> torch.Generator | None:
     return generator
 
 
+class OutputStatus(enum.Enum):
+    WAITING_FOR_PROMPT = "waiting_for_prompt"  # index > 0: forks once output 0's prompt is computed
+    ACTIVE = "active"  # its sequence is in the scheduler (waiting or running there)
+    FINISHED = "finished"  # ``finish`` is set; its sequence holds no KV
+
+
 @dataclass(eq=False)
 class OutputState:
-    """Per-output bookkeeping next to its Sequence."""
+    """One output of a request, from admission to its finish."""
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer | NoTextDetokenizer
     stop: StopChecker
     generator: torch.Generator | None
     held_tokens: TokenHoldBack
+    status: OutputStatus
     num_emitted_tokens: int = 0
     finish: FinishInfo | None = None
+
+    @property
+    def index(self) -> int:
+        return self.seq.index
 
 
 @dataclass(eq=False)
 class Request:
+    """An accepted request. ``prompt_token_ids`` are tokenized once, by the front end."""
+
     params: GenerationRequest
     prompt_token_ids: list[int]
     max_tokens: int  # resolved: never past the context limit
-    sink: OutputSink
-    generators: list[torch.Generator | None] = field(default_factory=list)  # one per output index
     outputs: list[OutputState] = field(default_factory=list)
-    forked: bool = False  # num_sequences outputs exist (always True when num_sequences == 1)
     prompt_infos: list[TokenInfo] = field(default_factory=list)
     prompt_logprobs_ready: bool = False  # every requested prompt position is recorded
     prompt_logprobs_sent: bool = False
-    abort_requested: bool = False
 
     @property
     def request_id(self) -> str:
@@ -77,8 +87,12 @@ class Request:
         return self.params.logprobs.output_logprobs or self.params.logprobs.output_candidates is not None
 
     @property
+    def has_pending_forks(self) -> bool:
+        return any(o.status is OutputStatus.WAITING_FOR_PROMPT for o in self.outputs)
+
+    @property
     def finished(self) -> bool:
-        return self.forked and all(o.finish is not None for o in self.outputs)
+        return all(o.status is OutputStatus.FINISHED for o in self.outputs)
 
     @property
     def num_cached_prompt_tokens(self) -> int:

@@ -32,7 +32,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from refengine.engine.types import FinishInfo, FinishReason, StoppingParams, TokenInfo
+from refengine.types import FinishInfo, FinishReason, StoppingParams, TokenInfo
 
 if TYPE_CHECKING:
     from refengine.engine.detokenizer import IncrementalDetokenizer

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from refengine.engine.types import FinishInfo, RequestOutput, TokenInfo, Usage
+from refengine.types import FinishInfo, RequestOutput, TokenInfo, Usage
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from refengine.engine.types import CandidateSpec, GenerationRequest, InvalidRequestError
+from refengine.types import CandidateSpec, GenerationRequest, InvalidRequestError
 
 MAX_STOP_STRINGS = 1024
 MAX_STOP_STRING_CHARS = 1024
@@ -20,8 +20,10 @@ MAX_STOP_TOKEN_IDS = 1024
 class Limits:
     vocab_size: int
     max_model_len: int
-    max_num_sequences: int
+    max_sequences_per_request: int
     max_logprobs: int
+    kv_block_size: int
+    total_kv_blocks: int
 
 
 def _require(ok: bool, message: str) -> None:
@@ -51,8 +53,8 @@ def validate_sampling(request: GenerationRequest, limits: Limits) -> None:
     _require(0 <= s.min_p <= 1, f"min_p must be in [0, 1], got {s.min_p}")
     _require(s.repetition_penalty > 0, f"repetition_penalty must be > 0, got {s.repetition_penalty}")
     _require(
-        1 <= s.num_sequences <= limits.max_num_sequences,
-        f"num_sequences must be in [1, {limits.max_num_sequences}], got {s.num_sequences}",
+        1 <= s.num_sequences <= limits.max_sequences_per_request,
+        f"num_sequences must be in [1, {limits.max_sequences_per_request}], got {s.num_sequences}",
     )
     _require(s.seed is None or 0 <= s.seed < 1 << 64, f"seed must be a uint64, got {s.seed}")
 
@@ -111,12 +113,38 @@ def validate_prompt(request: GenerationRequest, prompt_token_ids: list[int], lim
         request.logprobs.prompt_logprob_start < num_prompt,
         f"prompt_logprob_start ({request.logprobs.prompt_logprob_start}) must be < the prompt length ({num_prompt})",
     )
+    _check_prompt_positions(request, num_prompt)
     max_tokens = request.stopping.max_tokens
     if max_tokens is None:
-        return limits.max_model_len - num_prompt
-    _require(
-        num_prompt + max_tokens <= limits.max_model_len,
-        f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context limit "
-        f"of {limits.max_model_len}",
-    )
+        max_tokens = limits.max_model_len - num_prompt
+    else:
+        _require(
+            num_prompt + max_tokens <= limits.max_model_len,
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context limit "
+            f"of {limits.max_model_len}",
+        )
+    _check_fits_kv_pool(num_prompt + max_tokens, limits)
     return max_tokens
+
+
+def _check_prompt_positions(request: GenerationRequest, num_prompt: int) -> None:
+    lp = request.logprobs
+    if lp.max_prompt_positions is None or not (lp.prompt_logprobs or lp.prompt_candidates is not None):
+        return
+    positions = num_prompt - lp.prompt_logprob_start
+    _require(
+        positions <= lp.max_prompt_positions,
+        f"prompt logprobs for {positions} positions do not fit in one response (at most "
+        f"{lp.max_prompt_positions} with these candidates under the message-size limit); raise "
+        "prompt_logprob_start, select fewer candidates, or raise the server's message limit",
+    )
+
+
+def _check_fits_kv_pool(num_tokens: int, limits: Limits) -> None:
+    """A request that could never hold all its KV would wait forever: refuse it now."""
+    num_blocks = -(-num_tokens // limits.kv_block_size)
+    _require(
+        num_blocks <= limits.total_kv_blocks,
+        f"the request needs {num_blocks} KV blocks but the pool has only {limits.total_kv_blocks}; "
+        "lower max_tokens or the prompt length",
+    )

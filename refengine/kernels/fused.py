@@ -1,9 +1,13 @@
 """Fused elementwise steps of a decoder layer, with torch fallbacks.
 
 float32 tensors on CPU go through ``kernels/cpu/fused_ops.c`` (one pass, one call);
-anything else, or a machine without a C compiler, takes the torch expressions
-below, which define the semantics. Both are checked against each other in
+anything else, a machine without a C compiler, or ``FusedOps(native=False)``
+(``KernelConfig.native_cpu_kernels`` off) takes the torch expressions below, which
+define the semantics. Both are checked against each other in
 ``tests/unit/test_fused_ops.py``.
+
+The model holds one ``FusedOps``; the module-level functions are the methods of
+``FusedOps(native=True)``, kept for callers that have no config at hand.
 """
 
 from __future__ import annotations
@@ -30,58 +34,88 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
-def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
-        return _library()
-    return None
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalize in float32, scale in the model dtype (as the Hugging Face reference does)."""
+    """Normalize in float32, scale in the model dtype (as the Hugging Face reference does).
+    The torch definition, on every path; ``FusedOps.rms_norm`` may take the kernel."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
 
 
+class FusedOps:
+    """The fused steps, on the native kernels when ``native`` and the tensors fit
+    (float32 on CPU, the layouts below) and the library builds; else the torch forms."""
+
+    def __init__(self, native: bool = True) -> None:
+        self.native = native
+
+    def _kernel(self, *tensors: torch.Tensor) -> ctypes.CDLL | None:
+        if self.native and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+            return _library()
+        return None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``rms_norm(x) * weight`` for ``x`` ``[T, hidden]``; ``x`` is left unchanged."""
+        return self.add_rms_norm(x, None, weight, eps)
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``residual += delta`` in place (the residual stream), then return
+        ``rms_norm(residual) * weight``. ``residual`` must be contiguous ``[T, hidden]``
+        for the kernel (otherwise the torch form runs)."""
+        library = self._kernel(residual, weight) if delta is None else self._kernel(residual, delta, weight)
+        if library is None or not residual.is_contiguous():
+            if delta is not None:
+                residual.add_(delta)
+            return rms_norm(residual, weight, eps)
+        delta = None if delta is None else delta.contiguous()
+        out = torch.empty_like(residual)
+        library.add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(), out.data_ptr(),
+                             weight.data_ptr(), residual.shape[0], residual.shape[1], eps)
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[T, 2 * inter]``."""
+        library = self._kernel(gate_up)
+        if library is None or not gate_up.is_contiguous():
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        inter = gate_up.shape[1] // 2
+        out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
+        library.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        return out
+
+    def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        """Rotate ``x`` ``[T, heads, D]`` in place (rotate-half layout). ``cos`` and
+        ``signed_sin`` ``[max_positions, D]`` hold ``cos`` and ``[-sin_low, sin_high]``, so
+        the rotation is ``x * cos + roll(x, D / 2) * signed_sin``. Rows of ``x`` may be
+        strided (a view into the fused QKV output); heads within a row are contiguous."""
+        library = self._kernel(x, cos, signed_sin)
+        rows, heads, head_dim = x.shape
+        if library is None or x.stride(2) != 1 or x.stride(1) != head_dim or positions.dtype != torch.int64:
+            rotated = torch.addcmul(x * cos[positions].unsqueeze(1), x.roll(head_dim // 2, dims=-1),
+                                    signed_sin[positions].unsqueeze(1))
+            x.copy_(rotated)
+            return
+        positions = positions.contiguous()  # held in a local: the kernel reads its memory
+        library.rotary(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), rows, heads,
+                       head_dim, x.stride(0))
+
+
+_NATIVE_OPS = FusedOps(native=True)
+
+
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``residual += delta`` in place (the residual stream), then return
-    ``rms_norm(residual) * weight``. ``residual`` must be contiguous ``[T, hidden]``."""
-    library = _native(residual, weight) if delta is None else _native(residual, delta, weight)
-    if library is None or not residual.is_contiguous():
-        if delta is not None:
-            residual.add_(delta)
-        return rms_norm(residual, weight, eps)
-    delta = None if delta is None else delta.contiguous()
-    out = torch.empty_like(residual)
-    library.add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(), out.data_ptr(),
-                         weight.data_ptr(), residual.shape[0], residual.shape[1], eps)
-    return out
+    """``FusedOps(native=True).add_rms_norm``."""
+    return _NATIVE_OPS.add_rms_norm(residual, delta, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[T, 2 * inter]``."""
-    library = _native(gate_up)
-    if library is None or not gate_up.is_contiguous():
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    inter = gate_up.shape[1] // 2
-    out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
-    library.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
-    return out
+    """``FusedOps(native=True).silu_and_mul``."""
+    return _NATIVE_OPS.silu_and_mul(gate_up)
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-    """Rotate ``x`` ``[T, heads, D]`` in place (rotate-half layout). ``cos`` and
-    ``signed_sin`` ``[max_positions, D]`` hold ``cos`` and ``[-sin_low, sin_high]``, so
-    the rotation is ``x * cos + roll(x, D / 2) * signed_sin``. Rows of ``x`` may be
-    strided (a view into the fused QKV output); heads within a row are contiguous."""
-    library = _native(x, cos, signed_sin)
-    rows, heads, head_dim = x.shape
-    if library is None or x.stride(2) != 1 or x.stride(1) != head_dim or positions.dtype != torch.int64:
-        rotated = torch.addcmul(x * cos[positions].unsqueeze(1), x.roll(head_dim // 2, dims=-1),
-                                signed_sin[positions].unsqueeze(1))
-        x.copy_(rotated)
-        return
-    positions = positions.contiguous()  # held in a local: the kernel reads its memory
-    library.rotary(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), rows, heads, head_dim,
-                   x.stride(0))
+    """``FusedOps(native=True).rotary_``."""
+    _NATIVE_OPS.rotary_(x, positions, cos, signed_sin)

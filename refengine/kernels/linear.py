@@ -11,21 +11,24 @@ rows (``benchmarks/README.md``).
 
 The packed op is private torch API, so it is used only after a one-time check on
 random data agrees with ``F.linear``; otherwise (other dtypes, GPUs, a torch without
-oneDNN, ``REFENGINE_ONEDNN=0``) the projection is plain ``F.linear``.
+oneDNN, ``prepack=False`` from ``KernelConfig.onednn_linear`` / ``--no-onednn``) the
+projection is plain ``F.linear``.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
+from refengine.kernels.forward_context import ForwardContext
+
 
 @functools.cache
 def onednn_available() -> bool:
-    if os.environ.get("REFENGINE_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():
+    """Whether this torch has the packed oneDNN linear ops and they agree with ``F.linear``."""
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         generator = torch.Generator().manual_seed(0)
@@ -41,17 +44,20 @@ def onednn_available() -> bool:
 
 class Linear:
     """One projection. ``weight`` is ``[out_features, in_features]``; after packing only
-    the packed copy is kept, so the model holds each weight once."""
+    the packed copy is kept, so the model holds each weight once. ``prepack`` is
+    ``KernelConfig.onednn_linear``: False keeps the weight as given and uses ``F.linear``."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = (
-            weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()
+            prepack and weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()
         )
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias``. ``ctx`` carries the step's per-token facts; a plain
+        projection needs none of them (an adapter-aware one reads ``ctx.adapter_slots``)."""
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

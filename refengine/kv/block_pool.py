@@ -1,34 +1,49 @@
-"""The block pool: who owns every KV block.
+"""The block pool: the state of every KV block, the prefix cache, the KV event queue.
 
 Invariant (checked by ``check_integrity``): every block is in exactly one state:
 
-- free:   ref_count 0, no hash, in ``free_block_ids``;
+- free:   ref_count 0, no hash, not sealed, in ``free_block_ids``;
 - cached: ref_count 0, has a hash, in ``evictable`` (LRU order, oldest first);
 - used:   ref_count > 0 (it may also have a hash: a cached prefix in use).
 
-so ``num_free + num_cached + num_used == num_blocks``. Allocation takes free
-blocks first, then evicts cached blocks oldest-first.
+so ``num_free + num_cached + num_used == num_blocks``. ``ref_count`` is the number
+of owner references (sequence block tables, named holdings in the manager).
+Allocation takes free blocks first, then evicts cached blocks oldest-first.
+
+Prefix cache: a block with a hash is *published*: ``hash_to_block`` maps each
+published hash to its one block, and only sealed blocks are published. A block is
+*sealed* once it is full and has been offered to the cache (``cache_block``),
+whether it was published or not; it is never offered again until it is reused.
+A published block's parent hash was published when it was (parent before child).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from refengine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
 @dataclass
 class KvBlock:
     block_id: int
     ref_count: int = 0
-    block_hash: bytes | None = None
+    block_hash: bytes | None = None  # set while published in the prefix cache
+    sealed: bool = False  # full and offered to the prefix cache: cache_full_blocks skips it
 
 
-BlockEventHook = Callable[[str, bytes], None]  # ("stored" | "removed", block_hash)
+def _require(condition: bool, message: str) -> None:
+    """An invariant check that survives ``python -O`` (unlike ``assert``)."""
+    if not condition:
+        raise AssertionError(message)
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, *, record_events: bool = False) -> None:
+        """``record_events``: keep a KV event queue for ``take_events``. Off by default, so an
+        engine without a subscriber neither builds event objects nor grows a queue."""
         if num_blocks <= 0:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -37,7 +52,7 @@ class BlockPool:
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with no user, LRU first
         self.hash_to_block: dict[bytes, int] = {}
-        self.event_hooks: list[BlockEventHook] = []
+        self._events: list[KvEvent] | None = [] if record_events else None
 
     # -- queries -------------------------------------------------------------
     @property
@@ -53,8 +68,19 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self.evictable)
 
+    @property
+    def record_events(self) -> bool:
+        return self._events is not None
+
     def lookup(self, block_hash: bytes) -> int | None:
         return self.hash_to_block.get(block_hash) if self.enable_caching else None
+
+    def take_events(self) -> list[KvEvent]:
+        """The KV events since the last call, oldest first (empty when not recording)."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
 
     # -- ownership -----------------------------------------------------------
     def allocate(self, num: int) -> list[int]:
@@ -68,74 +94,124 @@ class BlockPool:
             else:
                 block_id, _ = self.evictable.popitem(last=False)
                 block = self.blocks[block_id]
-                self._drop_hash(block)
+                self._unpublish(block)  # the BlockRemoved is queued before the block is reused
+                block.sealed = False
             block.ref_count = 1
             allocated.append(block.block_id)
         return allocated
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Add a user to each block (a prefix-cache hit or a fork)."""
+        """Add a reference to each block (a prefix-cache hit or a fork)."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self.evictable[block_id]
+                del self.evictable[block_id]  # KeyError here means touching a free block: a bug
             block.ref_count += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one user from each block. Pass blocks tail-first so that, among a
+        """Drop one reference from each block. Pass blocks tail-first so that, among a
         sequence's cached blocks, the tail is evicted before the shared head."""
         for block_id in block_ids:
             block = self.blocks[block_id]
-            assert block.ref_count > 0, f"double free of KV block {block_id}"
+            _require(block.ref_count > 0, f"double free of KV block {block_id}")
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block.block_hash is not None:
-                    self.evictable[block_id] = None
-                else:
-                    self.free_block_ids.append(block_id)
+                self._park(block)
 
-    def cache_block(self, block_id: int, block_hash: bytes) -> None:
-        """Publish a full block under its chain hash. A second block with the same
-        hash (computed concurrently) is not published: the first one wins."""
-        if not self.enable_caching or block_hash in self.hash_to_block:
-            return
-        block = self.blocks[block_id]
+    def _park(self, block: KvBlock) -> None:
+        """A block that lost its last reference: keep it evictable if published, else free it."""
         if block.block_hash is not None:
-            return
+            self.evictable[block.block_id] = None
+        else:
+            block.sealed = False
+            self.free_block_ids.append(block.block_id)
+
+    # -- prefix cache --------------------------------------------------------
+    def cache_block(
+        self,
+        block_id: int,
+        block_hash: bytes,
+        parent_hash: bytes | None,
+        token_ids: Sequence[int],
+        extra_keys: tuple[str, ...],
+    ) -> bool:
+        """Seal a full, referenced block and publish it under its chain hash if allowed.
+        Returns whether it was published (and a ``BlockStored`` queued).
+
+        Not published, though sealed (so never offered again while in use), when:
+        caching is off; the block is already sealed; another block already published
+        ``block_hash`` (computed concurrently: the first one wins); or ``parent_hash``
+        is not published (evicted or reset since), because a subscriber must never
+        see a child whose parent it does not know.
+        """
+        block = self.blocks[block_id]
+        _require(block.ref_count > 0, f"publishing KV block {block_id}, which nobody references")
+        if block.sealed:
+            return False
+        block.sealed = True
+        if not self.enable_caching or block_hash in self.hash_to_block:
+            return False
+        if parent_hash is not None and parent_hash not in self.hash_to_block:
+            return False
         block.block_hash = block_hash
         self.hash_to_block[block_hash] = block_id
-        for hook in self.event_hooks:
-            hook("stored", block_hash)
+        if self._events is not None:
+            event = BlockStored(block_hash, parent_hash, tuple(token_ids), len(token_ids), extra_keys)
+            self._events.append(event)
+        return True
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block with no user; returns how many were dropped."""
-        dropped = 0
-        while self.evictable:
-            block_id, _ = self.evictable.popitem(last=False)
+        """Forget every published hash; returns how many cached (unreferenced) blocks were
+        freed. Queues exactly one ``AllBlocksCleared`` (when caching is on), never
+        per-block removals: the subscriber drops its whole view.
+
+        Blocks still in use lose their hashes too, so nothing stays published that the
+        subscriber does not know of. They stay sealed and are not re-announced, and since
+        a child is only published after its parent, nothing chained onto them is published
+        either: the sequences running at a reset simply stop feeding the cache. Their
+        blocks go back to the free list when released.
+        """
+        if not self.enable_caching:
+            return 0
+        dropped = len(self.evictable)
+        for block_id in self.hash_to_block.values():
             block = self.blocks[block_id]
-            self._drop_hash(block)
-            self.free_block_ids.append(block_id)
-            dropped += 1
+            block.block_hash = None
+            if block.ref_count == 0:
+                block.sealed = False
+        self.free_block_ids.extend(self.evictable)
+        self.evictable.clear()
+        self.hash_to_block.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return dropped
 
-    def _drop_hash(self, block: KvBlock) -> None:
-        if block.block_hash is None:
-            return
+    def _unpublish(self, block: KvBlock) -> None:
+        assert block.block_hash is not None, "only published blocks are evictable"
         del self.hash_to_block[block.block_hash]
-        for hook in self.event_hooks:
-            hook("removed", block.block_hash)
+        if self._events is not None:
+            self._events.append(BlockRemoved(block.block_hash))
         block.block_hash = None
 
+    # -- invariant -----------------------------------------------------------
     def check_integrity(self) -> None:
+        """The pool-only invariant (module docstring); ``KvCacheManager.check_integrity``
+        adds the per-owner reference counts."""
         free = set(self.free_block_ids)
         cached = set(self.evictable)
         used = {b.block_id for b in self.blocks if b.ref_count > 0}
-        assert len(free) == len(self.free_block_ids), "a block is on the free list twice"
-        assert not (free & cached) and not (free & used) and not (cached & used)
-        assert len(free) + len(cached) + len(used) == self.num_blocks, "a KV block is lost"
-        for block_id in free:
-            assert self.blocks[block_id].block_hash is None
-        for block_id in cached:
-            assert self.blocks[block_id].block_hash is not None
-        for block_hash, block_id in self.hash_to_block.items():
-            assert self.blocks[block_id].block_hash == block_hash
+        _require(len(free) == len(self.free_block_ids), "a KV block is on the free list twice")
+        _require(not (free & cached or free & used or cached & used), "a KV block is in two states")
+        _require(len(free) + len(cached) + len(used) == self.num_blocks, "a KV block is lost")
+        for block in self.blocks:
+            _require(block.ref_count >= 0, f"KV block {block.block_id} has a negative ref_count")
+            if block.block_id in free:
+                _require(block.block_hash is None and not block.sealed, f"free KV block {block.block_id} is sealed")
+            if block.block_id in cached:
+                _require(block.block_hash is not None, f"cached KV block {block.block_id} has no hash")
+            if block.block_hash is not None:
+                _require(block.sealed, f"KV block {block.block_id} is published but not sealed")
+                _require(self.hash_to_block.get(block.block_hash) == block.block_id, "a hash maps to another block")
+        num_published = sum(b.block_hash is not None for b in self.blocks)
+        _require(num_published == len(self.hash_to_block), "hash_to_block names an unpublished block")
+        _require(self.enable_caching or not self.hash_to_block, "a block is published with caching off")

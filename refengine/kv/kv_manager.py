@@ -1,5 +1,11 @@
 """Per-sequence KV bookkeeping on top of the block pool: prefix-cache lookup,
-slot allocation with copy-on-write, publishing full blocks, freeing.
+slot allocation with copy-on-write, publishing full blocks, named owners, freeing.
+
+Every block reference is held by an owner: a sequence (its ``block_table``) or a
+named holding (``transfer``: e.g. a KV session pinning a finished prefill's blocks
+under a lease). A block's ``ref_count`` is its number of owner references, and it
+is freed (or parked as cached) when the last owner lets go. ``check_integrity``
+checks exactly that.
 
 The manager works on block counts and ids only; the KV tensors live in the model
 runner, which executes the block copies the manager asks for.
@@ -7,9 +13,11 @@ runner, which executes the block copies the manager asks for.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from refengine.kv.block_pool import BlockPool
+from refengine.kv.block_pool import BlockPool, KvBlock
 from refengine.kv.prefix_hash import hash_full_blocks
 
 
@@ -27,6 +35,7 @@ class KvCacheManager:
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
+        self._holdings: dict[str, tuple[int, ...]] = {}  # owner name -> block ids it references
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -93,19 +102,27 @@ class KvCacheManager:
         return block_id if self.pool.blocks[block_id].ref_count > 1 else None
 
     def cache_full_blocks(self, seq: KvSequence) -> None:
-        """Publish every full block whose tokens are all computed."""
+        """Publish the blocks that became full (all tokens computed) since the last call,
+        parent before child. O(new full blocks): sealed blocks form a prefix of every
+        block table (blocks are sealed in order, prefix hits are sealed, copy-on-write
+        only replaces a partial block), so the walk back stops at the first sealed one.
+        """
         if not self.pool.enable_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        hashes = hash_full_blocks(
-            seq.token_ids[: num_full * self.block_size], self.block_size, seq.extra_keys, seq.block_hashes
-        )
-        # Blocks are published in order, so walking back from the newest full block
-        # can stop at the first one that already carries a hash.
-        for i in reversed(range(num_full)):
-            if self.pool.blocks[seq.block_table[i]].block_hash is not None:
-                break
-            self.pool.cache_block(seq.block_table[i], hashes[i])
+        first_new = num_full
+        while first_new > 0 and not self._block_at(seq, first_new - 1).sealed:
+            first_new -= 1
+        if first_new == num_full:
+            return
+        hashes = hash_full_blocks(seq.token_ids, self.block_size, seq.extra_keys, seq.block_hashes, num_full)
+        for i in range(first_new, num_full):
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            parent = hashes[i - 1] if i else None
+            self.pool.cache_block(seq.block_table[i], hashes[i], parent, tokens, seq.extra_keys)
+
+    def _block_at(self, seq: KvSequence, slot: int) -> KvBlock:
+        return self.pool.blocks[seq.block_table[slot]]
 
     def fork(self, parent: KvSequence, child: KvSequence) -> None:
         """Let ``child`` share every block of ``parent`` (copy-on-write later)."""
@@ -118,3 +135,68 @@ class KvCacheManager:
         self.pool.free(reversed(seq.block_table))
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    # -- named owners ----------------------------------------------------------
+    def transfer(self, seq: KvSequence, owner: str) -> tuple[int, ...]:
+        """Move ``seq``'s block references to the named ``owner``; no ref_count changes.
+
+        ``seq`` is left like a freed sequence (empty table, nothing computed). Returns
+        the block ids ``owner`` now holds, in table order. The full blocks stay published,
+        so they remain prefix-cache hits while held and, once released, cached. Publishing
+        is not done here: ``cache_full_blocks`` has done it after the sequence's last step.
+        """
+        if owner in self._holdings:
+            raise ValueError(f"KV owner {owner!r} already holds {len(self._holdings[owner])} blocks; release it first")
+        held = tuple(seq.block_table)
+        self._holdings[owner] = held
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        return held
+
+    def release(self, owner: str) -> int:
+        """Drop every reference ``owner`` holds (tail-first, like ``free``, so that shared
+        heads stay cached longest). Returns how many references were dropped."""
+        held = self._holdings.pop(owner, None)
+        if held is None:
+            raise KeyError(f"no KV owner {owner!r}: never transferred to, or already released")
+        self.pool.free(reversed(held))
+        return len(held)
+
+    def held_block_ids(self, owner: str) -> tuple[int, ...]:
+        held = self._holdings.get(owner)
+        if held is None:
+            raise KeyError(f"no KV owner {owner!r}: never transferred to, or already released")
+        return held
+
+    @property
+    def num_owners(self) -> int:
+        return len(self._holdings)
+
+    @property
+    def owners(self) -> tuple[str, ...]:
+        return tuple(self._holdings)
+
+    # -- invariant -------------------------------------------------------------
+    def check_integrity(self, sequence_tables: Iterable[Sequence[int]] = ()) -> None:
+        """The pool's invariant, plus: every block's ref_count equals its references across
+        ``sequence_tables`` (pass every live sequence's block table) and every named
+        owner's holding. A mismatch names the block: more ref_count than references is a
+        leak (a table dropped without ``free``), fewer is a double free or a table that
+        shares a block without ``touch``."""
+        self.pool.check_integrity()
+        refs: Counter[int] = Counter()
+        for table in sequence_tables:
+            refs.update(table)
+        for held in self._holdings.values():
+            refs.update(held)
+        for block in self.pool.blocks:
+            if block.ref_count != refs[block.block_id]:
+                raise AssertionError(self._describe_mismatch(block, refs[block.block_id]))
+
+    def _describe_mismatch(self, block: KvBlock, num_refs: int) -> str:
+        holders = [name for name, held in self._holdings.items() if block.block_id in held]
+        kind = "leaked" if block.ref_count > num_refs else "over-released"
+        return (
+            f"KV block {block.block_id} {kind}: ref_count {block.ref_count}, but {num_refs} references "
+            f"(sequence tables + owners {holders})"
+        )

@@ -30,10 +30,14 @@ def hash_full_blocks(
     block_size: int,
     extra_keys: tuple[str, ...],
     known_hashes: list[bytes],
+    num_blocks: int | None = None,
 ) -> list[bytes]:
     """Extend ``known_hashes`` (hashes of the first blocks) to every full block of
-    ``token_ids``. Returns the same list, extended in place."""
+    ``token_ids``, or to the first ``num_blocks`` only. Returns the same list, extended
+    in place; only the missing hashes are computed, so callers keep it per sequence."""
     num_full = len(token_ids) // block_size
+    if num_blocks is not None:
+        num_full = min(num_full, num_blocks)
     for i in range(len(known_hashes), num_full):
         parent = known_hashes[i - 1] if i else None
         block_tokens = token_ids[i * block_size : (i + 1) * block_size]

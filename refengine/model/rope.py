@@ -11,7 +11,7 @@ import math
 import torch
 
 from refengine.config import ModelConfig
-from refengine.kernels.fused import rotary_
+from refengine.kernels.fused import FusedOps
 
 
 def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -31,7 +31,9 @@ def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tens
 
 
 class RotaryEmbedding:
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: str) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: str,
+                 ops: FusedOps | None = None) -> None:
+        self.ops = ops or FusedOps()
         dim = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         scaling = config.rope_scaling or {}
@@ -51,4 +53,4 @@ class RotaryEmbedding:
     def apply_(self, x: torch.Tensor, positions: torch.Tensor) -> None:
         """Rotate x ``[T, heads, D]`` (queries and keys together) in place; rotate-half
         layout, as Hugging Face Llama."""
-        rotary_(x, positions, self.cos, self.signed_sin)
+        self.ops.rotary_(x, positions, self.cos, self.signed_sin)

@@ -5,7 +5,6 @@ from refengine.sampling.logprobs import (
     LogprobInfo,
     batch_logprob_info,
     prompt_logprobs,
-    token_logprob_info,
 )
 from refengine.sampling.penalties import apply_penalties
 from refengine.sampling.sampler import SampledToken, Sampler, SamplingRow
@@ -19,5 +18,4 @@ __all__ = [
     "apply_penalties",
     "batch_logprob_info",
     "prompt_logprobs",
-    "token_logprob_info",
 ]

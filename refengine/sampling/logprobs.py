@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from refengine.engine.types import CandidateSpec
+from refengine.types import CandidateSpec
 
 CandidateTuple = tuple[int, float, int]  # (token_id, logprob, rank); the engine adds the text
 LogprobInfo = tuple[float | None, int | None, tuple[CandidateTuple, ...]]
@@ -158,13 +158,6 @@ def batch_logprob_info(
         cand_out[i] = _token_id_candidates(logprobs[i], candidates[i].token_ids)  # type: ignore[union-attr]
 
     return list(zip(logprob_out, rank_out, cand_out, strict=True))
-
-
-def token_logprob_info(
-    logprobs: torch.Tensor, token_id: int, want_logprob: bool, candidates: CandidateSpec | None
-) -> LogprobInfo:
-    """``(logprob, rank, candidates)`` of ``token_id`` in one row ``logprobs`` ``[V]``."""
-    return batch_logprob_info(logprobs[None, :], [token_id], [want_logprob], [candidates])[0]
 
 
 def prompt_logprobs(

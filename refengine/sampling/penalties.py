@@ -23,7 +23,7 @@ from itertools import chain
 
 import torch
 
-from refengine.engine.types import SamplingParams
+from refengine.types import SamplingParams
 
 
 def unique_token_counts(

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from refengine.engine.types import CandidateSpec, SamplingParams
 from refengine.sampling.logprobs import CandidateTuple, batch_logprob_info, prompt_logprobs
 from refengine.sampling.penalties import apply_penalties
+from refengine.types import CandidateSpec, SamplingParams
 
 # prompt_logprobs is re-exported: the engine imports everything it samples with from here.
 __all__ = [
@@ -44,7 +44,6 @@ __all__ = [
     "SamplingRow",
     "prompt_logprobs",
     "truncation_cutoffs",
-    "truncation_mask",
     "truncation_thresholds",
 ]
 
@@ -158,16 +157,6 @@ def truncation_thresholds(
     # the same before or after renormalizing over their kept set.
     floor = torch.tensor(min_p, device=logits.device) * probs.amax(-1)
     return cut, floor
-
-
-def truncation_mask(logits: torch.Tensor, probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor | None:
-    """Bool ``[n, V]``: the tokens each row may sample after top-k, top-p and min-p, or
-    ``None`` when no row truncates."""
-    thresholds = truncation_thresholds(logits, probs, params)
-    if thresholds is None:
-        return None
-    cut, floor = thresholds
-    return (logits >= cut[:, None]) & (probs >= floor[:, None])
 
 
 class Sampler:

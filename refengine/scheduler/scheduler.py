@@ -12,7 +12,8 @@ admission is fair and cannot deadlock: every admitted sequence fits the pool
 alone (the engine rejects those that never could).
 
 The scheduler decides counts; it never touches tensors. ``schedule`` returns what
-to run; ``update_after_step`` advances ``num_computed_tokens`` once it ran.
+to run; ``update_from_output`` advances ``num_computed_tokens`` once it ran and
+publishes the blocks that became full.
 """
 
 from __future__ import annotations
@@ -27,32 +28,35 @@ from refengine.scheduler.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class ScheduledSequence:
-    """One sequence's share of a step: tokens ``start … start + num_new_tokens - 1``.
+    """One sequence's share of a step, as plain data: its tokens ``start … start +
+    num_new_tokens - 1`` (``token_ids``) and its block table as it is for this step.
 
     ``samples``: the step computes the sequence's newest token, so its logits give
     the next token (fixed at scheduling time; the sequence grows afterwards).
     """
 
-    seq: Sequence
-    num_new_tokens: int
+    request_id: str
+    index: int  # output index within the request
     start: int
+    num_new_tokens: int
     samples: bool
+    token_ids: tuple[int, ...]
+    block_table: tuple[int, ...]
 
     @classmethod
     def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
-        return cls(seq, num_new_tokens, start, start + num_new_tokens == seq.num_tokens)
+        end = start + num_new_tokens
+        return cls(seq.request_id, seq.index, start, num_new_tokens, end == seq.num_tokens,
+                   tuple(seq.token_ids[start:end]), tuple(seq.block_table))
 
 
 @dataclass
 class SchedulerOutput:
+    """What one step runs: plain data, safe to hand to the runner (or to other ranks)."""
+
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the step
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -65,16 +69,23 @@ class Scheduler:
         self.kv = kv
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key at each step
+        self._scheduled: list[Sequence] = []  # the sequences of the last schedule(), in order
 
     # -- membership ----------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A fork child: it already shares its parent's blocks."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child`` running on ``parent``'s computed blocks (copy-on-write later). KV-only:
+        the child's tokens are already the parent's; it takes over one of the parent's
+        pending-fork slots."""
+        assert parent.num_pending_forks > 0 and parent.status is SequenceStatus.RUNNING
+        self.kv.fork(parent, child)
+        child.num_cached_tokens = parent.num_cached_tokens
+        parent.num_pending_forks -= 1
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     def finish(self, seq: Sequence) -> None:
         """Remove ``seq`` wherever it is and free its blocks."""
@@ -89,13 +100,11 @@ class Scheduler:
         """Whether a sequence of ``num_tokens`` could ever hold all its KV."""
         return self.kv.num_blocks_for(num_tokens) <= self.kv.pool.num_blocks
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # -- one step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._scheduled = []
+        preempted = False
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: s.sort_key)
 
@@ -106,26 +115,31 @@ class Scheduler:
             copies = self.kv.allocate(seq, num_new)
             while copies is None:
                 victim = self.running[-1]
-                self._preempt(victim, out)
+                self._preempt(victim)
+                preempted = True
                 if victim is seq:
                     break
                 copies = self.kv.allocate(seq, num_new)
             if copies is None:
                 break
-            out.block_copies.extend(copies)
-            out.scheduled.append(ScheduledSequence.of(seq, num_new))
+            self._add_to_step(out, seq, num_new, copies)
             budget -= num_new
             i += 1
 
-        if not out.preempted:
+        if not preempted:
             self._admit_waiting(out, budget)
         return out
 
+    def _add_to_step(self, out: SchedulerOutput, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> None:
+        out.block_copies.extend(copies)
+        out.scheduled.append(ScheduledSequence.of(seq, num_new))
+        self._scheduled.append(seq)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        num_running_slots = sum(s.seq_slots for s in self.running)
+        num_running_slots = sum(s.num_slots for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if num_running_slots + seq.seq_slots > self.config.max_num_seqs:
+            if num_running_slots + seq.num_slots > self.config.max_num_seqs:
                 break
             cached_block_ids = self.kv.find_cached_prefix(seq) if seq.use_prefix_cache else []
             num_cached_tokens = len(cached_block_ids) * self.kv.block_size
@@ -138,22 +152,21 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_running_slots += seq.seq_slots
-            out.block_copies.extend(copies)
-            out.scheduled.append(ScheduledSequence.of(seq, num_new))
+            num_running_slots += seq.num_slots
+            self._add_to_step(out, seq, num_new, copies)
             budget -= num_new
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_preemptions += 1
-        out.preempted.append(seq)
         self.add(seq)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """The step ran: its tokens' KV is in the cache. Publish newly full blocks."""
-        for scheduled in out.scheduled:
-            seq = scheduled.seq
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """The step ``out`` (the last ``schedule()``) ran: its tokens' KV is in the cache.
+        Advance each sequence and publish its newly full blocks, parents first."""
+        assert len(out.scheduled) == len(self._scheduled), "update_from_output of a step that was not scheduled last"
+        for scheduled, seq in zip(out.scheduled, self._scheduled, strict=True):
             seq.num_computed_tokens += scheduled.num_new_tokens
             # Even a request that bypassed the cache publishes what it computed (K1).
             self.kv.cache_full_blocks(seq)

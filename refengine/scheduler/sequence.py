@@ -26,10 +26,13 @@ class Sequence:
     index: int  # output index within the request (0 … num_sequences-1)
     token_ids: list[int]
     num_prompt_tokens: int
-    max_total_tokens: int  # prompt + the most output tokens this sequence may have
     extra_keys: tuple[str, ...] = ()  # everything besides tokens that changes KV (prefix-cache hash)
     priority: int = 0
     use_prefix_cache: bool = True  # False: bypass_prefix_cache, or prompt logprobs are needed
+    # Siblings that will fork from this sequence once its prompt is computed (num_sequences > 1).
+    # Each claims a running slot already, so admission never over-commits ``max_num_seqs``;
+    # ``Scheduler.fork`` moves one claim at a time to the new sibling.
+    num_pending_forks: int = 0
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -37,7 +40,6 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1 = not yet scheduled)
     num_preemptions: int = 0
-    seq_slots: int = 1  # running slots claimed (num_sequences for a parent that will fork)
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +52,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_slots(self) -> int:
+        """Running slots this sequence claims: itself and its pending forks."""
+        return 1 + self.num_pending_forks
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -27,8 +27,10 @@ import threading
 import grpc
 from grpc_reflection.v1alpha import reflection
 
+from refengine.args import engine_config_from_args
 from refengine.config import EngineConfig
 from refengine.protocol import oe
+from refengine.runtime import apply_process_settings
 from refengine.server.control import ControlServicer
 from refengine.server.errors import DRAINED
 from refengine.server.health import GrpcHealth
@@ -93,16 +95,16 @@ def serve_from_args(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         options = options_from_args(args)
+        engine_config = engine_config_from_args(args)
     except ValueError as exc:
         print(f"refengine serve: {exc}", file=sys.stderr)
         return 2
-    from refengine.cli import engine_config_from_args  # the CLI owns the engine flags
-
     if options.role not in SUPPORTED_ROLES:
         print(f"refengine serve: --role {options.role} needs KV transfer between prefill and decode servers, "
               f"which this build does not implement yet; use --role aggregated", file=sys.stderr)
         return 2
-    server = Server(options, engine_config_from_args(args))
+    apply_process_settings(engine_config)  # imports torch only when --num-threads is given
+    server = Server(options, engine_config)
     code = asyncio.run(server.run())
     if server.loader is not None and server.loader.is_alive():
         # Stopped while loading: interpreter finalization would tear down a thread that is
@@ -209,7 +211,7 @@ class Server:
         engine = loading.result()
         engine.start()
         self.state.set_ready(engine)
-        logger.info("ready: %s (%d KV blocks)", engine.served_model_name, engine.pool.num_blocks)
+        logger.info("ready: %s (%d KV blocks)", engine.info.served_model_name, engine.info.total_kv_blocks)
         await stopping
         await self._drain()
         return 0

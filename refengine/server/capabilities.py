@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
 
+from refengine.engine.interface import EngineInfo
 from refengine.protocol import oe
 
 CANDIDATE_MODES = {
@@ -64,16 +65,15 @@ class Capabilities:
         return self.max_context_length - 1  # a one-token prompt
 
 
-def capabilities_of(engine) -> Capabilities:  # noqa: ANN001 - refengine.engine.engine.Engine
-    limits = engine.limits
+def capabilities_of(info: EngineInfo) -> Capabilities:
     return Capabilities(
-        served_model_name=engine.served_model_name,
-        served_model_aliases=tuple(a for a in engine.config.served_model_aliases if a != engine.served_model_name),
-        model_id=engine.config.model,
-        max_context_length=engine.max_model_len,
-        vocab_size=limits.vocab_size,
-        max_num_sequences=limits.max_num_sequences,
-        max_top_n=limits.max_logprobs,
+        served_model_name=info.served_model_name,
+        served_model_aliases=info.served_model_aliases,
+        model_id=info.model_id,
+        max_context_length=info.max_model_len,
+        vocab_size=info.vocab_size,
+        max_num_sequences=info.max_sequences_per_request,
+        max_top_n=info.max_logprobs,
     )
 
 

@@ -62,8 +62,7 @@ class ControlServicer(oe.ControlServicer):
 
     # -- discovery -------------------------------------------------------------
     def server_info(self) -> oe.ServerInfo:
-        engine = self.state.engine_for_control()
-        config = engine.config
+        info = self.state.engine_for_control().info
         return oe.ServerInfo(
             engine_name="refengine",
             engine_version=refengine.__version__,
@@ -80,13 +79,13 @@ class ControlServicer(oe.ControlServicer):
             minimum_client_revision=MINIMUM_CLIENT_REVISION,
             schema_release=SCHEMA_RELEASE,
             capacity=oe.DeploymentCapacity(
-                kv_block_size=config.cache.block_size,
-                total_kv_blocks=engine.pool.num_blocks,
-                max_running_requests=config.scheduler.max_num_seqs,
-                max_batched_tokens=config.scheduler.max_num_batched_tokens,
+                kv_block_size=info.kv_block_size,
+                total_kv_blocks=info.total_kv_blocks,
+                max_running_requests=info.max_num_seqs,
+                max_batched_tokens=info.max_num_batched_tokens,
                 max_loras=0,
             ),
-            extra=_struct({"device": config.device, "dtype": config.dtype}),
+            extra=_struct({"device": info.device, "dtype": info.dtype}),
         )
 
     async def GetServerInfo(self, request, context):  # noqa: ANN001, ANN201, N802
@@ -102,7 +101,7 @@ class ControlServicer(oe.ControlServicer):
                 raise invalid("model is required; use one of ServerInfo.supported_models")  # D3 (ref)
             check_model(request.model, self.state.caps)
             # Publishing the known ``extra`` keys lets a portable suite check G8 unconfigured.
-            return model_info(self.state.caps, {"vocab_size": engine.limits.vocab_size,
+            return model_info(self.state.caps, {"vocab_size": engine.info.vocab_size,
                                                 "generate_extra_keys": GENERATE_EXTRA_KEYS})
 
         return await self._run(context, build)

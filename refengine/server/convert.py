@@ -35,7 +35,10 @@ from dataclasses import dataclass
 
 from google.protobuf import struct_pb2
 
-from refengine.engine.types import (
+from refengine.protocol import oe
+from refengine.server.errors import invalid
+from refengine.server.metadata import RequestMetadata
+from refengine.types import (
     CandidateSpec,
     GenerationRequest,
     KvParams,
@@ -43,9 +46,6 @@ from refengine.engine.types import (
     SamplingParams,
     StoppingParams,
 )
-from refengine.protocol import oe
-from refengine.server.errors import invalid
-from refengine.server.metadata import RequestMetadata
 
 EXTRA_STREAM_BUFFER = "refengine.stream_buffer"
 EXTRA_STALL_TIMEOUT = "refengine.stall_timeout_seconds"
@@ -138,8 +138,9 @@ def _candidates(selection: oe.CandidateTokenSelection) -> CandidateSpec | None:
     return None
 
 
-def _logprobs(r: oe.ResponseOptions) -> LogprobParams:
+def _logprobs(r: oe.ResponseOptions, max_prompt_positions: int | None) -> LogprobParams:
     return LogprobParams(
+        max_prompt_positions=max_prompt_positions,
         prompt_logprobs=r.return_prompt_logprobs,
         prompt_candidates=_candidates(r.prompt_candidates) if r.HasField("prompt_candidates") else None,
         prompt_logprob_start=r.prompt_logprob_start,
@@ -148,8 +149,10 @@ def _logprobs(r: oe.ResponseOptions) -> LogprobParams:
     )
 
 
-def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata) -> GenerationRequest:
-    """Map a validated ``GenerateRequest``; raises ``Rejection`` for G6's empty condition."""
+def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata,
+                      max_prompt_positions: int | None = None) -> GenerationRequest:
+    """Map a validated ``GenerateRequest``; raises ``Rejection`` for G6's empty condition.
+    ``max_prompt_positions``: the edge's message-size limit on prompt logprobs, in positions."""
     kind = request.WhichOneof("input")
     return GenerationRequest(
         request_id=request.request_id,
@@ -157,7 +160,7 @@ def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata) -> Gen
         prompt_token_ids=list(request.token_ids.ids) if kind == "token_ids" else None,
         sampling=_sampling(request.sampling),
         stopping=_stopping(request.stopping),
-        logprobs=_logprobs(request.response),
+        logprobs=_logprobs(request.response, max_prompt_positions),
         kv=KvParams(
             bypass_prefix_cache=request.kv.bypass_prefix_cache,
             cache_salt=request.kv.cache_salt or None,

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import grpc
 
-from refengine.engine.types import (
+from refengine.protocol import oe
+from refengine.types import (
     DuplicateRequestError,
     EngineFault,
     InvalidRequestError,
     OverloadedError,
     RequestError,
 )
-from refengine.protocol import oe
 
 
 class Rejection(Exception):

@@ -28,7 +28,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer as GrpcHealthServicer
 
-from refengine.engine.types import (
+from refengine.engine.interface import EngineClient
+from refengine.protocol import oe
+from refengine.server.state import Lifecycle, ServerState
+from refengine.server.validation import check_model
+from refengine.types import (
     FinishReason,
     GenerationRequest,
     KvParams,
@@ -37,9 +41,6 @@ from refengine.engine.types import (
     SamplingParams,
     StoppingParams,
 )
-from refengine.protocol import oe
-from refengine.server.state import Lifecycle, ServerState
-from refengine.server.validation import check_model
 
 SEVERITY = [
     oe.HEALTH_STATE_READY,
@@ -76,7 +77,7 @@ def _check(name: str, state: int, message: str) -> oe.HealthCheck:
     return oe.HealthCheck(name=name, state=state, message=message)
 
 
-async def inference_probe(engine, timeout: float) -> oe.HealthCheck:  # noqa: ANN001 - Engine
+async def inference_probe(engine: EngineClient, timeout: float) -> oe.HealthCheck:
     """H2: generate one greedy token from a one-token prompt; READY when it arrives in time."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[RequestOutput] = loop.create_future()
@@ -85,8 +86,8 @@ async def inference_probe(engine, timeout: float) -> oe.HealthCheck:  # noqa: AN
         if out.finished:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
 
-    mc = engine.model_config
-    first = mc.bos_token_id if mc.bos_token_id is not None else (list(mc.eos_token_ids) or [0])[0]
+    info = engine.info
+    first = info.bos_token_id if info.bos_token_id is not None else (list(info.eos_token_ids) or [0])[0]
     request_id = f"refengine-health-probe-{uuid.uuid4().hex}"
     params = GenerationRequest(
         request_id=request_id,
@@ -119,7 +120,7 @@ async def health_response(state: ServerState, request: oe.HealthRequest) -> oe.H
     lifecycle = state.lifecycle
     checks = [_check("grpc", oe.HEALTH_STATE_READY, "serving")]
     if state.engine is not None:
-        checks.append(_check("model", oe.HEALTH_STATE_READY, f"{state.engine.served_model_name} loaded"))
+        checks.append(_check("model", oe.HEALTH_STATE_READY, f"{state.engine.info.served_model_name} loaded"))
     elif lifecycle is Lifecycle.NOT_READY:
         checks.append(_check("model", oe.HEALTH_STATE_NOT_READY, f"load failed: {state.load_error}"))
     else:

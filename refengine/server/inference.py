@@ -21,7 +21,6 @@ import logging
 
 import grpc
 
-from refengine.engine.types import RequestError
 from refengine.protocol import oe
 from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
 from refengine.server.errors import STALLED_CONSUMER, Rejection, rejection_from_engine
@@ -29,7 +28,8 @@ from refengine.server.metadata import read_inference_metadata
 from refengine.server.responses import ResponseBuilder
 from refengine.server.state import ServerState
 from refengine.server.stream_bridge import OutputBridge
-from refengine.server.validation import ServerFacts, validate_generate
+from refengine.server.validation import ServerFacts, prompt_positions_limit, validate_generate
+from refengine.types import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +40,11 @@ class InferenceServicer(oe.InferenceServicer):
         options = state.options
         self.server_stream = StreamSettings(options.stream_buffer, options.stall_timeout_seconds)
 
-    def _facts(self, engine) -> ServerFacts:  # noqa: ANN001 - Engine
-        tokenizer = engine.tokenizer
+    def _facts(self) -> ServerFacts:
         return ServerFacts(
             role=self.state.options.role,
             caps=self.state.caps,
             max_send_message_bytes=self.state.options.max_send_message_bytes,
-            count_prompt_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
         )
 
     def _accept(self, request: oe.GenerateRequest, context: grpc.aio.ServicerContext) -> OutputBridge:
@@ -54,9 +52,10 @@ class InferenceServicer(oe.InferenceServicer):
         raises ``Rejection`` (nothing was allocated)."""
         meta = read_inference_metadata(context.invocation_metadata())
         engine = self.state.engine_for_generate()
-        validate_generate(request, meta, self._facts(engine))
+        facts = self._facts()
+        validate_generate(request, meta, facts)
         settings = stream_settings(request.extra, self.server_stream)
-        params = to_engine_request(request, meta)
+        params = to_engine_request(request, meta, prompt_positions_limit(request, facts))
         bridge = OutputBridge(asyncio.get_running_loop(), request.request_id, settings.stream_buffer,
                               settings.stall_timeout_seconds, self._on_stall)
         try:

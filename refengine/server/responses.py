@@ -16,9 +16,9 @@ on the last piece, so concatenation is unchanged (G11).
 
 from __future__ import annotations
 
-from refengine.engine.types import FinishInfo, FinishReason, RequestOutput, TokenInfo, Usage
 from refengine.protocol import oe
 from refengine.server.errors import engine_error
+from refengine.types import FinishInfo, FinishReason, RequestOutput, TokenInfo, Usage
 
 FINISH_REASONS = {
     FinishReason.STOP: oe.FINISH_REASON_STOP,

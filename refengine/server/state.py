@@ -20,6 +20,7 @@ from collections.abc import Callable
 import grpc
 
 from refengine.config import EngineConfig
+from refengine.engine.interface import EngineClient
 from refengine.server.capabilities import Capabilities, capabilities_of
 from refengine.server.errors import Rejection
 from refengine.server.options import ServerOptions
@@ -39,7 +40,7 @@ class ServerState:
         self.engine_config = engine_config
         self.instance_id = options.instance_id or f"refengine-{uuid.uuid4().hex[:12]}"
         self.lifecycle = Lifecycle.STARTING
-        self.engine = None  # refengine.engine.engine.Engine once loaded
+        self.engine: EngineClient | None = None  # once loaded
         self.caps: Capabilities | None = None
         self.load_error: str | None = None
         self.started_at = time.monotonic()
@@ -54,9 +55,9 @@ class ServerState:
         for listener in self._listeners:
             listener(lifecycle)
 
-    def set_ready(self, engine) -> None:  # noqa: ANN001 - Engine
+    def set_ready(self, engine: EngineClient) -> None:
         self.engine = engine
-        self.caps = capabilities_of(engine)
+        self.caps = capabilities_of(engine.info)
         if self.lifecycle is Lifecycle.STARTING:
             self._set(Lifecycle.READY)
 
@@ -68,7 +69,7 @@ class ServerState:
         if self.lifecycle in (Lifecycle.STARTING, Lifecycle.READY):
             self._set(Lifecycle.DRAINING)
 
-    def engine_for_control(self):  # noqa: ANN201 - Engine
+    def engine_for_control(self) -> EngineClient:
         """The engine, for Control RPCs (served while READY and DRAINING)."""
         if self.engine is None:
             if self.lifecycle is Lifecycle.NOT_READY:
@@ -77,7 +78,7 @@ class ServerState:
                             "the model is still loading; retry when Health is READY")
         return self.engine
 
-    def engine_for_generate(self):  # noqa: ANN201 - Engine
+    def engine_for_generate(self) -> EngineClient:
         """The engine, for new Generate requests: only while READY.
 
         DRAINING refuses with UNAVAILABLE before acceptance (ref, X1: a status, not an

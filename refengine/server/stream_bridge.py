@@ -25,7 +25,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from refengine.engine.types import EngineFault, RequestOutput, Usage
+from refengine.types import EngineFault, RequestOutput, Usage
 
 ABORT_CONFIRM_SECONDS = 5.0  # how long a failed stream waits for the engine's final usage
 

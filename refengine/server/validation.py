@@ -2,9 +2,11 @@
 K5, K6, M3), each with the gRPC status the contract names and a message saying what is
 wrong and what is allowed.
 
-Range checks of sampling/stopping values (G5–G7) are the engine's (``Engine.add_request``
-raises ``InvalidRequestError`` with the field name); this module checks what only the edge
-knows: the served model, the server's role, the capability table, message-size limits.
+Range checks of sampling/stopping/logprob values (G4–G7) are the engine's, made once
+(``Engine.add_request`` raises ``InvalidRequestError`` with the field name); this module
+checks only what the engine cannot see: proto presence, the served model, the server's
+role, the capability table, message-size limits. The edge never tokenizes: a prompt-size
+limit it knows only in bytes goes down as ``LogprobParams.max_prompt_positions``.
 
 Status choices (ref, where the contract only says "non-OK"):
 - unsupported feature (guided decoding, media): INVALID_ARGUMENT, naming the capability;
@@ -15,7 +17,6 @@ Status choices (ref, where the contract only says "non-OK"):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -39,7 +40,6 @@ class ServerFacts:
     role: str
     caps: Capabilities
     max_send_message_bytes: int
-    count_prompt_tokens: Callable[[str], int]  # the engine's tokenizer, for size estimates
 
 
 def check_model(model: str, caps: Capabilities) -> None:
@@ -85,8 +85,6 @@ def _check_candidates(name: str, selection: oe.CandidateTokenSelection, caps: Ca
     if mode not in caps.candidate_modes:
         raise invalid(f"response.{name}: candidate mode {mode!r} is not supported "
                       f"(supported: {list(caps.candidate_modes)})")
-    if mode == "top_n" and selection.top_n > caps.max_top_n:
-        raise invalid(f"response.{name}.top_n is {selection.top_n}; the maximum is {caps.max_top_n}")
 
 
 def check_features(request: oe.GenerateRequest, caps: Capabilities) -> None:
@@ -110,11 +108,8 @@ def check_features(request: oe.GenerateRequest, caps: Capabilities) -> None:
                         f"LoRA adapter {request.lora_name!r} not found: LoRA is disabled on this server "
                         "(supports_lora=false)")
     s = request.sampling
-    if s.HasField("num_sequences") and s.num_sequences == 0:
+    if s.HasField("num_sequences") and s.num_sequences == 0:  # presence: the engine sees only 1 …
         raise invalid("sampling.num_sequences must be > 0 when present (omit it for 1)")  # G4
-    if s.HasField("num_sequences") and s.num_sequences > caps.max_num_sequences:
-        raise invalid(f"sampling.num_sequences is {s.num_sequences}; the advertised maximum is "
-                      f"{caps.max_num_sequences}")
     r = request.response
     if r.return_prompt_logprobs and not caps.prompt_logprobs:
         raise invalid("prompt logprobs are not supported")
@@ -141,32 +136,28 @@ def _candidates_per_token(selection: oe.CandidateTokenSelection, vocab_size: int
 
 
 def check_response_sizes(request: oe.GenerateRequest, facts: ServerFacts) -> None:
-    """Refuse a request whose ``PromptOutput`` (sent once) or single-token ``TokenOutput``
-    could not fit in one gRPC message (ref). Token outputs are split per token when large."""
-    limit = facts.max_send_message_bytes
+    """Refuse a request whose single-token ``TokenOutput`` could not fit in one gRPC message
+    (ref). Token outputs are split per token when large; the prompt's size is the engine's
+    to check, once it has tokenized (``prompt_positions_limit``)."""
     r = request.response
-    vocab = facts.caps.vocab_size
     if r.HasField("output_candidates"):
-        per_token = TOKEN_INFO_BYTES + CANDIDATE_BYTES * _candidates_per_token(r.output_candidates, vocab)
-        if per_token > limit:
+        per_token = TOKEN_INFO_BYTES + CANDIDATE_BYTES * _candidates_per_token(r.output_candidates,
+                                                                               facts.caps.vocab_size)
+        if per_token > facts.max_send_message_bytes:
             raise invalid(f"output candidates need ~{per_token >> 20} MiB per token, over the "
-                          f"{limit >> 20} MiB message limit (--max-send-message-mib)")
+                          f"{facts.max_send_message_bytes >> 20} MiB message limit (--max-send-message-mib)")
+
+
+def prompt_positions_limit(request: oe.GenerateRequest, facts: ServerFacts) -> int | None:
+    """The most prompt positions whose ``PromptOutput`` (sent once, whole) fits in one message
+    with the requested candidates; None when the whole context always fits."""
+    r = request.response
     if not r.HasField("prompt_candidates"):
-        return
-    per_position = TOKEN_INFO_BYTES + CANDIDATE_BYTES * _candidates_per_token(r.prompt_candidates, vocab)
-    if facts.caps.max_context_length * per_position <= limit:
-        return  # fits whatever the prompt: no need to count its tokens
-    if request.WhichOneof("input") == "token_ids":
-        num_prompt = len(request.token_ids.ids)
-    else:
-        num_prompt = facts.count_prompt_tokens(request.prompt)
-    positions = max(num_prompt - r.prompt_logprob_start, 0)
-    size = positions * per_position
-    if size > limit:
-        raise invalid(f"prompt candidates for {positions} positions need ~{size >> 20} MiB in one "
-                      f"PromptOutput, over the {limit >> 20} MiB message limit; raise "
-                      "response.prompt_logprob_start, select fewer candidates, "
-                      "or raise --max-send-message-mib")
+        return None
+    per_position = TOKEN_INFO_BYTES + CANDIDATE_BYTES * _candidates_per_token(r.prompt_candidates,
+                                                                            facts.caps.vocab_size)
+    limit = facts.max_send_message_bytes
+    return None if facts.caps.max_context_length * per_position <= limit else limit // per_position
 
 
 def validate_generate(request: oe.GenerateRequest, meta: RequestMetadata, facts: ServerFacts) -> None:

@@ -8,13 +8,13 @@ import torch
 
 from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from refengine.engine.engine import Engine
-from refengine.engine.types import GenerationRequest, SamplingParams, StoppingParams
 from refengine.kernels.attention import make_attention_backend
 from refengine.kernels.attention.cpu_paged import native_kernel_unavailable_reason
 from refengine.model.loader import load_model_config, load_tokenizer, load_weights, model_fingerprint
 from refengine.model.runner import ModelRunner
-from refengine.scheduler.scheduler import ScheduledSequence
 from refengine.scheduler.sequence import Sequence
+from refengine.types import GenerationRequest, SamplingParams, StoppingParams
+from tests.step_helpers import run_step
 
 pytestmark = pytest.mark.golden
 
@@ -108,16 +108,16 @@ def test_prefill_and_decode_logits_match_transformers(model_parts, hf_smollm2, p
     with torch.no_grad():
         reference = hf_smollm2(torch.tensor([ids])).logits[0]
     prefill_len = len(ids) - 3
-    seq = Sequence("g", 0, list(ids[:prefill_len]), prefill_len, len(ids) + 8)
+    seq = Sequence("g", 0, list(ids[:prefill_len]), prefill_len)
     seq.block_table = list(range(len(ids) // 16 + 1))
     got = []
     half = prefill_len // 2  # a prefill in two chunks, then three decode steps
     for num_new in (half, prefill_len - half):
-        got.append(runner.execute([ScheduledSequence.of(seq, num_new)], [True])[0])
+        got.append(run_step(runner, seq, num_new, all_logits=True))
         seq.num_computed_tokens += num_new
     for pos in range(prefill_len, len(ids)):
         seq.token_ids.append(ids[pos])
-        got.append(runner.execute([ScheduledSequence.of(seq, 1)], [False])[0])
+        got.append(run_step(runner, seq, 1))
         seq.num_computed_tokens += 1
     assert seq.num_computed_tokens == len(ids)
     max_diff = (torch.cat(got) - reference).abs().max().item()
@@ -145,7 +145,7 @@ def test_greedy_identical_inside_a_mixed_batch_of_32(model_parts, prompt_ids, al
         )
     results = engine.run_until_done(requests)
     assert [r.outputs[0].token_ids for r in results[:8]] == alone
-    assert engine.pool.num_used == 0
+    assert engine.core.pool.num_used == 0
 
 
 def test_greedy_identical_with_forced_chunking(model_parts, prompt_ids, alone) -> None:
@@ -157,18 +157,18 @@ def test_greedy_identical_with_forced_chunking(model_parts, prompt_ids, alone) -
 def test_greedy_identical_under_preemption(model_parts, prompt_ids, alone) -> None:
     engine = make_engine(model_parts, num_blocks=12)  # 8 sequences need ~5 blocks each at the end
     preemptions = []
-    original = engine.scheduler._preempt
+    original = engine.core.scheduler._preempt
 
-    def counting_preempt(seq, out):
+    def counting_preempt(seq):
         preemptions.append(seq.request_id)
-        original(seq, out)
+        original(seq)
 
-    engine.scheduler._preempt = counting_preempt
+    engine.core.scheduler._preempt = counting_preempt
     results = engine.run_until_done([greedy_request(i, ids) for i, ids in enumerate(prompt_ids)])
     assert preemptions, "the pool was meant to be small enough to force preemption"
     assert [r.outputs[0].token_ids for r in results] == alone
-    engine.pool.check_integrity()
-    assert engine.pool.num_used == 0
+    engine.core.check_idle()
+    assert engine.core.pool.num_used == 0
 
 
 def test_greedy_identical_on_prefix_cache_hits(model_parts, prompt_ids, alone) -> None:

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from refengine.engine.types import EngineFault
 from refengine.protocol import oe
 from refengine.server.errors import DRAINED, ERROR_CODES, STALLED_CONSUMER, engine_error
 from refengine.server.health import LIFECYCLE_STATE
+from refengine.types import EngineFault
 from tests.integration.conftest import MODEL, SHARED_ALIAS
 from tests.release_client import ReleaseClient, unknown_field_paths
 

@@ -19,8 +19,9 @@ from google.protobuf import struct_pb2
 from refengine.client import OpenEngineClient, stream_text
 from refengine.config import CacheConfig, EngineConfig
 from refengine.engine.engine import Engine
-from refengine.engine.types import GenerationRequest, SamplingParams, StoppingParams
+from refengine.model.chat import chat_prompt as chat_prompt_of
 from refengine.protocol import oe
+from refengine.types import GenerationRequest, SamplingParams, StoppingParams
 from tests.integration.conftest import REPO, check_stream, collect, greedy_request, wait_idle
 
 PROMPT = "The capital of France is"
@@ -310,7 +311,7 @@ def test_client_stream_text_and_cli_remote(server_address: str, reference: Engin
     chat_prompt = reference.tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], tokenize=False,
                                                           add_generation_prompt=True)
     chat_expected = reference_greedy(reference, chat_prompt, 6)
-    assert "".join(stream_text(server_address, "Hi!", max_tokens=6, chat=True)) == chat_expected.text
+    assert "".join(stream_text(server_address, "Hi!", max_tokens=6, chat=chat_prompt_of)) == chat_expected.text
     cli = subprocess.run([sys.executable, "-m", "refengine.cli", "generate", PROMPT, "--remote", server_address,
                           "--max-tokens", "6"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert cli.returncode == 0, cli.stderr

@@ -12,7 +12,14 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 
-from refengine.engine.types import (
+from refengine.protocol import oe
+from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
+from refengine.server.errors import Rejection
+from refengine.server.metadata import RequestMetadata, read_inference_metadata
+from refengine.server.responses import ResponseBuilder
+from refengine.server.stream_bridge import OutputBridge
+from refengine.server.validation import check_role
+from refengine.types import (
     Candidate,
     EngineFault,
     FinishInfo,
@@ -22,13 +29,6 @@ from refengine.engine.types import (
     TokenInfo,
     Usage,
 )
-from refengine.protocol import oe
-from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
-from refengine.server.errors import Rejection
-from refengine.server.metadata import RequestMetadata, read_inference_metadata
-from refengine.server.responses import ResponseBuilder
-from refengine.server.stream_bridge import OutputBridge
-from refengine.server.validation import check_role
 
 USAGE = Usage(prompt_tokens=4, completion_tokens=2, cached_prompt_tokens=0)
 LENGTH = FinishInfo(FinishReason.LENGTH)

@@ -3,17 +3,33 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
 import pytest
 
 from refengine.kv.block_pool import BlockPool
+from refengine.kv.events import BlockRemoved, BlockStored
 from refengine.kv.kv_manager import KvCacheManager
 from refengine.kv.prefix_hash import hash_block
-from refengine.scheduler.sequence import Sequence
 
 
-def make_seq(tokens: list[int], extra: tuple[str, ...] = ()) -> Sequence:
-    return Sequence("r", 0, list(tokens), len(tokens), len(tokens) + 64, extra_keys=extra)
+@dataclass(eq=False)
+class Seq:
+    """A minimal KvSequence: the kv package does not depend on the scheduler's Sequence."""
+
+    token_ids: list[int]
+    extra_keys: tuple[str, ...] = ()
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def make_seq(tokens: list[int], extra: tuple[str, ...] = ()) -> Seq:
+    return Seq(list(tokens), extra)
 
 
 def test_allocate_free_returns_to_idle() -> None:
@@ -87,19 +103,18 @@ def test_copy_on_write_of_shared_partial_block() -> None:
 
 
 def test_eviction_is_lru_and_drops_hashes() -> None:
-    pool = BlockPool(4)
-    events: list[tuple[str, bytes]] = []
-    pool.event_hooks.append(lambda kind, h: events.append((kind, h)))
+    pool = BlockPool(4, record_events=True)
     kv = KvCacheManager(pool, block_size=2)
     old = make_seq([1, 2, 3, 4])
     kv.allocate(old, 4)
     old.num_computed_tokens = 4
     kv.cache_full_blocks(old)
     kv.free(old)
-    assert [k for k, _ in events] == ["stored", "stored"]
+    head, tail = old.block_hashes
+    assert [type(e) for e in pool.take_events()] == [BlockStored, BlockStored]
     taken = pool.allocate(3)  # 2 free + 1 evicted (the tail block of `old`, freed first)
-    assert [k for k, _ in events][-1] == "removed"
-    assert pool.num_cached == 1
+    assert pool.take_events() == [BlockRemoved(tail)]
+    assert pool.num_cached == 1 and pool.lookup(head) is not None and pool.lookup(tail) is None
     pool.free(taken)
     pool.check_integrity()
 
@@ -108,7 +123,7 @@ def test_random_alloc_free_keeps_integrity() -> None:
     rng = random.Random(0)
     pool = BlockPool(64)
     kv = KvCacheManager(pool, block_size=4)
-    live: list[Sequence] = []
+    live: list[Seq] = []
     for _ in range(2000):
         if live and rng.random() < 0.4:
             kv.free(live.pop(rng.randrange(len(live))))
@@ -120,8 +135,8 @@ def test_random_alloc_free_keeps_integrity() -> None:
             seq.num_computed_tokens = seq.num_tokens
             kv.cache_full_blocks(seq)
             live.append(seq)
-        pool.check_integrity()
+        kv.check_integrity(s.block_table for s in live)
     for seq in live:
         kv.free(seq)
     assert pool.num_used == 0
-    pool.check_integrity()
+    kv.check_integrity()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from refengine.config import KernelConfig
 from refengine.kernels import cpu
 from refengine.kernels.attention import TorchReferenceBackend, make_attention_backend
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
@@ -346,9 +347,9 @@ def test_cache_write_layout_and_untouched_blocks(block_size) -> None:
 def fresh_loader(monkeypatch, tmp_path):
     """An empty kernel cache dir, and the loader's memo cleared before and after."""
     monkeypatch.setenv("REFENGINE_CACHE_DIR", str(tmp_path / "cache"))
-    cpu.load.cache_clear()
+    cpu.clear_cache()
     yield tmp_path / "cache"
-    cpu.load.cache_clear()  # runs before monkeypatch restores the environment; the next load() re-reads it
+    cpu.clear_cache()  # runs before monkeypatch restores the environment; the next load() looks again
 
 
 def test_make_attention_backend_choices() -> None:
@@ -368,7 +369,7 @@ def test_no_compiler_falls_back(fresh_loader, monkeypatch, tmp_path) -> None:
     empty.mkdir()
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("PATH", str(empty))  # hides gcc too: _compiler() falls back to which("gcc")
-    cpu.load.cache_clear()
+    cpu.clear_cache()
     loaded = cpu.load("paged_attention")
     assert loaded.library is None
     assert "compiler" in loaded.reason
@@ -381,14 +382,18 @@ def test_no_compiler_falls_back(fresh_loader, monkeypatch, tmp_path) -> None:
     assert not (fresh_loader / "kernels").exists()
 
 
-def test_disabled_by_env(fresh_loader, monkeypatch) -> None:
-    monkeypatch.setenv("REFENGINE_NATIVE_KERNELS", "0")
-    cpu.load.cache_clear()
-    loaded = cpu.load("paged_attention")
-    assert loaded.library is None and "REFENGINE_NATIVE_KERNELS" in loaded.reason
-    assert type(make_attention_backend("auto", torch.float32, "cpu")) is TorchReferenceBackend
-    with pytest.raises(ValueError, match="REFENGINE_NATIVE_KERNELS"):
-        make_attention_backend("cpu", torch.float32, "cpu")
+def test_disabled_by_kernel_config(fresh_loader) -> None:
+    """KernelConfig.native_cpu_kernels = False: nothing is built, auto takes the reference,
+    and naming the native backend is an error that says which switch turned it off."""
+    off = KernelConfig(native_cpu_kernels=False)
+    loaded = cpu.load("paged_attention", enabled=False)
+    assert loaded.library is None and "--no-native-kernels" in loaded.reason
+    assert "native_cpu_kernels" in native_kernel_unavailable_reason(enabled=False)
+    assert type(make_attention_backend("auto", torch.float32, "cpu", off)) is TorchReferenceBackend
+    with pytest.raises(ValueError, match="--no-native-kernels"):
+        make_attention_backend("cpu", torch.float32, "cpu", off)
+    assert not (fresh_loader / "kernels").exists()  # not even attempted
+    assert cpu.load("paged_attention").library is not None  # the switch is per call, not process-wide
 
 
 def test_build_is_cached(fresh_loader) -> None:
@@ -402,7 +407,7 @@ def test_build_is_cached(fresh_loader) -> None:
     assert list(path.parent.iterdir()) == [path]  # the temporary build file was renamed, nothing left over
     built = path.stat().st_mtime_ns
 
-    cpu.load.cache_clear()
+    cpu.clear_cache()
     second = cpu.load("paged_attention")  # a new process would do this: finds the built library
     assert second.library is not None and Path(second.library._name) == path
     assert path.stat().st_mtime_ns == built  # not rebuilt
@@ -413,7 +418,7 @@ def test_unwritable_cache_falls_back(fresh_loader, monkeypatch, tmp_path) -> Non
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("")
     monkeypatch.setenv("REFENGINE_CACHE_DIR", str(blocker / "cache"))
-    cpu.load.cache_clear()
+    cpu.clear_cache()
     loaded = cpu.load("paged_attention")
     assert loaded.library is None and "could not build or load" in loaded.reason
     assert type(make_attention_backend("auto", torch.float32, "cpu")) is TorchReferenceBackend
@@ -421,7 +426,7 @@ def test_unwritable_cache_falls_back(fresh_loader, monkeypatch, tmp_path) -> Non
 
 def test_failed_build_leaves_nothing_behind(fresh_loader, monkeypatch) -> None:
     monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
-    cpu.load.cache_clear()
+    cpu.clear_cache()
     loaded = cpu.load("paged_attention")
     assert loaded.library is None and "failed to build paged_attention.c" in loaded.reason
     assert [p for p in (fresh_loader / "kernels").rglob("*") if p.is_file()] == []

@@ -10,7 +10,7 @@ import torch
 
 from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from refengine.engine.engine import Engine
-from refengine.engine.types import (
+from refengine.types import (
     CandidateSpec,
     DuplicateRequestError,
     FinishReason,
@@ -38,8 +38,8 @@ def tiny():
 def make_engine(tiny, num_blocks=256, budget=512, max_seqs=32, block_size=4, caching=True) -> Engine:
     _, config, weights = tiny
     return Engine(
-        EngineConfig(max_model_len=256, cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                                          enable_prefix_caching=caching),
+        EngineConfig(max_model_len=256, max_sequences_per_request=min(16, max_seqs),
+                     cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
                      scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs)),
         config, weights, TOKENIZER, model_fingerprint="tiny")
 
@@ -66,9 +66,8 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def assert_idle(engine: Engine) -> None:
-    engine.pool.check_integrity()
-    assert engine.pool.num_used == 0, "KV blocks leaked"
-    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    engine.core.check_idle()
+    assert engine.core.pool.num_used == 0, "KV blocks leaked"
 
 
 def test_greedy_matches_transformers(tiny) -> None:
@@ -207,12 +206,12 @@ def test_min_tokens_suppresses_eos(tiny) -> None:
     ids = prompt(17, 6)
     eos_request = GenerationRequest("eos", prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
                                     stopping=StoppingParams(max_tokens=10, stop_token_ids=(), min_tokens=0))
-    engine.eos_token_ids = tuple(engine.run_until_done([greedy("probe", ids, 1)])[0].outputs[0].token_ids)
+    engine.core.eos_token_ids = tuple(engine.run_until_done([greedy("probe", ids, 1)])[0].outputs[0].token_ids)
     assert engine.run_until_done([eos_request])[0].outputs[0].finish.eos_token_id is not None
     with_min = GenerationRequest("min", prompt_token_ids=ids, sampling=SamplingParams(temperature=0),
                                  stopping=StoppingParams(max_tokens=10, min_tokens=4))
     out = engine.run_until_done([with_min])[0].outputs[0]
-    assert len(out.token_ids) >= 4 and engine.eos_token_ids[0] not in out.token_ids[:4]
+    assert len(out.token_ids) >= 4 and engine.core.eos_token_ids[0] not in out.token_ids[:4]
 
 
 def test_prompt_logprobs_match_transformers(tiny) -> None:
@@ -361,7 +360,7 @@ def test_torch_paths_match_the_native_engine(tiny, dtype, backend) -> None:
     requests = [greedy(f"p{i}", prompt(i, 5 + 9 * i), max_tokens=12) for i in range(6)]
     got = [r.outputs[0].token_ids for r in engine.run_until_done(requests)]
     assert all(len(ids) == 12 for ids in got)
-    assert engine.pool.num_used == 0
+    assert engine.core.pool.num_used == 0
     if dtype == "float32":
         default = make_engine(tiny)
         assert got == [r.outputs[0].token_ids for r in default.run_until_done(requests)]

@@ -17,12 +17,12 @@ native_only = pytest.mark.skipif(not NATIVE, reason="native fused ops unavailabl
 
 
 @pytest.fixture(params=["native", "torch"])
-def path(request, monkeypatch) -> str:
+def ops(request) -> fused.FusedOps:
+    """The ops on one path: native (the C kernels) or torch (FusedOps(native=False), as
+    KernelConfig.native_cpu_kernels = False gives the model)."""
     if request.param == "native" and not NATIVE:
         pytest.skip("native fused ops unavailable (no C compiler?)")
-    if request.param == "torch":
-        monkeypatch.setattr(fused, "_library", lambda: None)
-    return request.param
+    return fused.FusedOps(native=request.param == "native")
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,13 +34,13 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rms_norm_matches_transformers(path, rows, with_delta) -> None:
+def test_add_rms_norm_matches_transformers(ops, rows, with_delta) -> None:
     g = torch.Generator().manual_seed(rows)
     residual = torch.randn(rows, 576, generator=g) * 3
     delta = torch.randn(rows, 576, generator=g) if with_delta else None
     weight = torch.randn(576, generator=g)
     expected_residual = residual + delta if with_delta else residual.clone()
-    out = fused.add_rms_norm(residual, delta, weight, 1e-5)
+    out = ops.add_rms_norm(residual, delta, weight, 1e-5)
     assert (residual - expected_residual).abs().max() <= 1e-6, "the residual stream is updated in place"
     assert (out - hf_rms_norm(expected_residual, weight, 1e-5)).abs().max() <= 1e-5
 
@@ -53,14 +53,14 @@ def test_add_rms_norm_bfloat16_falls_back_to_the_reference_formula() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_silu_and_mul(path, rows) -> None:
+def test_silu_and_mul(ops, rows) -> None:
     gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(fused.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_rotary_on_a_strided_qkv_view_matches_transformers(path, head_dim) -> None:
+def test_rotary_on_a_strided_qkv_view_matches_transformers(ops, head_dim) -> None:
     """Queries and keys rotated in place inside the fused QKV output, as the model does."""
     heads, kv_heads, tokens, max_pos = 6, 2, 9, 512
     g = torch.Generator().manual_seed(head_dim)
@@ -80,10 +80,53 @@ def test_rotary_on_a_strided_qkv_view_matches_transformers(path, head_dim) -> No
     v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
 
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
-    fused.rotary_(qk, positions, cos, signed_sin)
+    ops.rotary_(qk, positions, cos, signed_sin)
     assert (qk[:, :heads] - q_hf[0].transpose(0, 1)).abs().max() <= 1e-5
     assert (qk[:, heads:] - k_hf[0].transpose(0, 1)).abs().max() <= 1e-5
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before), "values must be left alone"
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_rms_norm_matches_transformers_and_leaves_x(ops, rows) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g) * 3
+    weight = torch.randn(576, generator=g)
+    before = x.clone()
+    out = ops.rms_norm(x, weight, 1e-5)
+    assert torch.equal(x, before)
+    assert (out - hf_rms_norm(before, weight, 1e-5)).abs().max() <= 1e-5
+    assert (out - fused.rms_norm(before, weight, 1e-5)).abs().max() <= 1e-5
+
+
+def test_torch_path_never_loads_the_library(monkeypatch) -> None:
+    """native=False must not even ask for the kernels (no build on a --no-native-kernels run)."""
+    def refuse() -> None:
+        raise AssertionError("FusedOps(native=False) asked for the native library")
+
+    monkeypatch.setattr(fused, "_library", refuse)
+    ops = fused.FusedOps(native=False)
+    x = torch.randn(3, 64)
+    ops.add_rms_norm(x, torch.randn(3, 64), torch.randn(64), 1e-6)
+    ops.rms_norm(x, torch.randn(64), 1e-6)
+    ops.silu_and_mul(torch.randn(3, 128))
+    table = torch.randn(8, 16)
+    ops.rotary_(torch.randn(3, 2, 16), torch.tensor([0, 1, 7]), table, table)
+
+
+@native_only
+def test_module_functions_are_the_native_ops() -> None:
+    """The module-level functions (what the model calls today) are FusedOps(native=True)'s,
+    bit for bit, on the kernel path."""
+    g = torch.Generator().manual_seed(3)
+    residual, delta = torch.randn(5, 576, generator=g), torch.randn(5, 576, generator=g)
+    weight = torch.randn(576, generator=g)
+    gate_up = torch.randn(5, 3072, generator=g)
+    native = fused.FusedOps(native=True)
+    a_residual, b_residual = residual.clone(), residual.clone()
+    assert torch.equal(fused.add_rms_norm(a_residual, delta, weight, 1e-5),
+                       native.add_rms_norm(b_residual, delta, weight, 1e-5))
+    assert torch.equal(a_residual, b_residual)
+    assert torch.equal(fused.silu_and_mul(gate_up), native.silu_and_mul(gate_up))
 
 
 @native_only

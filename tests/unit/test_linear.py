@@ -70,22 +70,25 @@ def test_bfloat16_is_unpacked_and_correct() -> None:
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=5e-2, rtol=2e-2)
 
 
-@pytest.fixture
-def onednn_off(monkeypatch):
-    monkeypatch.setenv("REFENGINE_ONEDNN", "0")
-    onednn_available.cache_clear()
-    yield
-    onednn_available.cache_clear()  # before monkeypatch restores the env; the next call re-reads it
-
-
-def test_onednn_disabled_by_env(onednn_off) -> None:
-    assert not onednn_available()
+def test_prepack_false_keeps_f_linear() -> None:
+    """KernelConfig.onednn_linear = False (--no-onednn) reaches Linear as prepack=False."""
     weight, bias = _weights(*SHAPES[0])
-    layer = Linear(weight, bias)
+    layer = Linear(weight, bias, prepack=False)
     assert not layer.packed
     assert layer.weight is weight  # kept as given
     x = torch.randn(7, SHAPES[0][1])
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-4, rtol=0)
+
+
+def test_onednn_switch_is_not_read_from_the_environment(monkeypatch) -> None:
+    """The retired REFENGINE_ONEDNN variable no longer changes anything: the switch is a parameter."""
+    monkeypatch.setenv("REFENGINE_ONEDNN", "0")
+    onednn_available.cache_clear()
+    try:
+        weight, bias = _weights(*SHAPES[0])
+        assert Linear(weight, bias).packed == onednn_available() == torch.backends.mkldnn.is_available()
+    finally:
+        onednn_available.cache_clear()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from refengine.engine.types import CandidateSpec
 from refengine.sampling.logprobs import (
     PROMPT_CHUNK_POSITIONS,
     batch_logprob_info,
     prompt_logprobs,
-    token_logprob_info,
 )
+from refengine.types import CandidateSpec
+from tests.unit.sampling_helpers import token_logprob_info
 
 
 def _oracle(lp: list[float]) -> list[tuple[int, float, int]]:

@@ -20,9 +20,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from refengine.engine.types import CandidateSpec, SamplingParams
 from refengine.sampling import Sampler, SamplingRow, apply_penalties
-from refengine.sampling.sampler import truncation_mask
+from refengine.types import CandidateSpec, SamplingParams
+from tests.unit.sampling_helpers import truncation_mask
 
 # chi-square critical values at p = 0.001 (from tables), by degrees of freedom
 CHI2_CRIT_001 = {3: 16.27, 4: 18.47, 5: 20.52, 7: 24.32, 9: 27.88}

@@ -16,17 +16,18 @@ def make(num_blocks: int = 64, budget: int = 32, max_seqs: int = 8, block_size: 
 
 
 def seq(rid: str, n: int, priority: int = 0) -> Sequence:
-    return Sequence(rid, 0, list(range(1, n + 1)), n, n + 32, priority=priority)
+    return Sequence(rid, 0, list(range(1, n + 1)), n, priority=priority)
 
 
 def run_step(s: Scheduler) -> dict[str, int]:
     """Schedule, pretend the model ran, append a token to sequences that sampled."""
     out = s.schedule()
-    sampled = [item.seq for item in out.scheduled if item.samples]
-    s.update_after_step(out)
+    by_id = {q.request_id: q for q in s.running}
+    sampled = [by_id[item.request_id] for item in out.scheduled if item.samples]
+    s.update_from_output(out)
     for q in sampled:
         q.token_ids.append(7)
-    return {item.seq.request_id: item.num_new_tokens for item in out.scheduled}
+    return {item.request_id: item.num_new_tokens for item in out.scheduled}
 
 
 def test_chunked_prefill_under_token_budget() -> None:
@@ -59,11 +60,28 @@ def test_priority_then_fcfs_admission() -> None:
 def test_max_num_seqs_counts_slots_of_forking_parents() -> None:
     s = make(max_seqs=4)
     parent = seq("p", 4)
-    parent.seq_slots = 3
+    parent.num_pending_forks = 2  # num_sequences = 3: two outputs wait for its prompt
     s.add(parent)
     s.add(seq("b", 4))
     s.add(seq("c", 4))
     assert sorted(run_step(s)) == ["b", "p"]
+
+
+def test_fork_moves_a_pending_slot_and_shares_blocks() -> None:
+    s = make(max_seqs=4, block_size=4)
+    parent = seq("p", 6)
+    parent.num_pending_forks = 1
+    s.add(parent)
+    run_step(s)  # the prompt is computed and output 0 sampled
+    child = Sequence("p", 1, list(parent.token_ids[:6]), 6)
+    s.fork(parent, child)
+    assert parent.num_pending_forks == 0 and parent.num_slots + child.num_slots == 2
+    assert child.block_table == parent.block_table and child.num_computed_tokens == 6
+    assert all(s.kv.pool.blocks[b].ref_count == 2 for b in child.block_table)
+    s.finish(parent)
+    s.finish(child)
+    s.kv.pool.check_integrity()
+    assert s.kv.pool.num_used == 0
 
 
 def test_preemption_frees_blocks_and_requeues() -> None:

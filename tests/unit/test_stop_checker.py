@@ -13,7 +13,7 @@ import pytest
 
 from refengine.engine.detokenizer import IncrementalDetokenizer, decode
 from refengine.engine.stop_checker import StopChecker, process_token
-from refengine.engine.types import FinishInfo, FinishReason, StoppingParams
+from refengine.types import FinishInfo, FinishReason, StoppingParams
 from tests.unit.tokenizer_fixture import smollm2_tokenizer
 
 EOS = 2

@@ -13,6 +13,11 @@ backend's choice (``kv_cache_shapes``); the default, per layer, is
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` for keys and the same for
 values. Dimension 0 is always the block, so copying or moving whole blocks
 (copy-on-write, preemption) never needs to know the layout.
+
+CUDA graphs stay out of the choice of backend (as in mini-sglang): the runner owns
+capture and replay and calls the ``*cuda_graph*`` / ``prepare_for_*`` hooks below; a
+backend that cannot be captured keeps their no-op defaults and says so through
+``supports_cuda_graphs``. On CPU there are no graphs: the hooks are never needed.
 """
 
 from __future__ import annotations
@@ -53,6 +58,28 @@ class AttentionBackend(ABC):
         """Shapes of one layer's key and value cache tensors (dimension 0 = block)."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return shape, shape
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether decode steps through this backend may be captured in CUDA graphs and
+        replayed (it implements the three hooks below). False for the CPU backends."""
+        return False
+
+    def init_cuda_graph_state(self, max_num_seqs: int, max_num_blocks_per_seq: int) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Allocate, once, the buffers a captured graph reads (block tables ``[max_num_seqs,
+        max_num_blocks_per_seq]``, sequence lengths, any workspace) at fixed addresses: a
+        replay cannot see tensors made after capture. A no-op on CPU."""
+
+    def prepare_for_capture(self, num_seqs: int) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Before capturing the decode graph for a batch of ``num_seqs`` one-token
+        sequences: point the backend's per-step state at slices of the graph buffers
+        (filled with placeholder values), so ``forward`` records reads of those buffers.
+        A no-op on CPU."""
+
+    def prepare_for_replay(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Instead of ``prepare`` before replaying a captured graph: copy this step's
+        metadata into the graph buffers in place (padding the batch to the captured
+        size), allocating nothing. A no-op on CPU."""
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> None:

@@ -7,7 +7,8 @@ of at least ``SDPA_MIN_QUERY_TOKENS`` query tokens goes to SDPA's fused flash ke
 (blocked, GEMM-like), which beats a row-at-a-time kernel there: a fresh prompt
 attends causally to its own new keys straight from the step's ``k``/``v``; a chunk
 that continues a cached context gathers its blocks first and masks by position.
-float32 only; the engine picks the torch reference for other dtypes and devices.
+float32 only; the backend registry (``registry.py``) picks the torch reference for
+other dtypes and devices.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ class _SdpaChunk:
     mask: torch.Tensor | None  # [query_len, num_blocks * block_size], True = attend; None = plain causal
 
 
-def native_kernel_unavailable_reason() -> str:
-    """Why the native kernel cannot be used here; "" when it can."""
-    return cpu.load("paged_attention").reason
+def native_kernel_unavailable_reason(enabled: bool = True) -> str:
+    """Why the native kernel cannot be used here; "" when it can. ``enabled`` is
+    ``KernelConfig.native_cpu_kernels``."""
+    return cpu.load("paged_attention", enabled).reason
 
 
 class CpuPagedBackend(AttentionBackend):

@@ -3,7 +3,8 @@
 A kernel is built once per (source, compiler, flags, CPU) into the refengine cache
 (``<cache>/kernels/<key>/``) and loaded with ctypes; ``-march=native`` is why the
 CPU is part of the key. When no compiler is found or the build fails, the loader
-returns ``None`` with the reason, and callers fall back to the torch reference.
+returns ``None`` with the reason, and callers fall back to the torch reference;
+``KernelConfig.native_cpu_kernels`` = False (``--no-native-kernels``) skips the build.
 
 The library is linked with ``-fopenmp``: it asks for ``libgomp.so.1``, which torch
 has already loaded, so the kernel's parallel loops share torch's OpenMP thread pool
@@ -59,11 +60,20 @@ def _compiler_version(compiler: str) -> str:
     return result.stdout.splitlines()[0] if result.stdout else compiler
 
 
+DISABLED = KernelLibrary(None, "disabled by --no-native-kernels (KernelConfig.native_cpu_kernels)")
+
+
+def load(name: str, enabled: bool = True) -> KernelLibrary:
+    """Build (if needed) and load ``<name>.c`` from this package; ``enabled`` is
+    ``KernelConfig.native_cpu_kernels`` (False: nothing is built, callers fall back).
+    Memoized per process (see ``clear_cache``)."""
+    if not enabled:
+        return DISABLED
+    return _load(name)
+
+
 @functools.cache
-def load(name: str) -> KernelLibrary:
-    """Build (if needed) and load ``<name>.c`` from this package."""
-    if os.environ.get("REFENGINE_NATIVE_KERNELS", "1") == "0":
-        return KernelLibrary(None, "disabled by REFENGINE_NATIVE_KERNELS=0")
+def _load(name: str) -> KernelLibrary:
     compiler = _compiler()
     if compiler is None:
         return KernelLibrary(None, "no C compiler found (set CC, or install gcc)")
@@ -81,6 +91,12 @@ def load(name: str) -> KernelLibrary:
         return KernelLibrary(ctypes.CDLL(str(target)), "")
     except OSError as exc:  # an unwritable cache, a library that does not load
         return KernelLibrary(None, f"could not build or load {target}: {exc}")
+
+
+def clear_cache() -> None:
+    """Forget what ``load`` built and loaded in this process (tests that change the
+    compiler or the cache directory call it; the next ``load`` looks again)."""
+    _load.cache_clear()
 
 
 def _build(compiler: str, source: Path, target: Path) -> str:

@@ -1,8 +1,9 @@
-"""Engine-level request and output types.
+"""Request and output types shared by every layer (the bottom of the layer order).
 
-These are the only types that cross the boundary between the engine core and an
-edge (the gRPC server, the CLI, tests). They hold plain Python values, never
-tensors or protobuf messages.
+These are the only types that cross the boundary between the engine and an edge
+(the gRPC server, the CLI, tests), and the request parameters the sampler reads.
+They hold plain Python values, never tensors or protobuf messages, and import
+nothing of refengine.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class LogprobParams:
     prompt_logprobs: bool = False
     prompt_candidates: CandidateSpec | None = None
     prompt_logprob_start: int = 0
+    # The most prompt positions one response may carry (an edge's message-size limit);
+    # None = no limit. Checked once the prompt is tokenized.
+    max_prompt_positions: int | None = None
     output_logprobs: bool = False
     output_candidates: CandidateSpec | None = None
 

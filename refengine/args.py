@@ -1,0 +1,184 @@
+"""Command-line flags for every ``EngineConfig`` field, shared by ``refengine serve``,
+``refengine generate`` and the benchmarks.
+
+Each flag's help shows its default (``None`` defaults say what ``None`` means); the
+defaults themselves come from the dataclasses in ``refengine/config.py``, the one
+place they are written. No torch here: the server builds its config from these flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from refengine.config import (
+    ATTENTION_BACKENDS,
+    DTYPE_NAMES,
+    CacheConfig,
+    EngineConfig,
+    KernelConfig,
+    SchedulerConfig,
+)
+
+# Which flag sets which field, for error messages and for the test that every field has one.
+FIELD_FLAGS = {
+    "EngineConfig.model": "--model",
+    "EngineConfig.served_model_name": "--served-model-name",
+    "EngineConfig.served_model_aliases": "--served-model-alias",
+    "EngineConfig.dtype": "--dtype",
+    "EngineConfig.device": "--device",
+    "EngineConfig.max_model_len": "--max-model-len",
+    "EngineConfig.max_sequences_per_request": "--max-sequences-per-request",
+    "EngineConfig.max_logprobs": "--max-logprobs",
+    "EngineConfig.seed": "--seed",
+    "EngineConfig.num_threads": "--num-threads",
+    "EngineConfig.attention_backend": "--attention-backend",
+    "EngineConfig.debug_kv_integrity": "--debug-kv-integrity",
+    "CacheConfig.block_size": "--block-size",
+    "CacheConfig.num_blocks": "--num-kv-blocks",
+    "CacheConfig.kv_memory_bytes": "--kv-memory-mib",
+    "CacheConfig.enable_prefix_caching": "--no-prefix-caching",
+    "SchedulerConfig.max_num_batched_tokens": "--max-num-batched-tokens",
+    "SchedulerConfig.max_num_seqs": "--max-num-seqs",
+    "SchedulerConfig.max_active_requests": "--max-active-requests",
+    "KernelConfig.native_cpu_kernels": "--no-native-kernels",
+    "KernelConfig.onednn_linear": "--no-onednn",
+}
+MIB_SHIFT = 20
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: …)" only to flags whose help does not state its default already
+    (the engine flags all do, in words where the bare value would mislead: "None", "False")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default: " in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old flag name: hidden from ``--help``, sets the new flag's value, warns once."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, replacement: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.replacement = replacement
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated; use {self.replacement}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the engine, KV cache, scheduler and kernel flags to ``parser``."""
+    _add_model_args(parser.add_argument_group("engine"))
+    _add_cache_args(parser.add_argument_group("KV cache"))
+    _add_scheduler_args(parser.add_argument_group("scheduler"))
+    _add_kernel_args(parser.add_argument_group("kernels"))
+
+
+def _add_model_args(g: argparse._ArgumentGroup) -> None:
+    d = EngineConfig()
+    g.add_argument("--model", default=d.model, help="manifest name (models/*.toml) or a path to an HF dir "
+                   "or a .gguf file (default: %(default)s, the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=d.served_model_name,
+                   help="name clients use (default: None = the manifest name, or the path's name)")
+    g.add_argument("--served-model-alias", action="append", default=[], metavar="NAME", dest="served_model_aliases",
+                   help="a further name clients may use for the model, repeatable (ModelInfo.served_model_aliases) "
+                   "(default: none)")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES, help="weight and KV dtype (the native CPU "
+                   "attention and oneDNN projections take float32 only) (default: %(default)s)")
+    g.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
+                   help="auto: the first available of cpu (the native paged kernel, float32 on CPU, built with "
+                   "the machine's C compiler on first use) and torch (the reference) (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="context limit in tokens, >= 2 (default: None = the model's own limit)")
+    g.add_argument("--max-sequences-per-request", type=int, default=None,
+                   help=f"most outputs one request may ask for (num_sequences); at most --max-num-seqs "
+                   f"(default: {d.max_sequences_per_request}, or --max-num-seqs when that is smaller)")
+    g.add_argument("--max-num-sequences", type=int, dest="max_sequences_per_request", action=_DeprecatedAlias,
+                   replacement="--max-sequences-per-request")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="largest top-N logprob candidate count a request may ask for (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the shared sampling generator, used by "
+                   "requests without their own seed; 0 <= seed < 2**64 (default: %(default)s)")
+    g.add_argument("--num-threads", type=int, default=d.num_threads, help="torch CPU threads, shared by the "
+                   "native kernels; 1 is faster on a busy machine (default: None = torch's default, one per core)")
+    g.add_argument("--debug-kv-integrity", action="store_true",
+                   help="check the KV pool's block accounting each time the engine goes idle (default: off)")
+
+
+def _add_cache_args(g: argparse._ArgumentGroup) -> None:
+    c = CacheConfig()
+    g.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--num-kv-blocks", type=int, default=c.num_blocks,
+                   help="KV blocks in the pool (default: None = as many as --kv-memory-mib holds)")
+    g.add_argument("--kv-memory-mib", type=int, default=c.kv_memory_bytes >> MIB_SHIFT,
+                   help="KV cache memory budget in MiB, used when --num-kv-blocks is not given (default: %(default)s)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache (default: enabled)")
+
+
+def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
+    s = SchedulerConfig()
+    g.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens,
+                   help="per-step token budget, shared by prefill chunks and decodes (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs,
+                   help="most sequences running at once; each output of a request counts (default: %(default)s)")
+    g.add_argument("--max-active-requests", type=int, default=s.max_active_requests,
+                   help="most accepted, unfinished requests (waiting or running); more are refused as "
+                   "overloaded (default: %(default)s)")
+
+
+def _add_kernel_args(g: argparse._ArgumentGroup) -> None:
+    # Both KernelConfig switches default to on, so the flags turn them off.
+    g.add_argument("--no-native-kernels", action="store_true",
+                   help="never build or use the C kernels (attention, fused norm/rope/activation); the torch "
+                   "paths run instead (default: used where they fit)")
+    g.add_argument("--no-onednn", action="store_true",
+                   help="run projections with F.linear instead of oneDNN on prepacked weights (default: oneDNN "
+                   "for float32 on CPU when available)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The config the flags describe. Raises ValueError, naming the flag and the field,
+    when a value is out of range."""
+    try:
+        return _engine_config(args)
+    except ValueError as exc:
+        message = str(exc)
+        named = [field for field in FIELD_FLAGS if field in message]
+        if not named:
+            raise
+        first = min(named, key=message.index)
+        raise ValueError(f"{FIELD_FLAGS[first]}: {message}") from exc
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    scheduler = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                                max_active_requests=args.max_active_requests)
+    per_request = args.max_sequences_per_request
+    if per_request is None:  # so that a small --max-num-seqs alone stays valid
+        per_request = min(EngineConfig().max_sequences_per_request, scheduler.max_num_seqs)
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        served_model_aliases=tuple(args.served_model_aliases),
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_sequences_per_request=per_request,
+        max_logprobs=args.max_logprobs,
+        seed=args.seed,
+        num_threads=args.num_threads,
+        attention_backend=args.attention_backend,
+        debug_kv_integrity=args.debug_kv_integrity,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                          kv_memory_bytes=args.kv_memory_mib << MIB_SHIFT,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=scheduler,
+        kernels=KernelConfig(native_cpu_kernels=not args.no_native_kernels, onednn_linear=not args.no_onednn),
+    )

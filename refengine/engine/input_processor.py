@@ -1,0 +1,43 @@
+"""Input processing: a ``GenerationRequest`` in, an accepted core ``Request`` out.
+
+Every check runs here, once (the edge checks only what the engine cannot see, such
+as proto presence and the capability table), and the prompt is tokenized here,
+once. Anything wrong raises ``InvalidRequestError`` naming the field and the
+allowed range, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from refengine.engine.request import Request
+from refengine.engine.validation import (
+    Limits,
+    validate_inputs,
+    validate_logprobs,
+    validate_prompt,
+    validate_sampling,
+    validate_stopping,
+)
+from refengine.types import GenerationRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def process(self, params: GenerationRequest) -> Request:
+        validate_inputs(params)
+        validate_sampling(params, self.limits)
+        validate_stopping(params, self.limits)
+        validate_logprobs(params, self.limits)
+        if params.prompt is not None:
+            prompt_ids = list(self.tokenizer.encode(params.prompt, add_special_tokens=False))
+        else:
+            prompt_ids = list(params.prompt_token_ids or [])
+        max_tokens = validate_prompt(params, prompt_ids, self.limits)
+        return Request(params, prompt_ids, max_tokens)

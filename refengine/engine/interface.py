@@ -1,0 +1,65 @@
+"""What an edge (the gRPC server, the CLI) may know of the engine: the ``EngineClient``
+protocol and the frozen ``EngineInfo``. Nothing else of the engine is reachable
+from an edge, so a second protocol could be served by writing only a new edge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from refengine.types import EngineStats, GenerationRequest, RequestOutput
+
+OutputSink = Callable[[RequestOutput], None]  # called on the engine thread; must not block
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Static facts of a loaded engine: model, limits, capacity. Never changes."""
+
+    served_model_name: str
+    served_model_aliases: tuple[str, ...]
+    model_id: str  # the canonical model and tokenizer source (manifest name or path)
+    vocab_size: int
+    max_model_len: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    max_sequences_per_request: int
+    max_logprobs: int
+    kv_block_size: int
+    total_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    device: str
+    dtype: str
+
+
+class EngineClient(Protocol):
+    """The thread-safe surface of an engine (``refengine.engine.engine.Engine``)."""
+
+    info: EngineInfo
+
+    def add_request(self, params: GenerationRequest, sink: OutputSink) -> None:
+        """Validate, tokenize once and enqueue; raises a ``RequestError`` (nothing allocated)."""
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel an active request; False when there is none with this id."""
+
+    def abort_all(self) -> list[str]:
+        """Cancel every active request; returns their ids."""
+
+    def was_finished(self, request_id: str) -> bool:
+        """Whether ``request_id`` finished recently (a bounded window)."""
+
+    @property
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats:
+        """Live load figures, safe from any thread."""
+
+    def start(self) -> None:
+        """Run the step loop on a background thread."""
+
+    def shutdown(self) -> None:
+        """Stop the step loop (requests still active are left as they are)."""

@@ -1,0 +1,48 @@
+"""Which outputs get a token this step, and the ``SamplingRow`` each is drawn with.
+
+A request whose outputs wait for its prompt (``num_sequences`` > 1) gets one row per
+output from output 0's logits row: the n first tokens are drawn from the same
+distribution, each with its own generator.
+"""
+
+from __future__ import annotations
+
+from refengine.engine.request import OutputState, OutputStatus, Request
+from refengine.model.input import ModelInput
+from refengine.sampling.sampler import SamplingRow
+from refengine.scheduler.scheduler import SchedulerOutput
+
+#: One sampling row's target: the request and the output that receives the token.
+SampleTarget = tuple[Request, OutputState]
+
+
+def sampling_targets(
+    sched: SchedulerOutput, model_input: ModelInput, requests: dict[str, Request]
+) -> tuple[list[SampleTarget], list[int]]:
+    """Per row to sample: its target, and the row of the step's logits it reads."""
+    targets: list[SampleTarget] = []
+    logit_rows: list[int] = []
+    for item, (_, end) in zip(sched.scheduled, model_input.logit_row_ranges(), strict=True):
+        if not item.samples:
+            continue
+        request = requests[item.request_id]
+        out = request.outputs[item.index]
+        waiting = [o for o in request.outputs if o.status is OutputStatus.WAITING_FOR_PROMPT]
+        for target in [out, *waiting] if item.index == 0 else [out]:
+            targets.append((request, target))
+            logit_rows.append(end - 1)
+    return targets, logit_rows
+
+
+def sampling_row(request: Request, out: OutputState) -> SamplingRow:
+    p = request.params
+    seq = out.seq
+    return SamplingRow(
+        params=p.sampling,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=seq.token_ids[seq.num_prompt_tokens :],
+        generator=out.generator,
+        suppressed_token_ids=tuple(out.stop.suppressed_token_ids(seq.num_output_tokens)),
+        want_logprob=request.wants_output_logprobs,
+        candidates=p.logprobs.output_candidates,
+    )

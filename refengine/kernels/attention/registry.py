@@ -1,0 +1,112 @@
+"""Which attention backends exist, and which one a run gets.
+
+Each backend registers a factory and an availability check (``""``, or why it cannot
+run for this dtype, device and ``KernelConfig``). ``auto`` takes the first registered
+backend that is available, so registration order is preference order: the fastest,
+narrowest backend first, the torch reference (any dtype, any device) last. Naming a
+backend insists on it: unavailable is an error carrying the reason.
+
+``refengine.config.ATTENTION_BACKENDS`` repeats ``("auto", *backend_names())`` for code
+that may not import torch; ``tests/unit/test_config.py`` checks that they agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from refengine.config import KernelConfig
+from refengine.kernels.attention.base import AttentionBackend
+from refengine.kernels.attention.cpu_paged import CpuPagedBackend, native_kernel_unavailable_reason
+from refengine.kernels.attention.torch_ref import TorchReferenceBackend
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+# Both take (dtype, device, kernels); the factory runs only when the check returned "".
+BackendFactory = Callable[[torch.dtype, str, KernelConfig], AttentionBackend]
+UnavailableReason = Callable[[torch.dtype, str, KernelConfig], str]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    factory: BackendFactory
+    unavailable_reason: UnavailableReason
+
+
+_BACKENDS: dict[str, _Entry] = {}  # insertion order = auto's preference order
+
+
+def register_backend(name: str, factory: BackendFactory, unavailable_reason: UnavailableReason) -> None:
+    """Add a backend after those already registered (so ``auto`` prefers it least)."""
+    if name == AUTO or name in _BACKENDS:
+        raise ValueError(f"attention backend name {name!r} is reserved or already registered")
+    _BACKENDS[name] = _Entry(factory, unavailable_reason)
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every registered backend, in ``auto``'s order of preference."""
+    return tuple(_BACKENDS)
+
+
+def unavailable_reason(name: str, dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
+    """Why backend ``name`` cannot run here; "" when it can."""
+    return _entry(name).unavailable_reason(dtype, device, kernels)
+
+
+def available_backends(dtype: torch.dtype, device: str, kernels: KernelConfig) -> tuple[str, ...]:
+    """The registered backends that can run for this dtype, device and kernel switches."""
+    return tuple(name for name, entry in _BACKENDS.items() if not entry.unavailable_reason(dtype, device, kernels))
+
+
+def make_attention_backend(
+    name: str, dtype: torch.dtype, device: str, kernels: KernelConfig | None = None
+) -> AttentionBackend:
+    """The backend ``name`` (``auto``: the first available one, logging why the ones
+    before it were skipped). Raises ValueError for an unknown or unavailable name."""
+    kernels = kernels if kernels is not None else KernelConfig()
+    if name == AUTO:
+        return _make_auto(dtype, device, kernels)
+    reason = unavailable_reason(name, dtype, device, kernels)
+    if reason:
+        raise ValueError(f"attention backend {name!r} is unavailable: {reason}")
+    return _BACKENDS[name].factory(dtype, device, kernels)
+
+
+def _entry(name: str) -> _Entry:
+    if name not in _BACKENDS:
+        choices = ", ".join((AUTO, *_BACKENDS))
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {choices}")
+    return _BACKENDS[name]
+
+
+def _make_auto(dtype: torch.dtype, device: str, kernels: KernelConfig) -> AttentionBackend:
+    skipped = []
+    for name, entry in _BACKENDS.items():
+        reason = entry.unavailable_reason(dtype, device, kernels)
+        if not reason:
+            if skipped:
+                logger.info("attention backend auto: %s; using %r", "; ".join(skipped), name)
+            return entry.factory(dtype, device, kernels)
+        skipped.append(f"{name!r} not used ({reason})")
+    raise ValueError(f"no attention backend is available: {'; '.join(skipped)}")
+
+
+# ----------------------------------------------------------------------------- built-in backends
+
+
+def _cpu_unavailable(dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
+        return f"it needs float32 on CPU, not {dtype} on {device}"
+    return native_kernel_unavailable_reason(kernels.native_cpu_kernels)
+
+
+def _always_available(dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
+    return ""
+
+
+register_backend("cpu", lambda dtype, device, kernels: CpuPagedBackend(), _cpu_unavailable)
+register_backend("torch", lambda dtype, device, kernels: TorchReferenceBackend(), _always_available)

@@ -1,0 +1,48 @@
+"""KV events: what the prefix cache published or forgot, in the order it happened.
+
+The block pool appends events to a queue (only when built with
+``record_events=True``) and the engine core drains it once per step with
+``BlockPool.take_events()``. A subscriber (a KV-aware router) replays the stream
+into its view of the published blocks, ``{block_hash: parent_hash}``:
+
+- ``BlockStored``: add ``block_hash``. Its parent is always already in the view
+  (or ``None`` for a first block): the pool never publishes a child before its parent.
+- ``BlockRemoved``: remove ``block_hash`` (a cached block was evicted for reuse).
+- ``AllBlocksCleared``: empty the whole view (``reset_prefix_cache``).
+
+After replaying every event taken so far, the view's keys equal the pool's
+published hashes (``BlockPool.hash_to_block``). Removals are not guaranteed
+child-first: a block whose parent hash was published by a concurrent duplicate
+may outlive that parent, so a subscriber must tolerate removing an inner node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeAlias
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A full block was published under ``block_hash`` (chained from ``parent_hash``)."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    extra_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """The block published under ``block_hash`` was evicted; the hash is no longer a hit."""
+
+    block_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every published hash is forgotten (the prefix cache was reset)."""
+
+
+KvEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
