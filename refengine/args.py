@@ -16,8 +16,10 @@ from typing import Any
 from refengine.config import (
     ATTENTION_BACKENDS,
     DTYPE_NAMES,
+    GUIDED_BACKENDS,
     CacheConfig,
     EngineConfig,
+    GuidedConfig,
     KernelConfig,
     SchedulerConfig,
 )
@@ -45,6 +47,12 @@ FIELD_FLAGS = {
     "SchedulerConfig.max_active_requests": "--max-active-requests",
     "KernelConfig.native_cpu_kernels": "--no-native-kernels",
     "KernelConfig.onednn_linear": "--no-onednn",
+    "GuidedConfig.default_backend": "--guided-default-backend",
+    "GuidedConfig.compile_timeout_seconds": "--guided-compile-timeout",
+    "GuidedConfig.compile_threads": "--guided-compile-threads",
+    "GuidedConfig.cache_size": "--guided-cache-size",
+    "GuidedConfig.max_spec_bytes": "--guided-max-spec-kib",
+    "GuidedConfig.max_choices": "--guided-max-choices",
 }
 MIB_SHIFT = 20
 
@@ -78,6 +86,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_cache_args(parser.add_argument_group("KV cache"))
     _add_scheduler_args(parser.add_argument_group("scheduler"))
     _add_kernel_args(parser.add_argument_group("kernels"))
+    _add_guided_args(parser.add_argument_group("guided decoding"))
 
 
 def _add_model_args(g: argparse._ArgumentGroup) -> None:
@@ -143,6 +152,22 @@ def _add_kernel_args(g: argparse._ArgumentGroup) -> None:
                    "for float32 on CPU when available)")
 
 
+def _add_guided_args(g: argparse._ArgumentGroup) -> None:
+    d = GuidedConfig()
+    g.add_argument("--guided-default-backend", choices=GUIDED_BACKENDS, default=d.default_backend,
+                   help="grammar backend for requests that name none (default: %(default)s)")
+    g.add_argument("--guided-compile-timeout", type=float, default=d.compile_timeout_seconds, metavar="SECONDS",
+                   help="a grammar that takes longer to compile is refused (INVALID_ARGUMENT) (default: %(default)s)")
+    g.add_argument("--guided-compile-threads", type=int, default=d.compile_threads,
+                   help="worker threads that compile grammars (default: %(default)s)")
+    g.add_argument("--guided-cache-size", type=int, default=d.cache_size,
+                   help="compiled grammars kept, least recently used dropped first (default: %(default)s)")
+    g.add_argument("--guided-max-spec-kib", type=int, default=d.max_spec_bytes >> 10,
+                   help="largest schema, regex, grammar or structural tag, KiB (default: %(default)s)")
+    g.add_argument("--guided-max-choices", type=int, default=d.max_choices,
+                   help="most entries of a choice constraint (default: %(default)s)")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The config the flags describe. Raises ValueError, naming the flag and the field,
     when a value is out of range."""
@@ -181,4 +206,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=scheduler,
         kernels=KernelConfig(native_cpu_kernels=not args.no_native_kernels, onednn_linear=not args.no_onednn),
+        guided=GuidedConfig(default_backend=args.guided_default_backend,
+                            compile_timeout_seconds=args.guided_compile_timeout,
+                            compile_threads=args.guided_compile_threads, cache_size=args.guided_cache_size,
+                            max_spec_bytes=args.guided_max_spec_kib << 10, max_choices=args.guided_max_choices),
     )

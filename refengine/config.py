@@ -186,6 +186,37 @@ class KernelConfig:
         _check_bool(self, "onednn_linear")
 
 
+GUIDED_BACKENDS = ("xgrammar", "llguidance")
+
+
+@dataclass(frozen=True)
+class GuidedConfig:
+    """Grammar-constrained sampling (``GenerateRequest.guided``).
+
+    ``default_backend`` serves requests that name none. A grammar is compiled before the
+    request is accepted, on one of ``compile_threads`` worker threads; a compile that takes
+    longer than ``compile_timeout_seconds`` refuses the request (the worker finishes in the
+    background, and its result is cached). ``cache_size`` compiled grammars are kept (LRU,
+    keyed by backend, mode, spec and tokenizer). ``max_spec_bytes`` bounds the size of a
+    schema, regex, grammar or structural tag; ``max_choices`` the entries of a choice list.
+    """
+
+    default_backend: str = "xgrammar"
+    compile_timeout_seconds: float = 5.0
+    compile_threads: int = 2
+    cache_size: int = 256
+    max_spec_bytes: int = 64 * 1024
+    max_choices: int = 1024
+
+    def __post_init__(self) -> None:
+        _check_choice(self, "default_backend", GUIDED_BACKENDS)
+        _check_positive_float(self, "compile_timeout_seconds")
+        _check_int(self, "compile_threads", 1)
+        _check_int(self, "cache_size", 1)
+        _check_int(self, "max_spec_bytes", 1)
+        _check_int(self, "max_choices", 1)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights.
@@ -217,6 +248,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    guided: GuidedConfig = field(default_factory=GuidedConfig)
 
     def __post_init__(self) -> None:
         _check_name(self, "model")
@@ -245,7 +277,8 @@ class EngineConfig:
             raise ValueError(f"served_model_aliases repeats the served model name {self.served_model_name!r}")
 
     def _check_parts(self) -> None:
-        for name, kind in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("kernels", KernelConfig)):
+        for name, kind in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("kernels", KernelConfig),
+                           ("guided", GuidedConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"EngineConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         limit = self.scheduler.max_num_seqs

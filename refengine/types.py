@@ -89,6 +89,27 @@ class KvParams:
     cache_salt: str | None = None
 
 
+GUIDED_MODES = ("json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag", "choice")
+GuidedMode = Literal["json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag", "choice"]
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """Grammar-constrained generation (``GenerateRequest.guided``).
+
+    ``mode`` names the constraint; ``spec`` is its text: a JSON Schema (``json_schema``), a
+    regular expression (``regex``), an EBNF grammar in xgrammar's GBNF dialect
+    (``ebnf_grammar``: ``root ::= ...``), an xgrammar structural-tag JSON
+    (``structural_tag``), empty for ``json_object``. ``choices`` holds the allowed strings
+    of ``choice``. ``backend`` "" = the engine's default (``xgrammar``), or ``llguidance``.
+    """
+
+    mode: GuidedMode
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    backend: str = ""
+
+
 @dataclass
 class GenerationRequest:
     """One request as the engine sees it. Exactly one of ``prompt`` /
@@ -105,6 +126,7 @@ class GenerationRequest:
     logprobs: LogprobParams = field(default_factory=LogprobParams)
     kv: KvParams = field(default_factory=KvParams)
     priority: int = 0
+    guided: GuidedSpec | None = None
     detokenize: bool = True  # False: token ids only, no text (stop strings still match internally)
 
 

@@ -22,25 +22,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from refengine.config import EngineConfig
-from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+from refengine.engine.admission import make_outputs
 from refengine.engine.input_builder import build_model_input
 from refengine.engine.output_processor import OutputProcessor
-from refengine.engine.request import OutputState, OutputStatus, Request, output_generator
+from refengine.engine.request import OutputState, OutputStatus, Request
 from refengine.engine.sampling_rows import SampleTarget, sampling_row, sampling_targets
-from refengine.engine.stop_checker import StopChecker, TokenHoldBack
 from refengine.kv.block_pool import BlockPool
 from refengine.kv.events import KvEvent
 from refengine.kv.kv_manager import KvCacheManager
 from refengine.model.input import ModelInput
 from refengine.model.runner import ModelRunner
+from refengine.sampling.guided import allocate_bitmask
 from refengine.sampling.sampler import SampledToken, Sampler
 from refengine.scheduler.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from refengine.scheduler.sequence import Sequence, SequenceStatus
+from refengine.scheduler.sequence import SequenceStatus
 from refengine.types import EngineFault, EngineStats, FinishInfo, FinishReason, RequestOutput, SequenceDelta, Usage
 
 if TYPE_CHECKING:
@@ -49,6 +50,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KvEventSink = Callable[[list[KvEvent]], None]  # called on the step thread, once per step with events
+
+
+@dataclass
+class StepOutcome:
+    """What a step produced, per request: output deltas, or the fault that ended it."""
+
+    deltas: dict[str, list[SequenceDelta]] = field(default_factory=dict)
+    faults: dict[str, EngineFault] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -79,40 +88,12 @@ class EngineCore:
 
     # -- admission and abort -----------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Create the request's ``num_sequences`` outputs; output 0's sequence is scheduled."""
-        p = request.params
-        extra_keys = (self.model_fingerprint,) + ((f"salt:{p.kv.cache_salt}",) if p.kv.cache_salt else ())
-        for index in range(request.num_sequences):
-            seq = Sequence(
-                request_id=request.request_id,
-                index=index,
-                token_ids=list(request.prompt_token_ids),
-                num_prompt_tokens=len(request.prompt_token_ids),
-                extra_keys=extra_keys,
-                priority=p.priority,
-                use_prefix_cache=not p.kv.bypass_prefix_cache and not request.wants_prompt_logprobs,
-                num_pending_forks=request.num_sequences - 1 if index == 0 else 0,
-            )
-            status = OutputStatus.ACTIVE if index == 0 else OutputStatus.WAITING_FOR_PROMPT
-            request.outputs.append(self._output_state(request, seq, status))
+        """Admit: all ``num_sequences`` outputs exist from here; output 0's sequence is scheduled."""
+        request.outputs = make_outputs(request, self.tokenizer, self.eos_token_ids, self.model_fingerprint)
         self.requests[request.request_id] = request
         if request.wants_prompt_logprobs:
             self._prompt_logprobs_pending.add(request.request_id)
         self.scheduler.add(request.outputs[0].seq)
-
-    def _output_state(self, request: Request, seq: Sequence, status: OutputStatus) -> OutputState:
-        p = request.params
-        # Without text to send, text is still needed when stop strings must match on it.
-        needs_text = p.detokenize or bool(p.stopping.stop_strings)
-        return OutputState(
-            seq=seq,
-            detokenizer=(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids) if needs_text
-                         else NoTextDetokenizer()),
-            stop=StopChecker(p.stopping, self.eos_token_ids, request.max_tokens),
-            generator=output_generator(p.sampling.seed, seq.index),
-            held_tokens=TokenHoldBack(p.stopping.include_stop_in_output),
-            status=status,
-        )
 
     def _cancel(self, request: Request, finish: FinishInfo) -> list[SequenceDelta]:
         """End every unfinished output with ``finish``; frees their KV."""
@@ -131,12 +112,12 @@ class EngineCore:
 
     # -- the step ----------------------------------------------------------------
     def step(self, abort_ids: Iterable[str] = ()) -> list[RequestOutput]:
-        deltas: dict[str, list[SequenceDelta]] = {}
+        outcome = StepOutcome()
         cancelled = FinishInfo(FinishReason.CANCELLED, message="aborted")
         for request_id in abort_ids:
             request = self.requests.get(request_id)
             if request is not None:
-                deltas.setdefault(request_id, []).extend(self._cancel(request, cancelled))
+                outcome.deltas.setdefault(request_id, []).extend(self._cancel(request, cancelled))
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             prompt_rows = [self._wants_prompt_logits(item) for item in sched.scheduled]
@@ -146,10 +127,10 @@ class EngineCore:
             logits = self.runner.execute(model_input)
             targets, sampled = self._sample(sched, model_input, logits)
             self.update_from_output(sched, model_input, logits, prompt_rows, list(zip(targets, sampled, strict=True)),
-                                    deltas)
+                                    outcome)
         num_prefill = sum(1 for s in sched.scheduled if s.num_new_tokens > 1)
         self._last_batch = (num_prefill, len(sched.scheduled) - num_prefill)
-        outputs = self._emit(deltas)
+        outputs = self._emit(outcome)
         self._publish_kv_events()
         if self.config.debug_kv_integrity and not self.requests:
             self.check_idle()
@@ -169,7 +150,14 @@ class EngineCore:
         # A decode-only step samples every row once, in order: no copy of the logits.
         if logit_rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(logit_rows)]
-        return targets, self.sampler(logits, [sampling_row(r, o) for r, o in targets])
+        rows = [sampling_row(r, o) for r, o in targets]
+        guided = [j for j, (_, out) in enumerate(targets) if out.matcher is not None]
+        if not guided:
+            return targets, self.sampler(logits, rows)
+        bitmask = allocate_bitmask(len(targets), self.sampler.vocab_size)
+        for j in guided:  # one bitmask for the step; unguided rows stay all-allowed and unapplied
+            targets[j][1].matcher.fill_bitmask(bitmask, j)
+        return targets, self.sampler(logits, rows, bitmask, guided)
 
     def update_from_output(
         self,
@@ -178,9 +166,10 @@ class EngineCore:
         logits: torch.Tensor | None,
         prompt_rows: list[bool],
         sampled: list[tuple[SampleTarget, SampledToken]],
-        deltas: dict[str, list[SequenceDelta]],
+        outcome: StepOutcome,
     ) -> None:
-        """Apply everything the step produced, in order, adding each output's delta to ``deltas``."""
+        """Apply everything the step produced, in order, into ``outcome`` (each output's delta,
+        each failed request's fault)."""
         self.scheduler.update_from_output(sched)
         for item, all_rows, (start, end) in zip(sched.scheduled, prompt_rows, model_input.logit_row_ranges(),
                                                 strict=True):
@@ -192,10 +181,18 @@ class EngineCore:
                 self.scheduler.fork(request.outputs[0].seq, out.seq)
                 out.status = OutputStatus.ACTIVE
         for (request, out), token in sampled:
+            if request.request_id in outcome.faults:
+                continue
+            if out.matcher is not None and not out.matcher.accept_token(token.token_id):
+                # A sampled token the grammar forbids means a masking bug: fail this request only.
+                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message="grammar rejected a token"))
+                outcome.faults[request.request_id] = EngineFault(
+                    "internal", f"output {out.index}: the grammar rejected sampled token {token.token_id}", False)
+                continue
             delta = self.outputs.append_token(request, out, token)
             if delta.finish is not None:
                 self._finish_output(out, delta.finish)
-            deltas.setdefault(request.request_id, []).append(delta)
+            outcome.deltas.setdefault(request.request_id, []).append(delta)
 
     # -- emission ----------------------------------------------------------------
     def _usage(self, request: Request) -> Usage:
@@ -205,10 +202,13 @@ class EngineCore:
             cached_prompt_tokens=request.num_cached_prompt_tokens,
         )
 
-    def _emit(self, deltas: dict[str, list[SequenceDelta]]) -> list[RequestOutput]:
-        outputs = []
+    def _emit(self, outcome: StepOutcome) -> list[RequestOutput]:
+        deltas = outcome.deltas
+        outputs = [self._fault_output(self.requests[rid], fault) for rid, fault in outcome.faults.items()]
         pending_prompt = [r for r in self._prompt_logprobs_pending if r not in deltas]
         for request_id in list(deltas) + pending_prompt:
+            if request_id in outcome.faults:
+                continue
             request = self.requests[request_id]
             prompt_tokens = None
             if request.prompt_logprobs_ready and not request.prompt_logprobs_sent:
@@ -241,14 +241,17 @@ class EngineCore:
         if events:
             self.kv_event_sink(events)
 
+    def _fault_output(self, request: Request, fault: EngineFault) -> RequestOutput:
+        """The one terminal output of a request failed after acceptance (its KV already freed)."""
+        self._retire(request)
+        return RequestOutput(request.request_id, finished=True, usage=self._usage(request), error=fault)
+
     def fail_all(self, message: str) -> list[RequestOutput]:
         """An engine fault: end every request with one terminal error, free all KV."""
         outputs = []
         for request in list(self.requests.values()):
             self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=message))
-            outputs.append(RequestOutput(request.request_id, finished=True, usage=self._usage(request),
-                                         error=EngineFault("internal", message, retryable=False)))
-            self._retire(request)
+            outputs.append(self._fault_output(request, EngineFault("internal", message, retryable=False)))
         self._last_batch = (0, 0)
         self._publish_kv_events()
         return outputs

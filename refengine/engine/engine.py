@@ -28,6 +28,7 @@ from refengine.engine.validation import Limits
 from refengine.kernels.attention import make_attention_backend
 from refengine.model.dtypes import DTYPES
 from refengine.model.runner import ModelRunner
+from refengine.sampling.guided import GuideCompiler, backend_modes
 from refengine.types import DuplicateRequestError, EngineStats, GenerationRequest, OverloadedError, RequestOutput
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_na
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         device=config.device,
         dtype=config.dtype,
+        guided_modes=backend_modes()[config.guided.default_backend],
+        guided_backends=tuple(sorted(backend_modes().items(), key=lambda kv: kv[0] != config.guided.default_backend)),
     )
 
 
@@ -82,9 +85,11 @@ class Engine:
                                kv_event_sink)
         name = served_model_name or config.served_model_name or config.model
         self.info = engine_info(config, model_config, name, max_model_len, runner.num_blocks)
+        self.guides = GuideCompiler(tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids),
+                                    config.guided)
         self.input_processor = InputProcessor(tokenizer, Limits(
             model_config.vocab_size, max_model_len, config.max_sequences_per_request, config.max_logprobs,
-            config.cache.block_size, runner.num_blocks))
+            config.cache.block_size, runner.num_blocks), self.guides)
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
         self._abort_ids: set[str] = set()

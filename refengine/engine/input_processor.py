@@ -1,9 +1,11 @@
 """Input processing: a ``GenerationRequest`` in, an accepted core ``Request`` out.
 
 Every check runs here, once (the edge checks only what the engine cannot see, such
-as proto presence and the capability table), and the prompt is tokenized here,
-once. Anything wrong raises ``InvalidRequestError`` naming the field and the
-allowed range, before anything is allocated.
+as proto presence and the capability table), the prompt is tokenized here, once, and a
+guided request's grammar is compiled here (on a compile worker, bounded in time), so an
+invalid or too slow grammar is refused before acceptance and the step never compiles.
+Anything wrong raises ``InvalidRequestError`` naming the field and the allowed range,
+before anything is allocated.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ from refengine.engine.validation import (
     validate_sampling,
     validate_stopping,
 )
-from refengine.types import GenerationRequest
+from refengine.sampling.guided import CompiledGuide, GuideCompiler, GuidedSpecError
+from refengine.types import GenerationRequest, InvalidRequestError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits, guides: GuideCompiler) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.guides = guides
 
     def process(self, params: GenerationRequest) -> Request:
         validate_inputs(params)
@@ -40,4 +44,13 @@ class InputProcessor:
         else:
             prompt_ids = list(params.prompt_token_ids or [])
         max_tokens = validate_prompt(params, prompt_ids, self.limits)
-        return Request(params, prompt_ids, max_tokens)
+        return Request(params, prompt_ids, max_tokens, guide=self._compile(params))
+
+    def _compile(self, params: GenerationRequest) -> CompiledGuide | None:
+        """Last, as the costliest check: a compile may wait for a worker, up to its time limit."""
+        if params.guided is None:
+            return None
+        try:
+            return self.guides.compile(params.guided)
+        except GuidedSpecError as exc:
+            raise InvalidRequestError(str(exc)) from None

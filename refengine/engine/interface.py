@@ -33,6 +33,8 @@ class EngineInfo:
     max_num_batched_tokens: int
     device: str
     dtype: str
+    guided_modes: tuple[str, ...] = ()  # GuidedDecoding modes of the default backend (advertised)
+    guided_backends: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (backend name, its modes), default first
 
 
 class EngineClient(Protocol):

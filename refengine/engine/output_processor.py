@@ -18,7 +18,7 @@ from refengine.engine.request import OutputState, Request
 from refengine.engine.stop_checker import process_token
 from refengine.sampling.sampler import SampledToken, prompt_logprobs
 from refengine.scheduler.scheduler import ScheduledSequence
-from refengine.types import Candidate, SequenceDelta, TokenInfo
+from refengine.types import Candidate, FinishInfo, FinishReason, SequenceDelta, TokenInfo
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -81,7 +81,11 @@ class OutputProcessor:
         seq = out.seq
         token_id = sampled.token_id
         seq.token_ids.append(token_id)
-        step = process_token(out.stop, out.detokenizer, token_id, seq.num_output_tokens)
+        # A guided output whose grammar is complete ends here (it accepted its stop token, an
+        # EOS, which ``ignore_eos`` would otherwise let pass): STOP, matched by that token.
+        grammar_done = out.matcher is not None and out.matcher.is_terminated()
+        forced = FinishInfo(FinishReason.STOP, eos_token_id=token_id) if grammar_done else None
+        step = process_token(out.stop, out.detokenizer, token_id, seq.num_output_tokens, forced)
         if step.keep_token:
             if request.wants_output_logprobs:
                 info = self._token_info(request, sampled, token_id)

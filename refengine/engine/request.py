@@ -18,6 +18,7 @@ import torch
 
 from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from refengine.engine.stop_checker import StopChecker, TokenHoldBack
+from refengine.sampling.guided import CompiledGuide, GuideMatcher
 from refengine.scheduler.sequence import Sequence
 from refengine.types import FinishInfo, GenerationRequest, TokenInfo
 
@@ -50,6 +51,7 @@ class OutputState:
     generator: torch.Generator | None
     held_tokens: TokenHoldBack
     status: OutputStatus
+    matcher: GuideMatcher | None = None  # this output's own grammar state (guided requests)
     num_emitted_tokens: int = 0
     finish: FinishInfo | None = None
 
@@ -65,6 +67,7 @@ class Request:
     params: GenerationRequest
     prompt_token_ids: list[int]
     max_tokens: int  # resolved: never past the context limit
+    guide: CompiledGuide | None = None  # compiled before acceptance; one matcher per output from it
     outputs: list[OutputState] = field(default_factory=list)
     prompt_infos: list[TokenInfo] = field(default_factory=list)
     prompt_logprobs_ready: bool = False  # every requested prompt position is recorded

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from refengine.types import FinishInfo, FinishReason, StoppingParams, TokenInfo
 
 if TYPE_CHECKING:
-    from refengine.engine.detokenizer import IncrementalDetokenizer
+    from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 
 
 class _StopAutomaton:
@@ -184,12 +184,16 @@ class TokenStep:
 
 
 def process_token(
-    stop: StopChecker, detokenizer: IncrementalDetokenizer, token_id: int, num_output_tokens: int
+    stop: StopChecker, detokenizer: IncrementalDetokenizer | NoTextDetokenizer, token_id: int, num_output_tokens: int,
+    forced_finish: FinishInfo | None = None,
 ) -> TokenStep:
     """Run one sampled token through stop checking and detokenization (steps 1-4 in
     the module docstring). ``num_output_tokens`` counts every sampled token, this one
-    included, also a stop token that is then dropped."""
+    included, also a stop token that is then dropped. ``forced_finish`` ends the output
+    with this token when no stop condition does (a completed grammar); the token is kept."""
     finish = stop.check_token(token_id, num_output_tokens)
+    if forced_finish is not None and (finish is None or finish.reason is FinishReason.LENGTH):
+        finish = forced_finish  # the token completed the output: a STOP, even at max_tokens
     keep_token = finish is None or not stop.should_drop_stop_token
     text = detokenizer.add_token(token_id) if keep_token else ""
     if finish is not None:

@@ -2,6 +2,7 @@
 
 Pipeline, per row (each stage skipped for rows that do not use it):
 
+0. grammar mask (``guided/``): a guided row keeps only the tokens its grammar allows next;
 1. penalties (``penalties.py``): repetition over prompt + output, then frequency/presence
    over the output;
 2. suppression: ``suppressed_token_ids`` -> ``-inf`` (min_tokens keeps EOS/stop ids out);
@@ -15,8 +16,9 @@ Pipeline, per row (each stage skipped for rows that do not use it):
    cumulative kept probability exceeds ``u * total`` -- probability ``p_i / sum(kept p)``.
    (One draw per row instead of an exponential race's V draws: ~4x cheaper on CPU.)
 
-Logprobs (RULE L6, ref): ``log_softmax`` of the logits after 1-3 (greedy rows use T = 1),
-*before* truncation, so a sampled token's logprob is finite unless it was suppressed.
+Logprobs (RULES L5, L6, ref): ``log_softmax`` of the logits after 0-3 (greedy rows use T = 1),
+*before* truncation: the distribution the token was drawn from, so a grammar-masked or
+suppressed token reports ``-inf`` and a sampled token's logprob is always finite.
 
 Reproducibility (RULES G17, G18): a row's token depends only on its own logits, parameters
 and generator. No step mixes rows (no cross-row reduction); the only reductions inside a row
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from refengine.sampling.guided.bitmask import apply_bitmask
 from refengine.sampling.logprobs import CandidateTuple, batch_logprob_info, prompt_logprobs
 from refengine.sampling.penalties import apply_penalties
 from refengine.types import CandidateSpec, SamplingParams
@@ -203,6 +206,23 @@ class Sampler:
             self._cdf_buffers[device] = buffer
         return buffer[:rows]
 
+    @staticmethod
+    def _suppress(logits: torch.Tensor, rows: Sequence[SamplingRow], masked_rows: Sequence[int]) -> torch.Tensor:
+        """Step 2 (min_tokens). A grammar-constrained row whose grammar allows only tokens that
+        are suppressed keeps them: the grammar wins (ref), so a row never has no token left."""
+        suppress = [(i, t) for i, r in enumerate(rows) for t in r.suppressed_token_ids]
+        if not suppress:
+            return logits
+        device = logits.device
+        row_idx, tok_idx = torch.tensor(suppress, dtype=torch.long, device=device).T
+        suppressed = logits.index_put((row_idx, tok_idx), torch.tensor(float("-inf"), device=device))
+        if masked_rows:
+            guided = torch.tensor(list(masked_rows), device=device)
+            dead = guided[torch.isneginf(suppressed[guided]).all(-1)]
+            if dead.numel():
+                suppressed[dead] = logits[dead]
+        return suppressed
+
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         """Tokens for non-greedy rows; ``logits`` ``[s, V]`` are penalized and tempered.
 
@@ -221,8 +241,12 @@ class Sampler:
         # u * total can round up to total itself: fall back to the last token with p > 0.
         return torch.minimum(ids, torch.searchsorted(cdf, total))[:, 0].tolist()
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
-        """One token per row of ``logits`` ``[len(rows), >= vocab_size]``. Never modifies ``logits``."""
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None,
+                 masked_rows: Sequence[int] = ()) -> list[SampledToken]:
+        """One token per row of ``logits`` ``[len(rows), >= vocab_size]``. Never modifies ``logits``.
+
+        ``masked_rows`` (grammar-constrained rows) keep only the tokens their row of
+        ``token_bitmask`` allows, before anything else (step 0 of the module docstring)."""
         n = len(rows)
         if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {n} rows x vocab {self.vocab_size}")
@@ -230,12 +254,13 @@ class Sampler:
             return []
         device = logits.device
         logits = logits[:, : self.vocab_size].float()
+        if masked_rows:
+            assert token_bitmask is not None, "masked rows without a bitmask"
+            logits = logits.clone()  # the caller's logits stay untouched
+            apply_bitmask(logits, token_bitmask, list(masked_rows))
         params = [r.params for r in rows]
         logits = apply_penalties(logits, params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows])
-        suppress = [(i, t) for i, r in enumerate(rows) for t in r.suppressed_token_ids]
-        if suppress:
-            row_idx, tok_idx = torch.tensor(suppress, dtype=torch.long, device=device).T
-            logits = logits.index_put((row_idx, tok_idx), torch.tensor(float("-inf"), device=device))
+        logits = self._suppress(logits, rows, masked_rows)
         temperatures = [1.0 if p.greedy else max(p.temperature, MIN_TEMPERATURE) for p in params]
         if any(t != 1.0 for t in temperatures):
             logits_t = logits / torch.tensor(temperatures, device=device)[:, None]

@@ -46,7 +46,8 @@ class Capabilities:
     prompt_logprobs: bool = True
     output_logprobs: bool = True
     candidate_modes: tuple[str, ...] = ("top_n", "token_ids", "all")
-    guided_modes: tuple[str, ...] = ()  # guided decoding lands in a later issue
+    guided_modes: tuple[str, ...] = ()  # the default grammar backend's modes (D4)
+    guided_backends: tuple[tuple[str, tuple[str, ...]], ...] = ()  # each backend and its modes
     priority: bool = True  # openengine-priority metadata, honoured by the scheduler (M4)
     stop_in_output: bool = True
     cache_salt: bool = True
@@ -74,7 +75,20 @@ def capabilities_of(info: EngineInfo) -> Capabilities:
         vocab_size=info.vocab_size,
         max_num_sequences=info.max_sequences_per_request,
         max_top_n=info.max_logprobs,
+        guided_modes=tuple(m for m in GUIDED_MODES if m in info.guided_modes),
+        guided_backends=info.guided_backends,
     )
+
+
+#: ModelInfo.extra keys: every grammar backend with its modes ({"xgrammar": ["json_schema", ...], ...}; a
+#: Struct's keys have no order), and the default backend's name (used when guided.backend is empty; its
+#: modes are the advertised ``guided_decoding.modes``).
+GUIDED_BACKENDS_KEY = "refengine.guided_backends"
+GUIDED_DEFAULT_BACKEND_KEY = "refengine.guided_default_backend"
+
+
+def guided_backends(caps: Capabilities) -> dict[str, list[str]]:
+    return {name: list(modes) for name, modes in caps.guided_backends}
 
 
 def _logprob_caps(supported: bool, caps: Capabilities) -> oe.LogprobCapabilities:

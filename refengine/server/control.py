@@ -23,7 +23,12 @@ from google.protobuf import struct_pb2
 
 import refengine
 from refengine.protocol import oe
-from refengine.server.capabilities import model_info
+from refengine.server.capabilities import (
+    GUIDED_BACKENDS_KEY,
+    GUIDED_DEFAULT_BACKEND_KEY,
+    guided_backends,
+    model_info,
+)
 from refengine.server.convert import GENERATE_EXTRA_KEYS
 from refengine.server.errors import Rejection, invalid
 from refengine.server.health import ROLES, health_response
@@ -102,7 +107,9 @@ class ControlServicer(oe.ControlServicer):
             check_model(request.model, self.state.caps)
             # Publishing the known ``extra`` keys lets a portable suite check G8 unconfigured.
             return model_info(self.state.caps, {"vocab_size": engine.info.vocab_size,
-                                                "generate_extra_keys": GENERATE_EXTRA_KEYS})
+                                                "generate_extra_keys": GENERATE_EXTRA_KEYS,
+                                                GUIDED_BACKENDS_KEY: guided_backends(self.state.caps),
+                                                GUIDED_DEFAULT_BACKEND_KEY: self.state.caps.guided_backends[0][0]})
 
         return await self._run(context, build)
 

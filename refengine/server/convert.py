@@ -25,8 +25,11 @@ Both can only tighten the server's settings, never loosen them.
   unless the request has stop strings, which are still matched on the (unsent) text. Sent by
   clients that detokenize themselves (e.g. Dynamo's frontend).
 
-Rejected here (INVALID_ARGUMENT): an empty ``StopCondition`` (G6). Guided decoding, media
-and LoRA never reach this module (``validation.py`` refuses them while unsupported).
+| guided.<mode> / guided.backend          | GuidedSpec (mode = the oneof field's name)       |
+
+Rejected here (INVALID_ARGUMENT): an empty ``StopCondition`` (G6). Media and LoRA never
+reach this module (``validation.py`` refuses them while unsupported); a guided spec is
+checked and compiled by the engine before acceptance.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from refengine.server.metadata import RequestMetadata
 from refengine.types import (
     CandidateSpec,
     GenerationRequest,
+    GuidedSpec,
     KvParams,
     LogprobParams,
     SamplingParams,
@@ -149,6 +153,18 @@ def _logprobs(r: oe.ResponseOptions, max_prompt_positions: int | None) -> Logpro
     )
 
 
+def _guided(g: oe.GuidedDecoding) -> GuidedSpec | None:
+    """The validated ``guided`` field (``validation.check_features`` refused a backend with no guide)."""
+    mode = g.WhichOneof("guide")
+    if mode is None:
+        return None
+    if mode == "choice":
+        return GuidedSpec("choice", choices=tuple(g.choice.choices), backend=g.backend)
+    if mode == "json_object":
+        return GuidedSpec("json_object", backend=g.backend)
+    return GuidedSpec(mode, spec=getattr(g, mode), backend=g.backend)
+
+
 def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata,
                       max_prompt_positions: int | None = None) -> GenerationRequest:
     """Map a validated ``GenerateRequest``; raises ``Rejection`` for G6's empty condition.
@@ -166,5 +182,6 @@ def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata,
             cache_salt=request.kv.cache_salt or None,
         ),
         priority=meta.priority or 0,
+        guided=_guided(request.guided) if request.HasField("guided") else None,
         detokenize=detokenize_of(request.extra),
     )

@@ -21,6 +21,7 @@ import logging
 
 import grpc
 
+from refengine.engine.interface import EngineClient
 from refengine.protocol import oe
 from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
 from refengine.server.errors import STALLED_CONSUMER, Rejection, rejection_from_engine
@@ -29,7 +30,7 @@ from refengine.server.responses import ResponseBuilder
 from refengine.server.state import ServerState
 from refengine.server.stream_bridge import OutputBridge
 from refengine.server.validation import ServerFacts, prompt_positions_limit, validate_generate
-from refengine.types import RequestError
+from refengine.types import GenerationRequest, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class InferenceServicer(oe.InferenceServicer):
             max_send_message_bytes=self.state.options.max_send_message_bytes,
         )
 
-    def _accept(self, request: oe.GenerateRequest, context: grpc.aio.ServicerContext) -> OutputBridge:
+    async def _accept(self, request: oe.GenerateRequest, context: grpc.aio.ServicerContext) -> OutputBridge:
         """Everything before acceptance. Returns the bridge of the accepted request or
         raises ``Rejection`` (nothing was allocated)."""
         meta = read_inference_metadata(context.invocation_metadata())
@@ -59,10 +60,25 @@ class InferenceServicer(oe.InferenceServicer):
         bridge = OutputBridge(asyncio.get_running_loop(), request.request_id, settings.stream_buffer,
                               settings.stall_timeout_seconds, self._on_stall)
         try:
-            engine.add_request(params, bridge.sink)
+            if params.guided is None:
+                engine.add_request(params, bridge.sink)
+            else:
+                await self._add_compiling(engine, params, bridge)
         except RequestError as exc:
             raise rejection_from_engine(exc) from None
         return bridge
+
+    @staticmethod
+    async def _add_compiling(engine: EngineClient, params: GenerationRequest, bridge: OutputBridge) -> None:
+        """A guided request's grammar compiles in ``add_request`` (bounded by the compile time
+        limit): on a worker thread, so the event loop keeps serving. A client that goes away
+        meanwhile leaves nothing behind: its request is aborted as soon as it is accepted."""
+        adding = asyncio.ensure_future(asyncio.to_thread(engine.add_request, params, bridge.sink))
+        try:
+            await asyncio.shield(adding)
+        except asyncio.CancelledError:
+            adding.add_done_callback(lambda f: f.exception() is None and engine.abort(params.request_id))
+            raise
 
     def _on_stall(self, bridge: OutputBridge) -> None:
         if bridge.fail(STALLED_CONSUMER):
@@ -72,7 +88,7 @@ class InferenceServicer(oe.InferenceServicer):
 
     async def Generate(self, request: oe.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         try:
-            bridge = self._accept(request, context)
+            bridge = await self._accept(request, context)
         except Rejection as rejection:
             await context.abort(rejection.code, rejection.message)
             return

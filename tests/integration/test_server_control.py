@@ -11,6 +11,7 @@ import threading
 
 import grpc
 import pytest
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -54,7 +55,14 @@ def test_model_info(client: OpenEngineClient) -> None:
     assert info.HasField("supports_lora") and not info.supports_lora
     g = info.generation
     assert g.prompt_logprobs.supported and g.output_logprobs.supported and g.output_logprobs.max_top_n == 20
-    assert g.guided_decoding.HasField("supported") and not g.guided_decoding.supported
+    assert g.guided_decoding.HasField("supported") and g.guided_decoding.supported  # D4: all six modes
+    assert sorted(oe.GuidedDecodingMode.Name(m) for m in g.guided_decoding.modes) == sorted(
+        f"GUIDED_DECODING_MODE_{m.upper()}" for m in
+        ("json_schema", "regex", "ebnf_grammar", "structural_tag", "choice", "json_object"))
+    extra = json_format.MessageToDict(info.extra)
+    backends = extra["refengine.guided_backends"]
+    assert sorted(backends) == ["llguidance", "xgrammar"] and all(len(m) == 6 for m in backends.values())
+    assert extra["refengine.guided_default_backend"] == "xgrammar"
     assert g.max_num_sequences == 16 and g.supports_priority and g.supports_cache_salt
     assert _code(client.model_info, "no-such-model") == grpc.StatusCode.NOT_FOUND  # D3
     empty = client.control.GetModelInfo

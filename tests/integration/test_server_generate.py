@@ -243,7 +243,10 @@ def _invalid_cases() -> list:
         ("empty token_ids", ids([]), (), invalid),
         ("extra wrong type", with_(lambda r: r.extra.CopyFrom(bad_extra)), (), invalid),  # G8
         ("top_n over max", with_(lambda r: setattr(r.response.output_candidates, "top_n", 21)), (), invalid),
-        ("guided decoding", with_(lambda r: setattr(r.guided, "regex", "[a-z]+")), (), invalid),  # D4
+        ("invalid guided regex", with_(lambda r: setattr(r.guided, "regex", "(ab")), (), invalid),  # X1
+        ("unknown guided backend", with_(lambda r: (setattr(r.guided, "regex", "[a-z]+"),
+                                                    setattr(r.guided, "backend", "outlines"))), (), invalid),
+        ("guided backend without a guide", with_(lambda r: setattr(r.guided, "backend", "xgrammar")), (), invalid),
         ("media", with_(lambda r: r.media.add(url="https://example.com/cat.png")), (), invalid),
         ("lora_name", req(lora_name="adapter"), (), not_found),  # R4: no adapter is loaded
         ("kv.session on aggregated", with_(lambda r: setattr(r.kv.session, "session_id", "s1")), (),

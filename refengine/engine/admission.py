@@ -1,0 +1,56 @@
+"""Admission: a request's ``num_sequences`` outputs, all made at once.
+
+Output 0's sequence will compute the prompt; outputs 1 … n-1 wait for it with sequences
+of their own (same tokens, no blocks) and fork when it is computed. Each output owns its
+detokenizer, stop checker, token hold-back, sampling generator and grammar matcher.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+from refengine.engine.request import OutputState, OutputStatus, Request, output_generator
+from refengine.engine.stop_checker import StopChecker, TokenHoldBack
+from refengine.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def prefix_cache_keys(request: Request, model_fingerprint: str) -> tuple[str, ...]:
+    """Everything besides token ids that changes the KV a request computes (its blocks' hashes)."""
+    salt = request.params.kv.cache_salt
+    return (model_fingerprint,) + ((f"salt:{salt}",) if salt else ())
+
+
+def make_outputs(request: Request, tokenizer: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...],
+                 model_fingerprint: str) -> list[OutputState]:
+    p = request.params
+    n = request.num_sequences
+    extra_keys = prefix_cache_keys(request, model_fingerprint)
+    # Without text to send, text is still needed when stop strings must match on it.
+    needs_text = p.detokenize or bool(p.stopping.stop_strings)
+    outputs = []
+    for index in range(n):
+        seq = Sequence(
+            request_id=request.request_id,
+            index=index,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            extra_keys=extra_keys,
+            priority=p.priority,
+            use_prefix_cache=not p.kv.bypass_prefix_cache and not request.wants_prompt_logprobs,
+            num_pending_forks=n - 1 if index == 0 else 0,
+        )
+        outputs.append(OutputState(
+            seq=seq,
+            detokenizer=(IncrementalDetokenizer(tokenizer, request.prompt_token_ids) if needs_text
+                         else NoTextDetokenizer()),
+            stop=StopChecker(p.stopping, eos_token_ids, request.max_tokens),
+            generator=output_generator(p.sampling.seed, index),
+            held_tokens=TokenHoldBack(p.stopping.include_stop_in_output),
+            status=OutputStatus.ACTIVE if index == 0 else OutputStatus.WAITING_FOR_PROMPT,
+            matcher=None if request.guide is None else request.guide.new_matcher(),
+        ))
+    return outputs

@@ -1,0 +1,25 @@
+"""The step's token bitmask: one ``[rows, ceil(vocab / 32)]`` int32 tensor for all sampling
+rows, filled by each guided row's matcher, applied to the logits in one call.
+
+Rows without a grammar are never touched: ``apply_bitmask`` names only the guided rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import xgrammar
+
+BITS = 32
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """All bits set (every token allowed), so an unfilled row masks nothing."""
+    return torch.full((num_rows, (vocab_size + BITS - 1) // BITS), -1, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set ``logits[r, t] = -inf`` for every token ``t`` whose bit is clear, for ``r`` in
+    ``rows``, in place (xgrammar's CPU kernel; it takes the bitmask layout both backends use)."""
+    if rows:
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+

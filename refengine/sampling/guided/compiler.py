@@ -1,0 +1,128 @@
+"""Compiling guides: backend choice, size limits, a bounded LRU cache, and a time limit.
+
+``GuideCompiler.compile`` runs on the caller's thread (the engine front end's, before a
+request is accepted) and waits for a worker thread; the step loop never compiles. A
+compile that outlives ``compile_timeout_seconds`` refuses its request but keeps running on
+its worker, and its result is cached, so a retry of the same spec can hit. One compiler
+serves one engine, so one tokenizer: the cache key is (backend, mode, spec, choices).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
+
+from refengine.config import GUIDED_BACKENDS, GuidedConfig
+from refengine.sampling.guided import llguidance_backend, xgrammar_backend
+from refengine.sampling.guided.base import CompiledGuide, GrammarBackend, GuidedSpecError
+from refengine.types import GuidedSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+_BACKEND_CLASSES = {"xgrammar": xgrammar_backend.XGrammarBackend, "llguidance": llguidance_backend.LlguidanceBackend}
+_BACKEND_MODES = {"xgrammar": xgrammar_backend.MODES, "llguidance": llguidance_backend.MODES}
+CacheKey = tuple[str, str, str, tuple[str, ...]]
+
+
+class _DaemonPool:
+    """Worker threads that never hold up process exit: a compile that outlived its request's
+    time limit may still be running when the server shuts down."""
+
+    def __init__(self, num_threads: int) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future, Callable[[], CompiledGuide]]] = queue.SimpleQueue()
+        for i in range(num_threads):
+            threading.Thread(target=self._work, name=f"refengine-guide-compile-{i}", daemon=True).start()
+
+    def submit(self, job: Callable[[], CompiledGuide]) -> Future[CompiledGuide]:
+        future: Future[CompiledGuide] = Future()
+        self._jobs.put((future, job))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, job = self._jobs.get()
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                future.set_exception(exc)
+
+
+def backend_modes() -> dict[str, tuple[str, ...]]:
+    """Each backend's name -> the modes it can express."""
+    return {name: _BACKEND_MODES[name] for name in GUIDED_BACKENDS}
+
+
+class GuideCompiler:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 config: GuidedConfig) -> None:
+        self.config = config
+        self._backend_args = (tokenizer, vocab_size, stop_token_ids)
+        self._backends: dict[str, GrammarBackend] = {}  # built on first use (a vocabulary scan each)
+        self._pool = _DaemonPool(config.compile_threads)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[CacheKey, CompiledGuide] = OrderedDict()
+        self._compiling: dict[CacheKey, Future[CompiledGuide]] = {}
+
+    def compile(self, spec: GuidedSpec) -> CompiledGuide:
+        """The compiled guide of ``spec``; raises ``GuidedSpecError`` saying what is wrong."""
+        name = self._check(spec)
+        key: CacheKey = (name, spec.mode, spec.spec, spec.choices)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+            future = self._compiling.get(key)
+            if future is None:
+                future = self._compiling[key] = self._pool.submit(lambda: self._compile(key, name, spec))
+        timeout = self.config.compile_timeout_seconds
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            raise GuidedSpecError(f"compiling the {spec.mode} took longer than {timeout:g} s "
+                                  "(--guided-compile-timeout); simplify it") from None
+
+    def _check(self, spec: GuidedSpec) -> str:
+        name = spec.backend or self.config.default_backend
+        if name not in _BACKEND_CLASSES:
+            raise GuidedSpecError(f"guided.backend {spec.backend!r} is not available; accepted: "
+                                  f"{', '.join(GUIDED_BACKENDS)} (empty = {self.config.default_backend})")
+        if spec.mode not in _BACKEND_MODES[name]:
+            raise GuidedSpecError(f"guided backend {name} cannot express {spec.mode}; it supports "
+                                  f"{', '.join(_BACKEND_MODES[name])}")
+        size = len(spec.spec.encode()) + sum(len(c.encode()) for c in spec.choices)
+        if size > self.config.max_spec_bytes:
+            raise GuidedSpecError(f"the {spec.mode} is {size} bytes; the limit is {self.config.max_spec_bytes} "
+                                  "(--guided-max-spec-kib)")
+        if spec.mode == "choice" and not 0 < len(spec.choices) <= self.config.max_choices:
+            raise GuidedSpecError(f"guided.choice needs 1 to {self.config.max_choices} choices, got "
+                                  f"{len(spec.choices)}")
+        if spec.mode not in ("json_object", "choice") and not spec.spec:
+            raise GuidedSpecError(f"guided.{spec.mode} is empty")
+        return name
+
+    def _backend(self, name: str) -> GrammarBackend:
+        with self._lock:
+            backend = self._backends.get(name)
+            if backend is None:
+                backend = self._backends[name] = _BACKEND_CLASSES[name](*self._backend_args)
+            return backend
+
+    def _compile(self, key: CacheKey, name: str, spec: GuidedSpec) -> CompiledGuide:
+        """On a worker: compile, cache (LRU-bounded), forget the in-flight entry."""
+        try:
+            compiled = self._backend(name).compile(spec)
+        finally:
+            with self._lock:
+                self._compiling.pop(key, None)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+        return compiled

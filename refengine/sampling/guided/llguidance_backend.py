@@ -1,0 +1,108 @@
+"""The second grammar backend: llguidance.
+
+EBNF grammars are the same GBNF dialect as xgrammar's (converted to Lark by llguidance);
+a structural tag must be of the triggered-tags kind (``structural_tag.py``), which maps
+onto llguidance's own structural tags one to one. Matchers never raise for a bad token: they
+enter an error state, which ``accept_token`` reports as False.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from refengine.sampling.guided import structural_tag
+from refengine.sampling.guided.base import CompiledGuide, GrammarBackend, GuidedSpecError, GuideMatcher
+from refengine.types import GuidedSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+MODES = ("json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag", "choice")
+
+
+class _Matcher(GuideMatcher):
+    """llguidance stops as soon as the grammar cannot continue, before any stop token; to
+    end outputs the same way on both backends, it counts as terminated only once it has also
+    accepted a stop token (its mask then allows only those)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int]) -> None:
+        self._matcher = matcher
+        self._stop_token_ids = stop_token_ids
+        self._terminated = False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._terminated:
+            return False
+        accepted = self._matcher.consume_token(token_id) and not self._matcher.is_error()
+        self._terminated = accepted and self._matcher.is_stopped() and token_id in self._stop_token_ids
+        return accepted
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+
+class _Compiled(CompiledGuide):
+    """A matcher at the grammar's start; each output gets a deep copy (cheap), so the
+    grammar is built once, at compile time, never on the step loop."""
+
+    def __init__(self, template: llguidance.LLMatcher, stop_token_ids: frozenset[int]) -> None:
+        self._template = template
+        self._stop_token_ids = stop_token_ids
+
+    def new_matcher(self) -> GuideMatcher:
+        return _Matcher(self._template.deep_copy(), self._stop_token_ids)
+
+
+def structural_tags(spec: str) -> list[llguidance.StructTag]:
+    return [llguidance.StructTag(trigger=t.trigger, begin=t.begin, grammar=t.schema, end=t.end)
+            for t in structural_tag.triggered_tags(structural_tag.parse(spec))]
+
+
+class LlguidanceBackend(GrammarBackend):
+    name = "llguidance"
+    modes = MODES
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                       eos_token=list(stop_token_ids) or None)
+        self._stop_token_ids = frozenset(stop_token_ids)
+
+    def compile(self, spec: GuidedSpec) -> CompiledGuide:
+        try:
+            grammar = self._grammar(spec)
+        except GuidedSpecError:
+            raise
+        except (ValueError, TypeError, KeyError, AssertionError, AttributeError) as exc:
+            raise GuidedSpecError(f"llguidance cannot compile this {spec.mode}: {exc}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise GuidedSpecError(f"llguidance cannot compile this {spec.mode}: {error}")
+        template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)  # builds the grammar
+        if template.is_error():
+            raise GuidedSpecError(f"llguidance cannot compile this {spec.mode}: {template.get_error()}")
+        return _Compiled(template, self._stop_token_ids)
+
+    @staticmethod
+    def _grammar(spec: GuidedSpec) -> str:
+        if spec.mode == "json_schema":
+            json.loads(spec.spec)
+            return llguidance.grammar_from("json_schema", spec.spec)
+        if spec.mode == "json_object":
+            return llguidance.grammar_from("json_schema", '{"type": "object"}')
+        if spec.mode == "regex":
+            return llguidance.grammar_from("regex", spec.spec)
+        if spec.mode == "ebnf_grammar":
+            return llguidance.grammar_from("gbnf", spec.spec)
+        if spec.mode == "structural_tag":
+            return llguidance.grammar_from("lark", llguidance.StructTag.to_grammar(structural_tags(spec.spec),
+                                                                                  assume_special=False))
+        return llguidance.grammar_from("choice", json.dumps(list(spec.choices)))
