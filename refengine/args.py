@@ -21,6 +21,7 @@ from refengine.config import (
     EngineConfig,
     GuidedConfig,
     KernelConfig,
+    KvEventsConfig,
     SchedulerConfig,
 )
 
@@ -53,6 +54,9 @@ FIELD_FLAGS = {
     "GuidedConfig.cache_size": "--guided-cache-size",
     "GuidedConfig.max_spec_bytes": "--guided-max-spec-kib",
     "GuidedConfig.max_choices": "--guided-max-choices",
+    "KvEventsConfig.enabled": "--no-kv-events",
+    "KvEventsConfig.retained_batches": "--kv-events-retained-batches",
+    "KvEventsConfig.subscriber_buffer": "--kv-events-subscriber-buffer",
 }
 MIB_SHIFT = 20
 
@@ -87,6 +91,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_scheduler_args(parser.add_argument_group("scheduler"))
     _add_kernel_args(parser.add_argument_group("kernels"))
     _add_guided_args(parser.add_argument_group("guided decoding"))
+    _add_kv_event_args(parser.add_argument_group("KV events"))
 
 
 def _add_model_args(g: argparse._ArgumentGroup) -> None:
@@ -168,6 +173,16 @@ def _add_guided_args(g: argparse._ArgumentGroup) -> None:
                    help="most entries of a choice constraint (default: %(default)s)")
 
 
+def _add_kv_event_args(g: argparse._ArgumentGroup) -> None:
+    d = KvEventsConfig()
+    g.add_argument("--no-kv-events", action="store_true",
+                   help="do not record or publish prefix-cache events (default: published)")
+    g.add_argument("--kv-events-retained-batches", type=int, default=d.retained_batches,
+                   help="newest event batches kept for replay (default: %(default)s)")
+    g.add_argument("--kv-events-subscriber-buffer", type=int, default=d.subscriber_buffer,
+                   help="batches one subscriber may hold unread before it is cut off (default: %(default)s)")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The config the flags describe. Raises ValueError, naming the flag and the field,
     when a value is out of range."""
@@ -210,4 +225,6 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                             compile_timeout_seconds=args.guided_compile_timeout,
                             compile_threads=args.guided_compile_threads, cache_size=args.guided_cache_size,
                             max_spec_bytes=args.guided_max_spec_kib << 10, max_choices=args.guided_max_choices),
+        kv_events=KvEventsConfig(enabled=not args.no_kv_events, retained_batches=args.kv_events_retained_batches,
+                                 subscriber_buffer=args.kv_events_subscriber_buffer),
     )

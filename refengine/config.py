@@ -218,6 +218,26 @@ class GuidedConfig:
 
 
 @dataclass(frozen=True)
+class KvEventsConfig:
+    """KV events for KV-aware routers (``SubscribeKvEvents``, and the ZMQ source of the server).
+
+    ``enabled``: the prefix cache records its changes and each step's are published as one
+    numbered batch. ``retained_batches``: the newest batches kept for replay
+    (``start_sequence_number``). ``subscriber_buffer``: batches one subscriber may hold
+    unread; a subscriber past it is cut off with an error, never slowing the engine.
+    """
+
+    enabled: bool = True
+    retained_batches: int = 10_000
+    subscriber_buffer: int = 1024
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "enabled")
+        _check_int(self, "retained_batches", 1)
+        _check_int(self, "subscriber_buffer", 1)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights.
 
@@ -249,6 +269,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
     guided: GuidedConfig = field(default_factory=GuidedConfig)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
 
     def __post_init__(self) -> None:
         _check_name(self, "model")
@@ -278,7 +299,7 @@ class EngineConfig:
 
     def _check_parts(self) -> None:
         for name, kind in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("kernels", KernelConfig),
-                           ("guided", GuidedConfig)):
+                           ("guided", GuidedConfig), ("kv_events", KvEventsConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"EngineConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         limit = self.scheduler.max_num_seqs

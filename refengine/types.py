@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeAlias
 
 
 @dataclass(frozen=True)
@@ -246,3 +246,65 @@ class EngineStats:
     waiting_tokens: int
     prefill_batch_size: int  # sequences that computed prompt tokens in the last step
     decode_batch_size: int  # sequences that decoded in the last step
+
+
+# -- KV events ------------------------------------------------------------------
+# KV events: what the prefix cache published or forgot, in the order it happened.
+#
+# The block pool appends events to a queue (only when built with
+# ``record_events=True``) and the engine core drains it once per step with
+# ``BlockPool.take_events()``. A subscriber (a KV-aware router) replays the stream
+# into its view of the published blocks, ``{block_hash: parent_hash}``:
+#
+# - ``BlockStored``: add ``block_hash``. Its parent is always already in the view
+#   (or ``None`` for a first block): the pool never publishes a child before its parent.
+# - ``BlockRemoved``: remove ``block_hash`` (a cached block was evicted for reuse).
+# - ``AllBlocksCleared``: empty the whole view (``reset_prefix_cache``).
+#
+# After replaying every event taken so far, the view's keys equal the pool's
+# published hashes (``BlockPool.hash_to_block``). Removals are not guaranteed
+# child-first: a block whose parent hash was published by a concurrent duplicate
+# may outlive that parent, so a subscriber must tolerate removing an inner node.
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A full block was published under ``block_hash`` (chained from ``parent_hash``)."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    extra_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """The block published under ``block_hash`` was evicted; the hash is no longer a hit."""
+
+    block_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every published hash is forgotten (the prefix cache was reset)."""
+
+
+KvEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class KvEventBatch:
+    """The KV events of one engine step (or a snapshot), numbered per data-parallel rank.
+
+    Live batches are numbered 1, 2, 3, … without gaps. A snapshot batch (the blocks cached
+    when a subscription started, as ``BlockStored`` events in publication order, parents
+    first) carries the number of the last live batch whose effects it includes (0 before
+    any), so the live batches that follow it start at the next number: no gap, no duplicate.
+    """
+
+    sequence_number: int
+    timestamp_unix_nanos: int
+    data_parallel_rank: int
+    events: tuple[KvEvent, ...]
+    snapshot: bool = False

@@ -12,23 +12,19 @@ from typing import TYPE_CHECKING
 from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from refengine.engine.request import OutputState, OutputStatus, Request, output_generator
 from refengine.engine.stop_checker import StopChecker, TokenHoldBack
+from refengine.kv.keys import engine_extra_keys
 from refengine.scheduler.sequence import Sequence
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def prefix_cache_keys(request: Request, model_fingerprint: str) -> tuple[str, ...]:
-    """Everything besides token ids that changes the KV a request computes (its blocks' hashes)."""
-    salt = request.params.kv.cache_salt
-    return (model_fingerprint,) + ((f"salt:{salt}",) if salt else ())
-
-
 def make_outputs(request: Request, tokenizer: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...],
                  model_fingerprint: str) -> list[OutputState]:
     p = request.params
     n = request.num_sequences
-    extra_keys = prefix_cache_keys(request, model_fingerprint)
+    # Everything besides token ids that changes the KV a request computes (its blocks' keys).
+    extra_keys = engine_extra_keys(model_fingerprint, p.kv.cache_salt)
     # Without text to send, text is still needed when stop strings must match on it.
     needs_text = p.detokenize or bool(p.stopping.stop_strings)
     outputs = []

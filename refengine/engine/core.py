@@ -13,9 +13,8 @@ One step (``step``):
    their KV) — and return the step's ``RequestOutput``s;
 7. hand the step's KV events, in order, to the event sink.
 
-Nothing below calls back up: the runner, scheduler and sampler return values, and
-only this module changes request state. The core knows nothing of threads or
-streams; the front end (``engine.py``) feeds it and delivers what it returns.
+Nothing below calls back up, and only this module changes request state. The core
+knows nothing of threads or streams: the front end (``engine.py``) feeds it.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from refengine.engine.output_processor import OutputProcessor
 from refengine.engine.request import OutputState, OutputStatus, Request
 from refengine.engine.sampling_rows import SampleTarget, sampling_row, sampling_targets
 from refengine.kv.block_pool import BlockPool
-from refengine.kv.events import KvEvent
 from refengine.kv.kv_manager import KvCacheManager
 from refengine.model.input import ModelInput
 from refengine.model.runner import ModelRunner
@@ -42,7 +40,16 @@ from refengine.sampling.guided import allocate_bitmask
 from refengine.sampling.sampler import SampledToken, Sampler
 from refengine.scheduler.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from refengine.scheduler.sequence import SequenceStatus
-from refengine.types import EngineFault, EngineStats, FinishInfo, FinishReason, RequestOutput, SequenceDelta, Usage
+from refengine.types import (
+    EngineFault,
+    EngineStats,
+    FinishInfo,
+    FinishReason,
+    KvEvent,
+    RequestOutput,
+    SequenceDelta,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -245,6 +252,12 @@ class EngineCore:
         """The one terminal output of a request failed after acceptance (its KV already freed)."""
         self._retire(request)
         return RequestOutput(request.request_id, finished=True, usage=self._usage(request), error=fault)
+
+    def reset_prefix_cache(self) -> int:
+        """Between steps: free every cached block; its one ``AllBlocksCleared`` goes out now."""
+        freed = self.pool.reset_prefix_cache()
+        self._publish_kv_events()
+        return freed
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """An engine fault: end every request with one terminal error, free all KV."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from refengine.config import EngineConfig, ModelConfig
 from refengine.engine.core import EngineCore, KvEventSink
 from refengine.engine.input_processor import InputProcessor
 from refengine.engine.interface import EngineInfo, OutputSink
+from refengine.engine.kv_events import KvEventHub, KvEventSubscription
 from refengine.engine.request import Request
 from refengine.engine.stream import Completion, RequestStream
 from refengine.engine.validation import Limits
@@ -29,7 +31,15 @@ from refengine.kernels.attention import make_attention_backend
 from refengine.model.dtypes import DTYPES
 from refengine.model.runner import ModelRunner
 from refengine.sampling.guided import GuideCompiler, backend_modes
-from refengine.types import DuplicateRequestError, EngineStats, GenerationRequest, OverloadedError, RequestOutput
+from refengine.types import (
+    DuplicateRequestError,
+    EngineStats,
+    GenerationRequest,
+    InvalidRequestError,
+    KvEvent,
+    OverloadedError,
+    RequestOutput,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -81,8 +91,10 @@ class Engine:
         attention = make_attention_backend(config.attention_backend, dtype, config.device, config.kernels)
         runner = ModelRunner(model_config, weights, config.cache, max_model_len, dtype=dtype, device=config.device,
                              attention=attention, kernels=config.kernels)
+        self.kv_events = KvEventHub(config.kv_events.retained_batches, config.kv_events.subscriber_buffer)
         self.core = EngineCore(config, runner, tokenizer, tuple(model_config.eos_token_ids), model_fingerprint,
-                               kv_event_sink)
+                               self._kv_sink(config, kv_event_sink))
+        self._step_lock = threading.Lock()  # held by a step; subscribing waits for the step to end
         name = served_model_name or config.served_model_name or config.model
         self.info = engine_info(config, model_config, name, max_model_len, runner.num_blocks)
         self.guides = GuideCompiler(tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids),
@@ -100,6 +112,18 @@ class Engine:
         self._stats = self.core.stats()
         self._loop_thread: threading.Thread | None = None
         self._stopping = False
+
+    def _kv_sink(self, config: EngineConfig, extra: KvEventSink | None) -> KvEventSink | None:
+        """The hub, when KV events are on, and ``extra`` (an in-process observer) too."""
+        sinks = ([self.kv_events.publish] if config.kv_events.enabled else []) + ([extra] if extra else [])
+        if len(sinks) <= 1:
+            return sinks[0] if sinks else None
+
+        def both(events: list[KvEvent]) -> None:
+            for sink in sinks:
+                sink(events)
+
+        return both
 
     @classmethod
     def from_config(cls, config: EngineConfig, kv_event_sink: KvEventSink | None = None) -> Engine:
@@ -181,11 +205,32 @@ class Engine:
             abort_ids, self._abort_ids = self._abort_ids, set()
             self._sinks.update(self._new_sinks)
             self._new_sinks = {}
-        for request in new:
-            self.core.add_request(request)
-        outputs = self.core.step(abort_ids)
+        with self._step_lock:
+            for request in new:
+                self.core.add_request(request)
+            outputs = self.core.step(abort_ids)
         self._deliver(outputs)
         return outputs
+
+    # -- KV events and the prefix cache (any thread; each waits for the current step) --
+    def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,
+                            start_sequence_number: int = 0) -> KvEventSubscription:
+        """A subscription to the numbered event batches: from a snapshot of the cached
+        blocks, or replayed from ``start_sequence_number``, or live from the next batch."""
+        if not self.config.kv_events.enabled:
+            raise InvalidRequestError("KV events are disabled on this engine (--no-kv-events)")
+        if include_snapshot and start_sequence_number:
+            raise InvalidRequestError("include_snapshot and start_sequence_number exclude each other: a snapshot "
+                                      "starts a view afresh, a replay continues one")
+        with self._step_lock:
+            snapshot = self.core.pool.snapshot() if include_snapshot else None
+            return self.kv_events.subscribe(on_ready, snapshot, start_sequence_number)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (blocks in use stay); one ``AllBlocksCleared`` is
+        published at once. Returns how many cached blocks were freed."""
+        with self._step_lock:
+            return self.core.reset_prefix_cache()
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """An engine fault: end every request with one terminal error, free all KV."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from refengine.engine.kv_events import KvEventSubscription
 from refengine.types import EngineStats, GenerationRequest, RequestOutput
 
 OutputSink = Callable[[RequestOutput], None]  # called on the engine thread; must not block
@@ -59,6 +60,13 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats:
         """Live load figures, safe from any thread."""
+
+    def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,
+                            start_sequence_number: int = 0) -> KvEventSubscription:
+        """Numbered KV event batches (snapshot, replay or live); raises ``InvalidRequestError``."""
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the blocks freed."""
 
     def start(self) -> None:
         """Run the step loop on a background thread."""

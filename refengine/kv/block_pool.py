@@ -23,7 +23,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from refengine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from refengine.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
 @dataclass
@@ -53,6 +53,9 @@ class BlockPool:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with no user, LRU first
         self.hash_to_block: dict[bytes, int] = {}
         self._events: list[KvEvent] | None = [] if record_events else None
+        # What a subscriber's view holds (hash -> its stored event), in publication order, so a
+        # new subscriber can start from a snapshot; kept only while recording events.
+        self._published: dict[bytes, BlockStored] = {}
 
     # -- queries -------------------------------------------------------------
     @property
@@ -158,7 +161,29 @@ class BlockPool:
         if self._events is not None:
             event = BlockStored(block_hash, parent_hash, tuple(token_ids), len(token_ids), extra_keys)
             self._events.append(event)
+            self._published[block_hash] = event
         return True
+
+    def snapshot(self) -> list[BlockStored]:
+        """A ``BlockStored`` for every published block, parents before children (publication
+        order, with a child whose parent was re-published later moved after it): replayed
+        into an empty view it gives the view the event stream has built so far."""
+        published = self._published
+        out: list[BlockStored] = []
+        emitted: set[bytes] = set()
+        waiting: dict[bytes, list[BlockStored]] = {}
+        for event in published.values():
+            parent = event.parent_hash
+            if parent is not None and parent in published and parent not in emitted:
+                waiting.setdefault(parent, []).append(event)
+                continue
+            ready = [event]
+            while ready:
+                done = ready.pop()
+                out.append(done)
+                emitted.add(done.block_hash)
+                ready.extend(waiting.pop(done.block_hash, ()))
+        return out
 
     def reset_prefix_cache(self) -> int:
         """Forget every published hash; returns how many cached (unreferenced) blocks were
@@ -182,6 +207,7 @@ class BlockPool:
         self.free_block_ids.extend(self.evictable)
         self.evictable.clear()
         self.hash_to_block.clear()
+        self._published.clear()
         if self._events is not None:
             self._events.append(AllBlocksCleared())
         return dropped
@@ -191,6 +217,7 @@ class BlockPool:
         del self.hash_to_block[block.block_hash]
         if self._events is not None:
             self._events.append(BlockRemoved(block.block_hash))
+            self._published.pop(block.block_hash, None)
         block.block_hash = None
 
     # -- invariant -----------------------------------------------------------

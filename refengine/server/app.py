@@ -4,6 +4,9 @@ Startup: the listeners open first (Health = STARTING, grpc.health.v1 NOT_SERVING
 model loads on a daemon worker thread, then ``Engine.start()`` runs the step loop on its
 own thread and the state turns READY. The event loop never waits on model compute.
 
+SIGUSR1 resets the prefix cache (cached blocks are freed, blocks in use stay, one
+``AllBlocksCleared`` KV event): the admin path until a secured admin service exists.
+
 Shutdown on SIGTERM/SIGINT (a second signal skips the grace period):
 1. draining: new Generate → UNAVAILABLE; Health answers NOT_READY with a check naming the
    drain (the release has no DRAINING state), grpc.health.v1 NOT_SERVING; the other Control
@@ -31,6 +34,7 @@ from refengine.args import engine_config_from_args
 from refengine.config import EngineConfig
 from refengine.protocol import oe
 from refengine.runtime import apply_process_settings
+from refengine.server import kv_events_service
 from refengine.server.control import ControlServicer
 from refengine.server.errors import DRAINED
 from refengine.server.health import GrpcHealth
@@ -70,6 +74,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "(EngineError OVERLOADED, retryable)")
     g.add_argument("--health-probe-timeout-seconds", type=float, default=d.health_probe_timeout_seconds,
                    help="bound of Health(include_inference_probe)")
+    g.add_argument("--kv-events-zmq", default=None, metavar="tcp://HOST:PORT",
+                   help="also publish KV events in vLLM's ZMQ wire format here (default: None = not published)")
+    g.add_argument("--kv-events-zmq-replay", default=None, metavar="tcp://HOST:PORT",
+                   help="the ZMQ replay (ROUTER) socket for --kv-events-zmq (default: None = no replay)")
+    g.add_argument("--kv-events-zmq-topic", default=d.kv_events_zmq_topic, help="ZMQ topic (default: empty)")
+    g.add_argument("--advertise-host", default=None,
+                   help="host clients reach this server at, reported instead of a bind wildcard "
+                   "(default: None = the machine's host name)")
     g.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -87,6 +99,10 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         stream_buffer=args.stream_buffer,
         stall_timeout_seconds=args.stall_timeout_seconds,
         health_probe_timeout_seconds=args.health_probe_timeout_seconds,
+        kv_events_zmq=args.kv_events_zmq,
+        kv_events_zmq_replay=args.kv_events_zmq_replay,
+        kv_events_zmq_topic=args.kv_events_zmq_topic,
+        advertise_host=args.advertise_host,
     )
 
 
@@ -147,6 +163,7 @@ class Server:
         self.listeners: list[grpc.aio.Server] = []
         self._stop = asyncio.Event()
         self._signals = 0
+        self.kv_source: kv_events_service.ZmqSource | None = None
         self._tasks: set[asyncio.Task] = set()
         self.loader: threading.Thread | None = None
 
@@ -191,6 +208,8 @@ class Server:
             await server.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
+        loop.add_signal_handler(signal.SIGUSR1, lambda: self._background(kv_events_service.reset_prefix_cache(
+            self.state)))
         code = await self._load_and_serve()
         await self._shutdown()
         return code
@@ -210,6 +229,7 @@ class Server:
             return 1
         engine = loading.result()
         engine.start()
+        self.kv_source = kv_events_service.start_compatibility_source(self.state, engine)
         self.state.set_ready(engine)
         logger.info("ready: %s (%d KV blocks)", engine.info.served_model_name, engine.info.total_kv_blocks)
         await stopping
@@ -236,6 +256,8 @@ class Server:
     async def _shutdown(self) -> None:
         self.state.set_draining()
         await asyncio.gather(*(server.stop(0.5) for server in self.listeners))
+        if self.kv_source is not None:
+            self.kv_source.close()
         if self.state.engine is not None:
             await asyncio.to_thread(self.state.engine.shutdown)
             stats = self.state.engine.stats()

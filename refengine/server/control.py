@@ -9,7 +9,7 @@ Choices where the contract is silent (ref):
   of a request's outputs counts), ``max_loras`` = 0 (LoRA disabled, a reported value);
 - ``ServerInfo.kv_connector`` reports ``enabled = false``: no KV transfer in this build;
 - LoRA RPCs → FAILED_PRECONDITION "LoRA is disabled" (R5), including ``ListLoras``;
-- ``GetKvEventSources`` / ``SubscribeKvEvents`` → UNIMPLEMENTED (not advertised);
+- ``GetKvEventSources`` / ``SubscribeKvEvents``: ``kv_events_service.py``;
 - ``Abort(kv_session)`` → NOT_FOUND: this build holds no KV sessions.
 """
 
@@ -23,6 +23,7 @@ from google.protobuf import struct_pb2
 
 import refengine
 from refengine.protocol import oe
+from refengine.server import kv_events_service
 from refengine.server.capabilities import (
     GUIDED_BACKENDS_KEY,
     GUIDED_DEFAULT_BACKEND_KEY,
@@ -192,9 +193,11 @@ class ControlServicer(oe.ControlServicer):
         await self._lora_disabled(context)
 
     async def GetKvEventSources(self, request, context):  # noqa: ANN001, ANN201, N802
-        read_trace_context(context.invocation_metadata())
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV event sources are not offered by this build")
+        async def build() -> oe.GetKvEventSourcesResponse:
+            return kv_events_service.kv_event_sources(self.state, request)
+
+        return await self._run(context, build)
 
     async def SubscribeKvEvents(self, request, context):  # noqa: ANN001, ANN201, N802
         read_trace_context(context.invocation_metadata())
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are not offered by this build")
+        await kv_events_service.subscribe(self.state, request, context)

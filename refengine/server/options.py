@@ -27,6 +27,11 @@ class ServerOptions:
     - ``stall_timeout_seconds``: a full buffer with no write completing for this long aborts
       the request and ends the stream with ``EngineError(OVERLOADED, retryable)``.
     - ``health_probe_timeout_seconds``: bound of ``Health(include_inference_probe)``.
+    - ``kv_events_zmq``: ``tcp://HOST:PORT`` to publish KV events in vLLM's ZMQ format (a PUB
+      socket, bound); ``kv_events_zmq_replay`` the ROUTER replay socket; ``kv_events_zmq_topic``
+      its topic. ``None`` = no compatibility source (the native SubscribeKvEvents still works).
+    - ``advertise_host``: the host clients can reach this server at, reported where a bind
+      address would be a wildcard (``GetKvEventSources``); ``None`` = the machine's host name.
     """
 
     role: str = "aggregated"
@@ -41,6 +46,10 @@ class ServerOptions:
     stream_buffer: int = 64
     stall_timeout_seconds: float = 30.0
     health_probe_timeout_seconds: float = 10.0
+    kv_events_zmq: str | None = None
+    kv_events_zmq_replay: str | None = None
+    kv_events_zmq_topic: str = ""
+    advertise_host: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -45,6 +45,8 @@ class ServerState:
         self.load_error: str | None = None
         self.started_at = time.monotonic()
         self.streams: set[OutputBridge] = set()  # accepted Generate streams not yet ended
+        # The compatibility KV event source (--kv-events-zmq) as GetKvEventSources reports it.
+        self.kv_event_source: dict | None = None
         self._listeners: list[Callable[[Lifecycle], None]] = []
 
     def on_change(self, listener: Callable[[Lifecycle], None]) -> None:

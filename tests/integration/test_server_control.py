@@ -152,16 +152,34 @@ def test_abort_all_requests(client: OpenEngineClient) -> None:
      grpc.StatusCode.FAILED_PRECONDITION),  # R5
     ("UnloadLora", oe.UnloadLoraRequest(lora_name="a"), grpc.StatusCode.FAILED_PRECONDITION),
     ("ListLoras", oe.ListLorasRequest(), grpc.StatusCode.FAILED_PRECONDITION),
-    ("GetKvEventSources", oe.GetKvEventSourcesRequest(), grpc.StatusCode.UNIMPLEMENTED),
 ])
 def test_unoffered_rpcs(client: OpenEngineClient, rpc: str, request_: object, code: grpc.StatusCode) -> None:
     assert _code(getattr(client.control, rpc), request_) == code
 
 
-def test_subscribe_kv_events_unimplemented(client: OpenEngineClient) -> None:
-    with pytest.raises(grpc.RpcError) as info:
-        list(client.control.SubscribeKvEvents(oe.SubscribeKvEventsRequest(), timeout=10))
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+def test_kv_event_sources_none_configured(client: OpenEngineClient) -> None:
+    """E6 (ref): without --kv-events-zmq there is no compatibility source to list."""
+    assert list(client.control.GetKvEventSources(oe.GetKvEventSourcesRequest(), timeout=10).sources) == []
+    for ranks in ([1], [0, 0]):
+        assert _code(client.control.GetKvEventSources,
+                     oe.GetKvEventSourcesRequest(data_parallel_ranks=ranks)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_subscribe_kv_events_snapshot_then_live(client: OpenEngineClient) -> None:
+    """E1, E2: the snapshot batch, then the live batches of a request, numbered without a gap."""
+    stream = client.control.SubscribeKvEvents(oe.SubscribeKvEventsRequest(include_snapshot=True), timeout=60)
+    first = next(stream)
+    assert first.WhichOneof("event") == "batch"
+    check_stream(collect(client, greedy_request("kv-events-1", "Tell me about Paris, the capital. " * 3,
+                                                max_tokens=4)), greedy_request("kv-events-1", "x", max_tokens=4))
+    numbers, stored = [first.batch.sequence_number], 0
+    while stored == 0:
+        batch = next(stream).batch
+        numbers.append(batch.sequence_number)
+        stored += sum(e.WhichOneof("event") == "block_stored" for e in batch.events)
+    stream.cancel()
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+    assert stored > 0
 
 
 def test_grpc_health_v1(server_address: str) -> None:

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from refengine.kv.block_pool import BlockPool
-from refengine.kv.events import BlockRemoved, BlockStored
 from refengine.kv.kv_manager import KvCacheManager
 from refengine.kv.prefix_hash import hash_block
+from refengine.types import BlockRemoved, BlockStored
 
 
 @dataclass(eq=False)

@@ -13,9 +13,16 @@ from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from refengine.engine.engine import Engine
 from refengine.engine.input_builder import build_model_input
 from refengine.engine.request import OutputStatus
-from refengine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from refengine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
-from refengine.types import GenerationRequest, SamplingParams, StoppingParams
+from refengine.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    GenerationRequest,
+    KvEvent,
+    SamplingParams,
+    StoppingParams,
+)
 from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
 from tests.unit.tokenizer_fixture import byte_fallback_tokenizer
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from refengine.kv.block_pool import BlockPool
-from refengine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from refengine.kv.kv_manager import KvCacheManager
+from refengine.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 BLOCK_SIZE = 4
 EXTRA = ("model:abc", "salt:x")

@@ -1,0 +1,41 @@
+"""Reproducible prefix-cache block keys, for routers that compute them offline.
+
+A full block's key is ``sha256`` over, in order:
+
+1. the parent block's 32-byte key, or 32 zero bytes for a prompt's first block;
+2. the block's ``block_size`` token ids, each a little-endian unsigned 32-bit integer;
+3. for each extra key, in order: its UTF-8 length as a little-endian unsigned 32-bit
+   integer, then its UTF-8 bytes.
+
+The engine's extra keys (``engine_extra_keys``) are the model fingerprint (a digest of the
+weights and config, the same in every process serving those files), then
+``"salt:<cache_salt>"`` when the request has a salt; LoRA and media keys are appended
+after them when those features are in use. Every block of a sequence carries the same
+extra keys. Nothing is process-random, so keys are identical across restarts, processes
+and replicas for the same model and the same tokens.
+
+On the wire: ``KvBlockHash`` ``{value: the 32 bytes, encoding: "bytes"}`` on the native
+stream; vLLM-compatible (ZMQ) consumers get the unsigned 64-bit integer of the key's first
+8 bytes, big-endian (``block_hash_u64``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from refengine.kv.prefix_hash import hash_full_blocks
+
+
+def engine_extra_keys(model_fingerprint: str, cache_salt: str | None = None) -> tuple[str, ...]:
+    """The extra keys the engine hashes into every block of a request."""
+    return (model_fingerprint,) + ((f"salt:{cache_salt}",) if cache_salt else ())
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, extra_keys: tuple[str, ...]) -> list[bytes]:
+    """The keys of every full block of ``token_ids`` (a trailing partial block has none)."""
+    return hash_full_blocks(token_ids, block_size, extra_keys, [])
+
+
+def block_hash_u64(key: bytes) -> int:
+    """The integer form of a block key that vLLM-style consumers read."""
+    return int.from_bytes(key[:8], "big")

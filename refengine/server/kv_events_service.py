@@ -1,0 +1,150 @@
+"""``Control.SubscribeKvEvents`` and ``Control.GetKvEventSources`` (RULES E1–E6).
+
+Choices where the contract is silent (ref):
+- one data-parallel rank, 0: any other rank, or a rank named twice, is INVALID_ARGUMENT;
+- ``include_snapshot`` together with ``start_sequence_number`` is INVALID_ARGUMENT (a
+  snapshot starts a view afresh, a replay continues one);
+- a snapshot is one batch numbered like the last live batch it includes (0 before any):
+  the live batches after it continue from the next number (``refengine.types.KvEventBatch``);
+- terminal errors (then status OK, E5): a replay point no longer retained →
+  ``EngineError(INVALID_ARGUMENT)``; a subscriber that leaves more than
+  ``--kv-events-subscriber-buffer`` batches unread → ``EngineError(OVERLOADED, retryable)``;
+  a client that stops reading for ``--stall-timeout-seconds`` is disconnected;
+- ``GetKvEventSources`` lists compatibility sources only: the ZMQ publisher of
+  ``--kv-events-zmq`` (one per rank), or none when it is not configured; the native stream
+  is this RPC service itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Protocol
+
+import grpc
+
+from refengine.engine.interface import EngineClient
+from refengine.engine.kv_events import KvEventSubscription
+from refengine.protocol import oe
+from refengine.server.errors import Rejection, invalid
+from refengine.server.kv_events_wire import batch_response, storage_medium
+from refengine.server.options import ServerOptions
+from refengine.server.state import ServerState
+from refengine.types import RequestError
+
+logger = logging.getLogger(__name__)
+RANKS = (0,)
+
+
+class ZmqSource(Protocol):
+    def describe(self, advertise_host: str) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+def check_ranks(ranks: list[int]) -> list[int]:
+    """E6: known ranks, each once; empty = all."""
+    if len(set(ranks)) != len(ranks):
+        raise invalid(f"data_parallel_ranks names a rank twice: {ranks}")
+    unknown = sorted(set(ranks) - set(RANKS))
+    if unknown:
+        raise invalid(f"data_parallel_ranks {unknown} do not exist; this server has ranks {list(RANKS)}")
+    return list(ranks) or list(RANKS)
+
+
+def kv_event_sources(state: ServerState, request: oe.GetKvEventSourcesRequest) -> oe.GetKvEventSourcesResponse:
+    state.engine_for_control()
+    ranks = check_ranks(list(request.data_parallel_ranks))
+    described = state.kv_event_source
+    if described is None:
+        return oe.GetKvEventSourcesResponse()
+    return oe.GetKvEventSourcesResponse(sources=[
+        oe.KvEventSource(
+            transport=described["transport"],
+            endpoint_addr=oe.KvEndpoint(host=described["host"], port=described["port"], protocol="tcp"),
+            topic=described["topic"], replay_endpoint=described["replay_endpoint"], data_parallel_rank=rank,
+            encoding=described["encoding"], schema_version=1, buffer_steps=described["buffer_steps"],
+            hwm=described["hwm"], max_queue_size=described["max_queue_size"],
+        ) for rank in ranks])
+
+
+async def subscribe(state: ServerState, request: oe.SubscribeKvEventsRequest,
+                    context: grpc.aio.ServicerContext) -> None:
+    try:
+        engine = state.engine_for_control()
+        check_ranks(list(request.data_parallel_ranks))
+    except Rejection as rejection:
+        await context.abort(rejection.code, rejection.message)
+        return
+    loop = asyncio.get_running_loop()
+    ready = asyncio.Event()
+
+    def on_ready() -> None:  # the step thread: never blocks
+        loop.call_soon_threadsafe(ready.set)
+
+    try:  # waits for the current step to end (snapshots are taken between steps)
+        sub = await asyncio.to_thread(engine.subscribe_kv_events, on_ready, request.include_snapshot,
+                                      request.start_sequence_number)
+    except RequestError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return
+    try:
+        await _stream(sub, ready, context, storage_medium(engine.info.device), state.options.stall_timeout_seconds)
+    finally:
+        sub.close()
+
+
+async def _stream(sub: KvEventSubscription, ready: asyncio.Event, context: grpc.aio.ServicerContext,
+                  medium: int, write_timeout: float) -> None:
+    ready.set()  # a snapshot or replay may already be queued
+    while True:
+        await ready.wait()
+        ready.clear()
+        batches, failure = sub.take()
+        try:
+            for batch in batches:
+                await asyncio.wait_for(context.write(batch_response(batch, medium)), write_timeout)
+            if failure is not None:
+                code = oe.ERROR_CODE_OVERLOADED if "too slow" in failure else oe.ERROR_CODE_INVALID_ARGUMENT
+                error = oe.EngineError(code=code, message=failure, retryable=code == oe.ERROR_CODE_OVERLOADED)
+                await asyncio.wait_for(context.write(oe.SubscribeKvEventsResponse(error=error)), write_timeout)
+                return
+        except TimeoutError:
+            logger.warning("KV event subscriber stopped reading for %.1f s; disconnecting it", write_timeout)
+            return
+
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "*", "::", "[::]")
+
+
+def advertised_host(options: ServerOptions) -> str:
+    """E6: a host clients can connect to, never a bind wildcard."""
+    if options.advertise_host:
+        return options.advertise_host
+    return options.host if options.host not in WILDCARD_HOSTS else socket.gethostname()
+
+
+def start_compatibility_source(state: ServerState, engine: EngineClient) -> ZmqSource | None:
+    """The ``--kv-events-zmq`` publisher (vLLM's wire format), or None when not configured."""
+    o = state.options
+    if not o.kv_events_zmq:
+        return None
+    from refengine.server.kv_events_zmq import ZmqKvEventPublisher  # pyzmq only when asked for
+
+    publisher = ZmqKvEventPublisher(engine, o.kv_events_zmq, o.kv_events_zmq_replay, topic=o.kv_events_zmq_topic,
+                                    medium="GPU" if engine.info.device.startswith("cuda") else "CPU")
+    publisher.start()
+    state.kv_event_source = publisher.describe(advertised_host(o))
+    logger.info("KV events also published on %s (vLLM ZMQ format)", o.kv_events_zmq)
+    return publisher
+
+
+async def reset_prefix_cache(state: ServerState) -> None:
+    """The admin path (SIGUSR1; a secured admin service comes later): forget every cached
+    prefix, publish one AllBlocksCleared. Blocks in use stay."""
+    if state.engine is None:
+        logger.info("prefix-cache reset asked for while the model is loading: ignored")
+        return
+    freed = await asyncio.to_thread(state.engine.reset_prefix_cache)
+    logger.info("prefix cache reset: %d cached blocks freed", freed)
