@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -124,9 +123,10 @@ def _tcp(host: str, port: int | str) -> str:
 def _bind(socket: zmq.Socket, endpoint: str) -> tuple[str, int]:
     """Bind ``endpoint`` (port 0 or * = a free port); returns (host as given, bound port)."""
     host, port = _split_tcp(endpoint)
-    if ":" in host or host == "*" and socket.getsockopt(zmq.IPV6):
+    if ":" in host:
         socket.setsockopt(zmq.IPV6, 1)
-    socket.bind(_tcp(host, "*" if port in ("0", "*") else port))
+    address = "*" if host in ("", "::") else host  # "*" with IPV6 on: every IPv4 and IPv6 address
+    socket.bind(_tcp(address, "*" if port in ("0", "*") else port))
     bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)
     return host, int(bound.rpartition(":")[2])
 
@@ -251,20 +251,27 @@ class ZmqKvEventPublisher:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if self._router is not None:
-                    if self._router.poll(int(POLL_SECONDS * 1000)):
-                        self._serve_replays()
-                    ready = self._ready.is_set()
-                else:
-                    ready = self._ready.wait(0.5)
-                if ready:
-                    self._ready.clear()
-                    self._drain()
-            self._drain()
+                try:
+                    self._step()
+                except Exception:  # a send or replay failed: keep serving, without a tight loop
+                    logger.exception("ZMQ KV event publisher error")
+                    self._stop.wait(RESUBSCRIBE_BACKOFF_SECONDS)
+            self._drain()  # what the engine handed over before close()
         except Exception:
-            logger.exception("the ZMQ KV event publisher failed; it stops publishing")
+            logger.exception("ZMQ KV event publisher error while closing")
         finally:
             self._close_sockets()
+
+    def _step(self) -> None:
+        if self._router is not None:
+            if self._router.poll(int(POLL_SECONDS * 1000)):
+                self._serve_replays()
+            ready = self._ready.is_set()
+        else:
+            ready = self._ready.wait(0.5)
+        if ready:
+            self._ready.clear()
+            self._drain()
 
     def _drain(self) -> None:
         if self._sub is None:
@@ -300,12 +307,12 @@ class ZmqKvEventPublisher:
         if not events:
             return
         payload = encode_batch(batch.timestamp_unix_nanos, events, self.medium, DATA_PARALLEL_RANK)
-        with self._lock:
-            seq = self._next_seq
-            self._next_seq += 1
+        seq = self._next_seq
         assert self._pub is not None
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
         self._retained.append((seq, payload))
+        with self._lock:
+            self._next_seq = seq + 1
 
     def _full_block(self, event: KvEvent) -> bool:
         if isinstance(event, BlockStored) and not (event.block_size == len(event.token_ids) == self.block_size):
@@ -323,7 +330,7 @@ class ZmqKvEventPublisher:
                 continue
             identity, _, start = frames
             start_seq = int.from_bytes(start, "big")
-            for seq, payload in list(self._retained):
+            for seq, payload in self._retained:
                 if seq >= start_seq:
                     self._router.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload), copy=False)
             self._router.send_multipart((identity, b"", END_OF_REPLAY, b""))

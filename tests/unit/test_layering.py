@@ -19,7 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "refengine"
 
 CORE = ("engine", "scheduler", "kv", "model", "kernels", "sampling")
-BOTTOM = ("types", "config", "package")  # plain data (and __version__); import nothing of refengine
+BOTTOM = ("types", "config", "package", "keys")  # plain data, __version__, pure block-key functions
+#: Modules that form a component of their own, below the package they sit in: the block-key
+#: functions a router (or an edge) may call without touching the KV cache's state.
+MODULE_COMPONENTS = {"refengine.kv.keys": "keys", "refengine.kv.prefix_hash": "keys", "refengine.kv": "keys"}
 
 #: component -> the components it may import, highest layer first. ``protocol`` is the
 #: generated gRPC bindings; ``args``/``runtime`` are the entry points' config helpers.
@@ -40,6 +43,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "types": (),
     "config": (),
     "package": (),  # refengine/__init__.py
+    "keys": (),
 }
 
 #: Third-party modules a component must never import, and why.
@@ -60,6 +64,8 @@ def component(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "refengine":
         return None
+    if module in MODULE_COMPONENTS:
+        return MODULE_COMPONENTS[module]
     if len(parts) == 1:
         return "package"
     return parts[1]
