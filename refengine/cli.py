@@ -3,17 +3,127 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from refengine.args import DefaultsHelpFormatter, add_engine_args, engine_config_from_args
 
+if TYPE_CHECKING:
+    from refengine.client import oe
+    from refengine.types import GuidedSpec
+
 __all__ = ["build_parser", "main"]  # an entry point only: import the engine flags from refengine.args
+
+GUIDE_FLAGS = ("json_schema", "regex", "choice", "grammar")  # argparse dests; at most one per run
+USAGE_ERROR = 2  # argparse's own exit status for a bad command line
+
+
+class UsageError(ValueError):
+    """A bad combination or value of ``generate`` flags (exit status 2)."""
+
+
+def _schema_text(value: str) -> str:
+    """``--json-schema``: a path to a file, else inline JSON text; either must parse as JSON."""
+    path = Path(value)
+    text = path.read_text() if value and path.is_file() else value
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"--json-schema {value!r} is neither a readable file nor JSON text ({exc})") from None
+    return text
+
+
+def _grammar_text(value: str) -> str:
+    try:
+        return Path(value).read_text()
+    except OSError as exc:
+        raise UsageError(f"--grammar {value!r}: cannot read the grammar file ({exc.strerror})") from None
+
+
+def guided_spec(args: argparse.Namespace) -> GuidedSpec | None:
+    """The ``GuidedSpec`` the guide flags describe (None: unguided); raises ``UsageError``."""
+    from refengine.types import GuidedSpec
+
+    given = [name for name in GUIDE_FLAGS if getattr(args, name) is not None]
+    if len(given) > 1:
+        raise UsageError("at most one of --json-schema, --regex, --choice, --grammar (got "
+                         + ", ".join("--" + n.replace("_", "-") for n in given) + ")")
+    if not given:
+        if args.guided_backend is not None:
+            raise UsageError("--guided-backend needs a guide: --json-schema, --regex, --choice or --grammar")
+        return None
+    backend = args.guided_backend or ""
+    if args.json_schema is not None:
+        return GuidedSpec("json_schema", spec=_schema_text(args.json_schema), backend=backend)
+    if args.regex is not None:
+        return GuidedSpec("regex", spec=args.regex, backend=backend)
+    if args.choice is not None:
+        return GuidedSpec("choice", choices=tuple(args.choice), backend=backend)
+    return GuidedSpec("ebnf_grammar", spec=_grammar_text(args.grammar), backend=backend)
+
+
+def _wire_request(args: argparse.Namespace, prompt: str, guided: GuidedSpec) -> oe.GenerateRequest:
+    """``oe.GenerateRequest`` for ``--remote`` with ``guided`` set (``stream_text`` takes no guide).
+    The wire types come through the client module: the cli reaches the protocol only through it."""
+    import uuid
+
+    from refengine.client import oe
+
+    request = oe.GenerateRequest(request_id=f"cli-{uuid.uuid4().hex}", model=args.model_name or "", prompt=prompt)
+    request.stopping.max_tokens = args.max_tokens
+    request.sampling.temperature = args.temperature
+    if args.sampling_seed is not None:
+        request.sampling.seed = args.sampling_seed
+    if guided.mode == "choice":
+        request.guided.choice.choices.extend(guided.choices)
+    else:
+        setattr(request.guided, guided.mode, guided.spec)
+    if guided.backend:
+        request.guided.backend = guided.backend
+    return request
+
+
+def _remote_guided(args: argparse.Namespace, guided: GuidedSpec) -> int:
+    import grpc
+
+    from refengine.client import GenerationError, OpenEngineClient
+
+    with OpenEngineClient(args.remote) as client:
+        prompt = args.prompt
+        if args.chat:
+            from refengine.model.chat import chat_prompt
+
+            prompt = chat_prompt(args.model_name or client.server_info().supported_models[0], prompt)
+        try:
+            for event in client.generate(_wire_request(args, prompt, guided)):
+                kind = event.WhichOneof("event")
+                if kind == "token" and event.token.output_index == 0:
+                    print(event.token.text, end="", flush=True)
+                elif kind == "error":
+                    raise GenerationError(event.error)
+        except grpc.RpcError as exc:  # refused before acceptance, e.g. INVALID_ARGUMENT for a bad regex
+            print(f"refengine generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        except GenerationError as exc:
+            print(f"\nrefengine generate: {exc}", file=sys.stderr)
+            return 1
+    print()
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from refengine.types import GenerationRequest, SamplingParams, StoppingParams
+    from refengine.types import GenerationRequest, RequestError, SamplingParams, StoppingParams
 
+    try:
+        guided = guided_spec(args)
+    except UsageError as exc:
+        print(f"refengine generate: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    if args.remote and guided is not None:
+        return _remote_guided(args, guided)
     if args.remote:
         from refengine.client import stream_text
         from refengine.model.chat import chat_prompt
@@ -42,8 +152,13 @@ def _generate(args: argparse.Namespace) -> int:
         prompt=prompt,
         sampling=SamplingParams(temperature=args.temperature, seed=args.sampling_seed),
         stopping=StoppingParams(max_tokens=args.max_tokens),
+        guided=guided,
     )
-    stream = engine.add_request(request)
+    try:
+        stream = engine.add_request(request)
+    except RequestError as exc:  # refused before acceptance, e.g. a regex that does not compile
+        print(f"refengine generate: {exc}", file=sys.stderr)
+        return 1
     start = time.perf_counter()
     while not stream.finished:
         engine.step()
@@ -82,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--remote", metavar="HOST:PORT", help="generate through a running server")
     gen.add_argument("--model-name", default=None, help="model to ask a remote server for")
+    guide = gen.add_argument_group("guided decoding (at most one guide; also through --remote)")
+    guide.add_argument("--json-schema", metavar="FILE|JSON", default=None,
+                       help="the output is JSON valid against this schema (a file path, or inline JSON text)")
+    guide.add_argument("--regex", default=None, help="the output matches this regular expression")
+    guide.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                       help="the output is exactly one of these strings (repeat: --choice A --choice B)")
+    guide.add_argument("--grammar", metavar="FILE", default=None,
+                       help="the output follows the EBNF grammar in FILE (xgrammar GBNF: root ::= ...)")
+    guide.add_argument("--guided-backend", metavar="NAME", default=None,
+                       help="grammar backend for the guide (xgrammar, llguidance; default: the engine's)")
     add_engine_args(gen)
     return parser
 

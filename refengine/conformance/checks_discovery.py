@@ -7,6 +7,7 @@ from typing import Any
 import grpc
 
 from refengine.conformance.assertions import NON_OK, expect_rejected, expect_valid
+from refengine.conformance.guides import CASES
 from refengine.conformance.registry import check, expect, fail, skip
 from refengine.conformance.release import (
     RELEASE_BSR_COMMIT,
@@ -164,18 +165,6 @@ def caps_options(t: Target) -> str:
     return ", ".join(seen)
 
 
-GUIDES = {
-    oe.GUIDED_DECODING_MODE_JSON_SCHEMA: lambda g: setattr(g, "json_schema", '{"type": "integer"}'),
-    oe.GUIDED_DECODING_MODE_REGEX: lambda g: setattr(g, "regex", "[0-9]{1,3}"),
-    oe.GUIDED_DECODING_MODE_EBNF_GRAMMAR: lambda g: setattr(g, "ebnf_grammar", 'root ::= "yes" | "no"'),
-    oe.GUIDED_DECODING_MODE_STRUCTURAL_TAG: lambda g: setattr(
-        g, "structural_tag",
-        '{"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}}'),
-    oe.GUIDED_DECODING_MODE_CHOICE: lambda g: g.choice.choices.extend(["yes", "no"]),
-    oe.GUIDED_DECODING_MODE_JSON_OBJECT: lambda g: g.json_object.SetInParent(),
-}
-
-
 @check("D4", "guided decoding: advertised modes accepted, others refused before acceptance")
 def caps_guided(t: Target) -> str:
     """D4: GuidedDecodingCapabilities.modes are exactly the accepted guide kinds."""
@@ -183,9 +172,9 @@ def caps_guided(t: Target) -> str:
     if not t.caps.HasField("guided_decoding") or not caps.HasField("supported"):
         skip("guided decoding support is not reported")
     modes = set(caps.modes) if caps.supported else set()
-    for mode, apply in GUIDES.items():
+    for mode, case in CASES.items():  # the same simple specs as checks_guided.py
         req = t.request("d4g", max_tokens=4)
-        apply(req.guided)
+        case.fill(req.guided)
         name = oe.GuidedDecodingMode.Name(mode)
         if mode in modes:
             _accepted(t, req, name)

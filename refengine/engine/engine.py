@@ -230,7 +230,11 @@ class Engine:
         """Forget every cached prefix (blocks in use stay); one ``AllBlocksCleared`` is
         published at once. Returns how many cached blocks were freed."""
         with self._step_lock:
-            return self.core.reset_prefix_cache()
+            freed = self.core.reset_prefix_cache()
+            stats = self.core.stats()
+        with self._lock:
+            self._stats = stats  # an idle engine takes no step that would refresh it
+        return freed
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """An engine fault: end every request with one terminal error, free all KV."""

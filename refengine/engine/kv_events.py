@@ -37,14 +37,16 @@ class KvEventSubscription:
         self.failure: str | None = None  # set once; no batch is queued after it
         self.closed = False
 
-    def _push(self, batch: KvEventBatch) -> bool:
-        """Queue ``batch``; False (and the subscription ends) when the buffer is full."""
+    def _push(self, batch: KvEventBatch, bounded: bool = True) -> bool:
+        """Queue ``batch``; False (and the subscription ends) when the buffer is full. The
+        snapshot and a replay are not bounded by the buffer: they hold batches the hub retains
+        anyway (a replay is bounded by the retained window)."""
         with self._lock:
             if self.failure is not None or self.closed:
                 return False
-            if len(self._batches) >= self._capacity:
+            if bounded and len(self._batches) >= self._capacity:
                 self.failure = (f"KV event subscriber too slow: {self._capacity} batches unread; "
-                                f"resubscribe from sequence number {self._batches[0].sequence_number}")
+                                f"resubscribe from sequence number {batch.sequence_number}")
             else:
                 self._batches.append(batch)
         self._on_ready()
@@ -102,7 +104,8 @@ class KvEventHub:
         with self._lock:
             last = self._last_sequence_number
             if snapshot is not None:
-                sub._push(KvEventBatch(last, time.time_ns(), self.data_parallel_rank, tuple(snapshot), snapshot=True))
+                sub._push(KvEventBatch(last, time.time_ns(), self.data_parallel_rank, tuple(snapshot), snapshot=True),
+                          bounded=False)
             elif start_sequence_number > 0:
                 oldest = self._retained[0].sequence_number if self._retained else last + 1
                 if start_sequence_number > last + 1:
@@ -115,8 +118,8 @@ class KvEventHub:
                               f"{self.retained_batches}); resubscribe with include_snapshot")
                     return sub
                 for batch in self._retained:
-                    if batch.sequence_number >= start_sequence_number and not sub._push(batch):
-                        return sub
+                    if batch.sequence_number >= start_sequence_number:
+                        sub._push(batch, bounded=False)
             self._subscribers.append(sub)
         return sub
 

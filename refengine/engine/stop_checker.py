@@ -140,6 +140,10 @@ class StopChecker:
         return frozenset()
 
     @property
+    def include_stop_in_output(self) -> bool:
+        return self._include_stop
+
+    @property
     def should_drop_stop_token(self) -> bool:
         """Whether the stop token / EOS that ``check_token`` just matched is kept out of
         tokens and text (``include_stop_in_output`` false)."""
@@ -190,11 +194,14 @@ def process_token(
     """Run one sampled token through stop checking and detokenization (steps 1-4 in
     the module docstring). ``num_output_tokens`` counts every sampled token, this one
     included, also a stop token that is then dropped. ``forced_finish`` ends the output
-    with this token when no stop condition does (a completed grammar); the token is kept."""
+    with this token when no stop condition does (a grammar completed by its stop token,
+    also with ``ignore_eos``); that token then counts as the matched stop (G14)."""
     finish = stop.check_token(token_id, num_output_tokens)
     if forced_finish is not None and (finish is None or finish.reason is FinishReason.LENGTH):
         finish = forced_finish  # the token completed the output: a STOP, even at max_tokens
-    keep_token = finish is None or not stop.should_drop_stop_token
+        keep_token = stop.include_stop_in_output
+    else:
+        keep_token = finish is None or not stop.should_drop_stop_token
     text = detokenizer.add_token(token_id) if keep_token else ""
     if finish is not None:
         text += detokenizer.flush()

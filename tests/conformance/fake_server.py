@@ -18,6 +18,8 @@ from refengine.protocol import oe
 from tests.conformance.toy_engine import (
     BLOCK,
     CTX,
+    GUIDED_BACKEND,
+    GUIDED_MODES,
     INVALID,
     MAX_N,
     MAX_RUNNING,
@@ -78,9 +80,17 @@ class Control(oe.ControlServicer):
             generation=oe.GenerationCapabilities(
                 prompt_logprobs=lp, output_logprobs=lp, max_num_sequences=MAX_N, supports_priority=True,
                 supports_stop_in_output=True, supports_cache_salt=True, supports_prefix_cache_bypass=True,
-                guided_decoding=oe.GuidedDecodingCapabilities(supported=False)))
-        json_format.ParseDict({"generate_extra_keys": {"toy_knob": "number"}}, info.extra)
+                guided_decoding=self.guided_caps()))
+        extra: dict[str, Any] = {"generate_extra_keys": {"toy_knob": "number"}}
+        if self.engine.faults.guided:
+            extra["refengine.guided_backends"] = {GUIDED_BACKEND: list(GUIDED_MODES)}
+        json_format.ParseDict(extra, info.extra)
         return info
+
+    def guided_caps(self) -> Any:
+        if not self.engine.faults.guided:
+            return oe.GuidedDecodingCapabilities(supported=False)
+        return oe.GuidedDecodingCapabilities(supported=True, modes=list(GUIDED_MODES.values()))
 
     def GetLoad(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         with self.engine.lock:

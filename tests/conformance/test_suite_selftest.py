@@ -12,6 +12,8 @@ import pytest
 
 from refengine.conformance import Options, Result, Status, run, select
 from refengine.conformance.checks_errors import retryable_problem
+from refengine.conformance.guides import CASES
+from refengine.conformance.json_prefix import json_prefix_problem
 from refengine.conformance.registry import rule_section, rules_in
 from refengine.conformance.release import RELEASE_BSR_COMMIT, RELEASE_GIT_COMMIT, schema_release_problem
 from refengine.protocol import oe
@@ -31,6 +33,8 @@ def toy_address() -> Iterator[str]:
 RELEASE_CHECKS = ["D1:schema_revision", "D8:primary_model_name", "D8:model_aliases", "D9:multimodal_validated",
                   "G19:media_refused_when_unsupported", "G19:media_source_required", "H3:serving_state",
                   "H4:load_presence", "X4:release_enum_values"]
+#: The guided-decoding checks: the toy server advertises five modes (llguidance), so all must PASS.
+GUIDED_CHECKS = [c.name for c in select() if "guided" in c.name]
 
 
 def test_toy_server_passes_the_whole_suite(toy_address: str) -> None:
@@ -39,8 +43,48 @@ def test_toy_server_passes_the_whole_suite(toy_address: str) -> None:
     assert not failed, "\n".join(failed)
     assert {r.rule for r in results} >= set(rules_in(rules_markdown(), COVERED_SECTIONS))
     by_name = {r.name: r for r in results}
-    not_passed = {n: by_name[n].message for n in RELEASE_CHECKS if by_name[n].status is not Status.PASS}
+    not_passed = {n: by_name[n].message for n in RELEASE_CHECKS + GUIDED_CHECKS
+                  if by_name[n].status is not Status.PASS}
     assert not not_passed, not_passed
+
+
+def test_guided_checks_skip_without_guided_decoding() -> None:
+    """A server that does not support guided decoding: the guided checks skip, saying why,
+    and D4 still checks that every mode is refused before acceptance."""
+    server, address, engine = serve(Faults(guided=False))
+    try:
+        results = {r.name: r for r in run(address, ["D4", "G13", "G17", "G18", "L5", "L6", "X1"],
+                                          Options(idle_timeout_s=1.0)) if "guided" in r.name}
+    finally:
+        server.stop(0)
+        engine.running = False
+    assert results["D4:caps_guided"].status is Status.PASS, results["D4:caps_guided"]
+    assert results["D4:guided_backend_without_guide"].status is Status.PASS
+    skipped = {n for n, r in results.items() if r.status is Status.SKIP and "not supported" in r.message}
+    assert skipped == set(GUIDED_CHECKS) - {"D4:caps_guided", "D4:guided_backend_without_guide"}, results
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [("", True), ('{"a": [1, -2.5e', True), ('{"a": "x\\u00', True), ('{"a": tr', True), ('{"a": {}} ', True),
+     ("quick", False), ('{"a" 1', False), ('{"a": 01', False), ('{"a": nul,', False), ("{}}", False),
+     ('{"a": "\\q"', False), ("[1]", False)],
+)
+def test_json_prefix(text: str, ok: bool) -> None:
+    assert (json_prefix_problem(text, top="{") is None) is ok
+
+
+def test_guide_verifiers() -> None:
+    schema, obj = CASES[oe.GUIDED_DECODING_MODE_JSON_SCHEMA], CASES[oe.GUIDED_DECODING_MODE_JSON_OBJECT]
+    assert schema.verify('{"answer": "yes"}', True) is None
+    assert "schema" in schema.verify('{"answer": "maybe"}', True)
+    assert schema.verify('{"answer": "ye', False) is None
+    assert obj.verify("[1]", True) is not None and obj.verify('{"k": 1}', True) is None
+    assert CASES[oe.GUIDED_DECODING_MODE_REGEX].verify("123", True) is None
+    assert CASES[oe.GUIDED_DECODING_MODE_REGEX].verify("1234", True) is not None
+    tag = CASES[oe.GUIDED_DECODING_MODE_STRUCTURAL_TAG]
+    assert tag.verify("free text <oeconf-value>12</oeconf-value> more", True) is None
+    assert tag.verify("<oeconf-value>twelve</oeconf-value>", True) is not None
 
 
 @pytest.mark.parametrize(
@@ -57,10 +101,17 @@ def test_toy_server_passes_the_whole_suite(toy_address: str) -> None:
         (Faults(health_state=5), ["H3"], "H3:serving_state"),
         (Faults(health_state=5), ["X4"], "X4:release_enum_values"),
         (Faults(cancel_reason=4), ["A4", "X4"], "X4:release_enum_values"),
+        (Faults(ignore_grammar=True), ["D4"], "D4:guided_modes_honoured"),
+        (Faults(ignore_grammar=True), ["D4"], "D4:guided_backends_honoured"),
+        (Faults(ignore_grammar=True), ["G13"], "G13:guided_finish_stop"),
+        (Faults(accept_invalid_guide=True), ["X1"], "X1:guided_invalid_spec_refused"),
+        (Faults(raw_guided_logprobs=True), ["L5"], "L5:guided_logprobs_finite"),
+        (Faults(raw_guided_logprobs=True), ["L6"], "L6:guided_logprobs_after_mask"),
     ],
     ids=["stop-leak", "usage-everywhere", "ignores-disconnect", "alias-refused", "media-ignored",
          "source-less-media-ignored", "media-ignored-d9", "load-zero-defaults", "health-state-5-h3",
-         "health-state-5-x4", "finish-reason-4"],
+         "health-state-5-x4", "finish-reason-4", "grammar-ignored", "grammar-ignored-backends",
+         "grammar-ignored-g13", "invalid-guide-accepted", "raw-guided-logprobs-l5", "raw-guided-logprobs-l6"],
 )
 def test_suite_catches_a_broken_server(faults: Faults, rules: list[str], must_fail: str) -> None:
     server, address, engine = serve(faults)

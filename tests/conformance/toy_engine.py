@@ -2,7 +2,9 @@
 
 Tokens are ASCII characters (ids 0-127) plus EOS (128). The "model" prefers, at
 context length L, the L-th character of a fixed text, so greedy output is readable
-and deterministic; prompts containing ``<|`` end with EOS after 4 tokens. It
+and deterministic; prompts containing ``<|`` end with EOS after 4 tokens. Guided decoding
+runs on llguidance over the same ASCII vocabulary (five modes; structural_tag is not
+advertised, so the suite sees an unadvertised mode refused). It
 implements the rules of the release (OpenEngine v0.1.0: tag b5f2bd9, BSR commit
 768a93c7...) that the suite checks, and can be told to break some of them
 (``Faults``) so that tests can show the suite catches the violation.
@@ -10,6 +12,7 @@ implements the rules of the release (OpenEngine v0.1.0: tag b5f2bd9, BSR commit
 
 from __future__ import annotations
 
+import json
 import math
 import queue
 import random
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import llguidance
 from google.protobuf import json_format
 
 from refengine.conformance.release import RELEASE_BSR_COMMIT
@@ -43,6 +47,10 @@ class Faults:
     load_defaults: bool = False  # H4: every load scalar present, unmeasured ones as 0 (total_kv_blocks 0)
     health_state: int = oe.HEALTH_STATE_READY  # X4/H3: e.g. 5, the pre-release NOT_READY
     cancel_reason: int = oe.FINISH_REASON_CANCELLED  # X4: e.g. 4, a FinishReason the release lacks
+    guided: bool = True  # not a fault: False = a server without guided decoding (not advertised, refused)
+    ignore_grammar: bool = False  # D4: guided requests accepted, output unconstrained
+    accept_invalid_guide: bool = False  # X1: a spec that does not compile is accepted (and ignored)
+    raw_guided_logprobs: bool = False  # L6: logprobs of the distribution before the grammar mask
 
 
 class Refused(Exception):
@@ -62,10 +70,73 @@ def log_softmax(xs: list[float]) -> list[float]:
     return [x - z for x in xs]
 
 
+#: Guided decoding (llguidance over the toy's ASCII vocabulary): every mode but structural_tag,
+#: so that the suite also sees an unadvertised mode refused.
+GUIDED_MODES = {"json_schema": oe.GUIDED_DECODING_MODE_JSON_SCHEMA, "json_object": oe.GUIDED_DECODING_MODE_JSON_OBJECT,
+                "regex": oe.GUIDED_DECODING_MODE_REGEX, "ebnf_grammar": oe.GUIDED_DECODING_MODE_EBNF_GRAMMAR,
+                "choice": oe.GUIDED_DECODING_MODE_CHOICE}
+GUIDED_BACKEND = "llguidance"
+
+
+class _AsciiTokenizer:
+    """What llguidance.TokenizerWrapper reads: one byte per token, EOS last."""
+
+    eos_token_id, bos_token_id = EOS, None
+    tokens = [bytes([i]) for i in range(128)] + [b"</s>"]
+    special_token_ids = [EOS]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+TOKENIZER = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_AsciiTokenizer()))
+
+
+def _grammar(g: Any, mode: str) -> str:
+    if mode == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(g.json_schema, defaults={"whitespace_flexible": False})
+    if mode == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
+                                                             defaults={"whitespace_flexible": False})
+    if mode == "regex":
+        return llguidance.grammar_from("regex", g.regex)
+    if mode == "ebnf_grammar":
+        return llguidance.grammar_from("gbnf", g.ebnf_grammar)
+    _require(len(g.choice.choices) > 0, "guided.choice: no choices")
+    return llguidance.grammar_from("choice", json.dumps(list(g.choice.choices)))
+
+
+def compile_guide(req: Any, faults: Faults) -> str | None:
+    """The llguidance grammar of ``req.guided`` (None: unguided); refuses what cannot run."""
+    g = req.guided
+    mode = g.WhichOneof("guide")
+    if mode is None and not g.backend:
+        return None
+    _require(faults.guided, "guided decoding is not supported")
+    _require(mode is not None, "guided.backend is set but no guide is")
+    _require(mode in GUIDED_MODES, f"guided mode {mode} is not supported")
+    _require(g.backend in ("", GUIDED_BACKEND), f"unknown guided backend {g.backend!r}")
+    try:
+        grammar = _grammar(g, mode)
+        error = llguidance.LLMatcher.validate_grammar(grammar, TOKENIZER)
+    except (ValueError, Refused) as exc:
+        error = str(exc) or "invalid"
+    if error:
+        _require(faults.accept_invalid_guide, f"invalid guided.{mode}: {error}")
+        return None
+    return None if faults.ignore_grammar else grammar
+
+
+def allowed_tokens(matcher: llguidance.LLMatcher) -> set[int]:
+    mask = matcher.compute_bitmask()
+    return {j for j in range(VOCAB) if mask[j // 8] >> (j % 8) & 1}
+
+
 @dataclass
 class Output:
     index: int
     rng: random.Random
+    matcher: llguidance.LLMatcher | None = None
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     emitted: int = 0
@@ -157,13 +228,19 @@ class ToyEngine:
             if st.ignore_eos:
                 masked.add(EOS)
             lp = distribution(job.prompt + out.tokens, job.prompt, temperature, masked)
+            reported = lp  # the distribution whose logprobs are sent
+            if out.matcher is not None:
+                lp = self.guided_distribution(job, out, temperature, masked)
+                reported = reported if self.faults.raw_guided_logprobs else lp
             if temperature == 0:
                 tok = max(range(VOCAB), key=lambda j: lp[j])
             else:
                 tok = out.rng.choices(range(VOCAB), weights=[math.exp(x) for x in lp])[0]
             want_lp = job.req.response.return_output_logprobs
-            info = token_info(tok, lp if want_lp else None, job.req.response.output_candidates
+            info = token_info(tok, reported if want_lp else None, job.req.response.output_candidates
                               if job.req.response.HasField("output_candidates") else None)
+            if out.matcher is not None:
+                out.matcher.consume_token(tok)
             if tok == EOS:
                 self.finish(job, out, oe.FINISH_REASON_STOP, oe.StopMatch(eos_token_id=EOS))
                 continue
@@ -190,6 +267,13 @@ class ToyEngine:
                 continue
             held = max([k for x in job.stops for k in range(1, len(x)) if out.text.endswith(x[:k])], default=0)
             self.emit(job, out, [info], len(out.text) - held)
+
+    @staticmethod
+    def guided_distribution(job: Job, out: Output, temperature: float, masked: set[int]) -> list[float]:
+        """The grammar's mask on top of ``masked``; where nothing would be left, the grammar wins."""
+        forbidden = set(range(VOCAB)) - allowed_tokens(out.matcher)
+        both = masked | forbidden if len(masked | forbidden) < VOCAB else forbidden
+        return distribution(job.prompt + out.tokens, job.prompt, temperature, both)
 
     def emit(self, job: Job, out: Output, infos: list[Any], upto: int) -> None:
         upto = max(upto, out.emitted)
@@ -224,12 +308,15 @@ class ToyEngine:
     # -- admission ---------------------------------------------------------------
     def submit(self, req: Any, priority: int) -> Job:
         prompt = validate(req, self.faults)
+        grammar = compile_guide(req, self.faults)
         max_tokens = req.stopping.max_tokens if req.stopping.HasField("max_tokens") else CTX - len(prompt)
         n = req.sampling.num_sequences if req.sampling.HasField("num_sequences") else 1
         seed = req.sampling.seed if req.sampling.HasField("seed") else None
         rngs = [random.Random(seed * 1000 + i) if seed is not None else random.Random(self.global_rng.random())
                 for i in range(n)]
-        job = Job(req, prompt, max_tokens, priority, queue.Queue(), [Output(i, rngs[i]) for i in range(n)])
+        outputs = [Output(i, rngs[i], llguidance.LLMatcher(TOKENIZER, grammar, log_level=0) if grammar else None)
+                   for i in range(n)]
+        job = Job(req, prompt, max_tokens, priority, queue.Queue(), outputs)
         with self.lock:
             _require(req.request_id not in self.jobs, "duplicate request_id", grpc.StatusCode.ALREADY_EXISTS)
             self.jobs[req.request_id] = job
@@ -280,7 +367,6 @@ def validate(req: Any, faults: Faults) -> list[int]:
         kind = spec.WhichOneof("selection")
         _require(kind != "top_n" or 1 <= spec.top_n <= MAX_TOP_N, "top_n out of range")
         _require(kind != "token_ids" or all(t < VOCAB for t in spec.token_ids.ids), "candidate id out of vocab")
-    _require(req.guided.WhichOneof("guide") is None, "guided decoding is not supported")
     _require(not req.media or faults.ignore_media, "multimodal input is not supported")
     _require(not req.lora_name, "unknown LoRA adapter", grpc.StatusCode.NOT_FOUND)
     _require(not req.kv.HasField("session"), "kv.session on an AGGREGATED engine", grpc.StatusCode.FAILED_PRECONDITION)
