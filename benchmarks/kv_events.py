@@ -229,24 +229,25 @@ def serve_hub(hub: KvEventHub) -> tuple[str, Callable[[], None]]:
     state = ServerState(ServerOptions(), EngineConfig())
     state.engine = _HubEngine(hub)
     loop = asyncio.new_event_loop()
-    started, servers = threading.Event(), []
 
-    async def main() -> None:
+    async def start() -> tuple[grpc.aio.Server, str]:
         server = grpc.aio.server(futures.ThreadPoolExecutor(max_workers=4))
         oe.add_ControlServicer_to_server(_Control(state), server)
-        servers.append((server, f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"))
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         await server.start()
-        started.set()
-        await server.wait_for_termination()
+        return server, address
 
-    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
+    server, address = loop.run_until_complete(start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    started.wait()
-    server, address = servers[0]
 
     def stop() -> None:
-        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result()
-        thread.join()
+        try:
+            asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=5)
+        except TimeoutError:
+            print("  (the benchmark server did not stop within 5 s; left to the process exit)")
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
 
     return address, stop
 
