@@ -16,256 +16,34 @@ is UNIMPLEMENTED.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from refengine.conformance.registry import check, expect, fail, skip
+from refengine.conformance.kv_subscriber import (  # noqa: F401
+    _MISSING,
+    EVENT_WAIT_S,
+    SETTLE_S,
+    WILDCARD_HOSTS,
+    HashKey,
+    KvSubscriber,
+    KvView,
+    _block_size,
+    _key,
+    _need_text,
+    fresh_prompt,
+    generate,
+    latest_number,
+    live_batches,
+    subscribe,
+    terminal_error,
+)
+from refengine.conformance.registry import check, expect, skip
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
-HashKey = tuple[bytes, str]  # KvBlockHash (value, encoding)
-WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*", "0:0:0:0:0:0:0:0"}
-SETTLE_S = 0.3  # a live subscription sends nothing until an event: time for it to be set up (or refused)
-EVENT_WAIT_S = 10.0  # for a batch that a finished request caused
 
-
-class KvSubscriber:
-    """One ``SubscribeKvEvents`` call, read on a daemon thread until it ends or is closed.
-
-    ``responses`` holds every ``SubscribeKvEventsResponse`` in order; ``code``/``details``
-    the final status once the call ended (None while it runs). ``on_response`` sees each one
-    (the conformance target records enum values and EngineErrors through it)."""
-
-    def __init__(self, control: Any, request: Any, timeout: float,
-                 on_response: Callable[[Any], None] | None = None) -> None:
-        self.call = control.SubscribeKvEvents(request, timeout=timeout)
-        self.responses: list[Any] = []
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self._on_response = on_response
-        self._closed = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        code, details = grpc.StatusCode.OK, ""
-        try:
-            for response in self.call:
-                if self._on_response is not None:
-                    self._on_response(response)
-                with self._cond:
-                    self.responses.append(response)
-                    self._cond.notify_all()
-            code, details = self.call.code() or grpc.StatusCode.OK, self.call.details() or ""
-        except grpc.RpcError as err:
-            code, details = err.code(), err.details() or ""
-        finally:
-            with self._cond:
-                self.code, self.details = code, details
-                self._cond.notify_all()
-
-    # -- what arrived ------------------------------------------------------------
-    @property
-    def ended(self) -> bool:
-        return self.code is not None
-
-    @property
-    def batches(self) -> list[Any]:
-        with self._cond:
-            return [r.batch for r in self.responses if r.WhichOneof("event") == "batch"]
-
-    @property
-    def errors(self) -> list[Any]:
-        with self._cond:
-            return [r.error for r in self.responses if r.WhichOneof("event") == "error"]
-
-    @property
-    def last_sequence_number(self) -> int | None:
-        batches = self.batches
-        return batches[-1].sequence_number if batches else None
-
-    def kinds(self) -> list[str]:
-        with self._cond:
-            return [r.WhichOneof("event") or "<none>" for r in self.responses]
-
-    def describe(self) -> str:
-        status = self.code.name if self.code is not None else "still open"
-        return f"status {status} ({self.details!r}), responses {self.kinds()}"
-
-    # -- waiting -----------------------------------------------------------------
-    def wait(self, predicate: Callable[[KvSubscriber], bool], timeout: float) -> bool:
-        """Wait until ``predicate(self)`` holds or the call ended; returns the predicate."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not predicate(self) and not self.ended:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            return predicate(self)
-
-    def wait_responses(self, n: int, timeout: float = EVENT_WAIT_S) -> bool:
-        return self.wait(lambda s: len(s.responses) >= n, timeout)
-
-    def wait_sequence(self, number: int, timeout: float = EVENT_WAIT_S) -> bool:
-        """Until a batch numbered ``number`` or later arrived."""
-        return self.wait(lambda s: any(r.batch.sequence_number >= number for r in s.responses
-                                       if r.WhichOneof("event") == "batch"), timeout)
-
-    def wait_end(self, timeout: float) -> bool:
-        return self.wait(lambda s: s.ended, timeout)
-
-    def close(self) -> None:
-        """Cancel the call (the client goes away) and stop the reader."""
-        self._closed = True
-        self.call.cancel()
-        self._thread.join(5.0)
-
-
-class KvView:
-    """The prefix cache a subscriber knows: block hash -> parent hash (None for a first block),
-    built from a snapshot and the live batches after it. ``problems`` lists every E3/E4
-    violation seen (a child stored before its parent, a removal of a block never stored)."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[HashKey, HashKey | None] = {}
-        self.tokens: dict[HashKey, tuple[int, ...]] = {}
-        self.problems: list[str] = []
-
-    def apply(self, batch: Any) -> None:
-        for event in batch.events:
-            kind = event.WhichOneof("event")
-            if kind == "block_stored":
-                self._stored(event.block_stored, batch.sequence_number)
-            elif kind == "block_removed":
-                for h in event.block_removed.block_hashes:
-                    if self.blocks.pop(_key(h), _MISSING) is _MISSING:
-                        self.problems.append(f"batch {batch.sequence_number}: BlockRemoved of a block never stored")
-            elif kind == "all_blocks_cleared":
-                self.blocks.clear()
-                self.tokens.clear()
-
-    def _stored(self, stored: Any, number: int) -> None:
-        parent = _key(stored.parent_block_hash) if stored.HasField("parent_block_hash") else None
-        if parent is not None and parent not in self.blocks:
-            self.problems.append(f"batch {number}: BlockStored whose parent_block_hash was never stored (E4 chain)")
-        size = stored.block_size or (len(stored.token_ids) // max(1, len(stored.block_hashes)))
-        for i, h in enumerate(stored.block_hashes):  # consecutive blocks chain in order
-            self.blocks[_key(h)] = parent
-            self.tokens[_key(h)] = tuple(stored.token_ids[i * size:(i + 1) * size])
-            parent = _key(h)
-
-
-_MISSING = object()
-
-
-def _key(h: Any) -> HashKey:
-    return (bytes(h.value), h.encoding)
-
-
-# -- helpers ---------------------------------------------------------------------------
-def subscribe(t: Target, include_snapshot: bool = False, start: int = 0, ranks: tuple[int, ...] = ()) -> KvSubscriber:
-    """Open a subscription through the target's channel; skip when the RPC is UNIMPLEMENTED."""
-    request = oe.SubscribeKvEventsRequest(include_snapshot=include_snapshot, start_sequence_number=start,
-                                          data_parallel_ranks=list(ranks))
-    sub = KvSubscriber(t.control, request, t.options.stream_timeout_s, on_response=t.observe)
-    if include_snapshot or start:
-        sub.wait_responses(1)
-    else:
-        sub.wait_end(SETTLE_S)
-    if sub.code == grpc.StatusCode.UNIMPLEMENTED:
-        skip(f"SubscribeKvEvents is UNIMPLEMENTED ({sub.details!r}): no KV events")
-    return sub
-
-
-def _block_size(t: Target) -> int:
-    cap = t.server_info.capacity
-    return cap.kv_block_size if cap.HasField("kv_block_size") and cap.kv_block_size > 0 else 16
-
-
-def fresh_prompt(t: Target, tag: str, blocks: int = 3) -> str:
-    """A prompt no earlier request began with, long enough for about ``blocks`` full KV blocks
-    (a default-prompt sentence is ~20 tokens)."""
-    repeats = max(2, -(-blocks * _block_size(t) // 16))
-    ctx = t.max_context_length
-    if ctx:
-        repeats = min(repeats, max(1, (ctx - 32) // 24))
-    return f"[{t.new_id(tag)}] " + " ".join([t.options.prompt] * repeats)
-
-
-def generate(t: Target, prompt: str, salt: str = "") -> None:
-    """One short greedy request; it must succeed."""
-    req = t.request("e", prompt=prompt, max_tokens=2)
-    if salt:
-        req.kv.cache_salt = salt
-    res = t.generate(req)
-    expect(res.ok and not res.of("error"), f"Generate for the KV event checks failed: {res.describe()}")
-
-
-def _need_text(t: Target) -> None:
-    if not t.supports_text():
-        skip("the model takes no text prompt; the KV event checks send fresh text prompts")
-
-
-def live_batches(t: Target, tag: str, wanted: int = 2, max_requests: int = 4) -> tuple[KvSubscriber, list[Any]]:
-    """A live subscription and the batches that fresh requests caused (at least ``wanted``,
-    one request at a time); skip when the server published none."""
-    _need_text(t)
-    sub = subscribe(t)
-    if sub.ended:
-        fail(f"SubscribeKvEvents ended at once: {sub.describe()}")
-    for _ in range(max_requests):
-        generate(t, fresh_prompt(t, tag))
-        sub.wait(lambda s: bool(s.responses), 2.0)
-        if len(sub.batches) >= wanted or sub.ended:
-            break
-    sub.wait_responses(wanted, 2.0)
-    if sub.errors or (sub.ended and sub.code != grpc.StatusCode.OK):
-        fail(f"a live subscription failed: {sub.describe()}")
-    batches = sub.batches
-    if not batches:
-        sub.close()
-        skip(f"no KV event batch after {max_requests} requests with fresh multi-block prompts "
-             "(prefix caching off?)")
-    return sub, batches
-
-
-def latest_number(t: Target) -> int:
-    """The newest batch number: a snapshot's (E2), else a live batch caused by one request."""
-    sub = subscribe(t, include_snapshot=True)
-    try:
-        if sub.batches:
-            return sub.batches[0].sequence_number
-    finally:
-        sub.close()
-    live, batches = live_batches(t, "e-latest", wanted=1)
-    live.close()
-    return batches[-1].sequence_number
-
-
-def terminal_error(sub: KvSubscriber, what: str) -> Any:
-    """E1/E5: the call ends with exactly one EngineError, as its last response, then OK."""
-    if not sub.wait_end(EVENT_WAIT_S):
-        sub.close()
-        fail(f"{what}: the stream neither ended nor sent an error within {EVENT_WAIT_S:.0f} s "
-             f"({sub.describe()}); expected one terminal EngineError")
-    if sub.code != grpc.StatusCode.OK and not sub.responses:
-        fail(f"{what}: refused with status {sub.code.name} ({sub.details!r}); after acceptance a failure is "
-             "one terminal EngineError, then OK")
-    errors = sub.errors
-    expect(len(errors) == 1, f"{what}: {len(errors)} EngineError events ({sub.describe()}); expected exactly one")
-    expect(sub.kinds()[-1] == "error", f"{what}: responses after the EngineError ({sub.describe()})")
-    expect(sub.code == grpc.StatusCode.OK, f"{what}: status {sub.code.name} after the EngineError; expected OK")
-    expect(errors[0].code != oe.ERROR_CODE_UNSPECIFIED, f"{what}: EngineError code UNSPECIFIED")
-    return errors[0]
-
-
-# -- E1 ------------------------------------------------------------------------------------
 @check("E1", "sequence_number strictly increases per rank while requests run")
 def sequence_numbers_increase(t: Target) -> str:
     """E1: a live subscriber's batches, caused by fresh requests, are numbered strictly increasing."""

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from refengine.client import OpenEngineClient
-from refengine.conformance.checks_kv_events import KvSubscriber, KvView
+from refengine.conformance.kv_subscriber import KvSubscriber, KvView
 from refengine.protocol import oe
 from tests.integration.conftest import ServerProcess, greedy_request, start_server
 
