@@ -237,8 +237,10 @@ class Engine:
         return freed
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """An engine fault: end every request with one terminal error, free all KV."""
-        outputs = self.core.fail_all(message)
+        """An engine fault: end every request with one terminal error, free all KV. Its
+        KV events are published under the step lock, like a step's (never inside a snapshot)."""
+        with self._step_lock:
+            outputs = self.core.fail_all(message)
         self._deliver(outputs)
         return outputs
 

@@ -9,7 +9,8 @@ Choices where the contract is silent (ref):
 - terminal errors (then status OK, E5): a replay point no longer retained →
   ``EngineError(INVALID_ARGUMENT)``; a subscriber that leaves more than
   ``--kv-events-subscriber-buffer`` batches unread → ``EngineError(OVERLOADED, retryable)``;
-  a client that stops reading for ``--stall-timeout-seconds`` is disconnected;
+  a client that stops reading for ``--stall-timeout-seconds`` is disconnected with status
+  RESOURCE_EXHAUSTED (X1: its receive window is full, so no event could reach it);
 - ``GetKvEventSources`` lists compatibility sources only: the ZMQ publisher of
   ``--kv-events-zmq`` (one per rank), or none when it is not configured; the native stream
   is this RPC service itself.
@@ -97,22 +98,44 @@ async def subscribe(state: ServerState, request: oe.SubscribeKvEventsRequest,
 
 async def _stream(sub: KvEventSubscription, ready: asyncio.Event, context: grpc.aio.ServicerContext,
                   medium: int, write_timeout: float) -> None:
+    # Headers first, on their own: they are not flow-controlled, and a first write that
+    # carried them could not be ended by a status if it stalled (see _write_or_disconnect).
+    await context.send_initial_metadata(())
     ready.set()  # a snapshot or replay may already be queued
     while True:
         await ready.wait()
         ready.clear()
         batches, failure = sub.take()
-        try:
-            for batch in batches:
-                await asyncio.wait_for(context.write(batch_response(batch, medium)), write_timeout)
-            if failure is not None:
-                code = oe.ERROR_CODE_OVERLOADED if "too slow" in failure else oe.ERROR_CODE_INVALID_ARGUMENT
-                error = oe.EngineError(code=code, message=failure, retryable=code == oe.ERROR_CODE_OVERLOADED)
-                await asyncio.wait_for(context.write(oe.SubscribeKvEventsResponse(error=error)), write_timeout)
-                return
-        except TimeoutError:
-            logger.warning("KV event subscriber stopped reading for %.1f s; disconnecting it", write_timeout)
+        responses = [batch_response(batch, medium) for batch in batches]
+        if failure is not None:
+            code = oe.ERROR_CODE_OVERLOADED if "too slow" in failure else oe.ERROR_CODE_INVALID_ARGUMENT
+            error = oe.EngineError(code=code, message=failure, retryable=code == oe.ERROR_CODE_OVERLOADED)
+            responses.append(oe.SubscribeKvEventsResponse(error=error))
+        for response in responses:
+            await _write_or_disconnect(context, response, write_timeout)
+        if failure is not None:
             return
+
+
+async def _write_or_disconnect(context: grpc.aio.ServicerContext, response: oe.SubscribeKvEventsResponse,
+                               write_timeout: float) -> None:
+    """One write; a client that takes none of it for ``write_timeout`` is disconnected.
+
+    Such a client has filled its HTTP/2 receive window, so no further event can reach it:
+    the stream ends with status RESOURCE_EXHAUSTED (X1: a transport failure is a status,
+    not an ``EngineError``), which the client sees right after the responses already in
+    flight. The write must not be cancelled first: gRPC cannot end a call whose send was
+    abandoned mid-way (the client would then hang until its own deadline)."""
+    write = asyncio.ensure_future(context.write(response))
+    done, _ = await asyncio.wait({write}, timeout=write_timeout)
+    if done:
+        write.result()
+        return
+    write.add_done_callback(lambda task: task.cancelled() or task.exception())  # the call's end settles it
+    logger.warning("KV event subscriber stopped reading for %.1f s; disconnecting it", write_timeout)
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"KV event subscriber read nothing for {write_timeout:.1f} s (--stall-timeout-seconds); "
+                        "disconnected: subscribe again, with start_sequence_number to resume")
 
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "*", "::", "[::]")

@@ -321,3 +321,29 @@ def test_the_too_slow_message_names_the_first_missed_batch() -> None:
     batches, failure = sub.take()
     assert [b.sequence_number for b in batches] == [1, 2, 3]
     assert failure is not None and "resubscribe from sequence number 4" in failure
+
+
+def test_an_engine_fault_publishes_a_consistent_view_and_frees_every_block(tiny, monkeypatch) -> None:
+    """A step that raises ends every request (``Engine.fail_all``); its KV events are
+    published like a step's: the view still equals the pool, and no block stays in use."""
+    engine = make_engine(tiny)
+    rng = random.Random(7)
+    heads = [[rng.randrange(3, VOCAB) for _ in range(12)]]
+    view = View(engine)
+    for i in range(4):
+        engine.add_request(request(rng, f"f{i}", heads))
+    for _ in range(3):
+        engine.step()
+    assert engine.core.pool.num_used > 0
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(engine.core.runner, "execute", broken)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    outputs = engine.fail_all("engine fault: injected")
+    assert outputs and all(o.finished and o.error is not None for o in outputs)
+    view.drain()
+    assert view.failure is None and view.blocks.keys() == published(engine)
+    assert engine.core.pool.num_used == 0 and not engine.has_unfinished_requests
