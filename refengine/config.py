@@ -237,6 +237,38 @@ class KvEventsConfig:
         _check_int(self, "subscriber_buffer", 1)
 
 
+ENGINE_ROLES = ("aggregated", "prefill", "decode")
+TRANSFER_BACKENDS = ("grpc", "nixl")
+
+
+@dataclass(frozen=True)
+class KvTransferConfig:
+    """Disaggregated prefill/decode (``role`` prefill or decode).
+
+    ``backend``: how this engine's KV sessions are offered when it prefills — ``grpc`` (the
+    decode engine pulls over refengine's own ``refengine.kvpull.v1`` service on this
+    server's port; always available) or ``nixl`` (the decode engine READs the blocks
+    with NIXL; needs the ``nixl`` package). A decode engine accepts every backend it has.
+    ``session_ttl_seconds``: the lease of a session not yet pulled; its KV is freed at
+    expiry. ``chunk_bytes``: the most KV bytes in one gRPC pull chunk (each checksummed).
+    ``num_transfer_threads``: pulls a decode engine runs at once. ``pull_timeout_seconds``:
+    the longest one pull may take before it fails (KV_TRANSFER_FAILED).
+    """
+
+    backend: str = "grpc"
+    session_ttl_seconds: float = 30.0
+    chunk_bytes: int = 1 << 20
+    num_transfer_threads: int = 4
+    pull_timeout_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check_choice(self, "backend", TRANSFER_BACKENDS)
+        _check_positive_float(self, "session_ttl_seconds")
+        _check_int(self, "chunk_bytes", 1 << 12, 1 << 26)
+        _check_int(self, "num_transfer_threads", 1, 64)
+        _check_positive_float(self, "pull_timeout_seconds")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights.
@@ -265,11 +297,15 @@ class EngineConfig:
     # Run the KV pool's integrity check (free + cached + referenced = all blocks) each time the
     # engine becomes idle; costs a pass over the pool, so off by default.
     debug_kv_integrity: bool = False
+    # aggregated: prompt and output here. prefill: compute the prompt's KV and first token, then
+    # hand them over as a KV session (PrefillReady). decode: continue a session prefilled elsewhere.
+    role: str = "aggregated"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
     guided: GuidedConfig = field(default_factory=GuidedConfig)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
 
     def __post_init__(self) -> None:
         _check_name(self, "model")
@@ -284,6 +320,7 @@ class EngineConfig:
         _check_int(self, "num_threads", 1, optional=True)
         _check_choice(self, "attention_backend", ATTENTION_BACKENDS)
         _check_bool(self, "debug_kv_integrity")
+        _check_choice(self, "role", ENGINE_ROLES)
         self._check_parts()
 
     def _check_aliases(self) -> None:
@@ -299,7 +336,8 @@ class EngineConfig:
 
     def _check_parts(self) -> None:
         for name, kind in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("kernels", KernelConfig),
-                           ("guided", GuidedConfig), ("kv_events", KvEventsConfig)):
+                           ("guided", GuidedConfig), ("kv_events", KvEventsConfig),
+                           ("kv_transfer", KvTransferConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"EngineConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         limit = self.scheduler.max_num_seqs

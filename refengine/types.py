@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal, TypeAlias
+from collections.abc import Mapping
+from typing import Any, Literal, TypeAlias
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,27 @@ class KvParams:
 
     bypass_prefix_cache: bool = False
     cache_salt: str | None = None
+    session: KvSessionSpec | None = None  # a decode request: the KV prefilled elsewhere (K5)
+
+
+@dataclass(frozen=True)
+class KvEndpointSpec:
+    host: str
+    port: int
+    protocol: str
+
+
+@dataclass(frozen=True)
+class KvSessionSpec:
+    """A KV session: a prefilled prompt's KV held by the prefill engine under a lease
+    (``KvSessionRef``). ``attributes`` are JSON values, encoded as K9 says (integers above
+    2^53 as decimal strings, bytes as base64): ``refengine.kv.transfer.attributes``."""
+
+    session_id: str
+    transfer_backend: str
+    endpoints: tuple[KvEndpointSpec, ...] = ()
+    dp_rank: int = 0
+    attributes: Mapping[str, Any] = field(default_factory=dict)
 
 
 GUIDED_MODES = ("json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag", "choice")
@@ -206,13 +228,16 @@ class RequestOutput:
     finished: bool = False
     usage: Usage | None = None
     error: EngineFault | None = None
+    # A prefill engine's terminal success (K4): the session to pass to a decode engine; no
+    # token deltas come with it. The edge adds the routable endpoints.
+    prefill: KvSessionSpec | None = None
 
 
 @dataclass(frozen=True)
 class EngineFault:
     """A failure after acceptance. ``retryable``: the unchanged request could succeed later."""
 
-    code: Literal["overloaded", "internal", "cancelled"]
+    code: Literal["overloaded", "internal", "cancelled", "kv_transfer_failed", "kv_session_not_found"]
     message: str
     retryable: bool
 
@@ -246,6 +271,7 @@ class EngineStats:
     waiting_tokens: int
     prefill_batch_size: int  # sequences that computed prompt tokens in the last step
     decode_batch_size: int  # sequences that decoded in the last step
+    active_kv_sessions: int = 0  # prefill role: sessions held for decode engines (K7)
 
 
 # -- KV events ------------------------------------------------------------------

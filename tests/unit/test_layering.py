@@ -19,10 +19,13 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "refengine"
 
 CORE = ("engine", "scheduler", "kv", "model", "kernels", "sampling")
-BOTTOM = ("types", "config", "package", "keys")  # plain data, __version__, pure block-key functions
+# plain data, __version__, pure block-key functions, the KV transfer interface (no torch, no grpc)
+BOTTOM = ("types", "config", "package", "keys", "transfer_api")
 #: Modules that form a component of their own, below the package they sit in: the block-key
 #: functions a router (or an edge) may call without touching the KV cache's state.
-MODULE_COMPONENTS = {"refengine.kv.keys": "keys", "refengine.kv.prefix_hash": "keys", "refengine.kv": "keys"}
+MODULE_COMPONENTS = {"refengine.kv.keys": "keys", "refengine.kv.prefix_hash": "keys", "refengine.kv": "keys",
+                     "refengine.kv.transfer": "transfer_api", "refengine.kv.transfer.base": "transfer_api",
+                     "refengine.kv.transfer.attributes": "transfer_api"}
 
 #: component -> the components it may import, highest layer first. ``protocol`` is the
 #: generated gRPC bindings; ``args``/``runtime`` are the entry points' config helpers.
@@ -44,6 +47,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "config": (),
     "package": (),  # refengine/__init__.py
     "keys": (),
+    "transfer_api": ("types",),
 }
 
 #: Third-party modules a component must never import, and why.
@@ -56,6 +60,7 @@ FORBIDDEN_EXTERNAL: dict[str, tuple[tuple[str, ...], str]] = {
     "config": (("torch",), "the server imports config and must not load torch"),
     "args": (("torch",), "the server imports args and must not load torch"),
     "types": (("torch",), "shared plain data"),
+    "transfer_api": (("torch", "grpc", "google.protobuf"), "the transfer interface is plain data for every side"),
 }
 
 

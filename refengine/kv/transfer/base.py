@@ -1,0 +1,113 @@
+"""The KV transfer interface: what moves, between whom, and how a failure reads.
+
+A prefill engine holds a finished prompt's blocks as a *session*; a decode engine
+allocates fresh blocks for the part of the prompt it does not have cached, and a
+backend copies the session's blocks ``first_block_index …`` into them. Both engines
+see their KV cache as a ``BlockStore``: raw regions (each layer's K, then V) of
+``num_blocks`` equal blocks, the block being the outermost dimension, so one block of
+one region is one contiguous byte range. A transfer copies bytes; the two sides check
+beforehand (``attributes``) that their layouts, dtypes and block sizes are equal.
+
+Plain data and interfaces only: no torch, no grpc (the server's gRPC backend and the
+NIXL backend both implement ``KvTransferBackend``).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from refengine.types import KvSessionSpec
+
+
+@dataclass(frozen=True)
+class KvRegion:
+    """One KV tensor as memory: ``num_blocks`` blocks of ``block_nbytes`` from ``address``."""
+
+    address: int
+    num_blocks: int
+    block_nbytes: int
+
+
+class BlockStore(Protocol):
+    """An engine's KV cache as raw blocks (``refengine.model.kv_io.KvBlockIO``).
+
+    ``read``/``write`` move whole blocks, block-major (block 0's bytes of every region in
+    region order, then block 1's …), ``block_nbytes`` bytes per block. Thread-safe for
+    blocks nobody else writes: a session's blocks are immutable while it is held, and a
+    decode engine's destination blocks are not scheduled until their pull has ended."""
+
+    layout: str  # attention backend and per-block shapes: equal strings = compatible bytes
+    dtype: str
+    regions: tuple[KvRegion, ...]
+    block_nbytes: int  # over all regions
+
+    def read(self, block_ids: Sequence[int]) -> bytes: ...
+
+    def write(self, block_ids: Sequence[int], data: bytes | memoryview) -> None: ...
+
+
+@dataclass(frozen=True)
+class PullOrder:
+    """Copy the session's blocks ``first_block_index … first_block_index + len(dest)-1``
+    into this engine's ``dest_block_ids`` (in order)."""
+
+    request_id: str
+    session: KvSessionSpec
+    first_block_index: int
+    dest_block_ids: tuple[int, ...]
+
+
+class TransferFailure(Exception):
+    """A pull that did not complete. ``kind`` "not_found": the source no longer holds the
+    session (KV_SESSION_NOT_FOUND, never retryable); "failed": KV_TRANSFER_FAILED, with
+    ``retryable`` true only when the source still holds the session as far as we know."""
+
+    def __init__(self, kind: Literal["not_found", "failed"], message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.retryable = retryable and kind == "failed"
+
+
+SessionConfirmed = Callable[[str], None]  # a decode engine has pulled session_id: release it
+
+
+class KvTransferBackend(ABC):
+    """One way of moving a session's blocks. ``bind`` is called once, by the engine that
+    owns ``store``, before anything else.
+
+    Invariants: ``pull`` writes only into ``order.dest_block_ids``, and returns or raises
+    only when no write into them is pending any more (the engine frees or schedules them
+    right after); it checks ``cancelled`` between chunks and then raises. A backend never
+    holds or frees blocks itself: the engine's session store does."""
+
+    name: str  # as in KvSessionRef.transfer_backend
+    protocol: str  # as in KvEndpoint.protocol of the sessions it offers
+
+    @abstractmethod
+    def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
+        """Attach to the engine's KV cache; ``on_confirmed`` releases a pulled session."""
+
+    def source_attributes(self, session_id: str, block_ids: Sequence[int]) -> dict[str, Any]:
+        """Prefill side: what a puller needs besides the session id (JSON values, K9)."""
+        return {}
+
+    @abstractmethod
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        """Decode side, blocking, on a transfer thread: fetch and write the blocks, then tell
+        the source (``on_confirmed`` there). Raises ``TransferFailure``."""
+
+    def close(self) -> None:
+        """Release connections and registrations."""
+
+
+class SessionPinner(Protocol):
+    """Decode side, for one-sided backends (NIXL READ): ask the source engine to keep a
+    session's blocks unchanged for ``seconds`` while they are read without its involvement
+    (the server implements it with the ``refengine.kvpull.v1`` Pin RPC)."""
+
+    def pin(self, session: KvSessionSpec, seconds: float) -> None:
+        """Raises ``TransferFailure`` ("not_found" when the source no longer holds it)."""
