@@ -9,8 +9,8 @@ nothing of refengine.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 
@@ -252,6 +252,10 @@ class InvalidRequestError(RequestError, ValueError):
 
 class DuplicateRequestError(RequestError):
     """``request_id`` is already in use by an active request."""
+
+
+class KvSessionNotFound(LookupError):
+    """No such KV session here: never made, released, or its lease expired (K7, A2)."""
 
 
 class OverloadedError(RequestError):

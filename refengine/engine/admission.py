@@ -38,6 +38,7 @@ def make_outputs(request: Request, tokenizer: PreTrainedTokenizerBase, eos_token
             priority=p.priority,
             use_prefix_cache=not p.kv.bypass_prefix_cache and not request.wants_prompt_logprobs,
             num_pending_forks=n - 1 if index == 0 else 0,
+            kv_from_remote=p.kv.session is not None,  # decode role (num_sequences is 1 there)
         )
         outputs.append(OutputState(
             seq=seq,

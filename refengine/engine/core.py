@@ -13,6 +13,10 @@ One step (``step``):
    their KV) — and return the step's ``RequestOutput``s;
 7. hand the step's KV events, in order, to the event sink.
 
+Roles (``disagg.py``): before scheduling, a prefill engine frees its due KV sessions and
+a decode engine applies its finished pulls; a prefill engine ends a request at its first
+token with a session instead of emitting the token.
+
 Nothing below calls back up, and only this module changes request state. The core
 knows nothing of threads or streams: the front end (``engine.py``) feeds it.
 """
@@ -28,15 +32,16 @@ import torch
 
 from refengine.config import EngineConfig
 from refengine.engine.admission import make_outputs
+from refengine.engine.disagg import Disaggregation, first_sampled_token, transfer_fault
 from refengine.engine.input_builder import build_model_input
+from refengine.engine.observe import check_idle, engine_stats, request_usage
 from refengine.engine.output_processor import OutputProcessor
 from refengine.engine.request import OutputState, OutputStatus, Request
-from refengine.engine.sampling_rows import SampleTarget, sampling_row, sampling_targets
+from refengine.engine.sampling_rows import SampleTarget, sample_step
 from refengine.kv.block_pool import BlockPool
 from refengine.kv.kv_manager import KvCacheManager
 from refengine.model.input import ModelInput
 from refengine.model.runner import ModelRunner
-from refengine.sampling.guided import allocate_bitmask
 from refengine.sampling.sampler import SampledToken, Sampler
 from refengine.scheduler.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from refengine.scheduler.sequence import SequenceStatus
@@ -46,9 +51,9 @@ from refengine.types import (
     FinishInfo,
     FinishReason,
     KvEvent,
+    KvSessionSpec,
     RequestOutput,
     SequenceDelta,
-    Usage,
 )
 
 if TYPE_CHECKING:
@@ -65,6 +70,7 @@ class StepOutcome:
 
     deltas: dict[str, list[SequenceDelta]] = field(default_factory=dict)
     faults: dict[str, EngineFault] = field(default_factory=dict)
+    prefills: dict[str, KvSessionSpec] = field(default_factory=dict)  # prefill role: the sessions made
 
 
 class EngineCore:
@@ -76,6 +82,7 @@ class EngineCore:
         eos_token_ids: tuple[int, ...],
         model_fingerprint: str = "",
         kv_event_sink: KvEventSink | None = None,
+        disagg: Callable[[KvCacheManager], Disaggregation] | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -89,6 +96,7 @@ class EngineCore:
         self.sampler = Sampler(runner.config.vocab_size, seed=config.seed)
         self.outputs = OutputProcessor(tokenizer)
         self.kv_event_sink = kv_event_sink
+        self.disagg = disagg(self.kv) if disagg is not None else None  # prefill and decode roles
         self.requests: dict[str, Request] = {}  # accepted and not yet finished
         self._prompt_logprobs_pending: set[str] = set()  # prompt logprobs not yet emitted
         self._last_batch = (0, 0)  # (prefill, decode) sequences of the last step
@@ -112,6 +120,9 @@ class EngineCore:
         return deltas
 
     def _finish_output(self, out: OutputState, finish: FinishInfo) -> None:
+        if out.seq.status is SequenceStatus.RECEIVING:
+            assert self.disagg is not None
+            self.disagg.cancel_receiving(out)
         if out.status is OutputStatus.ACTIVE:
             self.scheduler.finish(out.seq)  # frees the sequence's blocks
         out.finish = finish
@@ -125,14 +136,20 @@ class EngineCore:
             request = self.requests.get(request_id)
             if request is not None:
                 outcome.deltas.setdefault(request_id, []).extend(self._cancel(request, cancelled))
+        if self.disagg is not None:
+            self.disagg.free_due_sessions()
+            self._attach_received_kv(outcome)
         sched = self.scheduler.schedule()
+        if sched.kv_loads:
+            assert self.disagg is not None
+            self.disagg.start_loads(sched.kv_loads, self.requests)
         if not sched.is_empty:
             prompt_rows = [self._wants_prompt_logits(item) for item in sched.scheduled]
             num_logit_rows = [item.num_new_tokens if all_rows else int(item.samples)
                               for item, all_rows in zip(sched.scheduled, prompt_rows, strict=True)]
             model_input = build_model_input(sched, self.kv.block_size, num_logit_rows)
             logits = self.runner.execute(model_input)
-            targets, sampled = self._sample(sched, model_input, logits)
+            targets, sampled = sample_step(self.sampler, sched, model_input, logits, self.requests)
             self.update_from_output(sched, model_input, logits, prompt_rows, list(zip(targets, sampled, strict=True)),
                                     outcome)
         num_prefill = sum(1 for s in sched.scheduled if s.num_new_tokens > 1)
@@ -146,25 +163,6 @@ class EngineCore:
     def _wants_prompt_logits(self, item: ScheduledSequence) -> bool:
         request = self.requests[item.request_id]
         return request.wants_prompt_logprobs and not request.prompt_logprobs_ready and item.index == 0
-
-    def _sample(
-        self, sched: SchedulerOutput, model_input: ModelInput, logits: torch.Tensor | None
-    ) -> tuple[list[SampleTarget], list[SampledToken]]:
-        targets, logit_rows = sampling_targets(sched, model_input, self.requests)
-        if not targets:
-            return [], []
-        assert logits is not None, "rows to sample but no logits"
-        # A decode-only step samples every row once, in order: no copy of the logits.
-        if logit_rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(logit_rows)]
-        rows = [sampling_row(r, o) for r, o in targets]
-        guided = [j for j, (_, out) in enumerate(targets) if out.matcher is not None]
-        if not guided:
-            return targets, self.sampler(logits, rows)
-        bitmask = allocate_bitmask(len(targets), self.sampler.vocab_size)
-        for j in guided:  # one bitmask for the step; unguided rows stay all-allowed and unapplied
-            targets[j][1].matcher.fill_bitmask(bitmask, j)
-        return targets, self.sampler(logits, rows, bitmask, guided)
 
     def update_from_output(
         self,
@@ -190,25 +188,46 @@ class EngineCore:
         for (request, out), token in sampled:
             if request.request_id in outcome.faults:
                 continue
-            if out.matcher is not None and not out.matcher.accept_token(token.token_id):
-                # A sampled token the grammar forbids means a masking bug: fail this request only.
-                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message="grammar rejected a token"))
-                outcome.faults[request.request_id] = EngineFault(
-                    "internal", f"output {out.index}: the grammar rejected sampled token {token.token_id}", False)
+            if self.config.role == "prefill":  # K4: the first token goes with the session, not out
+                assert self.disagg is not None
+                outcome.prefills[request.request_id] = self.disagg.hand_over(request, out, token)
+                self._finish_output(out, FinishInfo(FinishReason.STOP, message="prefill ready"))
+                outcome.deltas.setdefault(request.request_id, [])
                 continue
-            delta = self.outputs.append_token(request, out, token)
-            if delta.finish is not None:
-                self._finish_output(out, delta.finish)
-            outcome.deltas.setdefault(request.request_id, []).append(delta)
+            self._append(request, out, token, outcome)
+
+    def _append(self, request: Request, out: OutputState, token: SampledToken, outcome: StepOutcome) -> None:
+        """One token onto one output: grammar, stops, finish. A token the grammar forbids
+        means a masking bug (or a foreign first token): it fails this request only."""
+        if out.matcher is not None and not out.matcher.accept_token(token.token_id):
+            self._cancel(request, FinishInfo(FinishReason.CANCELLED, message="grammar rejected a token"))
+            outcome.faults[request.request_id] = EngineFault(
+                "internal", f"output {out.index}: the grammar rejected token {token.token_id}", False)
+            return
+        delta = self.outputs.append_token(request, out, token)
+        if delta.finish is not None:
+            self._finish_output(out, delta.finish)
+        outcome.deltas.setdefault(request.request_id, []).append(delta)
+
+    def _attach_received_kv(self, outcome: StepOutcome) -> None:
+        """Decode role: apply the pulls that ended since the last step (see ``disagg.py``)."""
+        assert self.disagg is not None
+        for request_id, failure in self.disagg.take_finished_loads():
+            request = self.requests.get(request_id)
+            if request is None:  # ended (fault) after its pull finished
+                continue
+            out = request.outputs[0]
+            if failure is not None:
+                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=str(failure)))
+                outcome.faults[request_id] = transfer_fault(failure)
+                continue
+            self.scheduler.finish_receiving(out.seq)
+            token = first_sampled_token(request.params.kv.session)
+            if out.generator is not None:  # the prefill engine made this output's first draw
+                torch.rand(1, dtype=torch.float64, generator=out.generator)
+            self._append(request, out, token, outcome)
 
     # -- emission ----------------------------------------------------------------
-    def _usage(self, request: Request) -> Usage:
-        return Usage(
-            prompt_tokens=len(request.prompt_token_ids),
-            completion_tokens=sum(o.num_emitted_tokens for o in request.outputs),
-            cached_prompt_tokens=request.num_cached_prompt_tokens,
-        )
-
     def _emit(self, outcome: StepOutcome) -> list[RequestOutput]:
         deltas = outcome.deltas
         outputs = [self._fault_output(self.requests[rid], fault) for rid, fault in outcome.faults.items()]
@@ -223,7 +242,7 @@ class EngineCore:
                 prompt_tokens = tuple(request.prompt_infos)
                 request.prompt_logprobs_sent = True
             request_deltas = deltas.get(request_id, [])
-            if prompt_tokens is None and not request_deltas:
+            if prompt_tokens is None and not request_deltas and request_id not in outcome.prefills:
                 continue
             finished = request.finished
             outputs.append(RequestOutput(
@@ -231,7 +250,8 @@ class EngineCore:
                 deltas=tuple(request_deltas),
                 prompt_tokens=prompt_tokens,
                 finished=finished,
-                usage=self._usage(request) if finished else None,
+                usage=request_usage(request) if finished else None,
+                prefill=outcome.prefills.get(request_id),
             ))
             if finished:
                 self._retire(request)
@@ -251,7 +271,7 @@ class EngineCore:
     def _fault_output(self, request: Request, fault: EngineFault) -> RequestOutput:
         """The one terminal output of a request failed after acceptance (its KV already freed)."""
         self._retire(request)
-        return RequestOutput(request.request_id, finished=True, usage=self._usage(request), error=fault)
+        return RequestOutput(request.request_id, finished=True, usage=request_usage(request), error=fault)
 
     def reset_prefix_cache(self) -> int:
         """Between steps: free every cached block; its one ``AllBlocksCleared`` goes out now."""
@@ -271,30 +291,10 @@ class EngineCore:
 
     # -- observation -------------------------------------------------------------
     def stats(self) -> EngineStats:
-        """Load figures after the last step (one pass over the requests)."""
-        num_running = running_tokens = waiting_tokens = 0
-        for request in self.requests.values():
-            if any(o.seq.status is SequenceStatus.RUNNING for o in request.outputs):
-                num_running += 1
-                running_tokens += sum(o.seq.num_tokens for o in request.outputs if o.status is OutputStatus.ACTIVE)
-            else:
-                waiting_tokens += len(request.prompt_token_ids)
-        return EngineStats(
-            running_requests=num_running,
-            waiting_requests=len(self.requests) - num_running,
-            used_kv_blocks=self.pool.num_used,
-            total_kv_blocks=self.pool.num_blocks,
-            cached_kv_blocks=self.pool.num_cached,
-            running_tokens=running_tokens,
-            waiting_tokens=waiting_tokens,
-            prefill_batch_size=self._last_batch[0],
-            decode_batch_size=self._last_batch[1],
-        )
+        """Load figures after the last step."""
+        sessions = 0 if self.disagg is None else len(self.disagg.sessions)
+        return engine_stats(self.requests.values(), self.pool, self._last_batch, sessions)
 
     def check_idle(self) -> None:
-        """With no request in the core, every KV block is free or cached, and each ref
-        count matches its owners (``--debug-kv-integrity`` runs this whenever idle)."""
-        assert not self.requests and not self.scheduler.running and not self.scheduler.waiting
-        self.kv.check_integrity()
-        assert self.pool.num_used == sum(len(self.kv.held_block_ids(o)) for o in self.kv.owners), \
-            f"{self.pool.num_used} KV blocks in use with no request to own them"
+        """``--debug-kv-integrity``, whenever idle: see ``observe.check_idle``."""
+        check_idle(self.requests, self.scheduler, self.kv)

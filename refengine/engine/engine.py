@@ -12,30 +12,36 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
 from refengine.config import EngineConfig, ModelConfig
 from refengine.engine.core import EngineCore, KvEventSink
+from refengine.engine.disagg import Disaggregation
+from refengine.engine.engine_kv import EngineKvMixin
+from refengine.engine.info import engine_info
 from refengine.engine.input_processor import InputProcessor
-from refengine.engine.interface import EngineInfo, OutputSink
-from refengine.engine.kv_events import KvEventHub, KvEventSubscription
+from refengine.engine.interface import OutputSink
+from refengine.engine.kv_events import KvEventHub
 from refengine.engine.request import Request
+from refengine.engine.role_check import RoleCheck
 from refengine.engine.stream import Completion, RequestStream
 from refengine.engine.validation import Limits
 from refengine.kernels.attention import make_attention_backend
+from refengine.kv.transfer.base import KvTransferBackend
+from refengine.kv.transfer.sessions import KvSessionStore
 from refengine.model.dtypes import DTYPES
+from refengine.model.kv_io import KvBlockIO
 from refengine.model.runner import ModelRunner
-from refengine.sampling.guided import GuideCompiler, backend_modes
+from refengine.sampling.guided import GuideCompiler
 from refengine.types import (
     DuplicateRequestError,
     EngineStats,
     GenerationRequest,
-    InvalidRequestError,
     KvEvent,
     OverloadedError,
     RequestOutput,
@@ -47,32 +53,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FINISHED_ID_WINDOW = 4096  # finished request ids remembered for abort's ALREADY_FINISHED
+STALLED_POLL_SECONDS = 0.05  # a loop with requests but nothing to run looks again this often
 
 
-def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_name: str, max_model_len: int,
-                num_blocks: int) -> EngineInfo:
-    return EngineInfo(
-        served_model_name=served_model_name,
-        served_model_aliases=tuple(a for a in config.served_model_aliases if a != served_model_name),
-        model_id=config.model,
-        vocab_size=model_config.vocab_size,
-        max_model_len=max_model_len,
-        bos_token_id=model_config.bos_token_id,
-        eos_token_ids=tuple(model_config.eos_token_ids),
-        max_sequences_per_request=config.max_sequences_per_request,
-        max_logprobs=config.max_logprobs,
-        kv_block_size=config.cache.block_size,
-        total_kv_blocks=num_blocks,
-        max_num_seqs=config.scheduler.max_num_seqs,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        device=config.device,
-        dtype=config.dtype,
-        guided_modes=backend_modes()[config.guided.default_backend],
-        guided_backends=tuple(sorted(backend_modes().items(), key=lambda kv: kv[0] != config.guided.default_backend)),
-    )
-
-
-class Engine:
+class Engine(EngineKvMixin):
     def __init__(
         self,
         config: EngineConfig,
@@ -82,6 +66,7 @@ class Engine:
         model_fingerprint: str = "",
         served_model_name: str | None = None,
         kv_event_sink: KvEventSink | None = None,
+        transfer_backends: Seq[KvTransferBackend] = (),
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -92,16 +77,24 @@ class Engine:
         runner = ModelRunner(model_config, weights, config.cache, max_model_len, dtype=dtype, device=config.device,
                              attention=attention, kernels=config.kernels)
         self.kv_events = KvEventHub(config.kv_events.retained_batches, config.kv_events.subscriber_buffer)
+        self.block_io = KvBlockIO(runner.kv_caches, type(runner.attention).__name__)
+        self.kv_sessions = KvSessionStore(on_change=self._wake)
+        backends = self._bind_backends(transfer_backends)
+        disagg = None if config.role == "aggregated" else partial(
+            Disaggregation, config, store=self.block_io, fingerprint=model_fingerprint, sessions=self.kv_sessions,
+            backends=backends, on_load_done=self._wake)
         self.core = EngineCore(config, runner, tokenizer, tuple(model_config.eos_token_ids), model_fingerprint,
-                               self._kv_sink(config, kv_event_sink))
+                               self._kv_sink(config, kv_event_sink), disagg)
         self._step_lock = threading.Lock()  # held by a step; subscribing waits for the step to end
         name = served_model_name or config.served_model_name or config.model
-        self.info = engine_info(config, model_config, name, max_model_len, runner.num_blocks)
+        self.info = engine_info(config, model_config, name, max_model_len, runner.num_blocks, tuple(backends))
         self.guides = GuideCompiler(tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids),
                                     config.guided)
         self.input_processor = InputProcessor(tokenizer, Limits(
             model_config.vocab_size, max_model_len, config.max_sequences_per_request, config.max_logprobs,
-            config.cache.block_size, runner.num_blocks), self.guides)
+            config.cache.block_size, runner.num_blocks), self.guides,
+            RoleCheck(config.role, model_fingerprint, config.cache.block_size, self.block_io, tuple(backends),
+                      model_config.vocab_size))
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
         self._abort_ids: set[str] = set()
@@ -112,6 +105,15 @@ class Engine:
         self._stats = self.core.stats()
         self._loop_thread: threading.Thread | None = None
         self._stopping = False
+        self._woken = False  # a wake since the last step began (e.g. a cancelled pull to clean up)
+        self._stalled = False  # the last step ran nothing: wait for a wake (or poll), not spin
+
+    def _wake(self) -> None:
+        """Something changed outside a step (a pull ended, a session became due): step again."""
+        with self._lock:
+            self._woken = True
+            self._stalled = False
+            self._lock.notify_all()
 
     def _kv_sink(self, config: EngineConfig, extra: KvEventSink | None) -> KvEventSink | None:
         """The hub, when KV events are on, and ``extra`` (an in-process observer) too."""
@@ -212,30 +214,6 @@ class Engine:
         self._deliver(outputs)
         return outputs
 
-    # -- KV events and the prefix cache (any thread; each waits for the current step) --
-    def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,
-                            start_sequence_number: int = 0) -> KvEventSubscription:
-        """A subscription to the numbered event batches: from a snapshot of the cached
-        blocks, or replayed from ``start_sequence_number``, or live from the next batch."""
-        if not self.config.kv_events.enabled:
-            raise InvalidRequestError("KV events are disabled on this engine (--no-kv-events)")
-        if include_snapshot and start_sequence_number:
-            raise InvalidRequestError("include_snapshot and start_sequence_number exclude each other: a snapshot "
-                                      "starts a view afresh, a replay continues one")
-        with self._step_lock:
-            snapshot = self.core.pool.snapshot() if include_snapshot else None
-            return self.kv_events.subscribe(on_ready, snapshot, start_sequence_number)
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (blocks in use stay); one ``AllBlocksCleared`` is
-        published at once. Returns how many cached blocks were freed."""
-        with self._step_lock:
-            freed = self.core.reset_prefix_cache()
-            stats = self.core.stats()
-        with self._lock:
-            self._stats = stats  # an idle engine takes no step that would refresh it
-        return freed
-
     def fail_all(self, message: str) -> list[RequestOutput]:
         """An engine fault: end every request with one terminal error, free all KV. Its
         KV events are published under the step lock, like a step's (never inside a snapshot)."""
@@ -287,16 +265,35 @@ class Engine:
         if self._loop_thread is not None:
             self._loop_thread.join()
             self._loop_thread = None
+        if self.core.disagg is not None:
+            self.core.disagg.loads.shutdown()
+            for backend in self.core.disagg.backends.values():
+                backend.close()
 
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._active_ids:
-                    self._lock.wait()
+                while not self._stopping and not self._wants_step():
+                    if not self._lock.wait(self._wait_seconds()) and self._stalled:
+                        self._stalled = False  # the wait is bounded: a missed wake costs latency only
                 if self._stopping:
                     return
+                self._woken = False
             try:
-                self.step()
+                outputs = self.step()
             except Exception as exc:
                 logger.exception("engine step failed")
                 self.fail_all(f"engine fault: {type(exc).__name__}: {exc}")
+                continue
+            with self._lock:  # nothing ran (e.g. only pulls in flight): wait for a wake
+                if not outputs and self._stats.prefill_batch_size + self._stats.decode_batch_size == 0:
+                    self._stalled = True
+
+    def _wait_seconds(self) -> float | None:
+        due = self.kv_sessions.seconds_until_due()
+        return min(STALLED_POLL_SECONDS, due if due is not None else STALLED_POLL_SECONDS) if self._stalled else due
+
+    def _wants_step(self) -> bool:
+        """Lock held. Requests (unless the last step ran nothing and no wake came), a wake, or a due session."""
+        return (bool(self._active_ids) and not self._stalled) or bool(self._inbox) or bool(self._abort_ids) \
+            or self._woken or self.kv_sessions.seconds_until_due() == 0.0

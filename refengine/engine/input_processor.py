@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from refengine.engine.request import Request
+from refengine.engine.role_check import RoleCheck
 from refengine.engine.validation import (
     Limits,
     validate_inputs,
@@ -29,10 +30,12 @@ if TYPE_CHECKING:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits, guides: GuideCompiler) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits, guides: GuideCompiler,
+                 role: RoleCheck) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.guides = guides
+        self.role = role
 
     def process(self, params: GenerationRequest) -> Request:
         validate_inputs(params)
@@ -44,6 +47,7 @@ class InputProcessor:
         else:
             prompt_ids = list(params.prompt_token_ids or [])
         max_tokens = validate_prompt(params, prompt_ids, self.limits)
+        self.role.check(params, prompt_ids)
         return Request(params, prompt_ids, max_tokens, guide=self._compile(params))
 
     def _compile(self, params: GenerationRequest) -> CompiledGuide | None:

@@ -36,6 +36,10 @@ class EngineInfo:
     dtype: str
     guided_modes: tuple[str, ...] = ()  # GuidedDecoding modes of the default backend (advertised)
     guided_backends: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (backend name, its modes), default first
+    role: str = "aggregated"  # aggregated, prefill or decode (EngineConfig.role)
+    # KV transfer backends: a prefill engine's offered one first; a decode engine pulls with any.
+    kv_transfer_backends: tuple[str, ...] = ()
+    kv_session_ttl_seconds: float = 0.0
 
 
 class EngineClient(Protocol):
@@ -67,6 +71,28 @@ class EngineClient(Protocol):
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the blocks freed."""
+
+    # -- KV sessions (prefill role); unknown or expired ones raise ``KvSessionNotFound`` --
+    def kv_session_num_blocks(self, session_id: str) -> int:
+        """How many blocks a live session holds."""
+
+    def read_kv_session(self, session_id: str, first_block_index: int, num_blocks: int) -> bytes:
+        """Some of a live session's blocks, block-major (``BlockStore.read``)."""
+
+    def block_nbytes(self) -> int:
+        """Bytes of one KV block over all layers."""
+
+    def pin_kv_session(self, session_id: str, seconds: float) -> None:
+        """Keep a live session's blocks for a one-sided remote read of up to ``seconds``."""
+
+    def confirm_kv_session(self, session_id: str) -> bool:
+        """A decode engine has pulled it: free it. False when unknown."""
+
+    def abort_kv_session(self, session_id: str) -> bool:
+        """Free a session (``Abort(kv_session)``). False when unknown."""
+
+    def release_all_kv_sessions(self) -> int:
+        """Free every session (drain, shutdown); returns how many."""
 
     def start(self) -> None:
         """Run the step loop on a background thread."""

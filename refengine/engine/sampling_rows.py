@@ -7,9 +7,12 @@ distribution, each with its own generator.
 
 from __future__ import annotations
 
+import torch
+
 from refengine.engine.request import OutputState, OutputStatus, Request
 from refengine.model.input import ModelInput
-from refengine.sampling.sampler import SamplingRow
+from refengine.sampling.guided import allocate_bitmask
+from refengine.sampling.sampler import SampledToken, Sampler, SamplingRow
 from refengine.scheduler.scheduler import SchedulerOutput
 
 #: One sampling row's target: the request and the output that receives the token.
@@ -46,3 +49,25 @@ def sampling_row(request: Request, out: OutputState) -> SamplingRow:
         want_logprob=request.wants_output_logprobs,
         candidates=p.logprobs.output_candidates,
     )
+
+
+def sample_step(
+    sampler: Sampler, sched: SchedulerOutput, model_input: ModelInput, logits: torch.Tensor | None,
+    requests: dict[str, Request],
+) -> tuple[list[SampleTarget], list[SampledToken]]:
+    """Draw this step's tokens: one per target, guided rows under one shared bitmask."""
+    targets, logit_rows = sampling_targets(sched, model_input, requests)
+    if not targets:
+        return [], []
+    assert logits is not None, "rows to sample but no logits"
+    # A decode-only step samples every row once, in order: no copy of the logits.
+    if logit_rows != list(range(logits.shape[0])):
+        logits = logits[torch.tensor(logit_rows)]
+    rows = [sampling_row(r, o) for r, o in targets]
+    guided = [j for j, (_, out) in enumerate(targets) if out.matcher is not None]
+    if not guided:
+        return targets, sampler(logits, rows)
+    bitmask = allocate_bitmask(len(targets), sampler.vocab_size)
+    for j in guided:  # one bitmask for the step; unguided rows stay all-allowed and unapplied
+        targets[j][1].matcher.fill_bitmask(bitmask, j)
+    return targets, sampler(logits, rows, bitmask, guided)

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from refengine.types import FinishInfo, RequestOutput, TokenInfo, Usage
+from refengine.types import EngineFault, FinishInfo, KvSessionSpec, RequestOutput, TokenInfo, Usage
 
 
 @dataclass
@@ -31,6 +31,8 @@ class Completion:
     prompt_tokens: list[TokenInfo] | None = None
     usage: Usage | None = None
     error_message: str | None = None
+    error: EngineFault | None = None
+    prefill: KvSessionSpec | None = None  # a prefill engine's handoff (K4)
 
 
 class RequestStream:
@@ -55,6 +57,9 @@ class RequestStream:
                 target.finish = delta.finish
         if out.error is not None:
             c.error_message = out.error.message
+            c.error = out.error
+        if out.prefill is not None:
+            c.prefill = out.prefill
         if out.finished:
             c.usage = out.usage
             self._done.set()

@@ -51,12 +51,24 @@ class ScheduledSequence:
                    tuple(seq.token_ids[start:end]), tuple(seq.block_table))
 
 
+@dataclass(frozen=True)
+class KvLoad:
+    """A sequence admitted to receive its prompt's KV from elsewhere: blocks
+    ``first_block_index …`` of its table (``dest_block_ids``) are to be filled; the blocks
+    before them were prefix-cache hits here."""
+
+    request_id: str
+    first_block_index: int
+    dest_block_ids: tuple[int, ...]
+
+
 @dataclass
 class SchedulerOutput:
     """What one step runs: plain data, safe to hand to the runner (or to other ranks)."""
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the step
+    kv_loads: list[KvLoad] = field(default_factory=list)  # pulls to start (decode role)
 
     @property
     def is_empty(self) -> bool:
@@ -69,6 +81,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key at each step
+        self.receiving: list[Sequence] = []  # admitted, their prompt's KV being pulled (never preempted)
         self._scheduled: list[Sequence] = []  # the sequences of the last schedule(), in order
 
     # -- membership ----------------------------------------------------------
@@ -93,6 +106,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RECEIVING:  # its blocks must have left it (a pull may still write)
+            assert not seq.block_table, "a receiving sequence's blocks are handed to its pull before finishing"
+            self.receiving.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.kv.free(seq)
 
@@ -136,13 +152,18 @@ class Scheduler:
         self._scheduled.append(seq)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        num_running_slots = sum(s.num_slots for s in self.running)
+        num_running_slots = sum(s.num_slots for s in self.running) + len(self.receiving)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if num_running_slots + seq.num_slots > self.config.max_num_seqs:
                 break
             cached_block_ids = self.kv.find_cached_prefix(seq) if seq.use_prefix_cache else []
             num_cached_tokens = len(cached_block_ids) * self.kv.block_size
+            if seq.kv_from_remote and seq.num_computed_tokens == 0:
+                if not self._admit_receiving(out, seq, cached_block_ids):
+                    break
+                num_running_slots += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached_tokens, budget)
             copies = self.kv.allocate(seq, num_new, cached_block_ids)
             if copies is None:
@@ -155,6 +176,32 @@ class Scheduler:
             num_running_slots += seq.num_slots
             self._add_to_step(out, seq, num_new, copies)
             budget -= num_new
+
+    def _admit_receiving(self, out: SchedulerOutput, seq: Sequence, cached_block_ids: list[int]) -> bool:
+        """Allocate the whole prompt (no compute, so no token budget) and order the pull of
+        what the prefix cache does not hold. False when the pool cannot hold it now."""
+        num_cached_tokens = len(cached_block_ids) * self.kv.block_size
+        copies = self.kv.allocate(seq, seq.num_tokens - num_cached_tokens, cached_block_ids)
+        if copies is None:
+            return False
+        assert not copies, "a fresh sequence's cached head is whole blocks: nothing to copy"
+        seq.num_cached_tokens = num_cached_tokens
+        self.waiting.pop(0)
+        seq.status = SequenceStatus.RECEIVING
+        self.receiving.append(seq)
+        first = len(cached_block_ids)
+        out.kv_loads.append(KvLoad(seq.request_id, first, tuple(seq.block_table[first:])))
+        return True
+
+    def finish_receiving(self, seq: Sequence) -> None:
+        """Its pull ended well: the prompt's KV is in its blocks. It runs from the next
+        schedule (decoding), and its full blocks are published like computed ones."""
+        self.receiving.remove(seq)
+        seq.num_computed_tokens = seq.num_tokens
+        seq.kv_from_remote = False  # preempted later, it recomputes its prompt here
+        self.kv.cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -17,6 +17,7 @@ _arrival_counter = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    RECEIVING = "receiving"  # decode role: blocks allocated, the prompt's KV being pulled in
     FINISHED = "finished"
 
 
@@ -33,6 +34,8 @@ class Sequence:
     # Each claims a running slot already, so admission never over-commits ``max_num_seqs``;
     # ``Scheduler.fork`` moves one claim at a time to the new sibling.
     num_pending_forks: int = 0
+    # Decode role: the prompt's KV comes from a prefill engine's session, not from a forward pass.
+    kv_from_remote: bool = False
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -18,7 +18,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from refengine.types import KvSessionSpec
 
@@ -100,10 +100,12 @@ class KvTransferBackend(ABC):
         """Decode side, blocking, on a transfer thread: fetch and write the blocks, then tell
         the source (``on_confirmed`` there). Raises ``TransferFailure``."""
 
+    @abstractmethod
     def close(self) -> None:
-        """Release connections and registrations."""
+        """Release connections and registrations (idempotent)."""
 
 
+@runtime_checkable
 class SessionPinner(Protocol):
     """Decode side, for one-sided backends (NIXL READ): ask the source engine to keep a
     session's blocks unchanged for ``seconds`` while they are read without its involvement

@@ -1,0 +1,176 @@
+"""Disaggregated prefill/decode inside the engine core (role ``prefill`` or ``decode``).
+
+Prefill role: when output 0's first token is sampled, the request ends there (K4). Its
+blocks move to a new KV session (``KvSessionStore``) under a lease; the session's
+attributes carry the first token and everything the decode engine checks. The token is
+not emitted here: the decode engine emits it, so the two legs together stream exactly
+what one aggregated engine would (K10).
+
+Decode role: an admitted request's blocks are allocated at once and its pull runs on a
+transfer thread (``KvLoads``); between steps the core takes the finished pulls. A
+good one publishes the received blocks like computed ones and appends the first
+token from the attributes; a failed one ends the request with one ``EngineFault``. A
+request cancelled mid-pull hands its blocks to a ``load:`` owner, released only when
+the pull has stopped writing (``base.KvTransferBackend``'s invariant).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+from refengine.config import EngineConfig
+from refengine.engine.request import OutputState, Request
+from refengine.kv.kv_manager import KvCacheManager
+from refengine.kv.transfer.attributes import FirstToken, SessionAttributes, prompt_hash
+from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder, TransferFailure
+from refengine.kv.transfer.sessions import KvSession, KvSessionStore
+from refengine.sampling.sampler import SampledToken
+from refengine.scheduler.scheduler import KvLoad
+from refengine.types import EngineFault, KvSessionSpec
+
+logger = logging.getLogger(__name__)
+
+
+def load_owner(request_id: str) -> str:
+    return f"load:{request_id}"
+
+
+class KvLoads:
+    """Decode role: pulls on transfer threads; finished ones wait for ``take_finished``."""
+
+    def __init__(self, backends: Mapping[str, KvTransferBackend], num_threads: int,
+                 on_done: Callable[[], None]) -> None:
+        self.backends = backends
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="refengine-kv-pull")
+        self._on_done = on_done  # wakes the step loop
+        self._lock = threading.Lock()
+        self._cancel: dict[str, threading.Event] = {}
+        self._finished: list[tuple[str, TransferFailure | None]] = []
+
+    def start(self, order: PullOrder) -> None:
+        cancelled = threading.Event()
+        with self._lock:
+            self._cancel[order.request_id] = cancelled
+        self._executor.submit(self._run, order, cancelled)
+
+    def _run(self, order: PullOrder, cancelled: threading.Event) -> None:
+        failure = None
+        started = time.perf_counter()
+        try:
+            self.backends[order.session.transfer_backend].pull(order, cancelled)
+        except TransferFailure as exc:
+            failure = exc
+        except Exception as exc:  # a backend bug must still end the request, and free its blocks
+            logger.exception("KV pull of request %s failed", order.request_id)
+            failure = TransferFailure("failed", f"{type(exc).__name__}: {exc}")
+        logger.debug("KV pull of %s: %d blocks in %.1f ms (%s)", order.request_id, len(order.dest_block_ids),
+                     (time.perf_counter() - started) * 1e3, failure or "ok")
+        with self._lock:
+            del self._cancel[order.request_id]
+            self._finished.append((order.request_id, failure))
+        self._on_done()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            event = self._cancel.get(request_id)
+        if event is not None:
+            event.set()
+
+    def take_finished(self) -> list[tuple[str, TransferFailure | None]]:
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def is_in_flight(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._cancel
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for event in self._cancel.values():
+                event.set()
+        self._executor.shutdown(wait=True)
+
+
+class Disaggregation:
+    """The core's prefill and decode halves (``EngineCore`` calls them; only it changes state)."""
+
+    def __init__(self, config: EngineConfig, kv: KvCacheManager, store: BlockStore, fingerprint: str,
+                 sessions: KvSessionStore, backends: Mapping[str, KvTransferBackend],
+                 on_load_done: Callable[[], None]) -> None:
+        self.config = config
+        self.kv = kv
+        self.store = store
+        self.fingerprint = fingerprint
+        self.sessions = sessions
+        self.backends = backends
+        self.loads = KvLoads(backends, config.kv_transfer.num_transfer_threads, on_load_done)
+
+    # -- prefill role ------------------------------------------------------------
+    def hand_over(self, request: Request, out: OutputState, token: SampledToken) -> KvSessionSpec:
+        """Move output 0's blocks (the prompt's KV) into a new session; returns its handle."""
+        ttl = self.config.kv_transfer.session_ttl_seconds
+        backend = self.backends[self.config.kv_transfer.backend]
+        session = KvSession(secrets.token_hex(16), request.request_id, (), time.monotonic() + ttl)
+        session.block_ids = self.kv.transfer(out.seq, session.owner)
+        self.sessions.add(session)
+        attributes = SessionAttributes(
+            model_fingerprint=self.fingerprint, block_size=self.kv.block_size, kv_dtype=self.store.dtype,
+            kv_layout=self.store.layout, block_nbytes=self.store.block_nbytes,
+            num_prompt_tokens=len(request.prompt_token_ids), prompt_hash=prompt_hash(request.prompt_token_ids),
+            num_blocks=len(session.block_ids),
+            first_token=FirstToken(token.token_id, token.logprob, token.rank, tuple(token.candidates)),
+            lease_expires_unix_nanos=time.time_ns() + int(ttl * 1e9), lease_seconds=ttl,
+            transfer=backend.source_attributes(session.session_id, session.block_ids))
+        return KvSessionSpec(session.session_id, backend.name, attributes=attributes.to_json())
+
+    def free_due_sessions(self) -> int:
+        """Free the blocks of every session that is due (step thread). Returns how many."""
+        due = self.sessions.take_due()
+        for session in due:
+            self.kv.release(session.owner)
+            logger.debug("KV session %s freed (%s)", session.session_id, session.release_reason or "lease expired")
+        return len(due)
+
+    # -- decode role -------------------------------------------------------------
+    def start_loads(self, loads: list[KvLoad], requests: Mapping[str, Request]) -> None:
+        for load in loads:
+            session = requests[load.request_id].params.kv.session
+            assert session is not None
+            self.loads.start(PullOrder(load.request_id, session, load.first_block_index, load.dest_block_ids))
+
+    def cancel_receiving(self, out: OutputState) -> None:
+        """An output ends before its pull was applied: its blocks are freed, or — while the
+        pull may still write into them — handed to the pull's owner until it stops."""
+        request_id = out.seq.request_id
+        if self.loads.is_in_flight(request_id):
+            self.kv.transfer(out.seq, load_owner(request_id))
+            self.loads.cancel(request_id)
+        else:
+            self.kv.free(out.seq)
+
+    def take_finished_loads(self) -> list[tuple[str, TransferFailure | None]]:
+        """Finished pulls, but not of cancelled requests: those free their blocks here."""
+        finished = []
+        for request_id, failure in self.loads.take_finished():
+            if load_owner(request_id) in self.kv.owners:
+                self.kv.release(load_owner(request_id))
+            else:
+                finished.append((request_id, failure))
+        return finished
+
+
+def first_sampled_token(session: KvSessionSpec) -> SampledToken:
+    """The token the prefill engine sampled (validated before acceptance)."""
+    first = SessionAttributes.from_json(session.attributes).first_token
+    return SampledToken(first.token_id, first.logprob, first.rank, first.candidates)
+
+
+def transfer_fault(failure: TransferFailure) -> EngineFault:
+    code = "kv_session_not_found" if failure.kind == "not_found" else "kv_transfer_failed"
+    return EngineFault(code, f"KV transfer: {failure}", failure.retryable)

@@ -1,0 +1,116 @@
+"""The engine front end's KV surface: KV events and the prefix cache, KV sessions (prefill
+role) and the transfer backends (both disaggregated roles).
+
+A mixin of ``Engine`` (``engine.py``), kept apart to keep each file one idea: it uses the
+engine's ``config``, ``core``, ``kv_events``, ``kv_sessions``, ``block_io``, ``_step_lock``
+(held by a step), ``_lock`` and ``_stats``. Every method is safe from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+from refengine.config import EngineConfig
+from refengine.engine.core import EngineCore
+from refengine.engine.kv_events import KvEventHub, KvEventSubscription
+from refengine.kv.transfer.base import KvTransferBackend, SessionPinner
+from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
+from refengine.kv.transfer.sessions import KvSessionStore
+from refengine.model.kv_io import KvBlockIO
+from refengine.types import EngineStats, InvalidRequestError
+
+
+class EngineKvMixin:
+    config: EngineConfig
+    core: EngineCore
+    kv_events: KvEventHub
+    kv_sessions: KvSessionStore
+    block_io: KvBlockIO
+    _step_lock: threading.Lock
+    _lock: threading.Condition
+    _stats: EngineStats
+
+    def _bind_backends(self, given: Seq[KvTransferBackend]) -> dict[str, KvTransferBackend]:
+        """The role's transfer backends, bound to this engine's KV cache (none when aggregated).
+        The offered one (prefill) comes first; NIXL joins when it can be imported."""
+        if self.config.role == "aggregated":
+            return {}
+        backends = {b.name: b for b in given}
+        if "nixl" not in backends and (self.config.role == "decode" or self.config.kv_transfer.backend == "nixl"):
+            available, why = nixl_available()
+            if available:
+                backends["nixl"] = NixlKvTransfer(self._session_pinner(given),
+                                                  pull_timeout_seconds=self.config.kv_transfer.pull_timeout_seconds)
+            elif self.config.kv_transfer.backend == "nixl" and self.config.role == "prefill":
+                raise ValueError(f"--kv-transfer-backend nixl: {why}")
+        offered = self.config.kv_transfer.backend
+        if self.config.role == "prefill" and offered not in backends:
+            raise ValueError(f"the prefill role offers KV over {offered!r}, but this engine has {sorted(backends)}")
+        ordered = dict(sorted(backends.items(), key=lambda item: item[0] != offered))
+        for backend in ordered.values():
+            backend.bind(self.block_io, self.confirm_kv_session)
+        return ordered
+
+    @staticmethod
+    def _session_pinner(given: Seq[KvTransferBackend]) -> SessionPinner | None:
+        """The gRPC backend pins sessions for NIXL reads (it talks to the prefill server)."""
+        return next((b for b in given if isinstance(b, SessionPinner)), None)
+
+    # -- KV events and the prefix cache (any thread; each waits for the current step) --
+    def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,
+                            start_sequence_number: int = 0) -> KvEventSubscription:
+        """A subscription to the numbered event batches: from a snapshot of the cached
+        blocks, or replayed from ``start_sequence_number``, or live from the next batch."""
+        if not self.config.kv_events.enabled:
+            raise InvalidRequestError("KV events are disabled on this engine (--no-kv-events)")
+        if include_snapshot and start_sequence_number:
+            raise InvalidRequestError("include_snapshot and start_sequence_number exclude each other: a snapshot "
+                                      "starts a view afresh, a replay continues one")
+        with self._step_lock:
+            snapshot = self.core.pool.snapshot() if include_snapshot else None
+            return self.kv_events.subscribe(on_ready, snapshot, start_sequence_number)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (blocks in use stay); one ``AllBlocksCleared`` is
+        published at once. Returns how many cached blocks were freed."""
+        with self._step_lock:
+            freed = self.core.reset_prefix_cache()
+            stats = self.core.stats()
+        with self._lock:
+            self._stats = stats  # an idle engine takes no step that would refresh it
+        return freed
+
+    # -- KV sessions (prefill role; any thread) ----------------------------------
+    def kv_session_num_blocks(self, session_id: str) -> int:
+        block_ids = self.kv_sessions.begin_read(session_id)
+        self.kv_sessions.end_read(session_id)
+        return len(block_ids)
+
+    def read_kv_session(self, session_id: str, first_block_index: int, num_blocks: int) -> bytes:
+        """Blocks of a live session, read while it cannot be freed (``KvSessionStore``)."""
+        block_ids = self.kv_sessions.begin_read(session_id)
+        try:
+            if first_block_index < 0 or num_blocks < 1 or first_block_index + num_blocks > len(block_ids):
+                raise InvalidRequestError(f"blocks {first_block_index}..{first_block_index + num_blocks - 1} are "
+                                          f"not in session {session_id!r} ({len(block_ids)} blocks)")
+            return self.block_io.read(block_ids[first_block_index:first_block_index + num_blocks])
+        finally:
+            self.kv_sessions.end_read(session_id)
+
+    def block_nbytes(self) -> int:
+        return self.block_io.block_nbytes
+
+    def pin_kv_session(self, session_id: str, seconds: float) -> None:
+        self.kv_sessions.pin(session_id, seconds)
+
+    def confirm_kv_session(self, session_id: str) -> bool:
+        return self.kv_sessions.release(session_id, "pulled", pulled=True)
+
+    def abort_kv_session(self, session_id: str) -> bool:
+        return self.kv_sessions.release(session_id, "aborted")
+
+    def release_all_kv_sessions(self) -> int:
+        return self.kv_sessions.release_all("released by the server")
+

@@ -1,0 +1,33 @@
+"""The frozen ``EngineInfo`` of a loaded engine, from its configuration and model."""
+
+from __future__ import annotations
+
+from refengine.config import EngineConfig, ModelConfig
+from refengine.engine.interface import EngineInfo
+from refengine.sampling.guided import backend_modes
+
+
+def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_name: str, max_model_len: int,
+                num_blocks: int, kv_transfer_backends: tuple[str, ...] = ()) -> EngineInfo:
+    return EngineInfo(
+        served_model_name=served_model_name,
+        served_model_aliases=tuple(a for a in config.served_model_aliases if a != served_model_name),
+        model_id=config.model,
+        vocab_size=model_config.vocab_size,
+        max_model_len=max_model_len,
+        bos_token_id=model_config.bos_token_id,
+        eos_token_ids=tuple(model_config.eos_token_ids),
+        max_sequences_per_request=config.max_sequences_per_request,
+        max_logprobs=config.max_logprobs,
+        kv_block_size=config.cache.block_size,
+        total_kv_blocks=num_blocks,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        device=config.device,
+        dtype=config.dtype,
+        guided_modes=backend_modes()[config.guided.default_backend],
+        guided_backends=tuple(sorted(backend_modes().items(), key=lambda kv: kv[0] != config.guided.default_backend)),
+        role=config.role,
+        kv_transfer_backends=kv_transfer_backends,
+        kv_session_ttl_seconds=config.kv_transfer.session_ttl_seconds,
+    )

@@ -1,0 +1,75 @@
+"""What a prefill or decode engine accepts (D7, K5, K6), checked before acceptance.
+
+Choices where the contract is silent (ref):
+- both disaggregated roles take ``num_sequences`` = 1 only: a session carries one
+  output's first token (fan out on the decode side instead, with one session each);
+- prompt logprobs are computed (and sent, before ``PrefillReady``) by the prefill engine;
+  a decode engine refuses them, as it never computes the prompt;
+- a decode request's session is checked against this engine and this prompt: schema,
+  model fingerprint, block size, KV dtype and layout, block bytes, prompt length and
+  prompt hash, block count, and a backend this engine has. Any mismatch is
+  INVALID_ARGUMENT naming the attribute, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from refengine.kv.transfer.attributes import SessionAttributes, prompt_hash
+from refengine.kv.transfer.base import BlockStore
+from refengine.types import GenerationRequest, InvalidRequestError, KvSessionSpec
+
+
+class RoleCheck:
+    def __init__(self, role: str, fingerprint: str, block_size: int, store: BlockStore,
+                 backends: tuple[str, ...], vocab_size: int) -> None:
+        self.role = role
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.store = store
+        self.backends = backends
+        self.vocab_size = vocab_size
+
+    def check(self, params: GenerationRequest, prompt_ids: list[int]) -> None:
+        session = params.kv.session
+        if session is not None and self.role != "decode":
+            raise InvalidRequestError(f"role mismatch: this is a {self.role} engine; only a decode engine takes "
+                                      "kv.session")
+        if self.role == "aggregated":
+            return
+        if params.sampling.num_sequences != 1:
+            raise InvalidRequestError(f"sampling.num_sequences must be 1 on a {self.role} engine: a KV session "
+                                      "carries one output's first token")
+        if self.role == "decode":
+            if session is None:
+                raise InvalidRequestError("role mismatch: a decode engine needs kv.session (a prefill engine's "
+                                          "PrefillReady.kv_session)")
+            if params.logprobs.prompt_logprobs or params.logprobs.prompt_candidates is not None:
+                raise InvalidRequestError("prompt logprobs are computed by the prefill engine: ask it for them")
+            self._check_session(session, prompt_ids)
+
+    def _check_session(self, session: KvSessionSpec, prompt_ids: list[int]) -> None:
+        if session.transfer_backend not in self.backends:
+            raise InvalidRequestError(f"kv.session.transfer_backend {session.transfer_backend!r} is not one this "
+                                      f"engine has: {list(self.backends)}")
+        try:
+            attrs = SessionAttributes.from_json(session.attributes)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        expected = {
+            "model_fingerprint": self.fingerprint,
+            "block_size": self.block_size,
+            "kv_dtype": self.store.dtype,
+            "kv_layout": self.store.layout,
+            "block_nbytes": self.store.block_nbytes,
+            "num_prompt_tokens": len(prompt_ids),
+            "prompt_hash": prompt_hash(prompt_ids),
+            "num_blocks": -(-len(prompt_ids) // self.block_size),
+        }
+        for key, want in expected.items():
+            got = getattr(attrs, key)
+            if got != want:
+                raise InvalidRequestError(f"kv.session.attributes_struct.{key} is {got!r}, this engine and prompt "
+                                          f"need {want!r}: the session was prefilled for another model, layout or "
+                                          "prompt")
+        if not 0 <= attrs.first_token.token_id < self.vocab_size:
+            raise InvalidRequestError(f"kv.session.attributes_struct.first_token.token_id "
+                                      f"{attrs.first_token.token_id} is outside the vocabulary")

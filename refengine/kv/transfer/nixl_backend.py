@@ -1,0 +1,361 @@
+"""NIXL KV transfer: the decode engine READs a session's blocks straight out of the prefill
+engine's KV memory (one-sided, NIXL's UCX backend), then NIXL notifies the source.
+
+The prefill side registers its ``BlockStore.regions`` with a NIXL agent and offers, in the
+session's attributes, the agent's metadata, the regions' addresses and the session's block
+ids. The decode side loads that metadata, pins the session (``SessionPinner``: nothing on
+the source takes part in a READ, so only a pin keeps the blocks unchanged) and reads. When
+the READ completes, NIXL delivers ``refengine-release:<session id>`` to the source agent,
+whose notification thread calls ``on_confirmed``.
+
+Descriptor lists are built from plain numbers here; NIXL's own serialized descriptors are
+pickle and never cross a process. Works from ``BlockStore`` addresses only: no torch.
+nixl is imported lazily, so this module imports without it (``nixl_available``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from refengine.kv.transfer.base import (
+    BlockStore,
+    KvRegion,
+    KvTransferBackend,
+    PullOrder,
+    SessionConfirmed,
+    SessionPinner,
+    TransferFailure,
+)
+
+logger = logging.getLogger(__name__)
+
+RELEASE_PREFIX = b"refengine-release:"  # + session id: the notification that confirms a pull
+NOTIF_POLL_SECONDS = 0.002
+XFER_POLL_SECONDS = 0.0005
+#: How long a stopped pull (cancelled, timed out, closed) keeps polling its READ. Releasing a
+#: NIXL request does not abort it: UCX's ucp_request_cancel leaves RMA reads running and
+#: ucp_request_free only detaches them, so the bytes keep landing after release_xfer_handle.
+DRAIN_SECONDS = 10.0
+
+
+def _nixl_api() -> ModuleType:
+    # nixl_cu12 directly: the ``nixl`` meta package refuses to import next to a CUDA-13 torch
+    try:
+        from nixl_cu12 import _api
+    except ImportError:
+        from nixl import _api
+    return _api
+
+
+@functools.cache
+def nixl_available() -> tuple[bool, str]:
+    """(True, "") when NIXL can be imported, else (False, why)."""
+    try:
+        _nixl_api()
+    except Exception as error:  # ImportError, or the meta package's RuntimeError about CUDA
+        return False, f"nixl cannot be imported: {error!r}"
+    return True, ""
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A session's source as its attributes describe it (validated)."""
+
+    agent_name: str
+    metadata: bytes
+    regions: tuple[KvRegion, ...]
+    block_ids: tuple[int, ...]
+
+
+def _fail(message: str, retryable: bool = False) -> TransferFailure:
+    return TransferFailure("failed", message, retryable=retryable)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_region(value: Any) -> KvRegion:
+    """``[address as decimal string (K9), num_blocks, block_nbytes]``."""
+    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)
+            and value[0].isascii() and value[0].isdigit() and _is_int(value[1]) and _is_int(value[2])):
+        raise _fail(f"nixl_regions entry {value!r} is not [address string, num_blocks, block_nbytes]")
+    address = int(value[0])
+    if address >= 2**64 or value[1] < 1 or value[2] < 1:
+        raise _fail(f"nixl_regions entry {value!r} is out of range")
+    return KvRegion(address, value[1], value[2])
+
+
+def _parse_source(attributes: Any) -> _Source:
+    """The ``transfer`` attributes ``source_attributes`` made, checked key by key."""
+    if not isinstance(attributes, Mapping):
+        raise _fail("the session has no NIXL transfer attributes")
+    name, metadata = attributes.get("nixl_agent_name"), attributes.get("nixl_agent_metadata")
+    regions, block_ids = attributes.get("nixl_regions"), attributes.get("nixl_block_ids")
+    if not (isinstance(name, str) and name and isinstance(metadata, str)
+            and isinstance(regions, list) and isinstance(block_ids, list)):
+        raise _fail("NIXL transfer attributes need nixl_agent_name, nixl_agent_metadata (strings), "
+                    "nixl_regions and nixl_block_ids (lists)")
+    if not all(_is_int(b) and b >= 0 for b in block_ids):
+        raise _fail("nixl_block_ids must be non-negative integers")
+    try:
+        raw = base64.b64decode(metadata, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise _fail(f"nixl_agent_metadata is not base64: {error}") from None
+    return _Source(name, raw, tuple(_parse_region(r) for r in regions), tuple(block_ids))
+
+
+def _check_fit(source: _Source, store: BlockStore, order: PullOrder) -> None:
+    """The source's regions match ours byte for byte and the order stays inside both caches."""
+    if len(source.regions) != len(store.regions):
+        raise _fail(f"the source has {len(source.regions)} KV regions, this engine {len(store.regions)}")
+    for index, (theirs, mine) in enumerate(zip(source.regions, store.regions, strict=True)):
+        if theirs.block_nbytes != mine.block_nbytes:
+            raise _fail(f"region {index}: source blocks of {theirs.block_nbytes} bytes, here {mine.block_nbytes}")
+    first, count = order.first_block_index, len(order.dest_block_ids)
+    if first < 0 or first + count > len(source.block_ids):
+        raise _fail(f"blocks {first}..{first + count - 1} requested, the session has {len(source.block_ids)}")
+    if any(b >= min(r.num_blocks for r in source.regions) for b in source.block_ids):
+        raise _fail("nixl_block_ids fall outside the source's regions")
+    if any(not 0 <= b < min(r.num_blocks for r in store.regions) for b in order.dest_block_ids):
+        raise _fail("destination block ids fall outside this engine's KV cache")
+
+
+def _runs(pairs: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
+    """(dest, source, length) of each maximal run where both block ids go up by one."""
+    start = 0
+    for i in range(1, len(pairs) + 1):
+        if i == len(pairs) or pairs[i] != (pairs[i - 1][0] + 1, pairs[i - 1][1] + 1):
+            yield pairs[start][0], pairs[start][1], i - start
+            start = i
+
+
+class NixlKvTransfer(KvTransferBackend):
+    """Prefill side: registers the KV cache and confirms sessions NIXL reports read. Decode
+    side: ``pull`` READs into destination blocks; several pulls may run on different threads.
+
+    Invariant kept by ``pull``: it returns or raises only after its READ is no longer in
+    progress (done, failed, or drained after a stop); the one exception, a READ still running
+    ``DRAIN_SECONDS`` after a stop, is logged and said in the failure's message."""
+
+    name = "nixl"
+    protocol = "nixl"
+
+    def __init__(self, pinner: SessionPinner | None, agent_name: str | None = None,
+                 pull_timeout_seconds: float = 30.0) -> None:
+        self._pinner = pinner
+        self.agent_name = agent_name or f"refengine-{os.getpid()}-{secrets.token_hex(6)}"
+        self._timeout = pull_timeout_seconds
+        self._agent: Any = None  # nixl_agent once bound
+        self._store: BlockStore | None = None
+        self._registered: Any = None
+        self._metadata_b64 = ""
+        self._remotes: dict[str, bytes] = {}  # remote agent name -> the metadata loaded for it
+        self._lock = threading.Condition()  # guards _remotes and _active
+        self._active = 0  # pulls running: close waits for them
+        self._closed = threading.Event()
+        self._notif_thread: threading.Thread | None = None
+
+    def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
+        api = _nixl_api()
+        # STRICT: the notification thread, transfer threads and close share the agent
+        config = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self._agent = api.nixl_agent(self.agent_name, config)
+        if "UCX" not in self._agent.backends:
+            raise RuntimeError("NIXL has no UCX plugin: cannot transfer KV")
+        self._store = store
+        self._registered = self._agent.register_memory(
+            [(r.address, r.num_blocks * r.block_nbytes, 0, "") for r in store.regions], "DRAM")
+        # taken after registration: the metadata carries the registered regions' keys
+        self._metadata_b64 = base64.b64encode(self._agent.get_agent_metadata()).decode("ascii")
+        self._notif_thread = threading.Thread(target=self._watch_notifs, args=(on_confirmed,),
+                                              name=f"nixl-notifs-{self.agent_name}", daemon=True)
+        self._notif_thread.start()
+
+    def _watch_notifs(self, on_confirmed: SessionConfirmed) -> None:
+        while not self._closed.wait(NOTIF_POLL_SECONDS):
+            try:
+                notifs = self._agent.get_new_notifs()
+            except Exception:  # nixl raises its own exception types, none shared
+                logger.exception("NIXL get_new_notifs failed")
+                continue
+            for peer, messages in notifs.items():
+                for message in messages:
+                    self._confirm(peer, message, on_confirmed)
+
+    @staticmethod
+    def _confirm(peer: str, message: bytes, on_confirmed: SessionConfirmed) -> None:
+        if not message.startswith(RELEASE_PREFIX):
+            logger.debug("ignoring NIXL notification %r from %s", message[:64], peer)
+            return
+        try:
+            session_id = message[len(RELEASE_PREFIX):].decode("utf-8")
+        except UnicodeDecodeError:
+            logger.debug("ignoring a release notification from %s that is not UTF-8", peer)
+            return
+        try:
+            on_confirmed(session_id)
+        except Exception:  # the thread must outlive a failing callback, or no session is released again
+            logger.exception("on_confirmed(%r) failed", session_id)
+
+    def source_attributes(self, session_id: str, block_ids: Sequence[int]) -> dict[str, Any]:
+        store = self._bound()
+        return {"nixl_agent_name": self.agent_name, "nixl_agent_metadata": self._metadata_b64,
+                "nixl_regions": [[str(r.address), r.num_blocks, r.block_nbytes] for r in store.regions],
+                "nixl_block_ids": [int(b) for b in block_ids]}
+
+    def _bound(self) -> BlockStore:
+        if self._store is None or self._closed.is_set():
+            raise RuntimeError("NixlKvTransfer: bind() first, and not after close()")
+        return self._store
+
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        """Validate (before any pin or transfer), pin, READ, and wait; see the class invariant."""
+        store = self._bound()
+        source = _parse_source(order.session.attributes.get("transfer"))
+        _check_fit(source, store, order)
+        with self._lock:
+            if self._closed.is_set():
+                raise _fail("the NIXL backend is closed")
+            self._active += 1
+        try:
+            self._pull(order, source, cancelled)
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._lock.notify_all()
+
+    def _pull(self, order: PullOrder, source: _Source, cancelled: threading.Event) -> None:
+        deadline = time.monotonic() + self._timeout  # the pin covers this long, from now
+        _raise_if_cancelled(cancelled)
+        if self._pinner is not None:
+            self._pinner.pin(order.session, self._timeout)
+        peer = self._remote(source)
+        notif = RELEASE_PREFIX + order.session.session_id.encode()
+        if not order.dest_block_ids:  # nothing to read: still release the session
+            _nixl("send the release", self._agent.send_notif, peer, notif)
+            return
+        local, remote = self._descriptors(order, source)
+        _raise_if_cancelled(cancelled)
+        handle = _nixl("set up the READ", self._agent.initialize_xfer, "READ", local, remote, peer, notif)
+        try:
+            self._wait(handle, cancelled, deadline)
+        finally:
+            self._release(handle)
+
+    def _remote(self, source: _Source) -> str:
+        """Load the source agent's metadata once per (name, metadata)."""
+        name = source.agent_name
+        with self._lock:
+            known = self._remotes.get(name)
+            if known == source.metadata:
+                return name
+            if known is not None:  # the peer registered anew under its old name: reload it
+                del self._remotes[name]
+                self._forget(name)
+            loaded = _nixl("load the source's metadata", self._agent.add_remote_agent, source.metadata)
+            loaded = loaded.decode() if isinstance(loaded, bytes) else loaded  # bytes in nixl 1.5
+            if loaded != name:
+                self._forget(loaded)
+                raise _fail(f"the NIXL metadata is for agent {loaded!r}, not {name!r}")
+            self._remotes[name] = source.metadata
+        return name
+
+    def _forget(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception:  # already gone: nothing left to remove
+            logger.debug("removing NIXL agent %s failed", name, exc_info=True)
+
+    def _descriptors(self, order: PullOrder, source: _Source) -> tuple[Any, Any]:
+        """Local and remote descriptor lists, pairwise equal in length, one per run and region."""
+        assert self._store is not None
+        first = order.first_block_index
+        pairs = [(d, source.block_ids[first + i]) for i, d in enumerate(order.dest_block_ids)]
+        local, remote = [], []
+        for dest, src, length in _runs(pairs):
+            for mine, theirs in zip(self._store.regions, source.regions, strict=True):
+                size = length * mine.block_nbytes
+                local.append((mine.address + dest * mine.block_nbytes, size, 0))
+                remote.append((theirs.address + src * theirs.block_nbytes, size, 0))
+        return self._agent.get_xfer_descs(local, "DRAM"), self._agent.get_xfer_descs(remote, "DRAM")
+
+    def _wait(self, handle: Any, cancelled: threading.Event, deadline: float) -> None:
+        state = _nixl("post the READ", self._agent.transfer, handle)
+        while state == "PROC":
+            if cancelled.is_set() or self._closed.is_set():
+                stuck = self._drain(handle) == "PROC"
+                raise _fail("cancelled" + (": the READ still runs, its blocks may change" if stuck else ""))
+            if time.monotonic() > deadline:
+                state = self._drain(handle)
+                if state == "PROC":
+                    raise _fail(f"timed out after {self._timeout:.0f} s: the READ still runs", retryable=True)
+                break  # it ended while draining
+            cancelled.wait(XFER_POLL_SECONDS)
+            state = _nixl("check the READ", self._agent.check_xfer_state, handle)
+        if state != "DONE":
+            raise _fail("the NIXL READ failed")
+
+    def _drain(self, handle: Any) -> str:
+        """Poll a stopped READ until it is no longer in progress, or ``DRAIN_SECONDS`` pass."""
+        end = time.monotonic() + DRAIN_SECONDS
+        while time.monotonic() < end:
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except Exception:  # the request ended in an error: nothing of it is pending
+                return "ERR"
+            if state != "PROC":
+                return state
+            time.sleep(XFER_POLL_SECONDS)
+        logger.error("a NIXL READ still runs %.0f s after it was stopped: its blocks may still change",
+                     DRAIN_SECONDS)
+        return "PROC"
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # the handle's finalizer retries; do not mask the pull's own outcome
+            logger.exception("releasing a NIXL transfer handle failed")
+
+    def close(self) -> None:
+        """Stop pulls (they drain first), the notification thread, then unregister. Idempotent."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            self._lock.wait_for(lambda: self._active == 0, timeout=self._timeout + DRAIN_SECONDS)
+        if self._notif_thread is not None:
+            self._notif_thread.join()
+        if self._agent is None:
+            return
+        for name in list(self._remotes):
+            self._forget(name)
+        self._remotes.clear()
+        if self._registered is not None:
+            self._agent.deregister_memory(self._registered)
+        self._agent = self._registered = None
+
+
+def _raise_if_cancelled(cancelled: threading.Event) -> None:
+    if cancelled.is_set():
+        raise _fail("cancelled")
+
+
+def _nixl(what: str, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, a NIXL error (its own exception types, no common base) as a failure:
+    e.g. a vanished peer makes check_xfer_state raise NIXL_ERR_REMOTE_DISCONNECT."""
+    try:
+        return call(*args)
+    except Exception as error:
+        raise _fail(f"NIXL could not {what}: {error!r}") from error

@@ -1,0 +1,135 @@
+"""KV sessions a prefill engine holds for decode engines, each under a lease (K7).
+
+A session owns a finished prompt's blocks (a named owner in ``KvCacheManager``) until it
+is *due*: released (the decode engine confirmed its pull, or ``Abort(kv_session)``, or a
+drain) or past its lease — and, in both cases, not being read. Reads are of two kinds:
+an in-process read of some blocks (the gRPC pull, ``begin_read``/``end_read``) and a
+*pin* (``pin``: a one-sided NIXL READ from the decode engine that this engine cannot see
+end; it lasts ``seconds`` or until the confirmation). A due session's blocks are freed by
+the step thread (``take_due``), the only one that touches the pool, so a block is never
+reused while a read of it can still be in flight.
+
+Thread-safe: the step thread adds and frees; any thread reads, pins and releases.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from refengine.types import KvSessionNotFound
+
+
+@dataclass(eq=False)
+class KvSession:
+    session_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    expires_at: float  # time.monotonic() of the lease's end
+    readers: int = 0  # in-process reads in progress
+    pinned_until: float = 0.0  # a remote one-sided read may run until then
+    release_reason: str | None = None  # set: free as soon as nothing reads it
+
+    @property
+    def owner(self) -> str:
+        """Its name as a KV owner (``KvCacheManager.transfer``)."""
+        return f"session:{self.session_id}"
+
+    def is_due(self, now: float) -> bool:
+        if self.readers or self.pinned_until > now:
+            return False
+        return self.release_reason is not None or now >= self.expires_at
+
+
+class KvSessionStore:
+    def __init__(self, on_change: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._sessions: dict[str, KvSession] = {}
+        self._lock = threading.Lock()
+        self._on_change = on_change  # wakes the step loop: something may have become due
+        self._clock = clock
+
+    def add(self, session: KvSession) -> None:
+        with self._lock:
+            assert session.session_id not in self._sessions, "session ids are unique"
+            self._sessions[session.session_id] = session
+
+    def _live(self, session_id: str) -> KvSession:
+        """A session still offered: known, not released, lease not over (lock held)."""
+        session = self._sessions.get(session_id)
+        if session is None or session.release_reason is not None or self._clock() >= session.expires_at:
+            raise KvSessionNotFound(f"KV session {session_id!r} not found: never made here, released or expired")
+        return session
+
+    def begin_read(self, session_id: str) -> tuple[int, ...]:
+        """Start reading a live session's blocks; returns its block ids. Pair with ``end_read``."""
+        with self._lock:
+            session = self._live(session_id)
+            session.readers += 1
+            return session.block_ids
+
+    def end_read(self, session_id: str) -> None:
+        with self._lock:
+            self._sessions[session_id].readers -= 1
+        self._on_change()
+
+    def pin(self, session_id: str, seconds: float) -> tuple[int, ...]:
+        """Keep a live session's blocks for a one-sided read of up to ``seconds`` (it also
+        outlives its lease that long). Returns its block ids."""
+        with self._lock:
+            session = self._live(session_id)
+            session.pinned_until = max(session.pinned_until, self._clock() + seconds)
+            return session.block_ids
+
+    def release(self, session_id: str, reason: str, pulled: bool = False) -> bool:
+        """Ask to free a session (``pulled``: its decode engine confirmed the pull, so a pin
+        ends too). False when there is no such session, or it was released already."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.release_reason is not None:
+                return False
+            session.release_reason = reason
+            if pulled:
+                session.pinned_until = 0.0
+        self._on_change()
+        return True
+
+    def release_all(self, reason: str) -> int:
+        with self._lock:
+            live = [s for s in self._sessions.values() if s.release_reason is None]
+            for session in live:
+                session.release_reason = reason
+        self._on_change()
+        return len(live)
+
+    def take_due(self) -> list[KvSession]:
+        """Remove and return the sessions whose blocks may be freed now (step thread)."""
+        now = self._clock()
+        with self._lock:
+            due = [s for s in self._sessions.values() if s.is_due(now)]
+            for session in due:
+                del self._sessions[session.session_id]
+        return due
+
+    def seconds_until_due(self) -> float | None:
+        """Until the next lease or pin ends (None: no session)."""
+        with self._lock:
+            if not self._sessions:
+                return None
+            now = self._clock()
+            # A session being read becomes due at its end_read, which wakes the loop itself.
+            ends = [max(s.expires_at if s.release_reason is None else now, s.pinned_until)
+                    for s in self._sessions.values() if not s.readers]
+        return max(0.0, min(ends) - now) if ends else None
+
+    def __len__(self) -> int:
+        """Sessions still offered (live)."""
+        now = self._clock()
+        with self._lock:
+            return sum(1 for s in self._sessions.values() if s.release_reason is None and now < s.expires_at)
+
+    def __contains__(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions

@@ -1,0 +1,250 @@
+"""Disaggregated prefill/decode between two in-process engines (``engine/disagg.py``).
+
+The transfer here is an in-process backend (it reads the prefill engine's session
+blocks and writes them into the decode engine's store), so these tests check the
+engine's half: K10 (prefill → decode equals aggregated, greedy and seeded, with and
+without prefix hits), the session lifecycle (pull, abort, lease expiry), failure
+handling (the source lost the session, a cancelled pull) and that every block is freed.
+The gRPC and NIXL backends between real server processes are integration tests.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from refengine.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
+from refengine.engine.engine import Engine
+from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder, SessionConfirmed, TransferFailure
+from refengine.types import (
+    CandidateSpec,
+    GenerationRequest,
+    InvalidRequestError,
+    KvParams,
+    KvSessionNotFound,
+    KvSessionSpec,
+    LogprobParams,
+    SamplingParams,
+    StoppingParams,
+)
+from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
+from tests.unit.tokenizer_fixture import byte_fallback_tokenizer
+
+TOKENIZER = byte_fallback_tokenizer()
+VOCAB = len(TOKENIZER)
+BLOCK = 4
+
+
+class InProcessPull(KvTransferBackend):
+    """Pulls from another in-process engine (named "grpc", the backend a prefill engine offers)."""
+
+    name = "grpc"
+    protocol = "grpc"
+
+    def __init__(self, source: Engine | None = None, delay: float = 0.0) -> None:
+        self.source = source
+        self.delay = delay
+        self.store: BlockStore | None = None
+        self.num_pulls = 0
+
+    def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
+        self.store = store
+
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        assert self.source is not None and self.store is not None
+        self.num_pulls += 1
+        deadline = time.monotonic() + self.delay
+        while time.monotonic() < deadline:
+            if cancelled.is_set():
+                raise TransferFailure("failed", "cancelled")
+            time.sleep(0.005)
+        sid = order.session.session_id
+        try:
+            data = self.source.read_kv_session(sid, order.first_block_index, len(order.dest_block_ids))
+        except KvSessionNotFound as exc:
+            raise TransferFailure("not_found", str(exc)) from None
+        self.store.write(order.dest_block_ids, data)
+        self.source.confirm_kv_session(sid)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = make_tiny_hf_model(vocab_size=VOCAB, max_position_embeddings=256)
+    return model_config_from_hf(model), hf_weights(model)
+
+
+def make_engine(tiny, role: str = "aggregated", backend: KvTransferBackend | None = None, ttl: float = 30.0,
+                num_blocks: int = 64) -> Engine:
+    config, weights = tiny
+    engine_config = EngineConfig(max_model_len=256, role=role, debug_kv_integrity=True, max_sequences_per_request=4,
+                                 cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+                                 kv_transfer=KvTransferConfig(session_ttl_seconds=ttl))
+    return Engine(engine_config, config, weights, TOKENIZER, model_fingerprint="tiny",
+                  transfer_backends=[backend or InProcessPull()])
+
+
+@pytest.fixture()
+def trio(tiny):
+    aggregated = make_engine(tiny)
+    prefill = make_engine(tiny, "prefill")
+    pull = InProcessPull(prefill)
+    decode = make_engine(tiny, "decode", pull)
+    for engine in (aggregated, prefill, decode):
+        engine.start()
+    yield aggregated, prefill, decode, pull
+    for engine in (aggregated, prefill, decode):
+        engine.shutdown()
+
+
+def request(rid: str, prompt: list[int], seed: int | None, temperature: float, max_tokens: int = 12,
+            session: KvSessionSpec | None = None, logprobs: bool = True) -> GenerationRequest:
+    return GenerationRequest(rid, prompt_token_ids=prompt,
+                             sampling=SamplingParams(temperature=temperature, seed=seed),
+                             stopping=StoppingParams(max_tokens=max_tokens, ignore_eos=True),
+                             logprobs=LogprobParams(output_logprobs=logprobs,
+                                                     output_candidates=CandidateSpec("top_n", 2) if logprobs else None),
+                             kv=KvParams(session=session))
+
+
+def run(engine: Engine, params: GenerationRequest, timeout: float = 60.0):
+    return engine.add_request(params).result(timeout)
+
+
+def wait_idle(engine: Engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.stats().used_kv_blocks or engine.stats().active_kv_sessions or engine.has_unfinished_requests:
+        assert time.monotonic() < deadline, f"not idle: {engine.stats()}"
+        time.sleep(0.01)
+
+
+def disaggregated(prefill: Engine, decode: Engine, params: GenerationRequest):
+    handoff = run(prefill, params)
+    assert handoff.prefill is not None and handoff.error is None, handoff
+    assert all(not o.token_ids for o in handoff.outputs), "K4: no token leaks from a prefill engine"
+    return run(decode, replace(params, kv=KvParams(session=handoff.prefill)))
+
+
+PROMPTS = [[random.Random(i).randrange(3, VOCAB) for _ in range(3 + 5 * i)] for i in range(6)]
+
+
+@pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (0.8, 1234)])
+def test_prefill_then_decode_equals_aggregated(trio, temperature: float, seed: int | None) -> None:
+    """K10, twice over each prompt: the second time both sides have prefix-cache hits."""
+    aggregated, prefill, decode, pull = trio
+    for attempt in range(2):
+        for i, prompt in enumerate(PROMPTS):
+            params = request(f"r{attempt}-{i}", prompt, seed, temperature)
+            want = run(aggregated, params)
+            got = disaggregated(prefill, decode, params)
+            assert got.error is None, got.error
+            assert got.outputs[0].tokens == want.outputs[0].tokens, f"prompt {i}, attempt {attempt}"
+            assert got.outputs[0].finish == want.outputs[0].finish
+            assert got.usage.completion_tokens == want.usage.completion_tokens
+    assert pull.num_pulls == 2 * len(PROMPTS)
+    assert decode.stats().cached_kv_blocks > 0, "received blocks are published in the decode prefix cache"
+    for engine in (prefill, decode):
+        wait_idle(engine)
+        engine.core.check_idle()
+
+
+def test_handoff_attributes_and_usage(trio) -> None:
+    _, prefill, _, _ = trio
+    prompt = PROMPTS[3]
+    handoff = run(prefill, request("h", prompt, None, 0.0))
+    attrs = handoff.prefill.attributes
+    assert attrs["num_prompt_tokens"] == len(prompt) and attrs["block_size"] == BLOCK
+    assert attrs["num_blocks"] == -(-len(prompt) // BLOCK)
+    assert isinstance(attrs["prompt_hash"], str) and isinstance(attrs["lease_expires_unix_nanos"], str)
+    assert handoff.usage.prompt_tokens == len(prompt) and handoff.usage.completion_tokens == 0
+    assert prefill.stats().active_kv_sessions == 1
+    assert prefill.abort_kv_session(handoff.prefill.session_id)
+    assert not prefill.abort_kv_session(handoff.prefill.session_id), "A2: released once"
+    wait_idle(prefill)
+
+
+def test_a_session_expires_and_a_late_decode_gets_not_found(tiny) -> None:
+    prefill = make_engine(tiny, "prefill", ttl=0.3)
+    pull = InProcessPull(prefill)
+    decode = make_engine(tiny, "decode", pull)
+    prefill.start()
+    decode.start()
+    try:
+        params = request("late", PROMPTS[4], None, 0.0)
+        handoff = run(prefill, params)
+        assert prefill.stats().used_kv_blocks > 0
+        wait_idle(prefill, timeout=5)  # the lease alone frees it
+        got = run(decode, replace(params, kv=KvParams(session=handoff.prefill)))
+        assert got.error is not None and got.error.code == "kv_session_not_found" and not got.error.retryable
+        wait_idle(decode)
+        decode.core.check_idle()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_decode_cancelled_mid_pull_frees_its_blocks(tiny) -> None:
+    prefill = make_engine(tiny, "prefill")
+    pull = InProcessPull(prefill, delay=1.0)
+    decode = make_engine(tiny, "decode", pull)
+    prefill.start()
+    decode.start()
+    try:
+        params = request("cancel", PROMPTS[5], None, 0.0)
+        handoff = run(prefill, params)
+        stream = decode.add_request(replace(params, kv=KvParams(session=handoff.prefill)))
+        time.sleep(0.2)
+        assert decode.stats().used_kv_blocks > 0
+        decode.abort("cancel")
+        got = stream.result(10)
+        assert got.outputs[0].finish.reason.value == "cancelled"
+        wait_idle(decode)
+        decode.core.check_idle()
+        assert prefill.stats().active_kv_sessions == 1, "the session is still there for a retry"
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("change", ["model_fingerprint", "block_size", "kv_dtype", "kv_layout", "prompt_hash",
+                                    "backend", "no_session", "two_outputs", "prompt_logprobs"])
+def test_an_incompatible_session_is_refused_before_acceptance(trio, change: str) -> None:
+    _, prefill, decode, _ = trio
+    params = request("bad", PROMPTS[2], None, 0.0)
+    session = run(prefill, params).prefill
+    attrs = dict(session.attributes)
+    if change in attrs:
+        attrs[change] = "12345" if change == "prompt_hash" else ("other" if isinstance(attrs[change], str) else 99)
+    bad = replace(params, kv=KvParams(session=replace(session, attributes=attrs)))
+    if change == "backend":
+        bad = replace(params, kv=KvParams(session=replace(session, transfer_backend="carrier-pigeon")))
+    elif change == "no_session":
+        bad = params
+    elif change == "two_outputs":
+        bad = replace(bad, sampling=SamplingParams(num_sequences=2))
+    elif change == "prompt_logprobs":
+        bad = replace(bad, logprobs=LogprobParams(prompt_logprobs=True))
+    with pytest.raises(InvalidRequestError) as err:
+        decode.add_request(bad)
+    print(f"\n{change}: {err.value}")
+    assert decode.stats().used_kv_blocks == 0 and not decode.has_unfinished_requests
+    prefill.abort_kv_session(session.session_id)
+
+
+def test_role_mismatch_is_refused(trio) -> None:
+    aggregated, prefill, _, _ = trio
+    session = run(prefill, request("s", PROMPTS[1], None, 0.0)).prefill
+    for engine in (aggregated, prefill):
+        with pytest.raises(InvalidRequestError, match="role mismatch"):
+            engine.add_request(request("m", PROMPTS[1], None, 0.0, session=session))
+    with pytest.raises(InvalidRequestError, match="num_sequences"):
+        prefill.add_request(replace(request("n", PROMPTS[1], None, 0.0), sampling=SamplingParams(num_sequences=2)))
+    prefill.abort_kv_session(session.session_id)
+    wait_idle(prefill)

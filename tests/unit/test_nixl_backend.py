@@ -1,0 +1,229 @@
+"""The NIXL KV transfer backend between two real processes: a spawned child is the prefill
+(source) engine holding random KV blocks, this process is the decode engine pulling them.
+
+One child serves every test (module fixture). It answers, over a Pipe:
+``("offer", session_id, block_ids)`` -> ``(attributes, bytes of those blocks)``;
+``("confirmed", session_id, seconds)`` -> whether its ``on_confirmed`` saw the session;
+``("exit",)`` -> closes its backend and ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from refengine.kv.transfer.base import PullOrder, TransferFailure
+from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
+from refengine.model.kv_io import KvBlockIO
+from refengine.types import KvSessionSpec
+
+_AVAILABLE, _WHY = nixl_available()
+if not _AVAILABLE:
+    pytest.skip(_WHY, allow_module_level=True)
+
+REPO = Path(__file__).resolve().parents[2]
+LAYERS, NUM_BLOCKS, BLOCK_SHAPE = 3, 16, (4, 2, 8)
+
+
+def _kv(fill: Callable[[tuple[int, ...]], torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (NUM_BLOCKS, *BLOCK_SHAPE)
+    return [(fill(shape), fill(shape)) for _ in range(LAYERS)]
+
+
+def _source_main(conn: Connection) -> None:
+    """The prefill engine: random KV, a bound backend, confirmations recorded."""
+    torch.manual_seed(0)
+    kv = _kv(lambda shape: torch.randn(shape, dtype=torch.float32))
+    store = KvBlockIO(kv, "torch")
+    confirmed: set[str] = set()
+    seen = threading.Condition()
+
+    def on_confirmed(session_id: str) -> None:
+        with seen:
+            confirmed.add(session_id)
+            seen.notify_all()
+
+    backend = NixlKvTransfer(None)
+    backend.bind(store, on_confirmed)
+    while (message := conn.recv())[0] != "exit":
+        if message[0] == "offer":
+            _, session_id, block_ids = message
+            conn.send((backend.source_attributes(session_id, block_ids), store.read(block_ids)))
+        else:
+            _, session_id, seconds = message
+            with seen:
+                conn.send(seen.wait_for(lambda wanted=session_id: wanted in confirmed, timeout=seconds))
+    backend.close()
+
+
+class Source:
+    """The parent's handle on the child."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def offer(self, session_id: str, block_ids: list[int]) -> tuple[dict[str, Any], bytes]:
+        self.conn.send(("offer", session_id, block_ids))
+        return self.conn.recv()
+
+    def confirmed(self, session_id: str, seconds: float) -> bool:
+        self.conn.send(("confirmed", session_id, seconds))
+        return self.conn.recv()
+
+
+class FakePinner:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float]] = []
+        self.error: TransferFailure | None = None
+
+    def pin(self, session: KvSessionSpec, seconds: float) -> None:
+        self.calls.append((session.session_id, seconds))
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture(scope="module")
+def source() -> Iterator[Source]:
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe()
+    child = context.Process(target=_source_main, args=(theirs,), daemon=True)
+    child.start()
+    try:
+        yield Source(mine)
+        mine.send(("exit",))
+        child.join(10)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+
+
+@pytest.fixture(scope="module")
+def decode() -> Iterator[tuple[NixlKvTransfer, KvBlockIO, FakePinner]]:
+    pinner = FakePinner()
+    store = KvBlockIO(_kv(lambda shape: torch.zeros(shape, dtype=torch.float32)), "torch")
+    backend = NixlKvTransfer(pinner, pull_timeout_seconds=10.0)
+    backend.bind(store, lambda session_id: None)
+    yield backend, store, pinner
+    backend.close()
+    backend.close()  # idempotent
+
+
+@pytest.fixture
+def side(decode: tuple[NixlKvTransfer, KvBlockIO, FakePinner]) -> tuple[NixlKvTransfer, KvBlockIO, FakePinner]:
+    """The decode side with its KV zeroed and a fresh pinner record."""
+    backend, store, pinner = decode
+    store.write(range(NUM_BLOCKS), bytes(NUM_BLOCKS * store.block_nbytes))
+    pinner.calls.clear()
+    pinner.error = None
+    return decode
+
+
+def _order(session_id: str, attributes: dict[str, Any], first: int, dest: tuple[int, ...]) -> PullOrder:
+    session = KvSessionSpec(session_id, "nixl", attributes={"transfer": attributes})
+    return PullOrder("request-" + session_id, session, first, dest)
+
+
+def _untouched(store: KvBlockIO) -> bool:
+    return store.read(range(NUM_BLOCKS)) == bytes(NUM_BLOCKS * store.block_nbytes)
+
+
+def test_pull_copies_the_blocks_and_confirms_the_session(source: Source, side: Any) -> None:
+    backend, store, pinner = side
+    attributes, expected = source.offer("s-full", [3, 7, 8, 9])
+    dest = (10, 2, 3, 4)  # 2..4 <- 7..9 is one merged run, 10 <- 3 another
+    backend.pull(_order("s-full", attributes, 0, dest), threading.Event())
+    assert store.read(dest) == expected
+    others = [b for b in range(NUM_BLOCKS) if b not in dest]
+    assert store.read(others) == bytes(len(others) * store.block_nbytes)
+    assert pinner.calls == [("s-full", 10.0)]
+    assert source.confirmed("s-full", 5.0)
+
+
+def test_a_partial_pull_starts_at_first_block_index(source: Source, side: Any) -> None:
+    backend, store, _ = side
+    attributes, expected = source.offer("s-part", [1, 2, 3, 4, 5])
+    backend.pull(_order("s-part", attributes, 2, (0, 1, 2)), threading.Event())
+    assert store.read((0, 1, 2)) == expected[2 * store.block_nbytes:]
+    assert source.confirmed("s-part", 5.0)
+
+
+def _wider_blocks(a: dict[str, Any]) -> None:
+    a["nixl_regions"][0][2] += 4
+
+
+def _address_as_int(a: dict[str, Any]) -> None:
+    a["nixl_regions"][1][0] = int(a["nixl_regions"][1][0])  # K9: addresses travel as strings
+
+
+@pytest.mark.parametrize(("mutate", "first", "match"), [
+    (_wider_blocks, 0, "region 0"),
+    (_address_as_int, 0, "nixl_regions entry"),
+    (lambda a: a["nixl_regions"].pop(), 0, "KV regions"),
+    (lambda a: a.pop("nixl_block_ids"), 0, "nixl_block_ids"),
+    (lambda a: a["nixl_block_ids"].__setitem__(0, NUM_BLOCKS), 0, "outside the source"),
+    (lambda a: None, 2, "requested"),
+], ids=["block_nbytes", "address-int", "region-count", "missing-key", "block-id-range", "index-range"])
+def test_incompatible_attributes_fail_before_any_transfer(
+        source: Source, side: Any, mutate: Callable[[dict[str, Any]], Any], first: int, match: str) -> None:
+    backend, store, pinner = side
+    attributes, _ = source.offer("s-bad", [5, 6])
+    attributes = copy.deepcopy(attributes)
+    mutate(attributes)
+    with pytest.raises(TransferFailure, match=match) as failure:
+        backend.pull(_order("s-bad", attributes, first, (0, 1)), threading.Event())
+    assert (failure.value.kind, failure.value.retryable) == ("failed", False)
+    assert pinner.calls == [] and _untouched(store)
+
+
+@pytest.mark.parametrize("metadata", ["bm90IG5peGwgbWV0YWRhdGE=", "%%% not base64"])
+def test_garbage_metadata_fails(source: Source, side: Any, metadata: str) -> None:
+    backend, store, _ = side
+    attributes, _ = source.offer("s-garbage", [1])
+    attributes = {**attributes, "nixl_agent_name": "nobody", "nixl_agent_metadata": metadata}
+    with pytest.raises(TransferFailure, match="metadata") as failure:
+        backend.pull(_order("s-garbage", attributes, 0, (0,)), threading.Event())
+    assert failure.value.kind == "failed" and not failure.value.retryable
+    assert _untouched(store)
+
+
+def test_a_pinner_failure_propagates(source: Source, side: Any) -> None:
+    backend, store, pinner = side
+    attributes, _ = source.offer("s-gone", [1, 2])
+    pinner.error = TransferFailure("not_found", "the source released it")
+    with pytest.raises(TransferFailure) as failure:
+        backend.pull(_order("s-gone", attributes, 0, (0, 1)), threading.Event())
+    assert failure.value is pinner.error
+    assert _untouched(store)
+
+
+def test_a_cancelled_pull_writes_nothing(source: Source, side: Any) -> None:
+    backend, store, _ = side
+    attributes, _ = source.offer("s-cancel", [1, 2])
+    cancelled = threading.Event()
+    cancelled.set()
+    with pytest.raises(TransferFailure, match="cancelled") as failure:
+        backend.pull(_order("s-cancel", attributes, 0, (0, 1)), cancelled)
+    assert failure.value.kind == "failed" and not failure.value.retryable
+    assert _untouched(store)
+    assert not source.confirmed("s-cancel", 0.2)
+
+
+def test_the_module_imports_without_nixl() -> None:
+    """nixl is imported lazily: blocked, the module still loads and says why it cannot work."""
+    code = ("import sys; sys.modules['nixl_cu12'] = sys.modules['nixl'] = None; "
+            "from refengine.kv.transfer.nixl_backend import nixl_available; "
+            "ok, why = nixl_available(); assert not ok and 'nixl' in why, why; "
+            "assert 'torch' not in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
