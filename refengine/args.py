@@ -16,12 +16,15 @@ from typing import Any
 from refengine.config import (
     ATTENTION_BACKENDS,
     DTYPE_NAMES,
+    ENGINE_ROLES,
     GUIDED_BACKENDS,
+    TRANSFER_BACKENDS,
     CacheConfig,
     EngineConfig,
     GuidedConfig,
     KernelConfig,
     KvEventsConfig,
+    KvTransferConfig,
     SchedulerConfig,
 )
 
@@ -57,6 +60,12 @@ FIELD_FLAGS = {
     "KvEventsConfig.enabled": "--no-kv-events",
     "KvEventsConfig.retained_batches": "--kv-events-retained-batches",
     "KvEventsConfig.subscriber_buffer": "--kv-events-subscriber-buffer",
+    "EngineConfig.role": "--role",
+    "KvTransferConfig.backend": "--kv-transfer-backend",
+    "KvTransferConfig.session_ttl_seconds": "--kv-session-ttl",
+    "KvTransferConfig.chunk_bytes": "--kv-pull-chunk-kib",
+    "KvTransferConfig.num_transfer_threads": "--kv-transfer-threads",
+    "KvTransferConfig.pull_timeout_seconds": "--kv-pull-timeout",
 }
 MIB_SHIFT = 20
 
@@ -92,6 +101,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_kernel_args(parser.add_argument_group("kernels"))
     _add_guided_args(parser.add_argument_group("guided decoding"))
     _add_kv_event_args(parser.add_argument_group("KV events"))
+    _add_kv_transfer_args(parser.add_argument_group("disaggregated prefill/decode"))
 
 
 def _add_model_args(g: argparse._ArgumentGroup) -> None:
@@ -183,6 +193,26 @@ def _add_kv_event_args(g: argparse._ArgumentGroup) -> None:
                    help="batches one subscriber may hold unread before it is cut off (default: %(default)s)")
 
 
+def _add_kv_transfer_args(g: argparse._ArgumentGroup) -> None:
+    d, t = EngineConfig(), KvTransferConfig()
+    g.add_argument("--role", choices=ENGINE_ROLES, default=d.role,
+                   help="aggregated: prompt and output here; prefill: compute the prompt's KV and first token, "
+                   "end with PrefillReady and hold the KV as a session; decode: continue a prefill engine's "
+                   "session (kv.session) (default: %(default)s)")
+    g.add_argument("--kv-transfer-backend", choices=TRANSFER_BACKENDS, default=t.backend,
+                   help="how a prefill engine offers its sessions: grpc (refengine.kvpull.v1 on this port) or "
+                   "nixl (needs the nixl package); a decode engine takes both (default: %(default)s)")
+    g.add_argument("--kv-session-ttl", type=float, default=t.session_ttl_seconds, metavar="SECONDS",
+                   help="lease of a session no decode engine has pulled; its KV is freed at expiry "
+                   "(default: %(default)s)")
+    g.add_argument("--kv-pull-chunk-kib", type=int, default=t.chunk_bytes >> 10,
+                   help="most KV bytes in one gRPC pull chunk, KiB (default: %(default)s)")
+    g.add_argument("--kv-transfer-threads", type=int, default=t.num_transfer_threads,
+                   help="pulls a decode engine runs at once (default: %(default)s)")
+    g.add_argument("--kv-pull-timeout", type=float, default=t.pull_timeout_seconds, metavar="SECONDS",
+                   help="a pull taking longer fails with KV_TRANSFER_FAILED (default: %(default)s)")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The config the flags describe. Raises ValueError, naming the flag and the field,
     when a value is out of range."""
@@ -227,4 +257,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                             max_spec_bytes=args.guided_max_spec_kib << 10, max_choices=args.guided_max_choices),
         kv_events=KvEventsConfig(enabled=not args.no_kv_events, retained_batches=args.kv_events_retained_batches,
                                  subscriber_buffer=args.kv_events_subscriber_buffer),
+        role=args.role,
+        kv_transfer=KvTransferConfig(backend=args.kv_transfer_backend, session_ttl_seconds=args.kv_session_ttl,
+                                     chunk_bytes=args.kv_pull_chunk_kib << 10,
+                                     num_transfer_threads=args.kv_transfer_threads,
+                                     pull_timeout_seconds=args.kv_pull_timeout),
     )

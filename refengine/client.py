@@ -9,6 +9,11 @@ Synchronous (one ``grpc`` channel). ``generate`` yields raw ``GenerateResponse``
 :func:`stream_text` yields just the text of output 0 and raises :class:`GenerationError`
 when the stream ends with an ``EngineError``.
 
+Disaggregated prefill/decode: :func:`generate_disaggregated` is the two-hop flow a framework
+performs: the request on a prefill server (its one event is ``PrefillReady``), then the same
+request with ``kv.session`` set to the returned session on a decode server, whose events
+it yields.
+
 Chat: OpenEngine v0.1.0 has no chat API; templates are applied by the caller.
 ``stream_text(chat=True)`` therefore applies the model's chat template *locally*, which
 works only when this machine can resolve the served model by name (a manifest such as the
@@ -174,3 +179,39 @@ def stream_text(address: str, prompt: str, model: str = "", max_tokens: int = 12
                 yield event.token.text
             elif kind == "error":
                 raise GenerationError(event.error)
+
+
+class PrefillFailed(RuntimeError):
+    """The prefill hop ended without a ``PrefillReady`` (``event``: what it ended with)."""
+
+    def __init__(self, message: str, event: oe.GenerateResponse | None = None) -> None:
+        super().__init__(message)
+        self.event = event
+
+
+def prefill(client: OpenEngineClient, request: oe.GenerateRequest, timeout: float | None = None,
+            metadata: Metadata | None = None) -> oe.GenerateResponse:
+    """Run ``request`` on a prefill server; returns its terminal ``PrefillReady`` event
+    (prompt logprobs, when asked for, come before it and are dropped here)."""
+    for event in client.generate(request, timeout=timeout, metadata=metadata):
+        kind = event.WhichOneof("event")
+        if kind == "prefill_ready":
+            return event
+        if kind == "error":
+            raise PrefillFailed(f"prefill failed: {oe.ErrorCode.Name(event.error.code)}: {event.error.message}",
+                                event)
+        if kind in ("token", "finished"):
+            raise PrefillFailed(f"not a prefill server: it sent a {kind} event (K4)", event)
+    raise PrefillFailed("the prefill stream ended without PrefillReady")
+
+
+def generate_disaggregated(prefill_client: OpenEngineClient, decode_client: OpenEngineClient,
+                           request: oe.GenerateRequest, timeout: float | None = None,
+                           metadata: Metadata | None = None) -> Iterator[oe.GenerateResponse]:
+    """Prefill on one server, decode on another; yields the decode server's events. The
+    session is forwarded unchanged (K9); the decode request targets the session's rank (M3)."""
+    ready = prefill(prefill_client, request, timeout, metadata)
+    decode_request = oe.GenerateRequest()
+    decode_request.CopyFrom(request)
+    decode_request.kv.session.CopyFrom(ready.prefill_ready.kv_session)
+    yield from decode_client.generate(decode_request, timeout=timeout, metadata=metadata)

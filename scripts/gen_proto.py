@@ -201,6 +201,44 @@ def generate(out: Path) -> list[Path]:
     return list(outputs)
 
 
+# refengine's own services (not OpenEngine): proto package -> bindings dir under --out.
+OWNED_PACKAGES = {"refengine.kvpull.v1": Path("kvpull") / "v1"}
+OWNED_INIT = '''"""Generated bindings of refengine's own ``{package}`` protos (not OpenEngine).
+
+Written by ``scripts/gen_proto.py``; do not edit.
+"""
+'''
+
+
+def generate_owned(out: Path) -> list[Path]:
+    """protoc each owned package into ``out/<dir>``, its module names under refengine.protocol."""
+    written = []
+    for package, rel in OWNED_PACKAGES.items():
+        source = Path(*package.split("."))
+        protos = sorted(p.relative_to(PROTO_ROOT).as_posix() for p in (PROTO_ROOT / source).glob("*.proto"))
+        with tempfile.TemporaryDirectory(prefix="gen_proto_") as tmp:
+            subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"--proto_path={PROTO_ROOT}",
+                            f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", *protos],
+                           check=True, cwd=PROTO_ROOT)
+            target_package = "refengine.protocol." + ".".join(rel.parts)
+            texts = {}
+            for path in sorted((Path(tmp) / source).iterdir()):
+                text = path.read_text(encoding="utf-8").replace(f"from {package} import ", f"from {target_package} import ")
+                # module names only ('refengine.kvpull.v1.kv_pull_pb2'); service and message names stay
+                text = re.sub(rf"'{re.escape(package)}\.(\w+_pb2)'", rf"'{target_package}.\1'", text)
+                texts[path.name] = HEADER.format(proto=(source / (path.name.split("_pb2")[0] + ".proto")).as_posix()) + text
+        target = out / rel
+        target.mkdir(parents=True, exist_ok=True)
+        texts["__init__.py"] = OWNED_INIT.format(package=package)
+        for parent in [out / rel.parts[0]]:
+            (parent / "__init__.py").write_text(f'"""refengine\'s own protos: {package}."""\n', encoding="utf-8")
+            written.append(parent / "__init__.py")
+        for name, text in texts.items():
+            (target / name).write_bytes(text.encode("utf-8"))
+            written.append(target / name)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -210,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         help="directory playing refengine/protocol (default: %(default)s)",
     )
     args = parser.parse_args(argv)
-    for path in generate(args.out):
+    for path in generate(args.out) + generate_owned(args.out):
         print(path)
     return 0
 

@@ -128,7 +128,8 @@ class Engine(EngineKvMixin):
         return both
 
     @classmethod
-    def from_config(cls, config: EngineConfig, kv_event_sink: KvEventSink | None = None) -> Engine:
+    def from_config(cls, config: EngineConfig, kv_event_sink: KvEventSink | None = None,
+                    transfer_backends: Seq[KvTransferBackend] = ()) -> Engine:
         """Load the model named by ``config.model`` (manifest name or path)."""
         from refengine.model.loader import (
             load_model_config,
@@ -146,7 +147,7 @@ class Engine(EngineKvMixin):
             load_tokenizer(resolved.path),
             model_fingerprint=model_fingerprint(resolved.path),
             served_model_name=config.served_model_name or resolved.name,
-            kv_event_sink=kv_event_sink,
+            kv_event_sink=kv_event_sink, transfer_backends=transfer_backends,
         )
 
     # -- accepting work (any thread) ------------------------------------------

@@ -102,6 +102,9 @@ class EngineKvMixin:
     def block_nbytes(self) -> int:
         return self.block_io.block_nbytes
 
+    def kv_layout(self) -> str:
+        return self.block_io.layout
+
     def pin_kv_session(self, session_id: str, seconds: float) -> None:
         self.kv_sessions.pin(session_id, seconds)
 

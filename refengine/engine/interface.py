@@ -82,6 +82,9 @@ class EngineClient(Protocol):
     def block_nbytes(self) -> int:
         """Bytes of one KV block over all layers."""
 
+    def kv_layout(self) -> str:
+        """The KV cache layout (``BlockStore.layout``): equal strings = compatible blocks."""
+
     def pin_kv_session(self, session_id: str, seconds: float) -> None:
         """Keep a live session's blocks for a one-sided remote read of up to ``seconds``."""
 

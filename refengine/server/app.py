@@ -33,27 +33,32 @@ from grpc_reflection.v1alpha import reflection
 from refengine.args import engine_config_from_args
 from refengine.config import EngineConfig
 from refengine.protocol import oe
+from refengine.protocol.kvpull.v1 import kv_pull_pb2 as kv_pull
+from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as kv_pull_grpc
 from refengine.runtime import apply_process_settings
 from refengine.server import kv_events_service
 from refengine.server.control import ControlServicer
 from refengine.server.errors import DRAINED
 from refengine.server.health import GrpcHealth
 from refengine.server.inference import InferenceServicer
-from refengine.server.options import MIB, ROLES, ServerOptions
+from refengine.server.kv_events_service import advertised_host
+from refengine.server.kv_pull_client import GrpcKvTransfer
+from refengine.server.kv_pull_service import KvPullServicer
+from refengine.server.options import MIB, ServerOptions
 from refengine.server.state import Lifecycle, ServerState
 from refengine.server.wire import add_servicer
+from refengine.types import KvEndpointSpec
+
+KV_PULL_SERVICE = kv_pull.DESCRIPTOR.services_by_name["KvPull"].full_name
 
 logger = logging.getLogger("refengine.server")
 
 FLUSH_SECONDS = 1.0  # after the grace period: time for the terminal events to be written
-SUPPORTED_ROLES = ("aggregated",)  # prefill/decode need KV transfer (a later issue)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     d = ServerOptions()
     g = parser.add_argument_group("server")
-    g.add_argument("--role", choices=ROLES, default=d.role,
-                   help="engine role (prefill/decode need KV transfer, not in this build)")
     g.add_argument("--host", default=d.host, help="address of the Inference listener")
     g.add_argument("--port", type=int, default=d.port,
                    help="port of the Inference listener (0 = any free port)")
@@ -115,10 +120,6 @@ def serve_from_args(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"refengine serve: {exc}", file=sys.stderr)
         return 2
-    if options.role not in SUPPORTED_ROLES:
-        print(f"refengine serve: --role {options.role} needs KV transfer between prefill and decode servers, "
-              f"which this build does not implement yet; use --role aggregated", file=sys.stderr)
-        return 2
     apply_process_settings(engine_config)  # imports torch only when --num-threads is given
     server = Server(options, engine_config)
     code = asyncio.run(server.run())
@@ -141,7 +142,8 @@ def _load_in_thread(config: EngineConfig) -> tuple[asyncio.Future, threading.Thr
 
     def load() -> None:
         try:
-            engine = Engine.from_config(config)
+            backends = [] if config.role == "aggregated" else [GrpcKvTransfer(config.kv_transfer.pull_timeout_seconds)]
+            engine = Engine.from_config(config, transfer_backends=backends)
         except BaseException as exc:  # noqa: BLE001 - reported to the loop, logged there
             error = exc
             loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
@@ -170,10 +172,11 @@ class Server:
     def _build_listeners(self) -> None:
         o = self.options
         inference, control = InferenceServicer(self.state), ControlServicer(self.state)
-        reflected = (*oe.SERVICE_NAMES, "grpc.health.v1.Health", reflection.SERVICE_NAME)
+        reflected = (*oe.SERVICE_NAMES, KV_PULL_SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME)
         shared = o.control_port is None
         main = grpc.aio.server(options=o.grpc_options())
         add_servicer(inference, "Inference", main)
+        kv_pull_grpc.add_KvPullServicer_to_server(KvPullServicer(self.state), main)
         plan = [(main, o.host, o.port, "Inference" + (" + Control" if shared else ""))]
         if shared:
             add_servicer(control, "Control", main)
@@ -187,6 +190,8 @@ class Server:
             bound = server.add_insecure_port(f"{host}:{port}")
             print(f"refengine: listening on {host}:{bound} ({what})", flush=True)
             self.listeners.append(server)
+            if server is main:  # K4: a prefill server's sessions are pulled from its Inference port
+                self.state.kv_endpoints = (KvEndpointSpec(advertised_host(o), bound, "grpc"),)
 
     def _background(self, coro) -> None:  # noqa: ANN001 - a coroutine
         task = asyncio.get_running_loop().create_task(coro)
@@ -243,6 +248,9 @@ class Server:
         while self.state.streams and loop.time() < deadline and self._signals < 2:
             await asyncio.sleep(0.05)
         leftover = [b for b in self.state.streams if b.fail(DRAINED)]
+        released = self.state.engine.release_all_kv_sessions()  # K7: a drained prefill server keeps none
+        if released:
+            logger.info("drain: released %d KV sessions no decode server had pulled", released)
         for bridge in leftover:
             self.state.engine.abort(bridge.request_id)
         if leftover:
@@ -250,7 +258,8 @@ class Server:
         # Let the terminal events be written and the engine apply the aborts (frees their KV).
         engine = self.state.engine
         flush_deadline = loop.time() + FLUSH_SECONDS
-        while (self.state.streams or engine.has_unfinished_requests) and loop.time() < flush_deadline:
+        while (self.state.streams or engine.has_unfinished_requests or engine.stats().used_kv_blocks) \
+                and loop.time() < flush_deadline:
             await asyncio.sleep(0.02)
 
     async def _shutdown(self) -> None:

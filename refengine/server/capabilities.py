@@ -67,14 +67,18 @@ class Capabilities:
 
 
 def capabilities_of(info: EngineInfo) -> Capabilities:
+    """D4, role-correct: a prefill or decode engine takes one output per request, and a decode
+    engine no prompt logprobs (``engine/role_check.py``)."""
+    disaggregated = info.role != "aggregated"
     return Capabilities(
         served_model_name=info.served_model_name,
         served_model_aliases=info.served_model_aliases,
         model_id=info.model_id,
         max_context_length=info.max_model_len,
         vocab_size=info.vocab_size,
-        max_num_sequences=info.max_sequences_per_request,
+        max_num_sequences=1 if disaggregated else info.max_sequences_per_request,
         max_top_n=info.max_logprobs,
+        prompt_logprobs=info.role != "decode",
         guided_modes=tuple(m for m in GUIDED_MODES if m in info.guided_modes),
         guided_backends=info.guided_backends,
     )

@@ -7,10 +7,14 @@ RPC but ``Health`` answers UNAVAILABLE (retry when Health is READY).
 Choices where the contract is silent (ref):
 - ``DeploymentCapacity.max_running_requests`` is the scheduler's ``max_num_seqs`` (each
   of a request's outputs counts), ``max_loras`` = 0 (LoRA disabled, a reported value);
-- ``ServerInfo.kv_connector`` reports ``enabled = false``: no KV transfer in this build;
+- ``ServerInfo.kv_connector`` (K11): disabled on an aggregated server; on a prefill or decode
+  server, its transfer backend (a prefill server's offered one; a decode server's first),
+  this server's endpoint (a prefill server's sessions are pulled from its port) and every
+  backend's protocol, ``schema_version`` 1 (``refengine.kv-session/1``);
 - LoRA RPCs → FAILED_PRECONDITION "LoRA is disabled" (R5), including ``ListLoras``;
 - ``GetKvEventSources`` / ``SubscribeKvEvents``: ``kv_events_service.py``;
-- ``Abort(kv_session)`` → NOT_FOUND: this build holds no KV sessions.
+- ``Abort(kv_session)`` frees a held session (ABORTED); an unknown, released or expired one →
+  NOT_FOUND (A2, K7): a session is not a request, so it has no ALREADY_FINISHED window.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 import refengine
+from refengine.engine.interface import EngineInfo
 from refengine.protocol import oe
 from refengine.server import kv_events_service
 from refengine.server.capabilities import (
@@ -80,7 +85,7 @@ class ControlServicer(oe.ControlServicer):
                 tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
                 data_parallel_rank=0, data_parallel_start_rank=0, decode_context_parallel_size=1,
             ),
-            kv_connector=oe.KvConnectorInfo(enabled=False),
+            kv_connector=self.kv_connector(info),
             schema_revision=SCHEMA_REVISION,
             minimum_client_revision=MINIMUM_CLIENT_REVISION,
             schema_release=SCHEMA_RELEASE,
@@ -93,6 +98,18 @@ class ControlServicer(oe.ControlServicer):
             ),
             extra=_struct({"device": info.device, "dtype": info.dtype}),
         )
+
+    def kv_connector(self, info: EngineInfo) -> oe.KvConnectorInfo:
+        if info.role == "aggregated":
+            return oe.KvConnectorInfo(enabled=False)
+        prefill = info.role == "prefill"
+        return oe.KvConnectorInfo(
+            enabled=True, transfer_backend=info.kv_transfer_backends[0],
+            local_endpoints=[oe.KvEndpoint(host=e.host, port=e.port, protocol=e.protocol)
+                             for e in self.state.kv_endpoints] if prefill else [],
+            supported_protocols=list(info.kv_transfer_backends),
+            supports_remote_prefill=prefill, supports_decode_pull=not prefill, supports_abort_cleanup=True,
+            schema_version=1)
 
     async def GetServerInfo(self, request, context):  # noqa: ANN001, ANN201, N802
         async def build() -> oe.ServerInfo:
@@ -123,7 +140,7 @@ class ControlServicer(oe.ControlServicer):
                 timestamp_unix_nanos=time.time_ns(),
                 running_requests=stats.running_requests,
                 queued_requests=stats.waiting_requests,
-                active_kv_sessions=0,
+                active_kv_sessions=stats.active_kv_sessions,
                 used_kv_blocks=stats.used_kv_blocks,
                 total_kv_blocks=stats.total_kv_blocks,
                 running_tokens=stats.running_tokens,
@@ -158,9 +175,12 @@ class ControlServicer(oe.ControlServicer):
             if target is None:
                 raise invalid("set exactly one abort target: request_id, kv_session or all_requests {}")  # A1
             engine = self.state.engine_for_control()
-            if target == "kv_session":
+            if target == "kv_session":  # A2, K7
                 session_id = request.kv_session.session_id
-                raise Rejection(grpc.StatusCode.NOT_FOUND, f"KV session {session_id!r} not found (none here)")
+                if not engine.abort_kv_session(session_id):
+                    raise Rejection(grpc.StatusCode.NOT_FOUND,
+                                    f"KV session {session_id!r} not found: never made here, released or expired")
+                return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED, message="KV session released")
             if target == "all_requests":  # A3
                 aborted = engine.abort_all()
                 if not aborted:

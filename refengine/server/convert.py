@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from google.protobuf import struct_pb2
+from google.protobuf import json_format, struct_pb2
 
 from refengine.protocol import oe
 from refengine.server.errors import invalid
@@ -45,7 +45,9 @@ from refengine.types import (
     CandidateSpec,
     GenerationRequest,
     GuidedSpec,
+    KvEndpointSpec,
     KvParams,
+    KvSessionSpec,
     LogprobParams,
     SamplingParams,
     StoppingParams,
@@ -180,8 +182,30 @@ def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata,
         kv=KvParams(
             bypass_prefix_cache=request.kv.bypass_prefix_cache,
             cache_salt=request.kv.cache_salt or None,
+            session=session_spec(request.kv.session) if request.kv.HasField("session") else None,
         ),
         priority=meta.priority or 0,
         guided=_guided(request.guided) if request.HasField("guided") else None,
         detokenize=detokenize_of(request.extra),
     )
+
+
+def session_spec(ref: oe.KvSessionRef) -> KvSessionSpec:
+    """``KvSessionRef`` → the engine's ``KvSessionSpec`` (attributes as JSON values, K9)."""
+    return KvSessionSpec(
+        session_id=ref.session_id,
+        transfer_backend=ref.transfer_backend,
+        endpoints=tuple(KvEndpointSpec(e.host, e.port, e.protocol) for e in ref.endpoints),
+        dp_rank=ref.dp_rank,
+        attributes=json_format.MessageToDict(ref.attributes_struct),
+    )
+
+
+def session_ref(spec: KvSessionSpec, endpoints: tuple[KvEndpointSpec, ...]) -> oe.KvSessionRef:
+    """A prefill engine's session, with this server's routable ``endpoints`` (K4, K9)."""
+    attributes = struct_pb2.Struct()
+    attributes.update(dict(spec.attributes))
+    return oe.KvSessionRef(
+        session_id=spec.session_id, transfer_backend=spec.transfer_backend,
+        endpoints=[oe.KvEndpoint(host=e.host, port=e.port, protocol=e.protocol) for e in endpoints],
+        dp_rank=spec.dp_rank, attributes_struct=attributes)

@@ -60,6 +60,8 @@ ERROR_CODES = {
     "overloaded": oe.ERROR_CODE_OVERLOADED,
     "internal": oe.ERROR_CODE_INTERNAL,
     "cancelled": oe.ERROR_CODE_CANCELLED,
+    "kv_transfer_failed": oe.ERROR_CODE_KV_TRANSFER_FAILED,
+    "kv_session_not_found": oe.ERROR_CODE_KV_SESSION_NOT_FOUND,
 }
 
 #: Faults the server itself raises after acceptance (the engine never sees them).

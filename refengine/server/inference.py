@@ -42,10 +42,12 @@ class InferenceServicer(oe.InferenceServicer):
         self.server_stream = StreamSettings(options.stream_buffer, options.stall_timeout_seconds)
 
     def _facts(self) -> ServerFacts:
+        engine = self.state.engine
         return ServerFacts(
             role=self.state.options.role,
             caps=self.state.caps,
             max_send_message_bytes=self.state.options.max_send_message_bytes,
+            transfer_backends=engine.info.kv_transfer_backends if engine is not None else (),
         )
 
     async def _accept(self, request: oe.GenerateRequest, context: grpc.aio.ServicerContext) -> OutputBridge:
@@ -97,7 +99,7 @@ class InferenceServicer(oe.InferenceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             return
         builder = ResponseBuilder(request.request_id, max(request.sampling.num_sequences, 1),
-                                  self.state.options.max_send_message_bytes)
+                                  self.state.options.max_send_message_bytes, self.state.session_ref)
         self.state.streams.add(bridge)
         try:
             while not builder.terminal_sent:

@@ -16,9 +16,11 @@ on the last piece, so concatenation is unchanged (G11).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from refengine.protocol import oe
 from refengine.server.errors import engine_error
-from refengine.types import FinishInfo, FinishReason, RequestOutput, TokenInfo, Usage
+from refengine.types import FinishInfo, FinishReason, KvSessionSpec, RequestOutput, TokenInfo, Usage
 
 FINISH_REASONS = {
     FinishReason.STOP: oe.FINISH_REASON_STOP,
@@ -70,7 +72,9 @@ class ResponseBuilder:
     """Builds one stream's events and remembers what was sent, so a broken engine
     invariant becomes a terminal ``EngineError`` rather than a malformed stream."""
 
-    def __init__(self, request_id: str, num_sequences: int, max_message_bytes: int) -> None:
+    def __init__(self, request_id: str, num_sequences: int, max_message_bytes: int,
+                 session_ref: Callable[[KvSessionSpec], oe.KvSessionRef]) -> None:
+        self.session_ref = session_ref  # a prefill server's session handle, with its endpoints
         self.request_id = request_id
         self.num_sequences = num_sequences
         self.max_message_bytes = max_message_bytes
@@ -112,6 +116,12 @@ class ResponseBuilder:
                 self.finished_indexes.add(delta.index)
         if out.error is not None:
             return self._terminal_error(events, out, engine_error(out.error))
+        if out.prefill is not None:  # K4: the terminal success of a prefill server; no tokens came
+            ready = self._event(prefill_ready=oe.PrefillReady(kv_session=self.session_ref(out.prefill)))
+            if out.usage is not None:
+                ready.usage.CopyFrom(usage_message(out.usage))
+            self.terminal_sent = True
+            return events + [ready]
         if not out.finished:
             return events
         missing = sorted(set(range(self.num_sequences)) - self.finished_indexes)

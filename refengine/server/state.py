@@ -21,10 +21,13 @@ import grpc
 
 from refengine.config import EngineConfig
 from refengine.engine.interface import EngineClient
+from refengine.protocol import oe
 from refengine.server.capabilities import Capabilities, capabilities_of
+from refengine.server.convert import session_ref
 from refengine.server.errors import Rejection
 from refengine.server.options import ServerOptions
 from refengine.server.stream_bridge import OutputBridge
+from refengine.types import KvEndpointSpec, KvSessionSpec
 
 
 class Lifecycle(enum.Enum):
@@ -47,6 +50,7 @@ class ServerState:
         self.streams: set[OutputBridge] = set()  # accepted Generate streams not yet ended
         # The compatibility KV event source (--kv-events-zmq) as GetKvEventSources reports it.
         self.kv_event_source: dict | None = None
+        self.kv_endpoints: tuple[KvEndpointSpec, ...] = ()  # where this (prefill) server serves its sessions
         self._listeners: list[Callable[[Lifecycle], None]] = []
 
     def on_change(self, listener: Callable[[Lifecycle], None]) -> None:
@@ -70,6 +74,10 @@ class ServerState:
     def set_draining(self) -> None:
         if self.lifecycle in (Lifecycle.STARTING, Lifecycle.READY):
             self._set(Lifecycle.DRAINING)
+
+    def session_ref(self, spec: KvSessionSpec) -> oe.KvSessionRef:
+        """A prefill engine's session as the wire's ``KvSessionRef``, with this server's endpoints."""
+        return session_ref(spec, self.kv_endpoints)
 
     def engine_for_control(self) -> EngineClient:
         """The engine, for Control RPCs (served while READY and DRAINING)."""

@@ -26,8 +26,6 @@ from refengine.server.capabilities import Capabilities
 from refengine.server.errors import Rejection, invalid
 from refengine.server.metadata import RequestMetadata
 
-#: Transfer backends a decode server can attach to (disaggregation lands in a later issue).
-SUPPORTED_TRANSFER_BACKENDS: tuple[str, ...] = ()
 #: Conservative wire size of one candidate (``LogProb``) and of one ``TokenInfo`` without them.
 CANDIDATE_BYTES = 40
 TOKEN_INFO_BYTES = 48
@@ -40,6 +38,7 @@ class ServerFacts:
     role: str
     caps: Capabilities
     max_send_message_bytes: int
+    transfer_backends: tuple[str, ...] = ()  # a decode server pulls sessions with these
 
 
 def check_model(model: str, caps: Capabilities) -> None:
@@ -50,19 +49,23 @@ def check_model(model: str, caps: Capabilities) -> None:
                         f"served_model_aliases) = {list(caps.served_names)}")
 
 
-def _check_session(session: oe.KvSessionRef) -> None:
-    """K5: a decode request's session is checked before acceptance."""
+def _check_session(session: oe.KvSessionRef, backends: tuple[str, ...]) -> None:
+    """K5: a decode request's session is checked before acceptance (its attributes against
+    this engine and prompt by the engine: ``engine/role_check.py``)."""
     if not session.session_id:
         raise invalid("kv.session.session_id must be non-empty")
+    if not session.endpoints:
+        raise invalid("kv.session.endpoints is empty: the session names no prefill server to pull from")
     for endpoint in session.endpoints:
-        if not endpoint.host or not 0 < endpoint.port < 65536:
-            raise invalid(f"kv.session endpoint {endpoint.host}:{endpoint.port} is not a host:port")
-    if session.transfer_backend not in SUPPORTED_TRANSFER_BACKENDS:
+        if not endpoint.host or endpoint.host in ("0.0.0.0", "::", "*") or not 0 < endpoint.port < 65536:
+            raise invalid(f"kv.session endpoint {endpoint.host!r}:{endpoint.port} is not a routable host:port")
+    if session.transfer_backend not in backends:
         raise invalid(f"kv.session.transfer_backend {session.transfer_backend!r} is not supported "
-                      f"(supported: {list(SUPPORTED_TRANSFER_BACKENDS)})")
+                      f"(supported: {list(backends)})")
 
 
-def check_role(request: oe.GenerateRequest, role: str, meta: RequestMetadata) -> None:
+def check_role(request: oe.GenerateRequest, role: str, meta: RequestMetadata,
+               backends: tuple[str, ...] = ()) -> None:
     """D7, K5, K6, M3: role/request compatibility, before acceptance."""
     has_session = request.HasField("kv") and request.kv.HasField("session")
     if has_session and meta.target_dp_rank is not None and meta.target_dp_rank != request.kv.session.dp_rank:
@@ -75,7 +78,7 @@ def check_role(request: oe.GenerateRequest, role: str, meta: RequestMetadata) ->
         if not has_session:
             raise invalid("this is a decode server: the request must carry kv.session from a prefill "
                           "server's PrefillReady")
-        _check_session(request.kv.session)
+        _check_session(request.kv.session, backends)
 
 
 def _check_candidates(name: str, selection: oe.CandidateTokenSelection, caps: Capabilities) -> None:
@@ -165,6 +168,6 @@ def validate_generate(request: oe.GenerateRequest, meta: RequestMetadata, facts:
     if not request.request_id:
         raise invalid("request_id must be non-empty")  # G2
     check_model(request.model, facts.caps)
-    check_role(request, facts.role, meta)
+    check_role(request, facts.role, meta, facts.transfer_backends)
     check_features(request, facts.caps)
     check_response_sizes(request, facts)

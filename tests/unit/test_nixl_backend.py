@@ -10,6 +10,7 @@ One child serves every test (module fixture). It answers, over a Pipe:
 from __future__ import annotations
 
 import copy
+import json
 import multiprocessing
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from refengine.kv.transfer.base import PullOrder, TransferFailure
-from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
+from refengine.kv.transfer.nixl_backend import NixlKvTransfer, _runs, nixl_available
 from refengine.model.kv_io import KvBlockIO
 from refengine.types import KvSessionSpec
 
@@ -148,6 +149,19 @@ def test_pull_copies_the_blocks_and_confirms_the_session(source: Source, side: A
     assert store.read(others) == bytes(len(others) * store.block_nbytes)
     assert pinner.calls == [("s-full", 10.0)]
     assert source.confirmed("s-full", 5.0)
+
+
+def test_source_attributes_are_json_values_with_addresses_as_strings(source: Source) -> None:
+    attributes, _ = source.offer("s-json", [4, 0])
+    assert json.loads(json.dumps(attributes)) == attributes  # [K9]
+    assert attributes["nixl_block_ids"] == [4, 0] and len(attributes["nixl_regions"]) == 2 * LAYERS
+    assert all(isinstance(address, str) and address.isdigit() for address, _, _ in attributes["nixl_regions"])
+
+
+def test_runs_merge_blocks_consecutive_on_both_sides() -> None:
+    pairs = [(2, 7), (3, 8), (4, 9), (10, 3), (11, 5), (5, 6)]
+    assert list(_runs(pairs)) == [(2, 7, 3), (10, 3, 1), (11, 5, 1), (5, 6, 1)]
+    assert list(_runs([])) == []
 
 
 def test_a_partial_pull_starts_at_first_block_index(source: Source, side: Any) -> None:

@@ -1,16 +1,13 @@
 """NIXL KV transfer: the decode engine READs a session's blocks straight out of the prefill
-engine's KV memory (one-sided, NIXL's UCX backend), then NIXL notifies the source.
+engine's registered KV memory (one-sided, NIXL's UCX backend), then NIXL notifies the source.
 
-The prefill side registers its ``BlockStore.regions`` with a NIXL agent and offers, in the
-session's attributes, the agent's metadata, the regions' addresses and the session's block
-ids. The decode side loads that metadata, pins the session (``SessionPinner``: nothing on
-the source takes part in a READ, so only a pin keeps the blocks unchanged) and reads. When
-the READ completes, NIXL delivers ``refengine-release:<session id>`` to the source agent,
-whose notification thread calls ``on_confirmed``.
-
-Descriptor lists are built from plain numbers here; NIXL's own serialized descriptors are
-pickle and never cross a process. Works from ``BlockStore`` addresses only: no torch.
-nixl is imported lazily, so this module imports without it (``nixl_available``).
+The prefill side offers, in the session's attributes, its agent's metadata, its regions'
+addresses and the session's block ids. The decode side loads the metadata, pins the session
+(``SessionPinner``: the source takes no part in a READ, only a pin keeps its blocks) and
+reads; on completion NIXL delivers ``refengine-release:<session id>`` to the source, whose
+notification thread calls ``on_confirmed``. Descriptors are built here from plain numbers
+(NIXL's serialized ones are pickle). No torch: ``BlockStore`` addresses only; nixl itself is
+imported lazily (``nixl_available``).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 from refengine.kv.transfer.base import (
     BlockStore,
@@ -43,15 +40,14 @@ logger = logging.getLogger(__name__)
 RELEASE_PREFIX = b"refengine-release:"  # + session id: the notification that confirms a pull
 NOTIF_POLL_SECONDS = 0.002
 XFER_POLL_SECONDS = 0.0005
-#: How long a stopped pull (cancelled, timed out, closed) keeps polling its READ. Releasing a
-#: NIXL request does not abort it: UCX's ucp_request_cancel leaves RMA reads running and
-#: ucp_request_free only detaches them, so the bytes keep landing after release_xfer_handle.
+#: How long a stopped pull (cancelled, timed out, closed) keeps polling its READ. NIXL cannot
+#: abort one: release_xfer_handle on a running READ calls UCX's ucp_request_cancel, a no-op for
+#: RMA, then ucp_request_free, which only detaches it: its bytes keep landing afterwards.
 DRAIN_SECONDS = 10.0
 
 
 def _nixl_api() -> ModuleType:
-    # nixl_cu12 directly: the ``nixl`` meta package refuses to import next to a CUDA-13 torch
-    try:
+    try:  # nixl_cu12 directly: the ``nixl`` meta package refuses to import next to a CUDA-13 torch
         from nixl_cu12 import _api
     except ImportError:
         from nixl import _api
@@ -82,23 +78,31 @@ def _fail(message: str, retryable: bool = False) -> TransferFailure:
     return TransferFailure("failed", message, retryable=retryable)
 
 
+def _nixl(what: str, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` with a NIXL error (its own exception types, no common base) as a failure:
+    e.g. a vanished peer makes check_xfer_state raise NIXL_ERR_REMOTE_DISCONNECT."""
+    try:
+        return call(*args)
+    except Exception as error:
+        raise _fail(f"NIXL could not {what}: {error!r}") from error
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _parse_region(value: Any) -> KvRegion:
-    """``[address as decimal string (K9), num_blocks, block_nbytes]``."""
-    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str)
-            and value[0].isascii() and value[0].isdigit() and _is_int(value[1]) and _is_int(value[2])):
+    """``[address as a decimal string (K9), num_blocks, block_nbytes]``."""
+    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], str) and value[0].isascii()
+            and value[0].isdigit() and _is_int(value[1]) and _is_int(value[2])):
         raise _fail(f"nixl_regions entry {value!r} is not [address string, num_blocks, block_nbytes]")
-    address = int(value[0])
-    if address >= 2**64 or value[1] < 1 or value[2] < 1:
+    if int(value[0]) >= 2**64 or value[1] < 1 or value[2] < 1:
         raise _fail(f"nixl_regions entry {value!r} is out of range")
-    return KvRegion(address, value[1], value[2])
+    return KvRegion(int(value[0]), value[1], value[2])
 
 
 def _parse_source(attributes: Any) -> _Source:
-    """The ``transfer`` attributes ``source_attributes`` made, checked key by key."""
+    """The ``transfer`` attributes that ``source_attributes`` made, checked key by key."""
     if not isinstance(attributes, Mapping):
         raise _fail("the session has no NIXL transfer attributes")
     name, metadata = attributes.get("nixl_agent_name"), attributes.get("nixl_agent_metadata")
@@ -117,7 +121,7 @@ def _parse_source(attributes: Any) -> _Source:
 
 
 def _check_fit(source: _Source, store: BlockStore, order: PullOrder) -> None:
-    """The source's regions match ours byte for byte and the order stays inside both caches."""
+    """The source's regions match ours byte for byte, and the order stays inside both caches."""
     if len(source.regions) != len(store.regions):
         raise _fail(f"the source has {len(source.regions)} KV regions, this engine {len(store.regions)}")
     for index, (theirs, mine) in enumerate(zip(source.regions, store.regions, strict=True)):
@@ -133,7 +137,7 @@ def _check_fit(source: _Source, store: BlockStore, order: PullOrder) -> None:
 
 
 def _runs(pairs: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
-    """(dest, source, length) of each maximal run where both block ids go up by one."""
+    """(dest, source, length) of each maximal run of (dest, source) block ids both going up by one."""
     start = 0
     for i in range(1, len(pairs) + 1):
         if i == len(pairs) or pairs[i] != (pairs[i - 1][0] + 1, pairs[i - 1][1] + 1):
@@ -142,12 +146,12 @@ def _runs(pairs: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
 
 
 class NixlKvTransfer(KvTransferBackend):
-    """Prefill side: registers the KV cache and confirms sessions NIXL reports read. Decode
-    side: ``pull`` READs into destination blocks; several pulls may run on different threads.
+    """Prefill side: registers the KV cache, confirms the sessions NIXL reports read. Decode side:
+    ``pull`` READs into destination blocks, from any number of threads at once.
 
-    Invariant kept by ``pull``: it returns or raises only after its READ is no longer in
-    progress (done, failed, or drained after a stop); the one exception, a READ still running
-    ``DRAIN_SECONDS`` after a stop, is logged and said in the failure's message."""
+    ``pull`` returns or raises only once its READ is no longer in progress (done, failed, or
+    drained after a stop), except a READ still running ``DRAIN_SECONDS`` after a stop: that
+    one is logged, and the failure's message says its destination blocks may still change."""
 
     name = "nixl"
     protocol = "nixl"
@@ -157,7 +161,7 @@ class NixlKvTransfer(KvTransferBackend):
         self._pinner = pinner
         self.agent_name = agent_name or f"refengine-{os.getpid()}-{secrets.token_hex(6)}"
         self._timeout = pull_timeout_seconds
-        self._agent: Any = None  # nixl_agent once bound
+        self._agent: Any = None  # the nixl_agent, once bound
         self._store: BlockStore | None = None
         self._registered: Any = None
         self._metadata_b64 = ""
@@ -169,15 +173,15 @@ class NixlKvTransfer(KvTransferBackend):
 
     def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
         api = _nixl_api()
-        # STRICT: the notification thread, transfer threads and close share the agent
+        # STRICT: the notification thread, the transfer threads and close share one agent
         config = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = api.nixl_agent(self.agent_name, config)
-        if "UCX" not in self._agent.backends:
+        if "UCX" not in self._agent.backends:  # nixl_agent only warns about a missing plugin
             raise RuntimeError("NIXL has no UCX plugin: cannot transfer KV")
         self._store = store
         self._registered = self._agent.register_memory(
             [(r.address, r.num_blocks * r.block_nbytes, 0, "") for r in store.regions], "DRAM")
-        # taken after registration: the metadata carries the registered regions' keys
+        # after registering: the metadata carries the registered regions' remote keys
         self._metadata_b64 = base64.b64encode(self._agent.get_agent_metadata()).decode("ascii")
         self._notif_thread = threading.Thread(target=self._watch_notifs, args=(on_confirmed,),
                                               name=f"nixl-notifs-{self.agent_name}", daemon=True)
@@ -187,7 +191,7 @@ class NixlKvTransfer(KvTransferBackend):
         while not self._closed.wait(NOTIF_POLL_SECONDS):
             try:
                 notifs = self._agent.get_new_notifs()
-            except Exception:  # nixl raises its own exception types, none shared
+            except Exception:  # NIXL's own exception types
                 logger.exception("NIXL get_new_notifs failed")
                 continue
             for peer, messages in notifs.items():
@@ -196,13 +200,12 @@ class NixlKvTransfer(KvTransferBackend):
 
     @staticmethod
     def _confirm(peer: str, message: bytes, on_confirmed: SessionConfirmed) -> None:
-        if not message.startswith(RELEASE_PREFIX):
-            logger.debug("ignoring NIXL notification %r from %s", message[:64], peer)
-            return
         try:
-            session_id = message[len(RELEASE_PREFIX):].decode("utf-8")
+            session_id = message.removeprefix(RELEASE_PREFIX).decode() if message.startswith(RELEASE_PREFIX) else ""
         except UnicodeDecodeError:
-            logger.debug("ignoring a release notification from %s that is not UTF-8", peer)
+            session_id = ""
+        if not session_id:
+            logger.debug("ignoring NIXL notification %r from %s", message[:64], peer)
             return
         try:
             on_confirmed(session_id)
@@ -210,21 +213,19 @@ class NixlKvTransfer(KvTransferBackend):
             logger.exception("on_confirmed(%r) failed", session_id)
 
     def source_attributes(self, session_id: str, block_ids: Sequence[int]) -> dict[str, Any]:
-        store = self._bound()
+        store = self._store
+        if store is None or self._closed.is_set():
+            raise RuntimeError("NixlKvTransfer.source_attributes: not bound, or closed")
         return {"nixl_agent_name": self.agent_name, "nixl_agent_metadata": self._metadata_b64,
                 "nixl_regions": [[str(r.address), r.num_blocks, r.block_nbytes] for r in store.regions],
                 "nixl_block_ids": [int(b) for b in block_ids]}
 
-    def _bound(self) -> BlockStore:
-        if self._store is None or self._closed.is_set():
-            raise RuntimeError("NixlKvTransfer: bind() first, and not after close()")
-        return self._store
-
     def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
-        """Validate (before any pin or transfer), pin, READ, and wait; see the class invariant."""
-        store = self._bound()
+        """Validate (before any pin or transfer), pin, READ, wait; see the class docstring."""
+        if self._store is None:
+            raise RuntimeError("NixlKvTransfer.pull: bind() first")
         source = _parse_source(order.session.attributes.get("transfer"))
-        _check_fit(source, store, order)
+        _check_fit(source, self._store, order)
         with self._lock:
             if self._closed.is_set():
                 raise _fail("the NIXL backend is closed")
@@ -237,40 +238,40 @@ class NixlKvTransfer(KvTransferBackend):
                 self._lock.notify_all()
 
     def _pull(self, order: PullOrder, source: _Source, cancelled: threading.Event) -> None:
-        deadline = time.monotonic() + self._timeout  # the pin covers this long, from now
-        _raise_if_cancelled(cancelled)
+        deadline = time.monotonic() + self._timeout  # the pin holds the blocks this long from now
+        if cancelled.is_set():
+            raise _fail("cancelled")
         if self._pinner is not None:
             self._pinner.pin(order.session, self._timeout)
         peer = self._remote(source)
         notif = RELEASE_PREFIX + order.session.session_id.encode()
-        if not order.dest_block_ids:  # nothing to read: still release the session
+        if not order.dest_block_ids:  # nothing to read: the session is still released
             _nixl("send the release", self._agent.send_notif, peer, notif)
             return
-        local, remote = self._descriptors(order, source)
-        _raise_if_cancelled(cancelled)
+        local, remote = _nixl("describe the blocks", self._descriptors, order, source)
+        if cancelled.is_set():
+            raise _fail("cancelled")
         handle = _nixl("set up the READ", self._agent.initialize_xfer, "READ", local, remote, peer, notif)
         try:
             self._wait(handle, cancelled, deadline)
         finally:
-            self._release(handle)
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception:  # its finalizer retries; the pull's own outcome matters more
+                logger.exception("releasing a NIXL transfer handle failed")
 
     def _remote(self, source: _Source) -> str:
-        """Load the source agent's metadata once per (name, metadata)."""
-        name = source.agent_name
+        """The source's agent name, its metadata loaded (again, when it changed: NIXL replaces it)."""
         with self._lock:
-            known = self._remotes.get(name)
-            if known == source.metadata:
-                return name
-            if known is not None:  # the peer registered anew under its old name: reload it
-                del self._remotes[name]
-                self._forget(name)
-            loaded = _nixl("load the source's metadata", self._agent.add_remote_agent, source.metadata)
-            loaded = loaded.decode() if isinstance(loaded, bytes) else loaded  # bytes in nixl 1.5
-            if loaded != name:
-                self._forget(loaded)
-                raise _fail(f"the NIXL metadata is for agent {loaded!r}, not {name!r}")
-            self._remotes[name] = source.metadata
-        return name
+            if self._remotes.get(source.agent_name) != source.metadata:
+                loaded = _nixl("load the source's metadata", self._agent.add_remote_agent, source.metadata)
+                loaded = loaded.decode() if isinstance(loaded, bytes) else loaded  # bytes in nixl 1.5
+                if loaded != source.agent_name:
+                    if self._remotes.pop(loaded, None) is None:  # a peer we use: reloaded next time instead
+                        self._forget(loaded)
+                    raise _fail(f"the NIXL metadata is agent {loaded!r}'s, not {source.agent_name!r}'s")
+                self._remotes[loaded] = source.metadata
+        return source.agent_name
 
     def _forget(self, name: str) -> None:
         try:
@@ -279,7 +280,7 @@ class NixlKvTransfer(KvTransferBackend):
             logger.debug("removing NIXL agent %s failed", name, exc_info=True)
 
     def _descriptors(self, order: PullOrder, source: _Source) -> tuple[Any, Any]:
-        """Local and remote descriptor lists, pairwise equal in length, one per run and region."""
+        """Local and remote descriptor lists, pairwise equal in length: one per run and region."""
         assert self._store is not None
         first = order.first_block_index
         pairs = [(d, source.block_ids[first + i]) for i, d in enumerate(order.dest_block_ids)]
@@ -292,23 +293,28 @@ class NixlKvTransfer(KvTransferBackend):
         return self._agent.get_xfer_descs(local, "DRAM"), self._agent.get_xfer_descs(remote, "DRAM")
 
     def _wait(self, handle: Any, cancelled: threading.Event, deadline: float) -> None:
-        state = _nixl("post the READ", self._agent.transfer, handle)
+        state = _nixl("post the READ", self._agent.transfer, handle)  # over CMA, the whole copy is here
         while state == "PROC":
-            if cancelled.is_set() or self._closed.is_set():
-                stuck = self._drain(handle) == "PROC"
-                raise _fail("cancelled" + (": the READ still runs, its blocks may change" if stuck else ""))
-            if time.monotonic() > deadline:
-                state = self._drain(handle)
-                if state == "PROC":
-                    raise _fail(f"timed out after {self._timeout:.0f} s: the READ still runs", retryable=True)
-                break  # it ended while draining
+            stopped = cancelled.is_set() or self._closed.is_set()
+            if stopped or time.monotonic() > deadline:
+                self._stop(handle, stopped)
             cancelled.wait(XFER_POLL_SECONDS)
             state = _nixl("check the READ", self._agent.check_xfer_state, handle)
         if state != "DONE":
             raise _fail("the NIXL READ failed")
 
+    def _stop(self, handle: Any, cancelled: bool) -> NoReturn:
+        """Drain a stopped READ, then fail. Even one that ends while draining past the deadline
+        is no success: its last bytes were read after the pin ran out."""
+        state = self._drain(handle)
+        late = ": the READ still runs, its destination blocks may still change" if state == "PROC" else ""
+        if cancelled:
+            raise _fail("cancelled" + late)
+        # DONE: NIXL has sent the release, so the source no longer holds the session
+        raise _fail(f"timed out after {self._timeout:g} s{late}", retryable=state != "DONE")
+
     def _drain(self, handle: Any) -> str:
-        """Poll a stopped READ until it is no longer in progress, or ``DRAIN_SECONDS`` pass."""
+        """Poll a stopped READ until it is no longer in progress, at most ``DRAIN_SECONDS``."""
         end = time.monotonic() + DRAIN_SECONDS
         while time.monotonic() < end:
             try:
@@ -318,18 +324,11 @@ class NixlKvTransfer(KvTransferBackend):
             if state != "PROC":
                 return state
             time.sleep(XFER_POLL_SECONDS)
-        logger.error("a NIXL READ still runs %.0f s after it was stopped: its blocks may still change",
-                     DRAIN_SECONDS)
+        logger.error("a NIXL READ still runs %g s after it was stopped: its blocks may still change", DRAIN_SECONDS)
         return "PROC"
 
-    def _release(self, handle: Any) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception:  # the handle's finalizer retries; do not mask the pull's own outcome
-            logger.exception("releasing a NIXL transfer handle failed")
-
     def close(self) -> None:
-        """Stop pulls (they drain first), the notification thread, then unregister. Idempotent."""
+        """Stop pulls (they drain first) and the notification thread, then unregister. Idempotent."""
         with self._lock:
             if self._closed.is_set():
                 return
@@ -345,17 +344,3 @@ class NixlKvTransfer(KvTransferBackend):
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
         self._agent = self._registered = None
-
-
-def _raise_if_cancelled(cancelled: threading.Event) -> None:
-    if cancelled.is_set():
-        raise _fail("cancelled")
-
-
-def _nixl(what: str, call: Callable[..., Any], *args: Any) -> Any:
-    """``call(*args)``, a NIXL error (its own exception types, no common base) as a failure:
-    e.g. a vanished peer makes check_xfer_state raise NIXL_ERR_REMOTE_DISCONNECT."""
-    try:
-        return call(*args)
-    except Exception as error:
-        raise _fail(f"NIXL could not {what}: {error!r}") from error

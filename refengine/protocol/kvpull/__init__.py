@@ -1,0 +1,1 @@
+"""refengine's own protos: refengine.kvpull.v1."""

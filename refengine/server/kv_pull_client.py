@@ -1,0 +1,120 @@
+"""The ``grpc`` KV transfer backend, decode side: pull a session from its prefill server.
+
+``pull`` runs on one of the engine's transfer threads with a blocking gRPC channel (one
+per prefill endpoint, reused): it streams the blocks, checks each chunk (order, size,
+CRC-32) before writing it into the destination blocks, checks ``cancelled`` between
+chunks, and finally asks the prefill server to ``Release`` the session. The bytes go
+straight into the engine's ``BlockStore``: this module never sees a tensor.
+
+Failures (``TransferFailure``; ``retryable`` = the prefill server may still hold it):
+NOT_FOUND → "not_found"; unreachable → "failed", not retryable (a restarted prefill
+server has lost its sessions); a bad chunk, a timeout, a stream cut mid-way → "failed",
+retryable. ``pin`` serves the NIXL backend (``SessionPinner``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+
+import grpc
+
+from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder, SessionConfirmed, TransferFailure
+from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
+from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
+from refengine.types import KvSessionSpec
+
+logger = logging.getLogger(__name__)
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 80 << 20),)  # above the largest chunk (64 MiB)
+
+
+class GrpcKvTransfer(KvTransferBackend):
+    name = "grpc"
+    protocol = "grpc"
+
+    def __init__(self, pull_timeout_seconds: float) -> None:
+        self.pull_timeout_seconds = pull_timeout_seconds
+        self._store: BlockStore | None = None
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
+        self._store = store  # prefill side: the KvPull service reads through the engine instead
+
+    def _stub(self, session: KvSessionSpec) -> pb_grpc.KvPullStub:
+        endpoint = next((e for e in session.endpoints if e.protocol in ("grpc", "nixl")), None)
+        if endpoint is None:
+            raise TransferFailure("failed", f"session {session.session_id!r} names no grpc endpoint")
+        target = f"{endpoint.host}:{endpoint.port}"
+        with self._lock:
+            if target not in self._channels:
+                self._channels[target] = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+            return pb_grpc.KvPullStub(self._channels[target])
+
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        assert self._store is not None, "bind first"
+        stub = self._stub(order.session)
+        request = pb.PullRequest(session_id=order.session.session_id, first_block_index=order.first_block_index,
+                                 num_blocks=len(order.dest_block_ids), kv_layout=self._store.layout)
+        deadline = time.monotonic() + self.pull_timeout_seconds
+        call = stub.Pull(request, timeout=self.pull_timeout_seconds)
+        try:
+            self._receive(order, call, cancelled)
+        except grpc.RpcError as err:
+            raise self._failure(err, order) from None
+        finally:
+            call.cancel()
+        try:
+            stub.Release(pb.SessionRequest(session_id=order.session.session_id),
+                         timeout=max(1.0, deadline - time.monotonic()))
+        except grpc.RpcError as err:  # the KV is here; the lease frees the source's copy
+            logger.warning("KV session %s pulled, but its release failed: %s", order.session.session_id,
+                           err.details())
+
+    def _receive(self, order: PullOrder, call: grpc.Call, cancelled: threading.Event) -> None:
+        assert self._store is not None
+        expected, written = order.first_block_index, 0
+        for chunk in call:
+            if cancelled.is_set():
+                raise TransferFailure("failed", "cancelled")
+            size = chunk.num_blocks * self._store.block_nbytes
+            if chunk.first_block_index != expected or len(chunk.data) != size or chunk.num_blocks == 0 \
+                    or written + chunk.num_blocks > len(order.dest_block_ids):
+                raise TransferFailure("failed", f"chunk at block {chunk.first_block_index} is out of order or "
+                                      "mis-sized", retryable=True)
+            if zlib.crc32(chunk.data) != chunk.crc32:
+                raise TransferFailure("failed", f"chunk at block {chunk.first_block_index} fails its checksum "
+                                      "(corrupted in transit)", retryable=True)
+            self._store.write(order.dest_block_ids[written:written + chunk.num_blocks], chunk.data)
+            written += chunk.num_blocks
+            expected += chunk.num_blocks
+        if written != len(order.dest_block_ids):
+            raise TransferFailure("failed", f"stream ended after {written} of {len(order.dest_block_ids)} blocks",
+                                  retryable=True)
+
+    @staticmethod
+    def _failure(err: grpc.RpcError, order: PullOrder) -> TransferFailure:
+        code, details = err.code(), err.details()
+        where = f"pulling session {order.session.session_id!r}: {code.name}: {details}"
+        if code == grpc.StatusCode.NOT_FOUND:
+            return TransferFailure("not_found", where)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return TransferFailure("failed", f"prefill server unreachable, {where}", retryable=False)
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return TransferFailure("failed", where, retryable=False)
+        return TransferFailure("failed", where, retryable=True)
+
+    def pin(self, session: KvSessionSpec, seconds: float) -> None:
+        try:
+            self._stub(session).Pin(pb.PinRequest(session_id=session.session_id, seconds=seconds),
+                                    timeout=self.pull_timeout_seconds)
+        except grpc.RpcError as err:
+            raise self._failure(err, PullOrder("", session, 0, ())) from None
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()

@@ -1,0 +1,69 @@
+"""``refengine.kvpull.v1.KvPull``: a prefill server hands its KV sessions to decode servers.
+
+Served on the prefill server's port (the ``grpc`` transfer backend; ``nixl`` uses ``Pin``
+and NIXL's own notification instead of ``Pull``/``Release``). Every read runs on a worker
+thread while the session cannot be freed (``KvSessionStore.begin_read``); a chunk is whole
+blocks, at most ``--kv-pull-chunk-kib`` (at least one block), with its CRC-32, so memory
+stays bounded by one chunk per pull in flight. Unknown, released or expired session →
+NOT_FOUND; a range outside the session or another KV layout → INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+import grpc
+
+from refengine.engine.interface import EngineClient
+from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
+from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
+from refengine.server.state import ServerState
+from refengine.types import InvalidRequestError, KvSessionNotFound
+
+
+class KvPullServicer(pb_grpc.KvPullServicer):
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def _engine(self, context: grpc.aio.ServicerContext) -> EngineClient:
+        engine = self.state.engine
+        if engine is None or engine.info.role != "prefill":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this server holds no KV sessions (it is not a ready prefill server)")
+        return engine
+
+    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext):  # noqa: N802, ANN201
+        engine = await self._engine(context)
+        layout = engine.kv_layout()
+        if request.kv_layout != layout:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"kv_layout {request.kv_layout!r} differs from this server's {layout!r}")
+        blocks_per_chunk = max(1, self.state.engine_config.kv_transfer.chunk_bytes // engine.block_nbytes())
+        end = request.first_block_index + request.num_blocks
+        first = request.first_block_index
+        while first < end:
+            count = min(blocks_per_chunk, end - first)
+            try:
+                data = await asyncio.to_thread(engine.read_kv_session, request.session_id, first, count)
+            except KvSessionNotFound as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            except InvalidRequestError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            yield pb.KvChunk(first_block_index=first, num_blocks=count, data=data, crc32=zlib.crc32(data))
+            first += count
+
+    async def Release(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionReply:  # noqa: N802
+        engine = await self._engine(context)
+        if not engine.confirm_kv_session(request.session_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"KV session {request.session_id!r} not found")
+        return pb.SessionReply()
+
+    async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.SessionReply:  # noqa: N802
+        engine = await self._engine(context)
+        seconds = min(max(request.seconds, 0.0), self.state.engine_config.kv_transfer.pull_timeout_seconds)
+        try:
+            engine.pin_kv_session(request.session_id, seconds)
+            return pb.SessionReply(num_blocks=engine.kv_session_num_blocks(request.session_id))
+        except KvSessionNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
