@@ -29,16 +29,18 @@ def _agent(name: str) -> Any:
         from nixl_cu12._api import nixl_agent, nixl_agent_config
     except ImportError:
         from nixl._api import nixl_agent, nixl_agent_config
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    # no progress thread (it spins a core for good, as in the backend): polling progresses UCX
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 def _source(conn: Connection, num_bytes: int) -> None:
-    """The child: a registered buffer of random bytes, kept until the parent says so."""
+    """The child: a registered buffer of random bytes, served until the parent says so."""
     agent = _agent("nixl-raw-source")
     buffer = np.random.default_rng(0).integers(0, 256, num_bytes, dtype=np.uint8)
     registered = agent.register_memory([(buffer.ctypes.data, num_bytes, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), buffer.ctypes.data, bytes(buffer[:4096])))
-    conn.recv()
+    while not conn.poll(0.001):  # serve the READs: over TCP they need this side's progress
+        agent.get_new_notifs()
     agent.deregister_memory(registered)
 
 

@@ -223,10 +223,12 @@ def generate_owned(out: Path) -> list[Path]:
             target_package = "refengine.protocol." + ".".join(rel.parts)
             texts = {}
             for path in sorted((Path(tmp) / source).iterdir()):
-                text = path.read_text(encoding="utf-8").replace(f"from {package} import ", f"from {target_package} import ")
+                text = path.read_text(encoding="utf-8")
+                text = text.replace(f"from {package} import ", f"from {target_package} import ")
                 # module names only ('refengine.kvpull.v1.kv_pull_pb2'); service and message names stay
                 text = re.sub(rf"'{re.escape(package)}\.(\w+_pb2)'", rf"'{target_package}.\1'", text)
-                texts[path.name] = HEADER.format(proto=(source / (path.name.split("_pb2")[0] + ".proto")).as_posix()) + text
+                proto = (source / (path.name.split("_pb2")[0] + ".proto")).as_posix()
+                texts[path.name] = HEADER.format(proto=proto) + text
         target = out / rel
         target.mkdir(parents=True, exist_ok=True)
         texts["__init__.py"] = OWNED_INIT.format(package=package)

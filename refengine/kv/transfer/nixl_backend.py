@@ -38,7 +38,7 @@ from refengine.kv.transfer.base import (
 logger = logging.getLogger(__name__)
 
 RELEASE_PREFIX = b"refengine-release:"  # + session id: the notification that confirms a pull
-NOTIF_POLL_SECONDS = 0.002
+NOTIF_POLL_SECONDS = 0.002  # also how often the source side progresses UCX (TCP's reads need it)
 XFER_POLL_SECONDS = 0.0005
 #: How long a stopped pull (cancelled, timed out, closed) keeps polling its READ. NIXL cannot
 #: abort one: release_xfer_handle on a running READ calls UCX's ucp_request_cancel, a no-op for
@@ -88,6 +88,9 @@ def _nixl(what: str, call: Callable[..., Any], *args: Any) -> Any:
 
 
 def _is_int(value: Any) -> bool:
+    """An integer, also as a protobuf Struct carries it: a double with no fraction (K9)."""
+    if isinstance(value, float):
+        return value.is_integer() and abs(value) < 2**53
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -98,7 +101,7 @@ def _parse_region(value: Any) -> KvRegion:
         raise _fail(f"nixl_regions entry {value!r} is not [address string, num_blocks, block_nbytes]")
     if int(value[0]) >= 2**64 or value[1] < 1 or value[2] < 1:
         raise _fail(f"nixl_regions entry {value!r} is out of range")
-    return KvRegion(int(value[0]), value[1], value[2])
+    return KvRegion(int(value[0]), int(value[1]), int(value[2]))
 
 
 def _parse_source(attributes: Any) -> _Source:
@@ -117,7 +120,7 @@ def _parse_source(attributes: Any) -> _Source:
         raw = base64.b64decode(metadata, validate=True)
     except (binascii.Error, ValueError) as error:
         raise _fail(f"nixl_agent_metadata is not base64: {error}") from None
-    return _Source(name, raw, tuple(_parse_region(r) for r in regions), tuple(block_ids))
+    return _Source(name, raw, tuple(_parse_region(r) for r in regions), tuple(int(b) for b in block_ids))
 
 
 def _check_fit(source: _Source, store: BlockStore, order: PullOrder) -> None:
@@ -173,8 +176,11 @@ class NixlKvTransfer(KvTransferBackend):
 
     def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
         api = _nixl_api()
-        # STRICT: the notification thread, the transfer threads and close share one agent
-        config = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        # No progress thread: nixl's runs with no delay and spins a core per agent for good (3x
+        # slower pulls on 2 cores); the polls below progress UCX. STRICT: the notification thread,
+        # the transfer threads and close share the agent.
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = api.nixl_agent(self.agent_name, config)
         if "UCX" not in self._agent.backends:  # nixl_agent only warns about a missing plugin
             raise RuntimeError("NIXL has no UCX plugin: cannot transfer KV")

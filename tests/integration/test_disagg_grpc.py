@@ -1,0 +1,311 @@
+"""Disaggregated prefill/decode between real ``refengine serve`` processes (RULES K4–K10,
+D7, M3, A2, X1, X3): a prefill server (grpc backend, a short lease), a prefill server
+offering NIXL, a decode server, and the shared aggregated server as the baseline.
+
+A small in-test gRPC proxy in front of the prefill server can corrupt or slow the KV
+stream, so a checksum failure and a cancel mid-transfer are real network events, with
+no test hook in the engine.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+
+from refengine.client import OpenEngineClient, generate_disaggregated, prefill
+from refengine.kv.transfer.nixl_backend import nixl_available
+from refengine.protocol import oe
+from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
+from tests.integration.conftest import ServerProcess, Stream, free_port, start_server, wait_ready
+
+pytestmark = pytest.mark.timeout(900)
+SESSION_TTL_S = 6.0
+COMMON = ("--max-model-len", "2048", "--num-kv-blocks", "128", "--max-num-seqs", "16")
+WORDS = "the a river mountain quiet light over under city small bright stone old new green song".split()
+
+
+def prompt_text(i: int) -> str:
+    rng = random.Random(i)
+    return " ".join(rng.choice(WORDS) for _ in range(5 + 9 * i))  # 5 … 140 words: 1 … ~12 blocks
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory, server_address: str) -> Iterator[dict[str, ServerProcess]]:
+    tmp = tmp_path_factory.mktemp("disagg")
+    procs = {
+        "prefill": start_server(tmp / "prefill.log", "--role", "prefill", "--kv-session-ttl", str(SESSION_TTL_S),
+                                *COMMON, wait_ready=False),
+        "decode": start_server(tmp / "decode.log", "--role", "decode", *COMMON, wait_ready=False),
+    }
+    if nixl_available()[0]:
+        procs["prefill_nixl"] = start_server(tmp / "prefill_nixl.log", "--role", "prefill",
+                                             "--kv-transfer-backend", "nixl", *COMMON, wait_ready=False)
+    try:
+        for proc in procs.values():
+            wait_ready(proc)
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(servers: dict[str, ServerProcess], server_address: str) -> Iterator[dict[str, OpenEngineClient]]:
+    made = {name: OpenEngineClient(proc.address) for name, proc in servers.items()}
+    made["aggregated"] = OpenEngineClient(server_address)
+    yield made
+    for client in made.values():
+        client.close()
+
+
+def request(rid: str, prompt: str, temperature: float = 0.0, seed: int | None = None,
+            max_tokens: int = 8) -> oe.GenerateRequest:
+    req = oe.GenerateRequest(request_id=rid, prompt=prompt)
+    req.stopping.max_tokens = max_tokens
+    req.sampling.temperature = temperature
+    if seed is not None:
+        req.sampling.seed = seed
+    req.response.return_output_logprobs = True
+    req.response.output_candidates.top_n = 2
+    return req
+
+
+def collect(events: Iterator[oe.GenerateResponse]) -> Stream:
+    stream = Stream()
+    try:
+        stream.events = list(events)
+    except grpc.RpcError as err:
+        stream.code, stream.details = err.code(), err.details()
+    return stream
+
+
+def wait_idle(client: OpenEngineClient, timeout: float = 15.0) -> oe.LoadInfo:
+    deadline = time.monotonic() + timeout
+    while True:
+        load = client.load()
+        if load.used_kv_blocks == 0 and load.active_kv_sessions == 0 and load.running_requests == 0:
+            return load
+        assert time.monotonic() < deadline, f"not idle: {load}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("backend", ["grpc", "nixl"])
+def test_sixteen_prompts_equal_aggregated_greedy_and_seeded(clients, backend: str) -> None:
+    """K10 over real processes, 16 prompts × (greedy, temperature 0.8 seeded), in parallel;
+    then half of them again: prefix-cache hits on both sides."""
+    prefill_name = "prefill" if backend == "grpc" else "prefill_nixl"
+    if prefill_name not in clients:
+        pytest.skip(f"nixl: {nixl_available()[1]}")
+    jobs = [(i, t, s) for i in range(16) for t, s in ((0.0, None), (0.8, 1000 + i))]
+    jobs += [(i, t, s) for i, t, s in jobs if i % 2 == 0]
+
+    def one(job: tuple[int, float, int | None], k: int) -> tuple[Stream, Stream]:
+        i, temperature, seed = job
+        req = request(f"{backend}-{k}", prompt_text(i), temperature, seed)
+        return (collect(generate_disaggregated(clients[prefill_name], clients["decode"], req, timeout=120)),
+                collect(clients["aggregated"].generate(req, timeout=120)))
+
+    with futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, jobs, range(len(jobs))))
+    for (i, temperature, _), (dis, agg) in zip(jobs, results, strict=True):
+        assert dis.code == grpc.StatusCode.OK and not dis.of("error"), (i, dis.details, dis.of("error"))
+        assert dis.tokens() == agg.tokens(), f"prompt {i}, temperature {temperature}"
+        assert [round(t.logprob, 4) for o in dis.of("token") for t in o.tokens] == \
+               [round(t.logprob, 4) for o in agg.of("token") for t in o.tokens]
+        assert dis.of("finished")[-1].reason == agg.of("finished")[-1].reason
+    assert clients["decode"].load().attributes["cached_kv_blocks"] > 0, "received blocks are prefix-cache hits"
+    for name in (prefill_name, "decode"):
+        wait_idle(clients[name])
+
+
+def test_prefill_server_streams_only_prefill_ready(clients) -> None:
+    """K4, K9, D7: no TokenOutput, PrefillReady + Usage, attributes with their JSON types."""
+    stream = collect(clients["prefill"].generate(request("k4", prompt_text(3))))
+    kinds = [e.WhichOneof("event") for e in stream.events]
+    assert kinds == ["prefill_ready"], kinds
+    ready = stream.events[-1]
+    session = ready.prefill_ready.kv_session
+    assert session.session_id and session.transfer_backend == "grpc" and session.endpoints[0].host == "127.0.0.1"
+    attrs = session.attributes_struct
+    assert attrs["prompt_hash"].isdigit() and attrs["lease_expires_unix_nanos"].isdigit()  # > 2^53: strings
+    assert int(attrs["lease_expires_unix_nanos"]) > 2**53 and attrs["block_size"] == 16.0
+    assert ready.usage.prompt_tokens == attrs["num_prompt_tokens"] and ready.usage.completion_tokens == 0
+    info = clients["prefill"].server_info()
+    assert info.engine_role == oe.ENGINE_ROLE_PREFILL and info.kv_connector.supports_remote_prefill
+    assert clients["prefill"].load().active_kv_sessions >= 1
+    aborted = clients["prefill"].control.Abort(oe.AbortRequest(kv_session=session), timeout=10)
+    assert aborted.status == oe.ABORT_STATUS_ABORTED
+    with pytest.raises(grpc.RpcError) as err:  # A2: released, so unknown now
+        clients["prefill"].control.Abort(oe.AbortRequest(kv_session=session), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    wait_idle(clients["prefill"])
+
+
+def ready_for(clients, rid: str, i: int = 5) -> oe.GenerateResponse:
+    return prefill(clients["prefill"], request(rid, prompt_text(i)))
+
+
+def decode_with(clients, req: oe.GenerateRequest, session: oe.KvSessionRef,
+                metadata: tuple = ()) -> Stream:
+    req.kv.session.CopyFrom(session)
+    return collect(clients["decode"].generate(req, metadata=metadata, timeout=60))
+
+
+@pytest.mark.parametrize("change", ["model_fingerprint", "block_size", "kv_dtype", "kv_layout", "backend",
+                                    "no_endpoint", "wildcard_endpoint", "dp_rank", "prompt"])
+def test_an_incompatible_session_is_refused_before_acceptance(clients, change: str) -> None:
+    """K5, M3: INVALID_ARGUMENT, no events, nothing allocated; the session stays for a good decode."""
+    ready = ready_for(clients, f"bad-{change}")
+    session = oe.KvSessionRef()
+    session.CopyFrom(ready.prefill_ready.kv_session)
+    req, metadata = request(f"bad-{change}-d", prompt_text(5)), ()
+    if change in ("model_fingerprint", "kv_dtype", "kv_layout"):
+        session.attributes_struct[change] = "something-else"
+    elif change == "block_size":
+        session.attributes_struct["block_size"] = 32
+    elif change == "backend":
+        session.transfer_backend = "carrier-pigeon"
+    elif change == "no_endpoint":
+        del session.endpoints[:]
+    elif change == "wildcard_endpoint":
+        session.endpoints[0].host = "0.0.0.0"
+    elif change == "dp_rank":
+        metadata = (("openengine-target-dp-rank", "1"),)
+    else:
+        req.prompt = prompt_text(6)
+    stream = decode_with(clients, req, session, metadata)
+    assert stream.code == grpc.StatusCode.INVALID_ARGUMENT and not stream.events, (stream.code, stream.details)
+    print(f"\n{change}: {stream.details}")
+    good = decode_with(clients, request(f"good-{change}", prompt_text(5)), ready.prefill_ready.kv_session)
+    assert good.code == grpc.StatusCode.OK and good.of("finished"), good.details
+    wait_idle(clients["decode"])
+
+
+def test_role_mismatch_is_refused(clients) -> None:
+    """K6, D7: a session on the aggregated or prefill server; a decode request without one."""
+    session = ready_for(clients, "mismatch").prefill_ready.kv_session
+    for name in ("aggregated", "prefill"):
+        req = request(f"mm-{name}", prompt_text(5))
+        req.kv.session.CopyFrom(session)
+        stream = collect(clients[name].generate(req))
+        assert stream.code != grpc.StatusCode.OK and not stream.events, name
+    stream = collect(clients["decode"].generate(request("mm-decode", prompt_text(5))))
+    assert stream.code == grpc.StatusCode.INVALID_ARGUMENT and not stream.events
+    clients["prefill"].control.Abort(oe.AbortRequest(kv_session=session), timeout=10)
+
+
+def test_a_lease_expires_and_a_late_decode_gets_session_not_found(clients) -> None:
+    """K7, K8, X3: a decode that never comes frees the KV at lease end; a late one fails,
+    not retryable, and frees every block it had allocated."""
+    ready = ready_for(clients, "late", 7)
+    assert clients["prefill"].load().used_kv_blocks > 0
+    load = wait_idle(clients["prefill"], timeout=SESSION_TTL_S + 10)
+    assert load.active_kv_sessions == 0
+    stream = decode_with(clients, request("late-d", prompt_text(7)), ready.prefill_ready.kv_session)
+    errors = stream.of("error")
+    assert stream.code == grpc.StatusCode.OK and len(errors) == 1 and stream.events[-1].HasField("error")
+    assert errors[0].code == oe.ERROR_CODE_KV_SESSION_NOT_FOUND and not errors[0].retryable
+    assert not stream.of("token")
+    wait_idle(clients["decode"])
+
+
+class FaultyProxy(pb_grpc.KvPullServicer):
+    """A KvPull in front of the real one: flips a byte of the first chunk (``corrupt``) or
+    sleeps before each chunk (``delay``)."""
+
+    def __init__(self, upstream: str, corrupt: bool = False, delay: float = 0.0) -> None:
+        self.stub = pb_grpc.KvPullStub(grpc.insecure_channel(upstream))
+        self.corrupt, self.delay = corrupt, delay
+        self.cancelled = threading.Event()
+
+    def Pull(self, request, context):  # noqa: ANN001, ANN201, N802
+        context.add_callback(self.cancelled.set)
+        for i, chunk in enumerate(self.stub.Pull(request)):
+            time.sleep(self.delay)
+            if self.corrupt and i == 0:
+                chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]
+            yield chunk
+
+    def Release(self, request, context):  # noqa: ANN001, ANN201, N802
+        return self.stub.Release(request)
+
+
+def proxied(upstream: str, **faults: object) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_KvPullServicer_to_server(FaultyProxy(upstream, **faults), server)
+    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    server.start()
+    return server, port
+
+
+def test_a_corrupted_chunk_fails_the_transfer_cleanly(clients, servers) -> None:
+    proxy, port = proxied(servers["prefill"].address, corrupt=True)
+    try:
+        ready = ready_for(clients, "corrupt", 9)
+        session = oe.KvSessionRef()
+        session.CopyFrom(ready.prefill_ready.kv_session)
+        session.endpoints[0].port = port
+        stream = decode_with(clients, request("corrupt-d", prompt_text(9)), session)
+        errors = stream.of("error")
+        assert len(errors) == 1 and errors[0].code == oe.ERROR_CODE_KV_TRANSFER_FAILED, stream.events
+        assert "checksum" in errors[0].message and errors[0].retryable  # the session is still held
+        wait_idle(clients["decode"])
+        retry = decode_with(clients, request("corrupt-retry", prompt_text(9)), ready.prefill_ready.kv_session)
+        assert retry.of("finished") and not retry.of("error"), "the unchanged request succeeds on retry (X3)"
+    finally:
+        proxy.stop(0)
+    wait_idle(clients["prefill"])
+
+
+def test_a_decode_cancelled_mid_transfer_frees_its_blocks(clients, servers) -> None:
+    proxy, port = proxied(servers["prefill"].address, delay=0.5)
+    try:
+        ready = ready_for(clients, "slow", 15)
+        session = oe.KvSessionRef()
+        session.CopyFrom(ready.prefill_ready.kv_session)
+        session.endpoints[0].port = port
+        req = request("slow-d", prompt_text(15))
+        req.kv.session.CopyFrom(session)
+        call = clients["decode"].inference.Generate(req, timeout=60)
+        time.sleep(1.0)
+        assert clients["decode"].load().used_kv_blocks > 0, "blocks allocated for the pull"
+        call.cancel()
+        wait_idle(clients["decode"])
+    finally:
+        proxy.stop(0)
+    wait_idle(clients["prefill"], timeout=SESSION_TTL_S + 10)  # the unpulled session: its lease frees it
+
+
+def test_thirty_two_concurrent_disaggregated_requests_leak_nothing(clients) -> None:
+    def one(k: int) -> Stream:
+        req = request(f"c32-{k}", prompt_text(k % 16), 0.8, k, max_tokens=4)
+        return collect(generate_disaggregated(clients["prefill"], clients["decode"], req, timeout=180))
+
+    with futures.ThreadPoolExecutor(32) as pool:
+        streams = list(pool.map(one, range(32)))
+    assert all(s.code == grpc.StatusCode.OK and s.of("finished") and not s.of("error") for s in streams)
+    wait_idle(clients["prefill"])
+    wait_idle(clients["decode"])
+
+
+def test_drain_releases_sessions_and_a_dead_prefill_fails_the_decode(clients, servers) -> None:
+    """K7 on drain (the NIXL prefill server, or the grpc one when NIXL is missing, goes last),
+    then K8: its held session cannot be pulled any more."""
+    name = "prefill_nixl" if "prefill_nixl" in servers else "prefill"
+    ready = prefill(clients[name], request("drain", prompt_text(11)))
+    servers[name].signal(signal.SIGTERM)
+    assert servers[name].proc.wait(timeout=60) == 0
+    assert "KV pool at exit: 0 used" in servers[name].log_tail(20_000)
+    stream = decode_with(clients, request("drain-d", prompt_text(11)), ready.prefill_ready.kv_session)
+    errors = stream.of("error")
+    assert len(errors) == 1 and errors[0].code in (oe.ERROR_CODE_KV_TRANSFER_FAILED,
+                                                   oe.ERROR_CODE_KV_SESSION_NOT_FOUND), stream.events
+    assert not errors[0].retryable
+    wait_idle(clients["decode"])
