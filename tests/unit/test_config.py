@@ -22,6 +22,7 @@ from refengine.config import (
     GuidedConfig,
     KernelConfig,
     KvEventsConfig,
+    KvTransferConfig,
     ModelConfig,
     SchedulerConfig,
 )
@@ -29,7 +30,8 @@ from refengine.kernels.attention import AttentionMetadata, TorchReferenceBackend
 from refengine.kernels.attention.cpu_paged import native_kernel_unavailable_reason
 from refengine.runtime import apply_process_settings
 
-CONFIG_CLASSES = (EngineConfig, CacheConfig, SchedulerConfig, KernelConfig, GuidedConfig, KvEventsConfig)
+CONFIG_CLASSES = (EngineConfig, CacheConfig, SchedulerConfig, KernelConfig, GuidedConfig, KvEventsConfig,
+                  KvTransferConfig)
 MODEL = dict(architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -135,7 +137,8 @@ def get(config: EngineConfig, field: str) -> Any:
     """``field`` is ``Class.name`` as in FIELD_FLAGS; nested configs are found by type."""
     owner, name = field.split(".")
     part = {"EngineConfig": config, "CacheConfig": config.cache, "SchedulerConfig": config.scheduler,
-            "KernelConfig": config.kernels, "GuidedConfig": config.guided, "KvEventsConfig": config.kv_events}[owner]
+            "KernelConfig": config.kernels, "GuidedConfig": config.guided, "KvEventsConfig": config.kv_events,
+            "KvTransferConfig": config.kv_transfer}[owner]
     return getattr(part, name)
 
 
@@ -171,13 +174,19 @@ FLAG_SETTINGS = [
     (["--no-kv-events"], "KvEventsConfig.enabled", False),
     (["--kv-events-retained-batches", "5"], "KvEventsConfig.retained_batches", 5),
     (["--kv-events-subscriber-buffer", "3"], "KvEventsConfig.subscriber_buffer", 3),
+    (["--role", "decode"], "EngineConfig.role", "decode"),
+    (["--kv-transfer-backend", "nixl"], "KvTransferConfig.backend", "nixl"),
+    (["--kv-session-ttl", "5"], "KvTransferConfig.session_ttl_seconds", 5.0),
+    (["--kv-pull-chunk-kib", "64"], "KvTransferConfig.chunk_bytes", 64 << 10),
+    (["--kv-transfer-threads", "2"], "KvTransferConfig.num_transfer_threads", 2),
+    (["--kv-pull-timeout", "7"], "KvTransferConfig.pull_timeout_seconds", 7.0),
 ]
 
 
 def test_every_config_field_has_a_flag() -> None:
     fields = {f"{kind.__name__}.{f.name}" for kind in CONFIG_CLASSES for f in dataclasses.fields(kind)
               if not dataclasses.is_dataclass(f.type)
-              and f.name not in ("cache", "scheduler", "kernels", "guided", "kv_events")}
+              and f.name not in ("cache", "scheduler", "kernels", "guided", "kv_events", "kv_transfer")}
     assert set(FIELD_FLAGS) == fields
     assert {field for _, field, _ in FLAG_SETTINGS} == fields
     assert all(FIELD_FLAGS[field] == flags[0] for flags, field, _ in FLAG_SETTINGS)
