@@ -276,6 +276,8 @@ class EngineStats:
     prefill_batch_size: int  # sequences that computed prompt tokens in the last step
     decode_batch_size: int  # sequences that decoded in the last step
     active_kv_sessions: int = 0  # prefill role: sessions held for decode engines (K7)
+    kv_pulled_bytes: int = 0  # decode role: KV received by successful pulls, in total
+    kv_pull_seconds: float = 0.0  # ... and the time those pulls took
 
 
 # -- KV events ------------------------------------------------------------------

@@ -292,8 +292,8 @@ class EngineCore:
     # -- observation -------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Load figures after the last step."""
-        sessions = 0 if self.disagg is None else len(self.disagg.sessions)
-        return engine_stats(self.requests.values(), self.pool, self._last_batch, sessions)
+        stats = engine_stats(self.requests.values(), self.pool, self._last_batch)
+        return stats if self.disagg is None else self.disagg.add_stats(stats)
 
     def check_idle(self) -> None:
         """``--debug-kv-integrity``, whenever idle: see ``observe.check_idle``."""

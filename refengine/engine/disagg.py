@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from refengine.config import EngineConfig
 from refengine.engine.request import OutputState, Request
@@ -31,7 +32,7 @@ from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder,
 from refengine.kv.transfer.sessions import KvSession, KvSessionStore
 from refengine.sampling.sampler import SampledToken
 from refengine.scheduler.scheduler import KvLoad
-from refengine.types import EngineFault, KvSessionSpec
+from refengine.types import EngineFault, EngineStats, KvSessionSpec
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,11 @@ class KvLoads:
     """Decode role: pulls on transfer threads; finished ones wait for ``take_finished``."""
 
     def __init__(self, backends: Mapping[str, KvTransferBackend], num_threads: int,
-                 on_done: Callable[[], None]) -> None:
+                 on_done: Callable[[], None], block_nbytes: int) -> None:
         self.backends = backends
+        self.block_nbytes = block_nbytes
+        self.pulled_bytes = 0  # over every pull that succeeded, for LoadInfo (transfer rate)
+        self.pull_seconds = 0.0
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="refengine-kv-pull")
         self._on_done = on_done  # wakes the step loop
         self._lock = threading.Lock()
@@ -68,9 +72,13 @@ class KvLoads:
         except Exception as exc:  # a backend bug must still end the request, and free its blocks
             logger.exception("KV pull of request %s failed", order.request_id)
             failure = TransferFailure("failed", f"{type(exc).__name__}: {exc}")
+        seconds = time.perf_counter() - started
         logger.debug("KV pull of %s: %d blocks in %.1f ms (%s)", order.request_id, len(order.dest_block_ids),
-                     (time.perf_counter() - started) * 1e3, failure or "ok")
+                     seconds * 1e3, failure or "ok")
         with self._lock:
+            if failure is None:
+                self.pulled_bytes += len(order.dest_block_ids) * self.block_nbytes
+                self.pull_seconds += seconds
             del self._cancel[order.request_id]
             self._finished.append((order.request_id, failure))
         self._on_done()
@@ -109,7 +117,11 @@ class Disaggregation:
         self.fingerprint = fingerprint
         self.sessions = sessions
         self.backends = backends
-        self.loads = KvLoads(backends, config.kv_transfer.num_transfer_threads, on_load_done)
+        self.loads = KvLoads(backends, config.kv_transfer.num_transfer_threads, on_load_done, store.block_nbytes)
+
+    def add_stats(self, stats: EngineStats) -> EngineStats:
+        return replace(stats, active_kv_sessions=len(self.sessions), kv_pulled_bytes=self.loads.pulled_bytes,
+                       kv_pull_seconds=self.loads.pull_seconds)
 
     # -- prefill role ------------------------------------------------------------
     def hand_over(self, request: Request, out: OutputState, token: SampledToken) -> KvSessionSpec:

@@ -12,8 +12,7 @@ from refengine.scheduler.sequence import SequenceStatus
 from refengine.types import EngineStats, Usage
 
 
-def engine_stats(requests: Iterable[Request], pool: BlockPool, last_batch: tuple[int, int],
-                 active_kv_sessions: int) -> EngineStats:
+def engine_stats(requests: Iterable[Request], pool: BlockPool, last_batch: tuple[int, int]) -> EngineStats:
     """``last_batch``: (prefill, decode) sequences of the last step. A request counts as
     running once any of its sequences runs; a decode request still receiving its KV waits."""
     num_requests = num_running = running_tokens = waiting_tokens = 0
@@ -34,7 +33,6 @@ def engine_stats(requests: Iterable[Request], pool: BlockPool, last_batch: tuple
         waiting_tokens=waiting_tokens,
         prefill_batch_size=last_batch[0],
         decode_batch_size=last_batch[1],
-        active_kv_sessions=active_kv_sessions,
     )
 
 

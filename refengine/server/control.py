@@ -148,7 +148,9 @@ class ControlServicer(oe.ControlServicer):
                 prefill_batch_size=stats.prefill_batch_size,
                 decode_batch_size=stats.decode_batch_size,
                 attributes=_struct({"cached_kv_blocks": stats.cached_kv_blocks,
-                                    "open_streams": len(self.state.streams)}),
+                                    "open_streams": len(self.state.streams),
+                                    "kv_pulled_bytes": stats.kv_pulled_bytes,
+                                    "kv_pull_seconds": stats.kv_pull_seconds}),
             )
             if request.include_per_rank:
                 load.ranks.append(oe.RankLoadInfo(
