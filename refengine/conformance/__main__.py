@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
                         "server's stall timeout")
     parser.add_argument("--known-extra-keys", default="{}", metavar="JSON",
                         help='G8: known extra keys and their JSON types, e.g. {"my.knob": "number"}')
+    parser.add_argument("--prefill", default="", metavar="HOST:PORT",
+                        help="K4-K10: a PREFILL server, checked together with --decode (default: K checks skip)")
+    parser.add_argument("--decode", default="", metavar="HOST:PORT", help="K4-K10: a DECODE server (with --prefill)")
     parser.add_argument("--quiet", action="store_true", help="no per-check progress lines")
     args = parser.parse_args(argv)
 
@@ -38,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     options = Options(model=args.model, stream_timeout_s=args.timeout, slow_reader_s=args.slow_reader_seconds,
                       slow_reader_extra=json.loads(args.slow_reader_extra),
-                      known_extra_keys=json.loads(args.known_extra_keys))
+                      known_extra_keys=json.loads(args.known_extra_keys), prefill_address=args.prefill,
+                      decode_address=args.decode)
     rules = [r for r in args.rules.split(",") if r.strip()] or None
     try:
         results = run(args.address, rules, options, on_result=progress)

@@ -3,6 +3,7 @@
 from refengine.conformance import (  # noqa: F401
     checks_abort,
     checks_determinism,
+    checks_disagg,
     checks_discovery,
     checks_errors,
     checks_generate,

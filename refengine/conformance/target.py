@@ -45,6 +45,10 @@ class Options:
     # G8: known ``extra`` keys -> JSON type ("number", "string", "bool", "list", "struct"), when the
     # server does not advertise them in ModelInfo.extra["generate_extra_keys"].
     known_extra_keys: dict[str, str] = field(default_factory=dict)
+    # K4–K10: a disaggregated pair (HOST:PORT of a PREFILL and a DECODE server); the K checks
+    # that need it skip without it. K10 compares the pair with the target when that is AGGREGATED.
+    prefill_address: str = ""
+    decode_address: str = ""
 
 
 @dataclass

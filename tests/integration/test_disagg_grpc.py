@@ -20,6 +20,9 @@ import grpc
 import pytest
 
 from refengine.client import OpenEngineClient, generate_disaggregated, prefill
+from refengine.conformance.registry import Status
+from refengine.conformance.runner import format_matrix, run
+from refengine.conformance.target import Options
 from refengine.kv.transfer.nixl_backend import nixl_available
 from refengine.protocol import oe
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
@@ -293,6 +296,14 @@ def test_thirty_two_concurrent_disaggregated_requests_leak_nothing(clients) -> N
     assert all(s.code == grpc.StatusCode.OK and s.of("finished") and not s.of("error") for s in streams)
     wait_idle(clients["prefill"])
     wait_idle(clients["decode"])
+
+
+def test_conformance_section_k_passes_on_the_pair(servers, server_address: str) -> None:
+    """refengine is the golden target of its own K checks (the aggregated server for K10)."""
+    options = Options(prefill_address=servers["prefill"].address, decode_address=servers["decode"].address)
+    results = run(server_address, ["K4", "K5", "K6", "K7", "K8", "K9", "K10"], options)
+    print("\n" + format_matrix(results))
+    assert len(results) == 7 and all(r.status is Status.PASS for r in results), format_matrix(results)
 
 
 def test_drain_releases_sessions_and_a_dead_prefill_fails_the_decode(clients, servers) -> None:

@@ -1,0 +1,156 @@
+"""Section K, disaggregated prefill/decode (K4–K10, with A2 and X3 where they meet).
+
+These checks need a pair: ``--prefill HOST:PORT`` and ``--decode HOST:PORT`` (they skip,
+saying so, without one). What a framework sees: a prefill server's stream is exactly one
+``PrefillReady`` with a routable ``KvSessionRef`` and ``Usage`` (K4); the decode server
+takes that session unchanged and streams tokens (K9); it refuses a malformed session and
+a request without one before acceptance (K5), as the prefill server refuses a session
+(K6); ``Abort(kv_session)`` frees a held session, after which it is unknown (A2, K7) and a
+decode of it ends with exactly one not-retryable ``EngineError`` (K8, X3). K10 compares a
+greedy prefill → decode output with the target's when the target is AGGREGATED.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from refengine.conformance.registry import check, expect, skip
+from refengine.conformance.target import StreamResult, Target
+from refengine.protocol import oe
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]", "*")
+
+
+def _pair(t: Target) -> tuple[Target, Target]:
+    """The connected prefill and decode targets (cached on ``t``)."""
+    if not (t.options.prefill_address and t.options.decode_address):
+        skip("needs a disaggregated pair: run with --prefill HOST:PORT --decode HOST:PORT")
+    if "k_pair" not in t.cache:
+        pair = tuple(Target(a, t.options).connect() for a in (t.options.prefill_address, t.options.decode_address))
+        roles = [p.server_info.engine_role for p in pair]
+        expect(roles == [oe.ENGINE_ROLE_PREFILL, oe.ENGINE_ROLE_DECODE],
+               f"--prefill/--decode report roles {[oe.EngineRole.Name(r) for r in roles]}")
+        t.cache["k_pair"] = pair
+    return t.cache["k_pair"]
+
+
+def _prefill(pre: Target, tag: str) -> tuple[oe.GenerateRequest, StreamResult]:
+    req = pre.request(tag, max_tokens=8)
+    return req, pre.generate(req)
+
+
+def _session(stream: StreamResult) -> oe.KvSessionRef:
+    ready = stream.of("prefill_ready")
+    expect(stream.ok and len(ready) == 1, f"no PrefillReady: {stream.describe()}")
+    return ready[0].kv_session
+
+
+def _decode(dec: Target, req: oe.GenerateRequest, session: oe.KvSessionRef) -> StreamResult:
+    decode_req = oe.GenerateRequest()
+    decode_req.CopyFrom(req)
+    decode_req.request_id = dec.new_id("k-decode")
+    decode_req.kv.session.CopyFrom(session)
+    return dec.generate(decode_req)
+
+
+@check("K4", "a PREFILL stream is one PrefillReady with a routable KvSessionRef and Usage")
+def prefill_ready_only(t: Target) -> str:
+    pre, _ = _pair(t)
+    _, stream = _prefill(pre, "k4")
+    expect(stream.kinds() == ["prefill_ready"], f"events {stream.kinds()}: no TokenOutput may leak, "
+           "no GenerationFinished follows")
+    session = _session(stream)
+    expect(bool(session.session_id) and bool(session.transfer_backend), "session_id and transfer_backend are set")
+    expect(bool(session.endpoints) and all(e.host not in WILDCARD_HOSTS and 0 < e.port < 65536
+                                           for e in session.endpoints),
+           f"endpoints must be routable host:port: {list(session.endpoints)}")
+    expect(stream.events[-1].HasField("usage") and stream.events[-1].usage.prompt_tokens > 0,
+           "PrefillReady carries Usage")
+    pre.unary("Abort", oe.AbortRequest(kv_session=session))
+    return f"backend {session.transfer_backend}, {len(session.attributes_struct)} attributes"
+
+
+@check("K9", "the decode server takes the session unchanged and streams tokens")
+def forwarded_session_decodes(t: Target) -> str:
+    pre, dec = _pair(t)
+    req, stream = _prefill(pre, "k9")
+    out = _decode(dec, req, _session(stream))
+    expect(out.ok and out.tokens() and out.finished() is not None and not out.of("error"),
+           f"decode of a forwarded session: {out.describe()}")
+    return f"{len(out.tokens())} tokens"
+
+
+@check("K5", "DECODE refuses a request without a session, or with a malformed one, before acceptance")
+def decode_refuses_bad_sessions(t: Target) -> str:
+    pre, dec = _pair(t)
+    req, stream = _prefill(pre, "k5")
+    good = _session(stream)
+    bad_backend, no_id = oe.KvSessionRef(), oe.KvSessionRef()
+    bad_backend.CopyFrom(good)
+    bad_backend.transfer_backend = "no-such-backend"
+    no_id.CopyFrom(good)
+    no_id.session_id = ""
+    without = dec.generate(dec.request("k5-none", max_tokens=8))
+    expect(not without.ok and not without.events, f"no session: {without.describe()}")
+    for name, session in (("unknown backend", bad_backend), ("empty session_id", no_id)):
+        out = _decode(dec, req, session)
+        expect(out.code == grpc.StatusCode.INVALID_ARGUMENT and not out.events, f"{name}: {out.describe()}")
+    pre.unary("Abort", oe.AbortRequest(kv_session=good))
+    return "3 refused"
+
+
+@check("K6", "a session sent to a PREFILL server is refused before acceptance")
+def prefill_refuses_a_session(t: Target) -> str:
+    pre, _ = _pair(t)
+    req, stream = _prefill(pre, "k6")
+    session = _session(stream)
+    again = oe.GenerateRequest()
+    again.CopyFrom(req)
+    again.request_id = pre.new_id("k6-again")
+    again.kv.session.CopyFrom(session)
+    out = pre.generate(again)
+    expect(not out.ok and not out.events, f"session on a PREFILL server: {out.describe()}")
+    pre.unary("Abort", oe.AbortRequest(kv_session=session))
+    return out.code.name
+
+
+@check("K7", "Abort(kv_session) releases the session; it is unknown afterwards (A2)")
+def abort_releases_the_session(t: Target) -> str:
+    pre, _ = _pair(t)
+    _, stream = _prefill(pre, "k7")
+    session = _session(stream)
+    response = pre.unary("Abort", oe.AbortRequest(kv_session=session))
+    expect(response.status == oe.ABORT_STATUS_ABORTED, f"Abort(kv_session) status {response.status}")
+    code, _ = pre.unary_code("Abort", oe.AbortRequest(kv_session=session))
+    expect(code == grpc.StatusCode.NOT_FOUND, f"a released session aborted again: {code.name}, want NOT_FOUND")
+    pre.wait_idle()
+    return "released, then NOT_FOUND"
+
+
+@check("K8", "decoding a released session ends with one not-retryable KV error, then OK")
+def decode_of_a_released_session_fails(t: Target) -> str:
+    pre, dec = _pair(t)
+    req, stream = _prefill(pre, "k8")
+    session = _session(stream)
+    pre.unary("Abort", oe.AbortRequest(kv_session=session))
+    out = _decode(dec, req, session)
+    errors = out.of("error")
+    expect(out.ok and len(errors) == 1 and out.events[-1].HasField("error"),
+           f"want exactly one terminal EngineError then OK: {out.describe()}")
+    expect(errors[0].code in (oe.ERROR_CODE_KV_SESSION_NOT_FOUND, oe.ERROR_CODE_KV_TRANSFER_FAILED),
+           f"error code {oe.ErrorCode.Name(errors[0].code)}")
+    expect(not errors[0].retryable, "X3: the unchanged request cannot succeed once its session is gone")
+    dec.wait_idle()
+    return oe.ErrorCode.Name(errors[0].code)
+
+
+@check("K10", "greedy prefill → decode output equals the AGGREGATED target's")
+def disaggregated_equals_aggregated(t: Target) -> str:
+    pre, dec = _pair(t)
+    if t.server_info.engine_role != oe.ENGINE_ROLE_AGGREGATED:
+        skip("the target is not AGGREGATED: nothing to compare the pair with")
+    req, stream = _prefill(pre, "k10")
+    out = _decode(dec, req, _session(stream))
+    want = t.generate(t.request("k10-agg", max_tokens=8))
+    expect(out.tokens() == want.tokens(), f"disaggregated {out.tokens()} != aggregated {want.tokens()}")
+    return f"{len(want.tokens())} tokens equal"
