@@ -65,8 +65,8 @@ def guided_spec(args: argparse.Namespace) -> GuidedSpec | None:
     return GuidedSpec("ebnf_grammar", spec=_grammar_text(args.grammar), backend=backend)
 
 
-def _wire_request(args: argparse.Namespace, prompt: str, guided: GuidedSpec) -> oe.GenerateRequest:
-    """``oe.GenerateRequest`` for ``--remote`` with ``guided`` set (``stream_text`` takes no guide).
+def _wire_request(args: argparse.Namespace, prompt: str, guided: GuidedSpec | None) -> oe.GenerateRequest:
+    """``oe.GenerateRequest`` for ``--remote`` with a guide, or for ``--prefill``/``--decode``.
     The wire types come through the client module: the cli reaches the protocol only through it."""
     import uuid
 
@@ -77,6 +77,8 @@ def _wire_request(args: argparse.Namespace, prompt: str, guided: GuidedSpec) -> 
     request.sampling.temperature = args.temperature
     if args.sampling_seed is not None:
         request.sampling.seed = args.sampling_seed
+    if guided is None:
+        return request
     if guided.mode == "choice":
         request.guided.choice.choices.extend(guided.choices)
     else:
@@ -86,19 +88,25 @@ def _wire_request(args: argparse.Namespace, prompt: str, guided: GuidedSpec) -> 
     return request
 
 
-def _remote_guided(args: argparse.Namespace, guided: GuidedSpec) -> int:
+def _remote_events(args: argparse.Namespace, guided: GuidedSpec | None) -> int:
+    """Through ``--remote``, or prefill on ``--prefill`` then decode on ``--decode`` (the
+    two-hop flow of ``refengine.client.generate_disaggregated``)."""
     import grpc
 
-    from refengine.client import GenerationError, OpenEngineClient
+    from refengine.client import GenerationError, OpenEngineClient, PrefillFailed, generate_disaggregated
 
-    with OpenEngineClient(args.remote) as client:
+    with OpenEngineClient(args.remote or args.decode) as client:
         prompt = args.prompt
         if args.chat:
             from refengine.model.chat import chat_prompt
 
             prompt = chat_prompt(args.model_name or client.server_info().supported_models[0], prompt)
+        prefill_client = OpenEngineClient(args.prefill) if args.prefill else None
+        request = _wire_request(args, prompt, guided)
+        events = client.generate(request) if prefill_client is None else generate_disaggregated(
+            prefill_client, client, request)
         try:
-            for event in client.generate(_wire_request(args, prompt, guided)):
+            for event in events:
                 kind = event.WhichOneof("event")
                 if kind == "token" and event.token.output_index == 0:
                     print(event.token.text, end="", flush=True)
@@ -107,9 +115,12 @@ def _remote_guided(args: argparse.Namespace, guided: GuidedSpec) -> int:
         except grpc.RpcError as exc:  # refused before acceptance, e.g. INVALID_ARGUMENT for a bad regex
             print(f"refengine generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-        except GenerationError as exc:
+        except (GenerationError, PrefillFailed) as exc:
             print(f"\nrefengine generate: {exc}", file=sys.stderr)
             return 1
+        finally:
+            if prefill_client is not None:
+                prefill_client.close()
     print()
     return 0
 
@@ -122,8 +133,11 @@ def _generate(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"refengine generate: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    if args.remote and guided is not None:
-        return _remote_guided(args, guided)
+    if bool(args.prefill) != bool(args.decode) or (args.prefill and args.remote):
+        print("refengine generate: error: --prefill and --decode go together, without --remote", file=sys.stderr)
+        return USAGE_ERROR
+    if args.prefill or (args.remote and guided is not None):
+        return _remote_events(args, guided)
     if args.remote:
         from refengine.client import stream_text
         from refengine.model.chat import chat_prompt
@@ -197,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--remote", metavar="HOST:PORT", help="generate through a running server")
     gen.add_argument("--model-name", default=None, help="model to ask a remote server for")
+    gen.add_argument("--prefill", metavar="HOST:PORT",
+                     help="disaggregated: prefill on this server (--role prefill) ...")
+    gen.add_argument("--decode", metavar="HOST:PORT", help="... and decode on this one (--role decode)")
     guide = gen.add_argument_group("guided decoding (at most one guide; also through --remote)")
     guide.add_argument("--json-schema", metavar="FILE|JSON", default=None,
                        help="the output is JSON valid against this schema (a file path, or inline JSON text)")

@@ -9,8 +9,11 @@ no test hook in the engine.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -296,6 +299,21 @@ def test_thirty_two_concurrent_disaggregated_requests_leak_nothing(clients) -> N
     assert all(s.code == grpc.StatusCode.OK and s.of("finished") and not s.of("error") for s in streams)
     wait_idle(clients["prefill"])
     wait_idle(clients["decode"])
+
+
+def test_cli_generate_through_prefill_and_decode(servers, server_address: str) -> None:
+    def cli(*flags: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "refengine.cli", "generate", prompt_text(4), "--max-tokens", "8",
+                               *flags], capture_output=True, text=True, timeout=120, env={**os.environ,
+                               "HF_HUB_OFFLINE": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    disaggregated = cli("--prefill", servers["prefill"].address, "--decode", servers["decode"].address)
+    assert disaggregated.strip() and disaggregated == cli("--remote", server_address)
+    half = subprocess.run([sys.executable, "-m", "refengine.cli", "generate", "x", "--prefill",
+                           servers["prefill"].address], capture_output=True, text=True, timeout=60)
+    assert half.returncode != 0 and "--decode" in half.stderr
 
 
 def test_conformance_section_k_passes_on_the_pair(servers, server_address: str) -> None:
