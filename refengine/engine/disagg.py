@@ -118,6 +118,7 @@ class Disaggregation:
         self.sessions = sessions
         self.backends = backends
         self.loads = KvLoads(backends, config.kv_transfer.num_transfer_threads, on_load_done, store.block_nbytes)
+        self._quarantined: set[str] = set()  # requests whose destination blocks may still change
 
     def add_stats(self, stats: EngineStats) -> EngineStats:
         return replace(stats, active_kv_sessions=len(self.sessions), kv_pulled_bytes=self.loads.pulled_bytes,
@@ -160,7 +161,9 @@ class Disaggregation:
         """An output ends before its pull was applied: its blocks are freed, or — while the
         pull may still write into them — handed to the pull's owner until it stops."""
         request_id = out.seq.request_id
-        if self.loads.is_in_flight(request_id):
+        if request_id in self._quarantined:  # a write into them may still land: never reuse them
+            self.kv.transfer(out.seq, f"quarantine:{request_id}")
+        elif self.loads.is_in_flight(request_id):
             self.kv.transfer(out.seq, load_owner(request_id))
             self.loads.cancel(request_id)
         else:
@@ -170,8 +173,12 @@ class Disaggregation:
         """Finished pulls, but not of cancelled requests: those free their blocks here."""
         finished = []
         for request_id, failure in self.loads.take_finished():
+            if failure is not None and failure.dest_may_change:
+                logger.error("request %s: KV blocks withheld from reuse until restart: %s", request_id, failure)
+                self._quarantined.add(request_id)  # a cancelled one keeps its load: owner for good
             if load_owner(request_id) in self.kv.owners:
-                self.kv.release(load_owner(request_id))
+                if request_id not in self._quarantined:
+                    self.kv.release(load_owner(request_id))
             else:
                 finished.append((request_id, failure))
         return finished

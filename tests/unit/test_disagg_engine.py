@@ -248,3 +248,30 @@ def test_role_mismatch_is_refused(trio) -> None:
         prefill.add_request(replace(request("n", PROMPTS[1], None, 0.0), sampling=SamplingParams(num_sequences=2)))
     prefill.abort_kv_session(session.session_id)
     wait_idle(prefill)
+
+
+class UnstoppablePull(InProcessPull):
+    """A pull whose write could not be stopped (a NIXL READ past its drain)."""
+
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        raise TransferFailure("failed", "timed out: the READ still runs", dest_may_change=True)
+
+
+def test_blocks_a_pull_may_still_write_are_never_reused(tiny) -> None:
+    prefill = make_engine(tiny, "prefill")
+    decode = make_engine(tiny, "decode", UnstoppablePull(prefill))
+    prefill.start()
+    decode.start()
+    try:
+        params = request("stuck", PROMPTS[5], None, 0.0)
+        handoff = run(prefill, params)
+        got = run(decode, replace(params, kv=KvParams(session=handoff.prefill)))
+        assert got.error is not None and got.error.code == "kv_transfer_failed" and not got.error.retryable
+        time.sleep(0.1)
+        held = -(-len(PROMPTS[5]) // BLOCK)
+        assert decode.stats().used_kv_blocks == held, "the blocks stay out of the pool"
+        assert decode.core.kv.owners == ("quarantine:stuck",)
+        decode.core.check_idle()  # accounted for: held by their owner
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

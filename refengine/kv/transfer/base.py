@@ -64,12 +64,16 @@ class PullOrder:
 class TransferFailure(Exception):
     """A pull that did not complete. ``kind`` "not_found": the source no longer holds the
     session (KV_SESSION_NOT_FOUND, never retryable); "failed": KV_TRANSFER_FAILED, with
-    ``retryable`` true only when the source still holds the session as far as we know."""
+    ``retryable`` true only when the source still holds the session as far as we know.
+    ``dest_may_change``: a write into the destination could not be stopped (a one-sided
+    READ that outlived its drain); the engine then never reuses those blocks."""
 
-    def __init__(self, kind: Literal["not_found", "failed"], message: str, retryable: bool = False) -> None:
+    def __init__(self, kind: Literal["not_found", "failed"], message: str, retryable: bool = False,
+                 dest_may_change: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
         self.retryable = retryable and kind == "failed"
+        self.dest_may_change = dest_may_change
 
 
 SessionConfirmed = Callable[[str], None]  # a decode engine has pulled session_id: release it
@@ -81,8 +85,10 @@ class KvTransferBackend(ABC):
 
     Invariants: ``pull`` writes only into ``order.dest_block_ids``, and returns or raises
     only when no write into them is pending any more (the engine frees or schedules them
-    right after); it checks ``cancelled`` between chunks and then raises. A backend never
-    holds or frees blocks itself: the engine's session store does."""
+    right after) — or raises with ``dest_may_change`` when it cannot stop one; it checks
+    ``cancelled`` between chunks and then raises. A backend never holds or frees blocks
+    itself: the engine's session store does. ``on_confirmed`` may be called on any thread
+    (NIXL: its notification thread), also for a pull that raised after its copy ended."""
 
     name: str  # as in KvSessionRef.transfer_backend
     protocol: str  # as in KvEndpoint.protocol of the sessions it offers

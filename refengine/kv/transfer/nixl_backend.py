@@ -74,8 +74,8 @@ class _Source:
     block_ids: tuple[int, ...]
 
 
-def _fail(message: str, retryable: bool = False) -> TransferFailure:
-    return TransferFailure("failed", message, retryable=retryable)
+def _fail(message: str, retryable: bool = False, dest_may_change: bool = False) -> TransferFailure:
+    return TransferFailure("failed", message, retryable=retryable, dest_may_change=dest_may_change)
 
 
 def _nixl(what: str, call: Callable[..., Any], *args: Any) -> Any:
@@ -315,9 +315,10 @@ class NixlKvTransfer(KvTransferBackend):
         state = self._drain(handle)
         late = ": the READ still runs, its destination blocks may still change" if state == "PROC" else ""
         if cancelled:
-            raise _fail("cancelled" + late)
+            raise _fail("cancelled" + late, dest_may_change=bool(late))
         # DONE: NIXL has sent the release, so the source no longer holds the session
-        raise _fail(f"timed out after {self._timeout:g} s{late}", retryable=state != "DONE")
+        raise _fail(f"timed out after {self._timeout:g} s{late}", retryable=state != "DONE",
+                    dest_may_change=bool(late))
 
     def _drain(self, handle: Any) -> str:
         """Poll a stopped READ until it is no longer in progress, at most ``DRAIN_SECONDS``."""
