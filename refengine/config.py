@@ -257,7 +257,7 @@ class KvTransferConfig:
 
     backend: str = "grpc"
     session_ttl_seconds: float = 30.0
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = 4 << 20
     num_transfer_threads: int = 4
     pull_timeout_seconds: float = 30.0
 

@@ -77,7 +77,7 @@ class EngineClient(Protocol):
         """How many blocks a live session holds."""
 
     def read_kv_session(self, session_id: str, first_block_index: int, num_blocks: int) -> bytes:
-        """Some of a live session's blocks, block-major (``BlockStore.read``)."""
+        """Some of a live session's blocks, region-major (``BlockStore.read``)."""
 
     def block_nbytes(self) -> int:
         """Bytes of one KV block over all layers."""

@@ -35,8 +35,8 @@ class KvRegion:
 class BlockStore(Protocol):
     """An engine's KV cache as raw blocks (``refengine.model.kv_io.KvBlockIO``).
 
-    ``read``/``write`` move whole blocks, block-major (block 0's bytes of every region in
-    region order, then block 1's …), ``block_nbytes`` bytes per block. Thread-safe for
+    ``read``/``write`` move whole blocks, region-major (region 0's range of each block in
+    order, then region 1's, …), ``block_nbytes`` bytes per block over all regions. Thread-safe for
     blocks nobody else writes: a session's blocks are immutable while it is held, and a
     decode engine's destination blocks are not scheduled until their pull has ended."""
 
