@@ -101,6 +101,9 @@ class BlockPool:
                 block.sealed = False
             block.ref_count = 1
             allocated.append(block.block_id)
+        # Ascending ids: a sequence's blocks are then as often as possible one contiguous range
+        # per KV tensor, which a KV transfer moves as one descriptor instead of one per block.
+        allocated.sort()
         return allocated
 
     def touch(self, block_ids: Iterable[int]) -> None:
