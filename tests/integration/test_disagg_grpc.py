@@ -154,6 +154,33 @@ def test_prefill_server_streams_only_prefill_ready(clients) -> None:
     wait_idle(clients["prefill"])
 
 
+def test_capabilities_are_role_correct_and_prefill_sends_prompt_logprobs(clients) -> None:
+    """D4 per role (ref choices in engine/role_check.py): one output per request on both
+    halves; prompt logprobs from the prefill server (PromptOutput, then PrefillReady), refused
+    by the decode server, as advertised."""
+    for name in ("prefill", "decode"):
+        caps = clients[name].model_info().generation
+        assert caps.max_num_sequences == 1, name
+        assert caps.prompt_logprobs.supported == (name == "prefill"), name
+        two = request(f"n2-{name}", prompt_text(2))
+        two.sampling.num_sequences = 2
+        if name == "decode":
+            two.kv.session.CopyFrom(ready_for(clients, "n2-session").prefill_ready.kv_session)
+        refused = collect(clients[name].generate(two))
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and not refused.events, (name, refused.details)
+    req = request("plp", prompt_text(2))
+    req.response.return_prompt_logprobs = True
+    stream = collect(clients["prefill"].generate(req))
+    assert [e.WhichOneof("event") for e in stream.events] == ["prompt", "prefill_ready"], stream.events
+    assert len(stream.of("prompt")[0].tokens) == stream.events[-1].usage.prompt_tokens
+    session = stream.events[-1].prefill_ready.kv_session
+    refused = decode_with(clients, req, session)
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt logprobs" in refused.details
+    req.response.ClearField("return_prompt_logprobs")
+    assert decode_with(clients, req, session).of("finished"), "without them the same session decodes"
+    wait_idle(clients["decode"])
+
+
 def ready_for(clients, rid: str, i: int = 5) -> oe.GenerateResponse:
     return prefill(clients["prefill"], request(rid, prompt_text(i)))
 
