@@ -84,9 +84,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-zmq-replay", default=None, metavar="tcp://HOST:PORT",
                    help="the ZMQ replay (ROUTER) socket for --kv-events-zmq (default: None = no replay)")
     g.add_argument("--kv-events-zmq-topic", default=d.kv_events_zmq_topic, help="ZMQ topic (default: empty)")
-    g.add_argument("--advertise-host", default=None,
-                   help="host clients reach this server at, reported instead of a bind wildcard "
-                   "(default: None = the machine's host name)")
+    g.add_argument("--advertise-host", "--kv-advertise-host", dest="advertise_host", default=None,
+                   help="host clients reach this server at, reported instead of a bind wildcard: in a prefill "
+                   "server's KvSessionRef endpoints and in GetKvEventSources (default: None = the machine's "
+                   "host name)")
     g.add_argument("--log-level", default="INFO", help="logging level")
 
 
