@@ -365,3 +365,18 @@ def test_drain_releases_sessions_and_a_dead_prefill_fails_the_decode(clients, se
                                                    oe.ERROR_CODE_KV_SESSION_NOT_FOUND), stream.events
     assert not errors[0].retryable
     wait_idle(clients["decode"])
+
+
+def test_a_killed_prefill_server_fails_the_decode_cleanly(clients, servers) -> None:
+    """K8, X3: the prefill process dies (SIGKILL) after PrefillReady: one KV_TRANSFER_FAILED
+    (unreachable: not retryable), and the decode server's pool is back to idle."""
+    if servers["prefill"].proc.poll() is not None:
+        pytest.skip("the grpc prefill server was already stopped by the drain test (no NIXL)")
+    ready = ready_for(clients, "killed", 12)
+    servers["prefill"].proc.kill()
+    servers["prefill"].proc.wait(timeout=30)
+    stream = decode_with(clients, request("killed-d", prompt_text(12)), ready.prefill_ready.kv_session)
+    errors = stream.of("error")
+    assert stream.code == grpc.StatusCode.OK and len(errors) == 1, stream.events
+    assert errors[0].code == oe.ERROR_CODE_KV_TRANSFER_FAILED and not errors[0].retryable, errors[0]
+    wait_idle(clients["decode"])
