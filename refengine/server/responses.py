@@ -73,7 +73,7 @@ class ResponseBuilder:
     invariant becomes a terminal ``EngineError`` rather than a malformed stream."""
 
     def __init__(self, request_id: str, num_sequences: int, max_message_bytes: int,
-                 session_ref: Callable[[KvSessionSpec], oe.KvSessionRef]) -> None:
+                 session_ref: Callable[[KvSessionSpec], oe.KvSessionRef] | None = None) -> None:
         self.session_ref = session_ref  # a prefill server's session handle, with its endpoints
         self.request_id = request_id
         self.num_sequences = num_sequences
@@ -117,6 +117,8 @@ class ResponseBuilder:
         if out.error is not None:
             return self._terminal_error(events, out, engine_error(out.error))
         if out.prefill is not None:  # K4: the terminal success of a prefill server; no tokens came
+            if self.session_ref is None:
+                return self._internal(events, out, "the engine made a KV session, but this edge cannot hand it out")
             ready = self._event(prefill_ready=oe.PrefillReady(kv_session=self.session_ref(out.prefill)))
             if out.usage is not None:
                 ready.usage.CopyFrom(usage_message(out.usage))

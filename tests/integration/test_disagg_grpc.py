@@ -123,8 +123,9 @@ def test_sixteen_prompts_equal_aggregated_greedy_and_seeded(clients, backend: st
     for (i, temperature, _), (dis, agg) in zip(jobs, results, strict=True):
         assert dis.code == grpc.StatusCode.OK and not dis.of("error"), (i, dis.details, dis.of("error"))
         assert dis.tokens() == agg.tokens(), f"prompt {i}, temperature {temperature}"
-        assert [round(t.logprob, 4) for o in dis.of("token") for t in o.tokens] == \
-               [round(t.logprob, 4) for o in agg.of("token") for t in o.tokens]
+        # logprobs agree to float32 noise: rows differ by ~1e-5 with the batch they ran in
+        assert [t.logprob for o in dis.of("token") for t in o.tokens] == pytest.approx(
+            [t.logprob for o in agg.of("token") for t in o.tokens], abs=1e-3)
         assert dis.of("finished")[-1].reason == agg.of("finished")[-1].reason
     assert clients["decode"].load().attributes["cached_kv_blocks"] > 0, "received blocks are prefix-cache hits"
     for name in (prefill_name, "decode"):
