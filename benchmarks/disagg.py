@@ -9,7 +9,9 @@ prompt each round so no prefix-cache hit):
   ``kv_pulled_bytes`` / ``kv_pull_seconds`` over the round's pulls (time inside the
   backend's ``pull``: fetch, checks, write into the blocks, release);
 - raw NIXL READ bandwidth between two processes for the same byte count, measured in the
-  same run (``benchmarks/nixl_raw.py``), and the nixl backend's share of it (target ≥ 50 %);
+  same run (``benchmarks/nixl_raw.py``), cache-hot (the same buffer read again and again)
+  and cold (a different slice each time, like KV blocks written a while before), and the
+  nixl backend's share of each (target ≥ 50 %);
 - time to first token: aggregated (the first TokenOutput of a ``max_tokens`` 1 request)
   against prefill → decode (``PrefillReady`` plus the decode server's first TokenOutput).
 
@@ -99,19 +101,21 @@ def main(argv: list[str] | None = None) -> int:
                                                           request(f"{backend}-{length}-{r}", length, rng))
                     best.setdefault(f"{backend}_ttft", []).append(ttft)
                     best.setdefault(f"{backend}_mbps", []).append(nbytes / seconds / 1e6)
-            raw = raw_loopback_mb_per_s(int(nbytes), repeats=args.rounds)
+            raw = (raw_loopback_mb_per_s(int(nbytes), repeats=args.rounds),
+                   raw_loopback_mb_per_s(int(nbytes), repeats=args.rounds, cold=True))
             rows.append((length, nbytes, max(best["grpc_mbps"]), max(best["nixl_mbps"]), raw,
                          min(best["agg_ttft"]), min(best["grpc_ttft"]), min(best["nixl_ttft"])))
             print(f"{length} tokens done", flush=True)
     finally:
         for proc, _, _ in procs.values():
             proc.terminate()
-    print("\n| prompt tokens | KV MiB | grpc MB/s | nixl MB/s | raw NIXL MB/s | nixl / raw "
+    print("\n| prompt tokens | KV MiB | grpc MB/s | nixl MB/s | raw NIXL MB/s hot / cold | nixl / raw hot / cold "
           "| TTFT aggregated ms | TTFT grpc ms (×) | TTFT nixl ms (×) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for length, nbytes, grpc_mbps, nixl_mbps, raw, agg, grpc_t, nixl_t in rows:
-        print(f"| {length} | {nbytes / (1 << 20):.1f} | {grpc_mbps:.0f} | {nixl_mbps:.0f} | {raw:.0f} "
-              f"| {nixl_mbps / raw:.2f} | {agg * 1e3:.0f} | {grpc_t * 1e3:.0f} ({grpc_t / agg:.2f}) "
+    for length, nbytes, grpc_mbps, nixl_mbps, (hot, cold), agg, grpc_t, nixl_t in rows:
+        print(f"| {length} | {nbytes / (1 << 20):.1f} | {grpc_mbps:.0f} | {nixl_mbps:.0f} | {hot:.0f} / {cold:.0f} "
+              f"| {nixl_mbps / hot:.2f} / {nixl_mbps / cold:.2f} | {agg * 1e3:.0f} | {grpc_t * 1e3:.0f} "
+              f"({grpc_t / agg:.2f}) "
               f"| {nixl_t * 1e3:.0f} ({nixl_t / agg:.2f}) |")
     return 0
 

@@ -5,7 +5,8 @@ descriptors, validation or notification.
 A spawned child registers one buffer of ``num_bytes`` (DRAM, UCX backend) and hands its
 agent metadata and address over a Pipe; this process registers its own buffer and READs the
 whole buffer as one descriptor. One untimed READ first (it opens the UCX connection), then the
-best of ``repeats`` timed READs (post until ``check_xfer_state`` says DONE). MB/s = 1e6 bytes/s.
+best of ``repeats`` timed READs (post until ``check_xfer_state`` says DONE): of the same bytes
+(cache-hot), or with ``cold=True`` of a different slice of a 256 MiB span each time. MB/s = 1e6 bytes/s.
 UCX picks the transport itself (CMA/shared memory on one machine; set ``UCX_TLS=tcp`` to compare).
 
     OMP_NUM_THREADS=1 python benchmarks/nixl_raw.py
@@ -57,23 +58,34 @@ def _read_seconds(agent: Any, local: Any, remote: Any) -> float:
     return seconds
 
 
-def raw_loopback_mb_per_s(num_bytes: int, repeats: int = 3) -> float:
-    """Best-of-``repeats`` NIXL READ bandwidth of one ``num_bytes`` buffer from a second
-    process on this machine, in MB/s (1e6 bytes/s)."""
+COLD_SPAN = 256 * MiB  # cold reads walk this much memory: more than any CPU cache here
+
+
+def raw_loopback_mb_per_s(num_bytes: int, repeats: int = 3, cold: bool = False) -> float:
+    """Best-of-``repeats`` NIXL READ bandwidth of ``num_bytes`` from a second process on this
+    machine, in MB/s (1e6 bytes/s). ``cold``: every READ copies a different slice of a larger
+    span (both sides' pages touched beforehand), so neither side's bytes are in a CPU cache —
+    as for KV blocks written some time before; otherwise the same buffer is read each time."""
+    slots = max(repeats + 1, -(-COLD_SPAN // num_bytes)) if cold else 1
     context = multiprocessing.get_context("spawn")
     mine, theirs = context.Pipe()
-    child = context.Process(target=_source, args=(theirs, num_bytes), daemon=True)
+    child = context.Process(target=_source, args=(theirs, num_bytes * slots), daemon=True)
     child.start()
     try:
         metadata, address, head = mine.recv()
         agent = _agent("nixl-raw-reader")
-        buffer = np.zeros(num_bytes, dtype=np.uint8)
-        registered = agent.register_memory([(buffer.ctypes.data, num_bytes, 0, "")], "DRAM")
+        buffer = np.ones(num_bytes * slots, dtype=np.uint8)  # ones: every page is touched now
+        registered = agent.register_memory([(buffer.ctypes.data, buffer.nbytes, 0, "")], "DRAM")
         agent.add_remote_agent(metadata)
-        local = agent.get_xfer_descs([(buffer.ctypes.data, num_bytes, 0)], "DRAM")
-        remote = agent.get_xfer_descs([(address, num_bytes, 0)], "DRAM")
-        _read_seconds(agent, local, remote)  # opens the connection: not timed
-        best = min(_read_seconds(agent, local, remote) for _ in range(repeats))
+
+        def read(slot: int) -> float:
+            offset = (slot % slots) * num_bytes
+            local = agent.get_xfer_descs([(buffer.ctypes.data + offset, num_bytes, 0)], "DRAM")
+            remote = agent.get_xfer_descs([(address + offset, num_bytes, 0)], "DRAM")
+            return _read_seconds(agent, local, remote)
+
+        read(0)  # opens the connection: not timed
+        best = min(read(slot) for slot in range(1, repeats + 1))
         if bytes(buffer[:4096]) != head:
             raise RuntimeError("the READ did not copy the source's bytes")
         agent.remove_remote_agent("nixl-raw-source")
@@ -90,4 +102,5 @@ def raw_loopback_mb_per_s(num_bytes: int, repeats: int = 3) -> float:
 if __name__ == "__main__":
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # nixl logs INFO lines to stdout otherwise
     for size in (1 * MiB, 16 * MiB, 64 * MiB):
-        print(f"{size // MiB:>3} MiB: {raw_loopback_mb_per_s(size):8.0f} MB/s")
+        print(f"{size // MiB:>3} MiB: {raw_loopback_mb_per_s(size):8.0f} MB/s (cache-hot), "
+              f"{raw_loopback_mb_per_s(size, cold=True):8.0f} MB/s (cold)")

@@ -83,11 +83,6 @@ class EngineKvMixin:
         return freed
 
     # -- KV sessions (prefill role; any thread) ----------------------------------
-    def kv_session_num_blocks(self, session_id: str) -> int:
-        block_ids = self.kv_sessions.begin_read(session_id)
-        self.kv_sessions.end_read(session_id)
-        return len(block_ids)
-
     def read_kv_session(self, session_id: str, first_block_index: int, num_blocks: int) -> bytes:
         """Blocks of a live session, read while it cannot be freed (``KvSessionStore``)."""
         block_ids = self.kv_sessions.begin_read(session_id)
@@ -105,8 +100,8 @@ class EngineKvMixin:
     def kv_layout(self) -> str:
         return self.block_io.layout
 
-    def pin_kv_session(self, session_id: str, seconds: float) -> None:
-        self.kv_sessions.pin(session_id, seconds)
+    def pin_kv_session(self, session_id: str, seconds: float) -> int:
+        return len(self.kv_sessions.pin(session_id, seconds))
 
     def confirm_kv_session(self, session_id: str) -> bool:
         return self.kv_sessions.release(session_id, "pulled", pulled=True)

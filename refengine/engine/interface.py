@@ -73,9 +73,6 @@ class EngineClient(Protocol):
         """Forget every cached prefix; returns the blocks freed."""
 
     # -- KV sessions (prefill role); unknown or expired ones raise ``KvSessionNotFound`` --
-    def kv_session_num_blocks(self, session_id: str) -> int:
-        """How many blocks a live session holds."""
-
     def read_kv_session(self, session_id: str, first_block_index: int, num_blocks: int) -> bytes:
         """Some of a live session's blocks, region-major (``BlockStore.read``)."""
 
@@ -85,8 +82,9 @@ class EngineClient(Protocol):
     def kv_layout(self) -> str:
         """The KV cache layout (``BlockStore.layout``): equal strings = compatible blocks."""
 
-    def pin_kv_session(self, session_id: str, seconds: float) -> None:
-        """Keep a live session's blocks for a one-sided remote read of up to ``seconds``."""
+    def pin_kv_session(self, session_id: str, seconds: float) -> int:
+        """Keep a live session's blocks for a one-sided remote read of up to ``seconds``;
+        returns how many blocks it holds."""
 
     def confirm_kv_session(self, session_id: str) -> bool:
         """A decode engine has pulled it: free it. False when unknown."""

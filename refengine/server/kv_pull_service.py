@@ -63,7 +63,6 @@ class KvPullServicer(pb_grpc.KvPullServicer):
         engine = await self._engine(context)
         seconds = min(max(request.seconds, 0.0), self.state.engine_config.kv_transfer.pull_timeout_seconds)
         try:
-            engine.pin_kv_session(request.session_id, seconds)
-            return pb.SessionReply(num_blocks=engine.kv_session_num_blocks(request.session_id))
+            return pb.SessionReply(num_blocks=engine.pin_kv_session(request.session_id, seconds))
         except KvSessionNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))

@@ -247,8 +247,10 @@ class NixlKvTransfer(KvTransferBackend):
         deadline = time.monotonic() + self._timeout  # the pin holds the blocks this long from now
         if cancelled.is_set():
             raise _fail("cancelled")
+        started = time.perf_counter()
         if self._pinner is not None:
             self._pinner.pin(order.session, self._timeout)
+        pinned = time.perf_counter()
         peer = self._remote(source)
         notif = RELEASE_PREFIX + order.session.session_id.encode()
         if not order.dest_block_ids:  # nothing to read: the session is still released
@@ -258,8 +260,12 @@ class NixlKvTransfer(KvTransferBackend):
         if cancelled.is_set():
             raise _fail("cancelled")
         handle = _nixl("set up the READ", self._agent.initialize_xfer, "READ", local, remote, peer, notif)
+        ready = time.perf_counter()
         try:
             self._wait(handle, cancelled, deadline)
+            logger.debug("NIXL pull of %d blocks: pin %.2f ms, setup %.2f ms, READ %.2f ms",
+                         len(order.dest_block_ids), (pinned - started) * 1e3, (ready - pinned) * 1e3,
+                         (time.perf_counter() - ready) * 1e3)
         finally:
             try:
                 self._agent.release_xfer_handle(handle)

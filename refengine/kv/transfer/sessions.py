@@ -72,8 +72,11 @@ class KvSessionStore:
 
     def end_read(self, session_id: str) -> None:
         with self._lock:
-            self._sessions[session_id].readers -= 1
-        self._on_change()
+            session = self._sessions[session_id]
+            session.readers -= 1
+            due = session.is_due(self._clock())
+        if due:  # the last reader of a released or expired session: wake the step loop to free it
+            self._on_change()
 
     def pin(self, session_id: str, seconds: float) -> tuple[int, ...]:
         """Keep a live session's blocks for a one-sided read of up to ``seconds`` (it also
