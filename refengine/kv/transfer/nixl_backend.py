@@ -172,7 +172,8 @@ class NixlKvTransfer(KvTransferBackend):
         self._lock = threading.Condition()  # guards _remotes and _active
         self._active = 0  # pulls running: close waits for them
         self._closed = threading.Event()
-        self._notif_thread: threading.Thread | None = None
+        self._notif_thread: threading.Thread | None = None  # from the first source_attributes
+        self._on_confirmed: SessionConfirmed = lambda session_id: None
 
     def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
         api = _nixl_api()
@@ -189,9 +190,16 @@ class NixlKvTransfer(KvTransferBackend):
             [(r.address, r.num_blocks * r.block_nbytes, 0, "") for r in store.regions], "DRAM")
         # after registering: the metadata carries the registered regions' remote keys
         self._metadata_b64 = base64.b64encode(self._agent.get_agent_metadata()).decode("ascii")
-        self._notif_thread = threading.Thread(target=self._watch_notifs, args=(on_confirmed,),
-                                              name=f"nixl-notifs-{self.agent_name}", daemon=True)
-        self._notif_thread.start()
+        self._on_confirmed = on_confirmed
+
+    def _watch_once(self) -> None:
+        """Start polling notifications with the first session offered: only a source receives
+        them, and on a decode engine the polls would only take the GIL from its other threads."""
+        with self._lock:
+            if self._notif_thread is None:
+                self._notif_thread = threading.Thread(target=self._watch_notifs, args=(self._on_confirmed,),
+                                                      name=f"nixl-notifs-{self.agent_name}", daemon=True)
+                self._notif_thread.start()
 
     def _watch_notifs(self, on_confirmed: SessionConfirmed) -> None:
         while not self._closed.wait(NOTIF_POLL_SECONDS):
@@ -222,6 +230,7 @@ class NixlKvTransfer(KvTransferBackend):
         store = self._store
         if store is None or self._closed.is_set():
             raise RuntimeError("NixlKvTransfer.source_attributes: not bound, or closed")
+        self._watch_once()
         return {"nixl_agent_name": self.agent_name, "nixl_agent_metadata": self._metadata_b64,
                 "nixl_regions": [[str(r.address), r.num_blocks, r.block_nbytes] for r in store.regions],
                 "nixl_block_ids": [int(b) for b in block_ids]}
