@@ -68,8 +68,9 @@ def proto_files() -> list[str]:
     )
 
 
-def run_protoc(out_dir: Path) -> None:
-    """protoc into out_dir: bindings under openengine/v1/, and descriptors.pb (a FileDescriptorSet)."""
+def run_protoc(out_dir: Path, protos: list[str] | None = None, descriptor_set: bool = True) -> None:
+    """protoc ``protos`` (default: the OpenEngine ones) into out_dir, and with ``descriptor_set``
+    also descriptors.pb (a FileDescriptorSet)."""
     cmd = [
         sys.executable,
         "-m",
@@ -78,8 +79,8 @@ def run_protoc(out_dir: Path) -> None:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        f"--descriptor_set_out={out_dir / DESCRIPTOR_SET}",
-        *proto_files(),
+        *([f"--descriptor_set_out={out_dir / DESCRIPTOR_SET}"] if descriptor_set else []),
+        *(protos if protos is not None else proto_files()),
     ]
     subprocess.run(cmd, check=True, cwd=PROTO_ROOT)
 
@@ -210,35 +211,34 @@ Written by ``scripts/gen_proto.py``; do not edit.
 '''
 
 
+def owned_bindings(package: str, rel: Path) -> dict[str, str]:
+    """{file name: final text} of one owned package, its module names under refengine.protocol."""
+    source = Path(*package.split("."))
+    protos = sorted(p.relative_to(PROTO_ROOT).as_posix() for p in (PROTO_ROOT / source).glob("*.proto"))
+    target_package = "refengine.protocol." + ".".join(rel.parts)
+    texts = {"__init__.py": OWNED_INIT.format(package=package)}
+    with tempfile.TemporaryDirectory(prefix="gen_proto_") as tmp:
+        run_protoc(Path(tmp), protos, descriptor_set=False)
+        for path in sorted((Path(tmp) / source).iterdir()):
+            text = path.read_text(encoding="utf-8")
+            text = text.replace(f"from {package} import ", f"from {target_package} import ")
+            # module names only ('refengine.kvpull.v1.kv_pull_pb2'); service and message names stay
+            text = re.sub(rf"'{re.escape(package)}\.(\w+_pb2)'", rf"'{target_package}.\1'", text)
+            proto = (source / (path.name.split("_pb2")[0] + ".proto")).as_posix()
+            texts[path.name] = HEADER.format(proto=proto) + text
+    return texts
+
+
 def generate_owned(out: Path) -> list[Path]:
-    """protoc each owned package into ``out/<dir>``, its module names under refengine.protocol."""
-    written = []
+    """Write each owned package's bindings under ``out/<dir>``; return the paths written."""
+    outputs: dict[Path, str] = {}
     for package, rel in OWNED_PACKAGES.items():
-        source = Path(*package.split("."))
-        protos = sorted(p.relative_to(PROTO_ROOT).as_posix() for p in (PROTO_ROOT / source).glob("*.proto"))
-        with tempfile.TemporaryDirectory(prefix="gen_proto_") as tmp:
-            subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"--proto_path={PROTO_ROOT}",
-                            f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", *protos],
-                           check=True, cwd=PROTO_ROOT)
-            target_package = "refengine.protocol." + ".".join(rel.parts)
-            texts = {}
-            for path in sorted((Path(tmp) / source).iterdir()):
-                text = path.read_text(encoding="utf-8")
-                text = text.replace(f"from {package} import ", f"from {target_package} import ")
-                # module names only ('refengine.kvpull.v1.kv_pull_pb2'); service and message names stay
-                text = re.sub(rf"'{re.escape(package)}\.(\w+_pb2)'", rf"'{target_package}.\1'", text)
-                proto = (source / (path.name.split("_pb2")[0] + ".proto")).as_posix()
-                texts[path.name] = HEADER.format(proto=proto) + text
-        target = out / rel
-        target.mkdir(parents=True, exist_ok=True)
-        texts["__init__.py"] = OWNED_INIT.format(package=package)
-        for parent in [out / rel.parts[0]]:
-            (parent / "__init__.py").write_text(f'"""refengine\'s own protos: {package}."""\n', encoding="utf-8")
-            written.append(parent / "__init__.py")
-        for name, text in texts.items():
-            (target / name).write_bytes(text.encode("utf-8"))
-            written.append(target / name)
-    return written
+        outputs[out / rel.parts[0] / "__init__.py"] = f'"""refengine\'s own protos: {package}."""\n'
+        outputs.update({out / rel / name: text for name, text in owned_bindings(package, rel).items()})
+    for path, text in outputs.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text.encode("utf-8"))
+    return list(outputs)
 
 
 def main(argv: list[str] | None = None) -> int:
