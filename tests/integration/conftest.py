@@ -24,6 +24,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -137,14 +138,21 @@ def wait_ready(server: ServerProcess, timeout: float = 240.0) -> None:
     _wait_ready(server, timeout)
 
 
-@pytest.fixture(scope="session")
-def refengine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_server(tmp_path_factory.mktemp("refengine-server") / "server.log", *SHARED_SERVER_ARGS)
+@contextmanager
+def running_server(log_path: Path, *extra_args: str) -> Iterator[ServerProcess]:
+    """A READY server for the block; it must then stop cleanly (exit code 0)."""
+    server = start_server(log_path, *extra_args)
     try:
         yield server
     finally:
         code = server.stop()
-        assert code == 0, f"shared server exited with {code}:\n{server.log_tail()}"
+        assert code == 0, f"server exited with {code}:\n{server.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def refengine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(tmp_path_factory.mktemp("refengine-server") / "server.log", *SHARED_SERVER_ARGS) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

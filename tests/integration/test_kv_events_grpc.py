@@ -20,7 +20,7 @@ import pytest
 from refengine.client import OpenEngineClient
 from refengine.conformance.kv_subscriber import KvSubscriber, KvView
 from refengine.protocol import oe
-from tests.integration.conftest import ServerProcess, greedy_request, start_server
+from tests.integration.conftest import ServerProcess, greedy_request, running_server
 
 RETAINED = 50
 STALL_S = 2.0
@@ -38,12 +38,8 @@ STUCK_CHANNEL = (("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path_factory.mktemp("kv-events") / "server.log", *SERVER_ARGS)
-    try:
+    with running_server(tmp_path_factory.mktemp("kv-events") / "server.log", *SERVER_ARGS) as proc:
         yield proc
-    finally:
-        code = proc.stop()
-        assert code == 0, f"server exited with {code}:\n{proc.log_tail()}"
 
 
 @pytest.fixture(scope="module")
