@@ -36,6 +36,18 @@ def prompt_hash(token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+def json_int(value: Any) -> int | None:
+    """An integer as a protobuf ``Struct`` carries it — a double with no fraction, below
+    2^53 — or as plain JSON; None for anything else (bools included)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return None
+
+
 @dataclass(frozen=True)
 class FirstToken:
     token_id: int
@@ -136,10 +148,10 @@ class _Reader:
         return value
 
     def int(self, key: str) -> int:
-        value = self._get(key)  # a Struct number is a double: 16.0 is 16
-        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < 0:
+        value = json_int(self._get(key))
+        if value is None or value < 0:
             raise self._bad(key, "a non-negative integer")
-        return int(value)
+        return value
 
     def optional_int(self, key: str) -> int | None:
         return None if self.attrs.get(key) is None else self.int(key)

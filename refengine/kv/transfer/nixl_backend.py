@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NoReturn
 
+from refengine.kv.transfer.attributes import json_int
 from refengine.kv.transfer.base import (
     BlockStore,
     KvRegion,
@@ -88,10 +89,7 @@ def _nixl(what: str, call: Callable[..., Any], *args: Any) -> Any:
 
 
 def _is_int(value: Any) -> bool:
-    """An integer, also as a protobuf Struct carries it: a double with no fraction (K9)."""
-    if isinstance(value, float):
-        return value.is_integer() and abs(value) < 2**53
-    return isinstance(value, int) and not isinstance(value, bool)
+    return json_int(value) is not None
 
 
 def _parse_region(value: Any) -> KvRegion:
