@@ -229,6 +229,8 @@ class Engine(EngineKvMixin):
         stats = self.core.stats()
         with self._lock:
             self._stats = stats
+            # a step that ran nothing (e.g. only pulls in flight): the loop waits for a wake
+            self._stalled = not outputs and stats.prefill_batch_size + stats.decode_batch_size == 0
             for out in outputs:
                 if out.finished:
                     self._active_ids.discard(out.request_id)
@@ -281,14 +283,10 @@ class Engine(EngineKvMixin):
                     return
                 self._woken = False
             try:
-                outputs = self.step()
+                self.step()
             except Exception as exc:
                 logger.exception("engine step failed")
                 self.fail_all(f"engine fault: {type(exc).__name__}: {exc}")
-                continue
-            with self._lock:  # nothing ran (e.g. only pulls in flight): wait for a wake
-                if not outputs and self._stats.prefill_batch_size + self._stats.decode_batch_size == 0:
-                    self._stalled = True
 
     def _wait_seconds(self) -> float | None:
         due = self.kv_sessions.seconds_until_due()
