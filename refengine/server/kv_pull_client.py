@@ -9,7 +9,7 @@ straight into the engine's ``BlockStore``: this module never sees a tensor.
 Failures (``TransferFailure``; ``retryable`` = the prefill server may still hold it):
 NOT_FOUND → "not_found"; unreachable → "failed", not retryable (a restarted prefill
 server has lost its sessions); a bad chunk, a timeout, a stream cut mid-way → "failed",
-retryable. ``pin`` serves the NIXL backend (``SessionPinner``).
+retryable. ``start_pin`` serves the NIXL backend (``SessionPinner``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import zlib
+from collections.abc import Callable
 
 import grpc
 
@@ -106,12 +107,16 @@ class GrpcKvTransfer(KvTransferBackend):
             return TransferFailure("failed", where, retryable=False)
         return TransferFailure("failed", where, retryable=True)
 
-    def pin(self, session: KvSessionSpec, seconds: float) -> None:
-        try:
-            self._stub(session).Pin(pb.PinRequest(session_id=session.session_id, seconds=seconds),
-                                    timeout=self.pull_timeout_seconds)
-        except grpc.RpcError as err:
-            raise self._failure(err, PullOrder("", session, 0, ())) from None
+    def start_pin(self, session: KvSessionSpec, seconds: float) -> Callable[[], None]:
+        call = self._stub(session).Pin.future(pb.PinRequest(session_id=session.session_id, seconds=seconds),
+                                              timeout=self.pull_timeout_seconds)
+
+        def outcome() -> None:
+            try:
+                call.result()
+            except grpc.RpcError as err:
+                raise self._failure(err, PullOrder("", session, 0, ())) from None
+        return outcome
 
     def close(self) -> None:
         with self._lock:

@@ -115,7 +115,12 @@ class KvTransferBackend(ABC):
 class SessionPinner(Protocol):
     """Decode side, for one-sided backends (NIXL READ): ask the source engine to keep a
     session's blocks unchanged for ``seconds`` while they are read without its involvement
-    (the server implements it with the ``refengine.kvpull.v1`` Pin RPC)."""
+    (the server implements it with the ``refengine.kvpull.v1`` Pin RPC).
 
-    def pin(self, session: KvSessionSpec, seconds: float) -> None:
-        """Raises ``TransferFailure`` ("not_found" when the source no longer holds it)."""
+    A pin that succeeds also proves the session was live, its blocks unchanged, from its
+    hand-over until the pin: so a READ may run while the pin is in flight, and what it read
+    is good once the pin succeeds (and discarded when it fails)."""
+
+    def start_pin(self, session: KvSessionSpec, seconds: float) -> Callable[[], None]:
+        """Send the pin; returns a function that waits for its outcome and raises
+        ``TransferFailure`` ("not_found" when the source no longer holds the session)."""

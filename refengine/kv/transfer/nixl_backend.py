@@ -1,10 +1,10 @@
 """NIXL KV transfer: the decode engine READs a session's blocks straight out of the prefill
-engine's registered KV memory (one-sided, NIXL's UCX backend), then NIXL notifies the source.
+engine's registered KV memory (one-sided, NIXL's UCX backend), then notifies the source.
 
 The prefill side offers, in the session's attributes, its agent's metadata, its regions'
 addresses and the session's block ids. The decode side loads the metadata, pins the session
-(``SessionPinner``: the source takes no part in a READ, only a pin keeps its blocks) and
-reads; on completion NIXL delivers ``refengine-release:<session id>`` to the source, whose
+(``SessionPinner``: the source takes no part in a READ, only a pin keeps its blocks) while it
+reads; once both succeeded it sends ``refengine-release:<session id>`` to the source, whose
 notification thread calls ``on_confirmed``. Descriptors are built here from plain numbers
 (NIXL's serialized ones are pickle). No torch: ``BlockStore`` addresses only; nixl itself is
 imported lazily (``nixl_available``).
@@ -234,7 +234,7 @@ class NixlKvTransfer(KvTransferBackend):
                 "nixl_block_ids": [int(b) for b in block_ids]}
 
     def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
-        """Validate (before any pin or transfer), pin, READ, wait; see the class docstring."""
+        """Validate (before any pin or transfer), then pin and READ at once; see the class docstring."""
         if self._store is None:
             raise RuntimeError("NixlKvTransfer.pull: bind() first")
         source = _parse_source(order.session.attributes.get("transfer"))
@@ -255,24 +255,27 @@ class NixlKvTransfer(KvTransferBackend):
         if cancelled.is_set():
             raise _fail("cancelled")
         started = time.perf_counter()
-        if self._pinner is not None:
-            self._pinner.pin(order.session, self._timeout)
-        pinned = time.perf_counter()
+        # The READ overlaps the pin's round trip (see SessionPinner); the release goes only
+        # after both, or an early release would make the pin fail.
+        pin_outcome = self._pinner.start_pin(order.session, self._timeout) if self._pinner else None
         peer = self._remote(source)
-        notif = RELEASE_PREFIX + order.session.session_id.encode()
-        if not order.dest_block_ids:  # nothing to read: the session is still released
-            _nixl("send the release", self._agent.send_notif, peer, notif)
-            return
+        if order.dest_block_ids:
+            self._read(order, source, peer, cancelled, deadline)
+        read = time.perf_counter()
+        if pin_outcome is not None:
+            pin_outcome()
+        _nixl("send the release", self._agent.send_notif, peer, RELEASE_PREFIX + order.session.session_id.encode())
+        logger.debug("NIXL pull of %d blocks: READ %.2f ms, then pin %.2f ms", len(order.dest_block_ids),
+                     (read - started) * 1e3, (time.perf_counter() - read) * 1e3)
+
+    def _read(self, order: PullOrder, source: _Source, peer: str, cancelled: threading.Event,
+              deadline: float) -> None:
         local, remote = _nixl("describe the blocks", self._descriptors, order, source)
         if cancelled.is_set():
             raise _fail("cancelled")
-        handle = _nixl("set up the READ", self._agent.initialize_xfer, "READ", local, remote, peer, notif)
-        ready = time.perf_counter()
+        handle = _nixl("set up the READ", self._agent.initialize_xfer, "READ", local, remote, peer)
         try:
             self._wait(handle, cancelled, deadline)
-            logger.debug("NIXL pull of %d blocks: pin %.2f ms, setup %.2f ms, READ %.2f ms",
-                         len(order.dest_block_ids), (pinned - started) * 1e3, (ready - pinned) * 1e3,
-                         (time.perf_counter() - ready) * 1e3)
         finally:
             try:
                 self._agent.release_xfer_handle(handle)
@@ -329,9 +332,8 @@ class NixlKvTransfer(KvTransferBackend):
         late = ": the READ still runs, its destination blocks may still change" if state == "PROC" else ""
         if cancelled:
             raise _fail("cancelled" + late, dest_may_change=bool(late))
-        # DONE: NIXL has sent the release, so the source no longer holds the session
-        raise _fail(f"timed out after {self._timeout:g} s{late}", retryable=state != "DONE",
-                    dest_may_change=bool(late))
+        # no release was sent: the source may still hold the session
+        raise _fail(f"timed out after {self._timeout:g} s{late}", retryable=True, dest_may_change=bool(late))
 
     def _drain(self, handle: Any) -> str:
         """Poll a stopped READ until it is no longer in progress, at most ``DRAIN_SECONDS``."""
