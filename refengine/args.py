@@ -9,6 +9,7 @@ place they are written. No torch here: the server builds its config from these f
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from refengine.config import (
     KernelConfig,
     KvEventsConfig,
     KvTransferConfig,
+    LoraConfig,
     SchedulerConfig,
 )
 
@@ -66,6 +68,11 @@ FIELD_FLAGS = {
     "KvTransferConfig.chunk_bytes": "--kv-pull-chunk-kib",
     "KvTransferConfig.num_transfer_threads": "--kv-transfer-threads",
     "KvTransferConfig.pull_timeout_seconds": "--kv-pull-timeout",
+    "LoraConfig.enabled": "--enable-lora",
+    "LoraConfig.roots": "--lora-root",
+    "LoraConfig.max_loras": "--max-loras",
+    "LoraConfig.max_lora_rank": "--max-lora-rank",
+    "LoraConfig.max_loaded_loras": "--max-loaded-loras",
 }
 MIB_SHIFT = 20
 
@@ -102,6 +109,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_guided_args(parser.add_argument_group("guided decoding"))
     _add_kv_event_args(parser.add_argument_group("KV events"))
     _add_kv_transfer_args(parser.add_argument_group("disaggregated prefill/decode"))
+    _add_lora_args(parser.add_argument_group("LoRA adapters"))
+
+
+def _add_lora_args(g: argparse._ArgumentGroup) -> None:
+    d = LoraConfig()
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters: LoadLora / UnloadLora / ListLoras and GenerateRequest.lora_name "
+                   "(default: off)")
+    g.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                   help="a directory adapters may be loaded from, repeatable: source_path must resolve inside one "
+                   "(default: none, so no adapter loads)")
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapter slots: the most distinct adapters running at once (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="the largest adapter rank accepted (default: %(default)s)")
+    g.add_argument("--max-loaded-loras", type=int, default=d.max_loaded_loras,
+                   help="the most adapters loaded at once, in host memory (default: %(default)s)")
 
 
 def _add_model_args(g: argparse._ArgumentGroup) -> None:
@@ -262,4 +286,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                                      chunk_bytes=args.kv_pull_chunk_kib << 10,
                                      num_transfer_threads=args.kv_transfer_threads,
                                      pull_timeout_seconds=args.kv_pull_timeout),
+        lora=LoraConfig(enabled=args.enable_lora, roots=tuple(os.path.abspath(r) for r in args.lora_root),
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_loaded_loras=args.max_loaded_loras),
     )

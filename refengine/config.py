@@ -270,6 +270,37 @@ class KvTransferConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA (PEFT adapters loaded at run time through ``LoadLora``).
+
+    ``enabled``: the LoRA RPCs and ``lora_name`` work (R5, R6); off, they answer
+    FAILED_PRECONDITION / NOT_FOUND. ``roots``: absolute directories an adapter's
+    ``source_path`` must resolve inside (after following symlinks); no root, no adapter.
+    ``max_loras``: adapter slots on the device (``DeploymentCapacity.max_loras``): the
+    most distinct adapters the running requests may use at once. ``max_lora_rank``: the
+    largest rank an adapter may have (slot memory is sized by it). ``max_loaded_loras``:
+    the most adapters registered at once (kept in host memory, swapped into slots).
+    """
+
+    enabled: bool = False
+    roots: tuple[str, ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_loaded_loras: int = 64
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "enabled")
+        if not isinstance(self.roots, tuple) or not all(isinstance(r, str) and os.path.isabs(r) for r in self.roots):
+            raise ValueError(f"LoraConfig.roots must be a tuple of absolute directories, got {self.roots!r}")
+        _check_int(self, "max_loras", 1, 256)
+        _check_int(self, "max_lora_rank", 1, 512)
+        _check_int(self, "max_loaded_loras", 1)
+        if self.max_loaded_loras < self.max_loras:
+            raise ValueError(f"LoraConfig.max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights.
 
@@ -306,6 +337,7 @@ class EngineConfig:
     guided: GuidedConfig = field(default_factory=GuidedConfig)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _check_name(self, "model")
@@ -337,7 +369,7 @@ class EngineConfig:
     def _check_parts(self) -> None:
         for name, kind in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("kernels", KernelConfig),
                            ("guided", GuidedConfig), ("kv_events", KvEventsConfig),
-                           ("kv_transfer", KvTransferConfig)):
+                           ("kv_transfer", KvTransferConfig), ("lora", LoraConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"EngineConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         limit = self.scheduler.max_num_seqs

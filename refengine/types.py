@@ -150,6 +150,7 @@ class GenerationRequest:
     priority: int = 0
     guided: GuidedSpec | None = None
     detokenize: bool = True  # False: token ids only, no text (stop strings still match internally)
+    lora_name: str | None = None  # a loaded LoRA adapter to generate with (None: the base model)
 
 
 class FinishReason(enum.Enum):
@@ -258,6 +259,28 @@ class KvSessionNotFound(LookupError):
     """No such KV session here: never made, released, or its lease expired (K7, A2)."""
 
 
+@dataclass(frozen=True)
+class LoraAdapterSpec:
+    """A LoRA adapter as the lifecycle RPCs name it (R1): ``lora_id`` > 0, a non-empty
+    ``lora_name``, ``source_path`` an absolute directory in PEFT layout."""
+
+    lora_id: int
+    lora_name: str
+    source_path: str
+
+
+class LoraDisabledError(RequestError):
+    """LoRA is not enabled on this engine (R5)."""
+
+
+class LoraNotFoundError(RequestError, LookupError):
+    """No loaded adapter has that name (R4): unload, or ``lora_name`` in a request."""
+
+
+class LoraConflictError(RequestError):
+    """A load whose id, name or path collides with a different loaded adapter (R3)."""
+
+
 class OverloadedError(RequestError):
     """The engine cannot take more work now; retrying later may succeed."""
 
@@ -308,6 +331,7 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     extra_keys: tuple[str, ...]
+    lora: LoraAdapterSpec | None = None  # the adapter its KV was computed under (E4)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,8 @@ def make_outputs(request: Request, tokenizer: PreTrainedTokenizerBase, eos_token
     p = request.params
     n = request.num_sequences
     # Everything besides token ids that changes the KV a request computes (its blocks' keys).
-    extra_keys = engine_extra_keys(model_fingerprint, p.kv.cache_salt)
+    lora = request.lora
+    extra_keys = engine_extra_keys(model_fingerprint, p.kv.cache_salt, None if lora is None else lora.cache_key)
     # Without text to send, text is still needed when stop strings must match on it.
     needs_text = p.detokenize or bool(p.stopping.stop_strings)
     outputs = []
@@ -39,6 +40,8 @@ def make_outputs(request: Request, tokenizer: PreTrainedTokenizerBase, eos_token
             use_prefix_cache=not p.kv.bypass_prefix_cache and not request.wants_prompt_logprobs,
             num_pending_forks=n - 1 if index == 0 else 0,
             kv_from_remote=p.kv.session is not None,  # decode role (num_sequences is 1 there)
+            lora_key=0 if lora is None else lora.key,
+            lora=None if lora is None else lora.spec,
         )
         outputs.append(OutputState(
             seq=seq,

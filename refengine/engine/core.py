@@ -4,21 +4,19 @@ One step (``step``):
 
 1. apply this step's aborts;
 2. ``Scheduler.schedule()`` picks sequences and token counts (plain data);
-3. ``build_model_input`` turns that into one ``ModelInput``;
+3. the step's LoRA adapters go into device slots (``engine_lora.py``), then
+   ``build_model_input`` turns it all into one ``ModelInput``;
 4. ``ModelRunner.execute`` returns logits for the rows that need them;
 5. the sampler draws one token per sampling row;
-6. ``update_from_output`` — the one place a step's results are applied: advance
-   computed tokens and publish full blocks, record prompt logprobs, fork outputs
-   waiting for the prompt, append tokens, check stops, finish outputs (freeing
-   their KV) — and return the step's ``RequestOutput``s;
-7. hand the step's KV events, in order, to the event sink.
+6. ``update_from_output`` — the one place a step's results are applied: advance computed
+   tokens and publish full blocks, record prompt logprobs, fork outputs waiting for the
+   prompt, append tokens, check stops, finish outputs (freeing their KV);
+7. emit the step's ``RequestOutput``s; hand its KV events, in order, to the event sink.
 
 Roles (``disagg.py``): before scheduling, a prefill engine frees its due KV sessions and
 a decode engine applies its finished pulls; a prefill engine ends a request at its first
-token with a session instead of emitting the token.
-
-Nothing below calls back up, and only this module changes request state. The core
-knows nothing of threads or streams: the front end (``engine.py``) feeds it.
+token with a session instead of emitting the token. Nothing below calls back up, and only
+this module changes request state; the front end (``engine.py``) feeds it.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ import torch
 from refengine.config import EngineConfig
 from refengine.engine.admission import make_outputs
 from refengine.engine.disagg import Disaggregation, first_sampled_token, transfer_fault
+from refengine.engine.engine_lora import StepLora
 from refengine.engine.input_builder import build_model_input
 from refengine.engine.observe import check_idle, engine_stats, request_usage
 from refengine.engine.output_processor import OutputProcessor
@@ -83,6 +82,7 @@ class EngineCore:
         model_fingerprint: str = "",
         kv_event_sink: KvEventSink | None = None,
         disagg: Callable[[KvCacheManager], Disaggregation] | None = None,
+        lora: StepLora | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -92,7 +92,8 @@ class EngineCore:
         self.pool = BlockPool(runner.num_blocks, config.cache.enable_prefix_caching,
                               record_events=kv_event_sink is not None)
         self.kv = KvCacheManager(self.pool, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.lora.max_loras if lora else 0)
+        self.lora = lora
         self.sampler = Sampler(runner.config.vocab_size, seed=config.seed)
         self.outputs = OutputProcessor(tokenizer)
         self.kv_event_sink = kv_event_sink
@@ -147,7 +148,8 @@ class EngineCore:
             prompt_rows = [self._wants_prompt_logits(item) for item in sched.scheduled]
             num_logit_rows = [item.num_new_tokens if all_rows else int(item.samples)
                               for item, all_rows in zip(sched.scheduled, prompt_rows, strict=True)]
-            model_input = build_model_input(sched, self.kv.block_size, num_logit_rows)
+            adapter_slots = self.lora.step_slots(sched, self.requests) if self.lora is not None else None
+            model_input = build_model_input(sched, self.kv.block_size, num_logit_rows, adapter_slots)
             logits = self.runner.execute(model_input)
             targets, sampled = sample_step(self.sampler, sched, model_input, logits, self.requests)
             self.update_from_output(sched, model_input, logits, prompt_rows, list(zip(targets, sampled, strict=True)),
@@ -164,15 +166,9 @@ class EngineCore:
         request = self.requests[item.request_id]
         return request.wants_prompt_logprobs and not request.prompt_logprobs_ready and item.index == 0
 
-    def update_from_output(
-        self,
-        sched: SchedulerOutput,
-        model_input: ModelInput,
-        logits: torch.Tensor | None,
-        prompt_rows: list[bool],
-        sampled: list[tuple[SampleTarget, SampledToken]],
-        outcome: StepOutcome,
-    ) -> None:
+    def update_from_output(self, sched: SchedulerOutput, model_input: ModelInput, logits: torch.Tensor | None,
+                           prompt_rows: list[bool], sampled: list[tuple[SampleTarget, SampledToken]],
+                           outcome: StepOutcome) -> None:
         """Apply everything the step produced, in order, into ``outcome`` (each output's delta,
         each failed request's fault)."""
         self.scheduler.update_from_output(sched)

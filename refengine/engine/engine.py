@@ -23,6 +23,7 @@ from refengine.config import EngineConfig, ModelConfig
 from refengine.engine.core import EngineCore, KvEventSink
 from refengine.engine.disagg import Disaggregation
 from refengine.engine.engine_kv import EngineKvMixin
+from refengine.engine.engine_lora import EngineLoraMixin, StepLora
 from refengine.engine.info import engine_info
 from refengine.engine.input_processor import InputProcessor
 from refengine.engine.interface import OutputSink
@@ -34,15 +35,16 @@ from refengine.engine.validation import Limits
 from refengine.kernels.attention import make_attention_backend
 from refengine.kv.transfer.base import KvTransferBackend
 from refengine.kv.transfer.sessions import KvSessionStore
+from refengine.lora.registry import LoraRegistry
 from refengine.model.dtypes import DTYPES
 from refengine.model.kv_io import KvBlockIO
+from refengine.model.llama import LoraSlotShape
 from refengine.model.runner import ModelRunner
 from refengine.sampling.guided import GuideCompiler
 from refengine.types import (
     DuplicateRequestError,
     EngineStats,
     GenerationRequest,
-    KvEvent,
     OverloadedError,
     RequestOutput,
 )
@@ -56,7 +58,16 @@ FINISHED_ID_WINDOW = 4096  # finished request ids remembered for abort's ALREADY
 STALLED_POLL_SECONDS = 0.05  # a loop with requests but nothing to run looks again this often
 
 
-class Engine(EngineKvMixin):
+def _make_runner(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
+                 max_model_len: int) -> ModelRunner:
+    dtype, lora = DTYPES[config.dtype], config.lora
+    attention = make_attention_backend(config.attention_backend, dtype, config.device, config.kernels)
+    return ModelRunner(model_config, weights, config.cache, max_model_len, dtype=dtype, device=config.device,
+                       attention=attention, kernels=config.kernels,
+                       lora=LoraSlotShape(lora.max_loras, lora.max_lora_rank) if lora.enabled else None)
+
+
+class Engine(EngineKvMixin, EngineLoraMixin):
     def __init__(
         self,
         config: EngineConfig,
@@ -72,10 +83,9 @@ class Engine(EngineKvMixin):
         self.tokenizer = tokenizer
         max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                             model_config.max_position_embeddings)
-        dtype = DTYPES[config.dtype]
-        attention = make_attention_backend(config.attention_backend, dtype, config.device, config.kernels)
-        runner = ModelRunner(model_config, weights, config.cache, max_model_len, dtype=dtype, device=config.device,
-                             attention=attention, kernels=config.kernels)
+        runner = _make_runner(config, model_config, weights, max_model_len)
+        lora = config.lora
+        self.loras = LoraRegistry(lora, model_config)
         self.kv_events = KvEventHub(config.kv_events.retained_batches, config.kv_events.subscriber_buffer)
         self.block_io = KvBlockIO(runner.kv_caches, type(runner.attention).__name__)
         self.kv_sessions = KvSessionStore(on_change=self._wake)
@@ -84,7 +94,8 @@ class Engine(EngineKvMixin):
             Disaggregation, config, store=self.block_io, fingerprint=model_fingerprint, sessions=self.kv_sessions,
             backends=backends, on_load_done=self._wake)
         self.core = EngineCore(config, runner, tokenizer, tuple(model_config.eos_token_ids), model_fingerprint,
-                               self._kv_sink(config, kv_event_sink), disagg)
+                               self._kv_sink(config, kv_event_sink), disagg,
+                               StepLora(lora.max_loras, runner) if lora.enabled else None)
         self._step_lock = threading.Lock()  # held by a step; subscribing waits for the step to end
         name = served_model_name or config.served_model_name or config.model
         self.info = engine_info(config, model_config, name, max_model_len, runner.num_blocks, tuple(backends))
@@ -94,7 +105,7 @@ class Engine(EngineKvMixin):
             model_config.vocab_size, max_model_len, config.max_sequences_per_request, config.max_logprobs,
             config.cache.block_size, runner.num_blocks), self.guides,
             RoleCheck(config.role, model_fingerprint, config.cache.block_size, self.block_io, tuple(backends),
-                      model_config.vocab_size))
+                      model_config.vocab_size), self.loras)
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
         self._abort_ids: set[str] = set()
@@ -114,18 +125,6 @@ class Engine(EngineKvMixin):
             self._woken = True
             self._stalled = False
             self._lock.notify_all()
-
-    def _kv_sink(self, config: EngineConfig, extra: KvEventSink | None) -> KvEventSink | None:
-        """The hub, when KV events are on, and ``extra`` (an in-process observer) too."""
-        sinks = ([self.kv_events.publish] if config.kv_events.enabled else []) + ([extra] if extra else [])
-        if len(sinks) <= 1:
-            return sinks[0] if sinks else None
-
-        def both(events: list[KvEvent]) -> None:
-            for sink in sinks:
-                sink(events)
-
-        return both
 
     @classmethod
     def from_config(cls, config: EngineConfig, kv_event_sink: KvEventSink | None = None,

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from refengine.config import EngineConfig
-from refengine.engine.core import EngineCore
+from refengine.engine.core import EngineCore, KvEventSink
 from refengine.engine.kv_events import KvEventHub, KvEventSubscription
 from refengine.kv.transfer.base import KvTransferBackend, SessionPinner
 from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
 from refengine.kv.transfer.sessions import KvSessionStore
 from refengine.model.kv_io import KvBlockIO
-from refengine.types import EngineStats, InvalidRequestError
+from refengine.types import EngineStats, InvalidRequestError, KvEvent
 
 
 class EngineKvMixin:
@@ -31,6 +31,18 @@ class EngineKvMixin:
     _step_lock: threading.Lock
     _lock: threading.Condition
     _stats: EngineStats
+
+    def _kv_sink(self, config: EngineConfig, extra: KvEventSink | None) -> KvEventSink | None:
+        """The hub, when KV events are on, and ``extra`` (an in-process observer) too."""
+        sinks = ([self.kv_events.publish] if config.kv_events.enabled else []) + ([extra] if extra else [])
+        if len(sinks) <= 1:
+            return sinks[0] if sinks else None
+
+        def both(events: list[KvEvent]) -> None:
+            for sink in sinks:
+                sink(events)
+
+        return both
 
     def _bind_backends(self, given: Seq[KvTransferBackend]) -> dict[str, KvTransferBackend]:
         """The role's transfer backends, bound to this engine's KV cache (none when aggregated).

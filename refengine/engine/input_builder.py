@@ -14,9 +14,10 @@ from refengine.model.input import ModelInput
 from refengine.scheduler.scheduler import SchedulerOutput
 
 
-def build_model_input(sched: SchedulerOutput, block_size: int, num_logit_rows: Sequence[int]) -> ModelInput:
+def build_model_input(sched: SchedulerOutput, block_size: int, num_logit_rows: Sequence[int],
+                      adapter_slots: Sequence[int] | None = None) -> ModelInput:
     """``num_logit_rows[i]``: how many of sequence ``i``'s last rows need logits (0, 1, or
-    all of its new tokens for prompt logprobs)."""
+    all of its new tokens for prompt logprobs); ``adapter_slots[i]``: its LoRA slot (-1: none)."""
     scheduled = sched.scheduled
     input_ids: list[int] = []
     for item in scheduled:
@@ -51,4 +52,6 @@ def build_model_input(sched: SchedulerOutput, block_size: int, num_logit_rows: S
         num_logit_rows=list(num_logit_rows),
         logit_row_indices=torch.tensor(logit_rows, dtype=torch.int64),
         block_copies=list(sched.block_copies),
+        adapter_slots=None if adapter_slots is None else torch.repeat_interleave(
+            torch.tensor(adapter_slots, dtype=torch.int64), query_lens),
     )

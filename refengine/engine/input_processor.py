@@ -22,6 +22,7 @@ from refengine.engine.validation import (
     validate_sampling,
     validate_stopping,
 )
+from refengine.lora.registry import LoraRegistry
 from refengine.sampling.guided import CompiledGuide, GuideCompiler, GuidedSpecError
 from refengine.types import GenerationRequest, InvalidRequestError
 
@@ -31,8 +32,9 @@ if TYPE_CHECKING:
 
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits, guides: GuideCompiler,
-                 role: RoleCheck) -> None:
+                 role: RoleCheck, loras: LoraRegistry) -> None:
         self.tokenizer = tokenizer
+        self.loras = loras
         self.limits = limits
         self.guides = guides
         self.role = role
@@ -48,7 +50,8 @@ class InputProcessor:
             prompt_ids = list(params.prompt_token_ids or [])
         max_tokens = validate_prompt(params, prompt_ids, self.limits)
         self.role.check(params, prompt_ids)
-        return Request(params, prompt_ids, max_tokens, guide=self._compile(params))
+        lora = None if params.lora_name is None else self.loras.get(params.lora_name)  # R4
+        return Request(params, prompt_ids, max_tokens, guide=self._compile(params), lora=lora)
 
     def _compile(self, params: GenerationRequest) -> CompiledGuide | None:
         """Last, as the costliest check: a compile may wait for a worker, up to its time limit."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from refengine.engine.kv_events import KvEventSubscription
-from refengine.types import EngineStats, GenerationRequest, RequestOutput
+from refengine.types import EngineStats, GenerationRequest, LoraAdapterSpec, RequestOutput
 
 OutputSink = Callable[[RequestOutput], None]  # called on the engine thread; must not block
 
@@ -40,6 +40,7 @@ class EngineInfo:
     # KV transfer backends: a prefill engine's offered one first; a decode engine pulls with any.
     kv_transfer_backends: tuple[str, ...] = ()
     kv_session_ttl_seconds: float = 0.0
+    max_loras: int = 0  # LoRA adapter slots (DeploymentCapacity.max_loras); 0: LoRA disabled
 
 
 class EngineClient(Protocol):
@@ -94,6 +95,16 @@ class EngineClient(Protocol):
 
     def release_all_kv_sessions(self) -> int:
         """Free every session (drain, shutdown); returns how many."""
+
+    # -- LoRA (R1–R5): raise the refengine.types LoRA errors, InvalidRequestError, OverloadedError --
+    def load_lora(self, spec: LoraAdapterSpec) -> tuple[LoraAdapterSpec, bool]:
+        """Load an adapter (slow: reads its files); returns it and whether it was loaded already."""
+
+    def unload_lora(self, name: str) -> LoraAdapterSpec:
+        """Stop accepting requests for an adapter; those accepted finish on it."""
+
+    def list_loras(self) -> list[LoraAdapterSpec]:
+        """The loaded adapters, by id."""
 
     def start(self) -> None:
         """Run the step loop on a background thread."""

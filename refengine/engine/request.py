@@ -18,6 +18,7 @@ import torch
 
 from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from refengine.engine.stop_checker import StopChecker, TokenHoldBack
+from refengine.lora.registry import LoadedLora
 from refengine.sampling.guided import CompiledGuide, GuideMatcher
 from refengine.scheduler.sequence import Sequence
 from refengine.types import FinishInfo, GenerationRequest, TokenInfo
@@ -68,6 +69,7 @@ class Request:
     prompt_token_ids: list[int]
     max_tokens: int  # resolved: never past the context limit
     guide: CompiledGuide | None = None  # compiled before acceptance; one matcher per output from it
+    lora: LoadedLora | None = None  # resolved at acceptance; kept (weights too) until the request ends
     outputs: list[OutputState] = field(default_factory=list)
     prompt_infos: list[TokenInfo] = field(default_factory=list)
     prompt_logprobs_ready: bool = False  # every requested prompt position is recorded

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
+from refengine.kernels.lora import LoraBatch
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class ForwardContext:
     attention: AttentionBackend  # already prepared for this step (``prepare(attn_metadata)``)
     attn_metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key cache, value cache)
-    # Per token, the LoRA slot whose adapter applies (None: no adapters in this step).
-    adapter_slots: torch.Tensor | None = None
+    # The step's adapter tokens grouped by LoRA slot (None: no token uses an adapter).
+    lora: LoraBatch | None = None
     # The tensor-parallel group a sharded layer reduces over (None: a single rank).
     tp_group: object | None = None

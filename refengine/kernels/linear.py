@@ -57,7 +57,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """``x @ weight.T + bias``. ``ctx`` carries the step's per-token facts; a plain
-        projection needs none of them (an adapter-aware one reads ``ctx.adapter_slots``)."""
+        projection needs none of them (``LoraLinear`` reads ``ctx.lora``)."""
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

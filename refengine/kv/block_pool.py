@@ -23,7 +23,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from refengine.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from refengine.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, LoraAdapterSpec
 
 
 @dataclass
@@ -140,6 +140,7 @@ class BlockPool:
         parent_hash: bytes | None,
         token_ids: Sequence[int],
         extra_keys: tuple[str, ...],
+        lora: LoraAdapterSpec | None = None,
     ) -> bool:
         """Seal a full, referenced block and publish it under its chain hash if allowed.
         Returns whether it was published (and a ``BlockStored`` queued).
@@ -162,7 +163,7 @@ class BlockPool:
         block.block_hash = block_hash
         self.hash_to_block[block_hash] = block_id
         if self._events is not None:
-            event = BlockStored(block_hash, parent_hash, tuple(token_ids), len(token_ids), extra_keys)
+            event = BlockStored(block_hash, parent_hash, tuple(token_ids), len(token_ids), extra_keys, lora)
             self._events.append(event)
             self._published[block_hash] = event
         return True

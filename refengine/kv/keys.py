@@ -9,10 +9,11 @@ A full block's key is ``sha256`` over, in order:
 
 The engine's extra keys (``engine_extra_keys``) are the model fingerprint (a digest of the
 weights and config, the same in every process serving those files), then
-``"salt:<cache_salt>"`` when the request has a salt; LoRA and media keys are appended
-after them when those features are in use. Every block of a sequence carries the same
-extra keys. Nothing is process-random, so keys are identical across restarts, processes
-and replicas for the same model and the same tokens.
+``"salt:<cache_salt>"`` when the request has a salt, then ``"lora:<digest>"`` when it runs
+with a LoRA adapter (a digest of the adapter's files: the same files give the same key
+whatever id or name they were loaded under); media keys are appended after them. Every
+block of a sequence carries the same extra keys. Nothing is process-random, so keys are
+identical across restarts, processes and replicas for the same model and the same tokens.
 
 On the wire: ``KvBlockHash`` ``{value: the 32 bytes, encoding: "bytes"}`` on the native
 stream; vLLM-compatible (ZMQ) consumers get the unsigned 64-bit integer of the key's first
@@ -26,9 +27,11 @@ from collections.abc import Sequence
 from refengine.kv.prefix_hash import hash_full_blocks
 
 
-def engine_extra_keys(model_fingerprint: str, cache_salt: str | None = None) -> tuple[str, ...]:
-    """The extra keys the engine hashes into every block of a request."""
-    return (model_fingerprint,) + ((f"salt:{cache_salt}",) if cache_salt else ())
+def engine_extra_keys(model_fingerprint: str, cache_salt: str | None = None,
+                      lora_key: str | None = None) -> tuple[str, ...]:
+    """The extra keys the engine hashes into every block of a request (``lora_key``:
+    ``LoadedLora.cache_key``)."""
+    return (model_fingerprint,) + ((f"salt:{cache_salt}",) if cache_salt else ()) + ((lora_key,) if lora_key else ())
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, extra_keys: tuple[str, ...]) -> list[bytes]:

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from refengine.kv.block_pool import BlockPool, KvBlock
 from refengine.kv.prefix_hash import hash_full_blocks
+from refengine.types import LoraAdapterSpec
 
 
 class KvSequence(Protocol):
@@ -29,6 +30,7 @@ class KvSequence(Protocol):
     block_table: list[int]
     block_hashes: list[bytes]
     extra_keys: tuple[str, ...]
+    lora: LoraAdapterSpec | None  # the adapter its KV is computed under (for KV events)
 
 
 class KvCacheManager:
@@ -119,7 +121,7 @@ class KvCacheManager:
         for i in range(first_new, num_full):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             parent = hashes[i - 1] if i else None
-            self.pool.cache_block(seq.block_table[i], hashes[i], parent, tokens, seq.extra_keys)
+            self.pool.cache_block(seq.block_table[i], hashes[i], parent, tokens, seq.extra_keys, seq.lora)
 
     def _block_at(self, seq: KvSequence, slot: int) -> KvBlock:
         return self.pool.blocks[seq.block_table[slot]]

@@ -30,7 +30,7 @@ class ModelInput:
     num_logit_rows: list[int]  # [num_seqs]
     logit_row_indices: torch.Tensor  # [sum(num_logit_rows)] int64
     block_copies: list[tuple[int, int]]  # (src, dst) whole-block copies to run before the step
-    adapter_slots: torch.Tensor | None = None  # [num_tokens] LoRA slot per token; None = no adapters
+    adapter_slots: torch.Tensor | None = None  # [num_tokens] LoRA slot per token (-1: base); None = no adapters
 
     @property
     def num_seqs(self) -> int:

@@ -2,12 +2,14 @@
 
 Stateless over requests: the runner passes token ids, positions and the step's
 ``ForwardContext`` (the attention backend prepared for this step, the KV cache
-tensors, the per-token adapter slots), which every projection receives. Q/K/V and
+tensors, the step's LoRA batch), which every projection receives. Q/K/V and
 gate/up projections are fused into one matmul each, loaded from the Hugging
 Face per-projection weights; each projection is a ``kernels.linear.Linear``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,11 +18,13 @@ from refengine.config import KernelConfig, ModelConfig
 from refengine.kernels.forward_context import ForwardContext
 from refengine.kernels.fused import FusedOps
 from refengine.kernels.linear import Linear
+from refengine.kernels.lora_linear import FUSED_PROJECTIONS, LoraLinear
 from refengine.model.rope import RotaryEmbedding
 
 
 class LlamaLayer:
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, prepack: bool) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, prepack: bool,
+                 lora: LoraSlotShape | None) -> None:
         attn = f"{prefix}.self_attn"
         mlp = f"{prefix}.mlp"
         self.input_norm = weights[f"{prefix}.input_layernorm.weight"]
@@ -34,11 +38,27 @@ class LlamaLayer:
         self.gate_up_proj = Linear(torch.cat([weights[f"{mlp}.gate_proj.weight"], weights[f"{mlp}.up_proj.weight"]]),
                                    prepack=prepack)
         self.down_proj = Linear(weights[f"{mlp}.down_proj.weight"], prepack=prepack)
+        if lora is not None:  # the four projections take adapter deltas (kernels/lora_linear.py)
+            dtype, device = self.input_norm.dtype, str(self.input_norm.device)
+            for name, parts in FUSED_PROJECTIONS.items():
+                setattr(self, name, LoraLinear(getattr(self, name), lora.num_slots, lora.max_rank * len(parts),
+                                               dtype, device))
+
+    def lora_projections(self) -> dict[str, LoraLinear]:
+        return {name: getattr(self, name) for name in FUSED_PROJECTIONS if isinstance(getattr(self, name), LoraLinear)}
+
+
+@dataclass(frozen=True)
+class LoraSlotShape:
+    """Room for adapters: ``num_slots`` resident at once, each of rank up to ``max_rank``."""
+
+    num_slots: int
+    max_rank: int
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 kernels: KernelConfig | None = None) -> None:
+                 kernels: KernelConfig | None = None, lora: LoraSlotShape | None = None) -> None:
         kernels = kernels or KernelConfig()
         self.config = config
         self.ops = FusedOps(native=kernels.native_cpu_kernels)
@@ -47,7 +67,7 @@ class LlamaModel:
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.layers = [LlamaLayer(weights, f"model.layers.{i}", config, kernels.onednn_linear)
+        self.layers = [LlamaLayer(weights, f"model.layers.{i}", config, kernels.onednn_linear, lora)
                        for i in range(config.num_hidden_layers)]
         self.norm = weights["model.norm.weight"]
         self.lm_head = Linear(self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"],

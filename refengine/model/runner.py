@@ -8,7 +8,7 @@ It never sees a scheduler or request object.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -16,8 +16,10 @@ from refengine.config import CacheConfig, KernelConfig, ModelConfig
 from refengine.kernels.attention import AttentionMetadata, TorchReferenceBackend
 from refengine.kernels.attention.base import AttentionBackend
 from refengine.kernels.forward_context import ForwardContext
+from refengine.kernels.lora import LoraBatch
+from refengine.kernels.lora_linear import ProjectionDeltas
 from refengine.model.input import ModelInput
-from refengine.model.llama import LlamaModel
+from refengine.model.llama import LlamaModel, LoraSlotShape
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -36,12 +38,13 @@ class ModelRunner:
         device: str = "cpu",
         attention: AttentionBackend | None = None,
         kernels: KernelConfig | None = None,
+        lora: LoraSlotShape | None = None,
     ) -> None:
         weights = {name: w.to(dtype=dtype, device=device) for name, w in weights.items()}
         self.config = config
         self.device = device
         self.block_size = cache.block_size
-        self.model = LlamaModel(config, weights, max_positions=max_model_len, kernels=kernels)
+        self.model = LlamaModel(config, weights, max_positions=max_model_len, kernels=kernels, lora=lora)
         self.num_blocks = cache.num_blocks or max(1, cache.kv_memory_bytes // kv_bytes_per_block(
             config, cache.block_size, dtype))
         self.attention = attention or TorchReferenceBackend()
@@ -62,6 +65,15 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
+    def set_lora_slot(self, slot: int, layers: Sequence[Mapping[str, ProjectionDeltas]]) -> None:
+        """Make ``slot`` hold one adapter: per layer, the deltas of the projections it targets
+        (the others are cleared). Between steps only."""
+        assert len(layers) == len(self.model.layers)
+        with torch.inference_mode():
+            for layer, deltas in zip(self.model.layers, layers, strict=True):
+                for name, projection in layer.lora_projections().items():
+                    projection.set_slot(slot, deltas.get(name))
+
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> torch.Tensor | None:
         """Run one step: copy-on-write block copies, the forward pass, then the vocabulary
@@ -77,9 +89,9 @@ class ModelRunner:
             block_size=self.block_size,
         )
         self.attention.prepare(meta)
-        adapter_slots = model_input.adapter_slots
+        slots = model_input.adapter_slots
         ctx = ForwardContext(self.attention, meta, self.kv_caches,
-                             adapter_slots=None if adapter_slots is None else adapter_slots.to(device))
+                             lora=None if slots is None else LoraBatch.build(slots.to(device)))
         hidden = self.model.forward(model_input.input_ids.to(device), model_input.positions.to(device), ctx)
         if model_input.logit_row_indices.numel() == 0:
             return None

@@ -11,6 +11,11 @@ when no preemption happened this step, and never past the head of the queue, so
 admission is fair and cannot deadlock: every admitted sequence fits the pool
 alone (the engine rejects those that never could).
 
+LoRA: the running (and receiving) sequences use at most ``max_loras`` distinct adapters,
+so every step's adapters fit the device's slots. A waiting sequence whose adapter would be
+one too many waits at the head of the queue until the running ones of some adapter finish
+(they always do: each is bounded by its ``max_tokens``).
+
 The scheduler decides counts; it never touches tensors. ``schedule`` returns what
 to run; ``update_from_output`` advances ``num_computed_tokens`` once it ran and
 publishes the blocks that became full.
@@ -76,9 +81,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KvCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KvCacheManager, max_loras: int = 0) -> None:
         self.config = config
         self.kv = kv
+        self.max_loras = max_loras
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key at each step
         self.receiving: list[Sequence] = []  # admitted, their prompt's KV being pulled (never preempted)
@@ -153,10 +159,15 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         num_running_slots = sum(s.num_slots for s in self.running) + len(self.receiving)
+        adapters = {s.lora_key for s in self.running + self.receiving if s.lora_key}
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if num_running_slots + seq.num_slots > self.config.max_num_seqs:
                 break
+            if seq.lora_key and seq.lora_key not in adapters:
+                if len(adapters) >= self.max_loras:
+                    break
+                adapters.add(seq.lora_key)
             cached_block_ids = self.kv.find_cached_prefix(seq) if seq.use_prefix_cache else []
             num_cached_tokens = len(cached_block_ids) * self.kv.block_size
             if seq.kv_from_remote and seq.num_computed_tokens == 0:

@@ -11,6 +11,8 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from refengine.types import LoraAdapterSpec
+
 _arrival_counter = itertools.count()
 
 
@@ -36,6 +38,10 @@ class Sequence:
     num_pending_forks: int = 0
     # Decode role: the prompt's KV comes from a prefill engine's session, not from a forward pass.
     kv_from_remote: bool = False
+    # The LoRA adapter it runs with: ``lora_key`` identifies the load (0: the base model), at
+    # most ``max_loras`` distinct ones run at once; ``lora`` names it in KV events.
+    lora_key: int = 0
+    lora: LoraAdapterSpec | None = None
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

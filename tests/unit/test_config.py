@@ -23,6 +23,7 @@ from refengine.config import (
     KernelConfig,
     KvEventsConfig,
     KvTransferConfig,
+    LoraConfig,
     ModelConfig,
     SchedulerConfig,
 )
@@ -31,7 +32,7 @@ from refengine.kernels.attention.cpu_paged import native_kernel_unavailable_reas
 from refengine.runtime import apply_process_settings
 
 CONFIG_CLASSES = (EngineConfig, CacheConfig, SchedulerConfig, KernelConfig, GuidedConfig, KvEventsConfig,
-                  KvTransferConfig)
+                  KvTransferConfig, LoraConfig)
 MODEL = dict(architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -75,6 +76,11 @@ BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
     ("theta", lambda: ModelConfig(**MODEL | dict(rope_theta=float("nan"))), r"ModelConfig\.rope_theta"),
     ("eos", lambda: ModelConfig(**MODEL | dict(eos_token_ids=(2, -1))), r"ModelConfig\.eos_token_ids"),
     ("architecture", lambda: ModelConfig(**MODEL | dict(architecture="")), r"ModelConfig\.architecture"),
+    ("lora_root_relative", lambda: LoraConfig(roots=("adapters",)), r"LoraConfig\.roots must be a tuple of absolute"),
+    ("lora_slots", lambda: LoraConfig(max_loras=0), r"LoraConfig\.max_loras must be an integer in \[1, 256\]"),
+    ("lora_rank", lambda: LoraConfig(max_lora_rank=0), r"LoraConfig\.max_lora_rank must be an integer"),
+    ("lora_loaded", lambda: LoraConfig(max_loras=8, max_loaded_loras=4),
+     r"max_loaded_loras \(4\) must be >= max_loras"),
 ]
 
 
@@ -138,7 +144,7 @@ def get(config: EngineConfig, field: str) -> Any:
     owner, name = field.split(".")
     part = {"EngineConfig": config, "CacheConfig": config.cache, "SchedulerConfig": config.scheduler,
             "KernelConfig": config.kernels, "GuidedConfig": config.guided, "KvEventsConfig": config.kv_events,
-            "KvTransferConfig": config.kv_transfer}[owner]
+            "KvTransferConfig": config.kv_transfer, "LoraConfig": config.lora}[owner]
     return getattr(part, name)
 
 
@@ -180,13 +186,18 @@ FLAG_SETTINGS = [
     (["--kv-pull-chunk-kib", "64"], "KvTransferConfig.chunk_bytes", 64 << 10),
     (["--kv-transfer-threads", "2"], "KvTransferConfig.num_transfer_threads", 2),
     (["--kv-pull-timeout", "7"], "KvTransferConfig.pull_timeout_seconds", 7.0),
+    (["--enable-lora"], "LoraConfig.enabled", True),
+    (["--lora-root", "/srv/a", "--lora-root", "/srv/b"], "LoraConfig.roots", ("/srv/a", "/srv/b")),
+    (["--max-loras", "2"], "LoraConfig.max_loras", 2),
+    (["--max-lora-rank", "8"], "LoraConfig.max_lora_rank", 8),
+    (["--max-loaded-loras", "9"], "LoraConfig.max_loaded_loras", 9),
 ]
 
 
 def test_every_config_field_has_a_flag() -> None:
     fields = {f"{kind.__name__}.{f.name}" for kind in CONFIG_CLASSES for f in dataclasses.fields(kind)
               if not dataclasses.is_dataclass(f.type)
-              and f.name not in ("cache", "scheduler", "kernels", "guided", "kv_events", "kv_transfer")}
+              and f.name not in ("cache", "scheduler", "kernels", "guided", "kv_events", "kv_transfer", "lora")}
     assert set(FIELD_FLAGS) == fields
     assert {field for _, field, _ in FLAG_SETTINGS} == fields
     assert all(FIELD_FLAGS[field] == flags[0] for flags, field, _ in FLAG_SETTINGS)

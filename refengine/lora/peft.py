@@ -1,0 +1,197 @@
+"""Reading a LoRA adapter in PEFT's saved layout: ``adapter_config.json`` and
+``adapter_model.safetensors`` (never pickle: a directory with only ``adapter_model.bin``
+is refused).
+
+What is supported is what the model's projections can take: ``peft_type`` LORA on
+``q/k/v/o_proj`` and ``gate/up/down_proj`` of any layers, any rank up to the engine's
+``max_lora_rank`` (per module too: ``rank_pattern``, ``alpha_pattern``), scaling
+``lora_alpha / r`` or, with ``use_rslora``, ``lora_alpha / sqrt(r)``. Everything else that
+changes the math — DoRA, LoRA biases, ``bias`` other than "none", ``modules_to_save``,
+trainable tokens, target parameters, embedding or lm_head adapters, ``fan_in_fan_out`` —
+is refused with ``InvalidRequestError`` naming it, before any weight is kept.
+
+The result is already in the engine's fused form (``ProjectionDeltas``): q, k and v (and
+gate and up) share one input, so their ``A`` matrices stack into one ``[r_q + r_k + r_v,
+in]`` matrix and their ``B`` matrices form one block-diagonal ``[out_q + out_k + out_v,
+r_q + r_k + r_v]`` matrix, the scale folded in: one shrink and one expand per fused projection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from refengine.config import ModelConfig
+from refengine.kernels.lora_linear import FUSED_PROJECTIONS, ProjectionDeltas
+from refengine.types import InvalidRequestError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj"
+                  r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# Options whose non-default values change the math in ways the engine does not implement.
+_REFUSED_OPTIONS = {"use_dora": (False, None), "bias": ("none", None), "lora_bias": (False, None),
+                    "fan_in_fan_out": (False, None), "modules_to_save": (None, []), "layer_replication": (None, []),
+                    "trainable_token_indices": (None, {}, []), "target_parameters": (None, [])}
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """An adapter read and checked: per layer, its fused projections' deltas (only those it
+    targets), the largest rank it uses, and a digest of its files (the prefix-cache key)."""
+
+    layers: tuple[dict[str, ProjectionDeltas], ...]
+    max_rank: int
+    fingerprint: str
+
+
+def _refuse(path: Path, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"LoRA adapter {str(path)!r}: {message}")
+
+
+def _read_config(path: Path, config_file: Path) -> dict[str, Any]:
+    if config_file.stat().st_size > MAX_CONFIG_BYTES:
+        raise _refuse(path, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _refuse(path, f"{CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise _refuse(path, f"{CONFIG_FILE} must hold a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _refuse(path, f"peft_type {config.get('peft_type')!r} is not supported (only LORA)")
+    for option, allowed in _REFUSED_OPTIONS.items():
+        if config.get(option, allowed[0]) not in allowed:
+            raise _refuse(path, f"{option}={config[option]!r} is not supported")
+    for name in ("r", "lora_alpha"):
+        value = config.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise _refuse(path, f"{CONFIG_FILE}: {name} must be a number > 0, got {value!r}")
+    for name in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(name) or {}, dict):
+            raise _refuse(path, f"{CONFIG_FILE}: {name} must be an object")
+    return config
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's rule: a pattern key applies to a module whose name ends with it (at a dot)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _expected_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection."""
+    q_out, kv_out = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
+    hidden, inter = model.hidden_size, model.intermediate_size
+    return {"q": (hidden, q_out), "k": (hidden, kv_out), "v": (hidden, kv_out), "o": (q_out, hidden),
+            "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}
+
+
+def _read_modules(path: Path, weights_file: Path, model: ModelConfig
+                  ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """(layer, projection letter) -> {"A": tensor, "B": tensor}, every key checked."""
+    modules: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights_file), framework="pt") as tensors:
+            for key in tensors.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                match = _KEY.match(key)
+                if match is None:
+                    raise _refuse(path, f"tensor {key!r} is not a LoRA A/B weight of q/k/v/o/gate/up/down_proj "
+                                  "(embedding, lm_head, DoRA and bias tensors are not supported)")
+                layer, _, proj, which = match.groups()
+                if int(layer) >= model.num_hidden_layers:
+                    raise _refuse(path, f"tensor {key!r}: the model has {model.num_hidden_layers} layers")
+                modules.setdefault((int(layer), proj), {})[which] = tensors.get_tensor(key)
+    except (OSError, RuntimeError, ValueError) as exc:
+        if isinstance(exc, InvalidRequestError):
+            raise
+        raise _refuse(path, f"{WEIGHTS_FILE} cannot be read: {exc}") from None
+    if not modules:
+        raise _refuse(path, f"{WEIGHTS_FILE} holds no LoRA weights")
+    return modules
+
+
+def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor], config: dict[str, Any],
+                 shapes: dict[str, tuple[int, int]], max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    block = "self_attn" if proj in "qkvo" else "mlp"
+    module = f"model.layers.{layer}.{block}.{proj}_proj"
+    if set(pair) != {"A", "B"}:
+        raise _refuse(path, f"{module} has lora_{''.join(pair)} but not both lora_A and lora_B")
+    lora_a, lora_b = pair["A"], pair["B"]
+    in_features, out_features = shapes[proj]
+    rank = lora_a.shape[0] if lora_a.dim() == 2 else -1
+    if lora_a.shape != (rank, in_features) or lora_b.shape != (out_features, rank):
+        raise _refuse(path, f"{module}: lora_A {tuple(lora_a.shape)} / lora_B {tuple(lora_b.shape)} do not fit "
+                      f"the model's projection (in {in_features}, out {out_features})")
+    expected_rank = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
+    if rank != expected_rank:
+        raise _refuse(path, f"{module}: rank {rank} but {CONFIG_FILE} says r={expected_rank}")
+    if rank > max_rank:
+        raise _refuse(path, f"{module}: rank {rank} is above this server's --max-lora-rank {max_rank}")
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
+    if not lora_a.is_floating_point() or not lora_b.is_floating_point():
+        raise _refuse(path, f"{module}: LoRA weights must be floating point")
+    return lora_a.float(), lora_b.float() * scale
+
+
+def _fuse(parts: list[tuple[torch.Tensor, torch.Tensor] | None], outs: list[int]) -> ProjectionDeltas | None:
+    """Stack the parts' A matrices; place each B in its own rows and rank columns."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    lora_a = torch.cat([a for a, _ in present])
+    lora_b = torch.zeros(sum(outs), lora_a.shape[0])
+    row = col = 0
+    for part, out in zip(parts, outs, strict=True):
+        if part is not None:
+            rank = part[0].shape[0]
+            lora_b[row:row + out, col:col + rank] = part[1]
+            col += rank
+        row += out
+    return ProjectionDeltas(lora_a, lora_b)
+
+
+def _digest(*files: Path) -> str:
+    digest = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as stream:
+            for chunk in iter(lambda s=stream: s.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:32]
+
+
+def read_peft_adapter(path: Path, model: ModelConfig, max_rank: int) -> PeftAdapter:
+    """Read and check the adapter in directory ``path`` (already confined by the caller)."""
+    config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not config_file.is_file():
+        raise _refuse(path, f"no {CONFIG_FILE} (a PEFT adapter directory is expected)")
+    if not weights_file.is_file():
+        pickled = (path / "adapter_model.bin").exists()
+        raise _refuse(path, f"no {WEIGHTS_FILE}" + (" (adapter_model.bin is pickle, which is never loaded)"
+                                                    if pickled else ""))
+    config = _read_config(path, config_file)
+    shapes = _expected_shapes(model)
+    modules = _read_modules(path, weights_file, model)
+    pairs = {key: _scaled_pair(path, *key, pair, config, shapes, max_rank) for key, pair in sorted(modules.items())}
+    layers: list[dict[str, ProjectionDeltas]] = []
+    for layer in range(model.num_hidden_layers):
+        fused = {}
+        for name, letters in FUSED_PROJECTIONS.items():
+            deltas = _fuse([pairs.get((layer, p)) for p in letters], [shapes[p][1] for p in letters])
+            if deltas is not None:
+                fused[name] = deltas
+        layers.append(fused)
+    max_used = max(a.shape[0] for a, _ in pairs.values())
+    return PeftAdapter(tuple(layers), max_used, _digest(config_file, weights_file))
