@@ -12,7 +12,7 @@ Read in this order:
 - ``responses.py``    engine outputs → ``GenerateResponse`` events (G9–G16, L1–L3, X1).
 - ``stream_bridge.py`` engine thread → event loop hand-off, bounded, with stall detection.
 - ``inference.py``    ``Inference.Generate``.
-- ``control.py``      ``Control``: discovery, load, abort, LoRA / KV-event stubs.
+- ``control.py``      ``Control``: discovery, load, abort, the LoRA lifecycle, KV-event discovery.
 - ``health.py``       ``Control.Health``, the inference probe, grpc.health.v1 status.
 - ``errors.py``       engine exceptions and faults → gRPC status codes / ``EngineError``.
 - ``wire.py``         servicer registration; unparseable request bytes → INVALID_ARGUMENT.

@@ -52,7 +52,7 @@ class Capabilities:
     stop_in_output: bool = True
     cache_salt: bool = True
     prefix_cache_bypass: bool = True
-    lora: bool = False  # LoRA lands in a later issue (R5, R6)
+    lora: bool = False  # R6: the LoRA RPCs and lora_name work (LoraConfig.enabled)
     multimodal: bool = False
     served_model_aliases: tuple[str, ...] = ()  # D8: every other accepted name
 
@@ -81,6 +81,7 @@ def capabilities_of(info: EngineInfo) -> Capabilities:
         prompt_logprobs=info.role != "decode",
         guided_modes=tuple(m for m in GUIDED_MODES if m in info.guided_modes),
         guided_backends=info.guided_backends,
+        lora=info.max_loras > 0,
     )
 
 

@@ -1,17 +1,19 @@
 """``Control``: discovery (D1–D7), load (H4), health (H1–H3, in ``health.py``), abort
-(A1–A3), and the LoRA / KV-event RPCs this build does not offer yet.
+(A1–A3), the LoRA lifecycle (R1–R5) and KV-event discovery.
 
 Unary RPCs report failures with a non-OK status only (X2). While the model loads, every
 RPC but ``Health`` answers UNAVAILABLE (retry when Health is READY).
 
 Choices where the contract is silent (ref):
 - ``DeploymentCapacity.max_running_requests`` is the scheduler's ``max_num_seqs`` (each
-  of a request's outputs counts), ``max_loras`` = 0 (LoRA disabled, a reported value);
+  of a request's outputs counts), ``max_loras`` the adapter slots (0 with LoRA disabled);
 - ``ServerInfo.kv_connector`` (K11): disabled on an aggregated server; on a prefill or decode
   server, its transfer backend (a prefill server's offered one; a decode server's first),
   this server's endpoint (a prefill server's sessions are pulled from its port) and every
   backend's protocol, ``schema_version`` 1 (``refengine.kv-session/1``);
-- LoRA RPCs → FAILED_PRECONDITION "LoRA is disabled" (R5), including ``ListLoras``;
+- LoRA: the engine applies R1–R5 (``lora/registry.py``); loading reads files, so it runs
+  off the event loop. LoRA disabled → FAILED_PRECONDITION for all three RPCs, ``ListLoras``
+  included (R5). ``LoadLora`` without ``adapter`` → INVALID_ARGUMENT (R1);
 - ``GetKvEventSources`` / ``SubscribeKvEvents``: ``kv_events_service.py``;
 - ``Abort(kv_session)`` frees a held session (ABORTED); an unknown, released or expired one →
   NOT_FOUND (A2, K7): a session is not a request, so it has no ALREADY_FINISHED window.
@@ -19,6 +21,7 @@ Choices where the contract is silent (ref):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -36,18 +39,22 @@ from refengine.server.capabilities import (
     model_info,
 )
 from refengine.server.convert import GENERATE_EXTRA_KEYS
-from refengine.server.errors import Rejection, invalid
+from refengine.server.errors import Rejection, invalid, rejection_from_engine
 from refengine.server.health import ROLES, health_response
 from refengine.server.metadata import read_trace_context
 from refengine.server.state import ServerState
 from refengine.server.validation import check_model
+from refengine.types import LoraAdapterSpec, RequestError
 
 SCHEMA_REVISION = 1
 MINIMUM_CLIENT_REVISION = 1
 #: D1: the immutable Buf registry commit of the release v0.1.0 (Git tag v0.1.0 = b5f2bd9), never a tag.
 SCHEMA_RELEASE = "768a93c7b44e40f28c692ad0b471a8f2"
-LORA_DISABLED = "LoRA is disabled on this server (supports_lora=false)"
 logger = logging.getLogger(__name__)
+
+
+def _adapter(spec: LoraAdapterSpec) -> oe.LoraAdapter:
+    return oe.LoraAdapter(lora_id=spec.lora_id, lora_name=spec.lora_name, source_path=spec.source_path)
 
 
 def _struct(values: dict) -> struct_pb2.Struct:
@@ -65,6 +72,9 @@ class ControlServicer(oe.ControlServicer):
         read_trace_context(context.invocation_metadata())
         try:
             return await build()
+        except RequestError as exc:
+            rejection = rejection_from_engine(exc)
+            await context.abort(rejection.code, rejection.message)
         except Rejection as rejection:
             await context.abort(rejection.code, rejection.message)
         except Exception as exc:  # a bug: report it as INTERNAL, keep serving
@@ -94,7 +104,7 @@ class ControlServicer(oe.ControlServicer):
                 total_kv_blocks=info.total_kv_blocks,
                 max_running_requests=info.max_num_seqs,
                 max_batched_tokens=info.max_num_batched_tokens,
-                max_loras=0,
+                max_loras=info.max_loras,
             ),
             extra=_struct({"device": info.device, "dtype": info.dtype}),
         )
@@ -200,19 +210,31 @@ class ControlServicer(oe.ControlServicer):
 
         return await self._run(context, build)
 
-    # -- not offered in this build -------------------------------------------------
-    async def _lora_disabled(self, context):  # noqa: ANN001, ANN202
-        read_trace_context(context.invocation_metadata())
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, LORA_DISABLED)
-
+    # -- LoRA lifecycle ------------------------------------------------------------
     async def LoadLora(self, request, context):  # noqa: ANN001, ANN201, N802
-        await self._lora_disabled(context)
+        async def build() -> oe.LoadLoraResponse:
+            engine = self.state.engine_for_control()
+            if not request.HasField("adapter"):
+                raise invalid("adapter is required (lora_id, lora_name, source_path)")
+            a = request.adapter
+            spec, already = await asyncio.to_thread(
+                engine.load_lora, LoraAdapterSpec(a.lora_id, a.lora_name, a.source_path))
+            return oe.LoadLoraResponse(adapter=_adapter(spec), already_loaded=already)
+
+        return await self._run(context, build)
 
     async def UnloadLora(self, request, context):  # noqa: ANN001, ANN201, N802
-        await self._lora_disabled(context)
+        async def build() -> oe.UnloadLoraResponse:
+            engine = self.state.engine_for_control()
+            return oe.UnloadLoraResponse(adapter=_adapter(engine.unload_lora(request.lora_name)))
+
+        return await self._run(context, build)
 
     async def ListLoras(self, request, context):  # noqa: ANN001, ANN201, N802
-        await self._lora_disabled(context)
+        async def build() -> oe.ListLorasResponse:
+            return oe.ListLorasResponse(adapters=[_adapter(s) for s in self.state.engine_for_control().list_loras()])
+
+        return await self._run(context, build)
 
     async def GetKvEventSources(self, request, context):  # noqa: ANN001, ANN201, N802
         async def build() -> oe.GetKvEventSourcesResponse:

@@ -27,9 +27,10 @@ Both can only tighten the server's settings, never loosen them.
 
 | guided.<mode> / guided.backend          | GuidedSpec (mode = the oneof field's name)       |
 
-Rejected here (INVALID_ARGUMENT): an empty ``StopCondition`` (G6). Media and LoRA never
-reach this module (``validation.py`` refuses them while unsupported); a guided spec is
-checked and compiled by the engine before acceptance.
+Rejected here (INVALID_ARGUMENT): an empty ``StopCondition`` (G6). Media never reaches this
+module (``validation.py`` refuses it while unsupported); ``lora_name`` (empty = the base
+model) is resolved by the engine before acceptance (unknown → NOT_FOUND, R4); a guided spec
+is checked and compiled by the engine before acceptance.
 """
 
 from __future__ import annotations
@@ -187,6 +188,7 @@ def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata,
         priority=meta.priority or 0,
         guided=_guided(request.guided) if request.HasField("guided") else None,
         detokenize=detokenize_of(request.extra),
+        lora_name=request.lora_name or None,
     )
 
 

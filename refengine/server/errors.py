@@ -22,8 +22,22 @@ from refengine.types import (
     DuplicateRequestError,
     EngineFault,
     InvalidRequestError,
+    LoraConflictError,
+    LoraDisabledError,
+    LoraNotFoundError,
     OverloadedError,
     RequestError,
+)
+
+#: Engine refusals → status codes. Overload is RESOURCE_EXHAUSTED, the gRPC code for
+#: admission/capacity exhaustion; the LoRA ones are R3–R5's.
+REFUSAL_CODES: tuple[tuple[type[RequestError], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (LoraNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (LoraConflictError, grpc.StatusCode.ALREADY_EXISTS),
+    (LoraDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 
@@ -42,16 +56,10 @@ def invalid(message: str) -> Rejection:
 
 
 def rejection_from_engine(exc: RequestError) -> Rejection:
-    """``Engine.add_request`` refusals (nothing was allocated) → status codes.
-
-    Overload is RESOURCE_EXHAUSTED, the gRPC code for admission/capacity exhaustion.
-    """
-    if isinstance(exc, InvalidRequestError):
-        return Rejection(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, DuplicateRequestError):
-        return Rejection(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-    if isinstance(exc, OverloadedError):
-        return Rejection(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    """An engine refusal (``add_request``, the LoRA lifecycle; nothing changed) → a status."""
+    for kind, code in REFUSAL_CODES:
+        if isinstance(exc, kind):
+            return Rejection(code, str(exc))
     return Rejection(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 

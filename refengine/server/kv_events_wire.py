@@ -31,6 +31,8 @@ def _event(event: KvEvent, medium: int) -> oe.KvEvent:
                                 extra_keys=[oe.OpaqueKeyTuple(values=list(event.extra_keys))])
         if event.parent_hash is not None:
             stored.parent_block_hash.CopyFrom(_hash(event.parent_hash))
+        if event.lora is not None:  # E4: the adapter its KV was computed under
+            stored.lora_id, stored.lora_name = event.lora.lora_id, event.lora.lora_name
         return oe.KvEvent(block_stored=stored)
     if isinstance(event, BlockRemoved):
         return oe.KvEvent(block_removed=oe.BlockRemoved(block_hashes=[_hash(event.block_hash)], medium=medium))

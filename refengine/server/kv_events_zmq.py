@@ -12,8 +12,9 @@ Wire format (what a vLLM consumer reads unchanged):
   epoch, the engine batch's timestamp; rank 0).
 - each event a map tagged by ``"type"`` (msgspec ``tag=True``, ``omit_defaults=True``):
   ``{"type": "BlockStored", "block_hashes": [h], "parent_block_hash": p | None,
-  "token_ids": [...], "block_size": n, "lora_id": None, "medium": m, "lora_name": None}``,
-  plus ``"cache_salt"`` when the block's request had one; ``{"type": "BlockRemoved",
+  "token_ids": [...], "block_size": n, "lora_id": id, "medium": m, "lora_name": name}`` (the
+  adapter its KV was computed under, None for the base model), plus ``"cache_salt"`` when
+  the block's request had one; ``{"type": "BlockRemoved",
   "block_hashes": [h], "medium": m}``; ``{"type": "AllBlocksCleared"}``. Fields vLLM gives
   defaults (``extra_keys``, ``group_idx``, ``kv_cache_spec_*``) are left out. One block per
   ``BlockStored``, always a full block of the engine's block size.
@@ -83,9 +84,9 @@ def encode_event(event: KvEvent, medium: str | None) -> dict[str, Any]:
             "parent_block_hash": None if event.parent_hash is None else block_hash_u64(event.parent_hash),
             "token_ids": list(event.token_ids),
             "block_size": event.block_size,
-            "lora_id": None,
+            "lora_id": None if event.lora is None else event.lora.lora_id,
             "medium": medium,
-            "lora_name": None,
+            "lora_name": None if event.lora is None else event.lora.lora_name,
         }
         salt = _cache_salt(event.extra_keys)
         if salt is not None:

@@ -10,8 +10,8 @@ limit it knows only in bytes goes down as ``LogprobParams.max_prompt_positions``
 
 Status choices (ref, where the contract only says "non-OK"):
 - unsupported feature (guided decoding, media): INVALID_ARGUMENT, naming the capability;
-- ``lora_name`` while LoRA is disabled: NOT_FOUND, as for any unknown adapter (R4); the
-  same answer once LoRA lands and the adapter is not loaded;
+- ``lora_name`` naming no loaded adapter, LoRA enabled or not: NOT_FOUND (R4), from the
+  engine (``LoraNotFoundError``), which resolves the name before acceptance;
 - a ``kv.session`` on an aggregated or prefill server: FAILED_PRECONDITION "role mismatch" (K6).
 """
 
@@ -106,10 +106,6 @@ def check_features(request: oe.GenerateRequest, caps: Capabilities) -> None:
                           f"(generation.guided_decoding.modes = {list(caps.guided_modes)})")
     if request.media and not caps.multimodal:
         raise invalid(f"model {caps.served_model_name!r} does not accept media (supports_multimodal=false)")
-    if request.lora_name and not caps.lora:
-        raise Rejection(grpc.StatusCode.NOT_FOUND,
-                        f"LoRA adapter {request.lora_name!r} not found: LoRA is disabled on this server "
-                        "(supports_lora=false)")
     s = request.sampling
     if s.HasField("num_sequences") and s.num_sequences == 0:  # presence: the engine sees only 1 …
         raise invalid("sampling.num_sequences must be > 0 when present (omit it for 1)")  # G4
