@@ -50,8 +50,8 @@ def _randomize(model: torch.nn.Module, adapter: str, seed: int, strength: float)
         a = (torch.rand(lora_a.shape, generator=gen, dtype=torch.float64) * 2 - 1) * bound
         b = torch.randn(lora_b.shape, generator=gen, dtype=torch.float64)
         scaling = module.scaling[adapter]
-        base = module.get_base_layer().weight.detach().double()
-        b *= strength * base.norm() / (scaling * (b @ a)).norm()
+        base_norm = module.get_base_layer().weight.detach().norm().item()
+        b *= strength * base_norm / (scaling * (b @ a)).norm()
         lora_a.copy_(a)
         lora_b.copy_(b)
         count += 1
@@ -67,12 +67,16 @@ def make_peft_adapter(
     use_rslora: bool = False,
     rank_pattern: Mapping[str, int] | None = None,
     alpha_pattern: Mapping[str, float] | None = None,
+    layers_to_transform: Sequence[int] | None = None,
     seed: int = 0,
     strength: float = DEFAULT_STRENGTH,
 ) -> Path:
     """Build a random LoRA adapter for ``base_model`` with peft and save it in ``directory``.
 
-    ``lora_alpha`` defaults to ``2 * r``. The adapter is injected into ``base_model`` only
+    ``lora_alpha`` defaults to ``2 * r``; ``layers_to_transform`` None = every layer.
+    Pattern keys follow PEFT's rule (a key matches a module name ending with it at a dot,
+    first key wins); PEFT saves them sorted, so pass overlapping keys in sorted order or
+    the saved adapter will not match the one built. The adapter is injected into ``base_model`` only
     for as long as it takes to save it, then unloaded (``PeftModel.unload``): the model is
     left with its original modules and weights. Returns ``directory``.
     """
@@ -84,6 +88,7 @@ def make_peft_adapter(
         use_rslora=use_rslora,
         rank_pattern=dict(rank_pattern or {}),
         alpha_pattern=dict(alpha_pattern or {}),
+        layers_to_transform=None if layers_to_transform is None else list(layers_to_transform),
         lora_dropout=0.0,
         bias="none",
         init_lora_weights=False,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from refengine.config import ModelConfig
 from refengine.kernels.lora_linear import FUSED_PROJECTIONS, ProjectionDeltas
@@ -101,22 +101,21 @@ def _expected_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
 def _read_modules(path: Path, weights_file: Path, model: ModelConfig
                   ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """(layer, projection letter) -> {"A": tensor, "B": tensor}, every key checked."""
-    modules: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
-        with safe_open(str(weights_file), framework="pt") as tensors:
-            for key in tensors.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                match = _KEY.match(key)
-                if match is None:
-                    raise _refuse(path, f"tensor {key!r} is not a LoRA A/B weight of q/k/v/o/gate/up/down_proj "
-                                  "(embedding, lm_head, DoRA and bias tensors are not supported)")
-                layer, _, proj, which = match.groups()
-                if int(layer) >= model.num_hidden_layers:
-                    raise _refuse(path, f"tensor {key!r}: the model has {model.num_hidden_layers} layers")
-                modules.setdefault((int(layer), proj), {})[which] = tensors.get_tensor(key)
-    except (OSError, RuntimeError, ValueError) as exc:
-        if isinstance(exc, InvalidRequestError):
-            raise
+        with safe_open(str(weights_file), framework="pt") as file:
+            tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (no __iter__)
+    except (OSError, SafetensorError) as exc:
         raise _refuse(path, f"{WEIGHTS_FILE} cannot be read: {exc}") from None
+    modules: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise _refuse(path, f"tensor {key!r} is not a LoRA A/B weight of q/k/v/o/gate/up/down_proj "
+                          "(embedding, lm_head, DoRA and bias tensors are not supported)")
+        layer, _, proj, which = match.groups()
+        if int(layer) >= model.num_hidden_layers:
+            raise _refuse(path, f"tensor {key!r}: the model has {model.num_hidden_layers} layers")
+        modules.setdefault((int(layer), proj), {})[which] = tensor
     if not modules:
         raise _refuse(path, f"{WEIGHTS_FILE} holds no LoRA weights")
     return modules
@@ -183,6 +182,12 @@ def read_peft_adapter(path: Path, model: ModelConfig, max_rank: int) -> PeftAdap
                                                     if pickled else ""))
     config = _read_config(path, config_file)
     shapes = _expected_shapes(model)
+    # Every module at the largest rank in float64, plus a header: a bigger file cannot be a
+    # valid adapter, and is refused before it is read into memory.
+    limit = 8 * max_rank * model.num_hidden_layers * sum(i + o for i, o in shapes.values()) + MAX_CONFIG_BYTES
+    if weights_file.stat().st_size > limit:
+        raise _refuse(path, f"{WEIGHTS_FILE} is larger ({weights_file.stat().st_size} bytes) than any adapter of "
+                      f"rank <= {max_rank} for this model can be ({limit} bytes)")
     modules = _read_modules(path, weights_file, model)
     pairs = {key: _scaled_pair(path, *key, pair, config, shapes, max_rank) for key, pair in sorted(modules.items())}
     layers: list[dict[str, ProjectionDeltas]] = []
