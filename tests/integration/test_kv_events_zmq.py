@@ -170,8 +170,9 @@ def expected(event, salt: str | None = None) -> dict:
     if isinstance(event, BlockStored):
         out = {"type": "BlockStored", "block_hashes": [u64(event.block_hash)],
                "parent_block_hash": None if event.parent_hash is None else u64(event.parent_hash),
-               "token_ids": list(event.token_ids), "block_size": BLOCK, "lora_id": None, "medium": MEDIUM,
-               "lora_name": None}
+               "token_ids": list(event.token_ids), "block_size": BLOCK, "medium": MEDIUM,
+               "lora_id": None if event.lora is None else event.lora.lora_id,
+               "lora_name": None if event.lora is None else event.lora.lora_name}
         salts = [k.removeprefix("salt:") for k in event.extra_keys if k.startswith("salt:")]
         if salts:
             out["cache_salt"] = salts[0]
