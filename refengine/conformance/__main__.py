@@ -31,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", default="", metavar="HOST:PORT",
                         help="K4-K10: a PREFILL server, checked together with --decode (default: K checks skip)")
     parser.add_argument("--decode", default="", metavar="HOST:PORT", help="K4-K10: a DECODE server (with --prefill)")
+    parser.add_argument("--lora-dir", default="", metavar="DIR",
+                        help="R1-R7: a directory shared with the server (inside its LoRA root) where the checks "
+                        "write small PEFT adapters (default: the R checks that need adapters skip)")
+    parser.add_argument("--lora-model-config", default="", metavar="FILE",
+                        help="R1-R7: the served model's Hugging Face config.json (shapes of those adapters)")
     parser.add_argument("--quiet", action="store_true", help="no per-check progress lines")
     args = parser.parse_args(argv)
 
@@ -42,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     options = Options(model=args.model, stream_timeout_s=args.timeout, slow_reader_s=args.slow_reader_seconds,
                       slow_reader_extra=json.loads(args.slow_reader_extra),
                       known_extra_keys=json.loads(args.known_extra_keys), prefill_address=args.prefill,
-                      decode_address=args.decode)
+                      decode_address=args.decode, lora_dir=args.lora_dir,
+                      lora_model_config=args.lora_model_config)
     rules = [r for r in args.rules.split(",") if r.strip()] or None
     try:
         results = run(args.address, rules, options, on_result=progress)

@@ -11,6 +11,7 @@ from refengine.conformance import (  # noqa: F401
     checks_health,
     checks_kv_events,
     checks_logprobs,
+    checks_lora,
     checks_media,
     checks_metadata,
     checks_models,

@@ -49,6 +49,11 @@ class Options:
     # that need it skip without it. K10 compares the pair with the target when that is AGGREGATED.
     prefill_address: str = ""
     decode_address: str = ""
+    # R1–R7: a directory the target can read (inside its LoRA root, e.g. refengine's --lora-root)
+    # where the checks write small PEFT adapters, and the served model's Hugging Face config.json
+    # (their shapes); the R checks that need adapter files skip without both.
+    lora_dir: str = ""
+    lora_model_config: str = ""
 
 
 @dataclass

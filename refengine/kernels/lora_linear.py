@@ -1,10 +1,10 @@
 """``LoraLinear``: a projection plus the deltas of the adapters resident in its slots.
 
-Each slot holds one adapter's ``(A, B)`` for this projection, zero-padded to the slot
-rank (``max_lora_rank`` times the number of projections fused into this one), ``B``
-pre-scaled. A step's ``ForwardContext.lora`` (a ``LoraBatch``) says which rows use which
-slot; rows of the base model (and slots whose adapter does not target this projection)
-get no delta, and a step with no adapter token costs nothing beyond the base projection.
+Each slot holds one adapter's ``(A, B)`` for each module fused into this projection
+(q, k, v; gate, up), zero-padded to ``max_lora_rank``, ``B`` pre-scaled. A step's
+``ForwardContext.lora`` (a ``LoraBatch``) says which rows use which slot; rows of the base
+model (and slots whose adapter does not target a module) get no delta, and a step with no
+adapter token costs nothing beyond the base projection.
 """
 
 from __future__ import annotations
@@ -24,19 +24,38 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
-class ProjectionDeltas:
-    """One adapter's delta for one fused projection: ``y += x @ lora_a.T @ lora_b.T``."""
+class LoraPair:
+    """One adapter's delta for one module: ``y += x @ lora_a.T @ lora_b.T``."""
 
     lora_a: torch.Tensor  # [rank, in]
     lora_b: torch.Tensor  # [out, rank], the adapter's scale folded in
 
 
+@dataclass(frozen=True)
+class ProjectionDeltas:
+    """One adapter's deltas for one fused projection: per fused module, in output order, its
+    pair or None (the adapter does not target that module)."""
+
+    parts: tuple[LoraPair | None, ...]
+
+
 class LoraLinear:
-    def __init__(self, base: Linear, num_slots: int, max_rank: int, dtype: torch.dtype, device: str) -> None:
+    """Slot buffers per fused module (``part_sizes``: the modules' output sizes, in order):
+    ``lora_a[p] [num_slots, max_rank, in]`` and ``lora_b[p] [num_slots, out_p, max_rank]``,
+    so each module's delta lands in its own columns of the fused output and nothing is stored
+    for the zeros between modules."""
+
+    def __init__(self, base: Linear, part_sizes: tuple[int, ...], num_slots: int, max_rank: int,
+                 dtype: torch.dtype, device: str) -> None:
+        assert sum(part_sizes) == base.out_features, (part_sizes, base.out_features)
         self.base = base
-        self.lora_a = torch.zeros(num_slots, max_rank, base.in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(num_slots, base.out_features, max_rank, dtype=dtype, device=device)
-        self.active_slots: frozenset[int] = frozenset()  # slots whose adapter targets this projection
+        self.max_rank = max_rank
+        self.part_sizes = part_sizes
+        self.lora_a = [torch.zeros(num_slots, max_rank, base.in_features, dtype=dtype, device=device)
+                       for _ in part_sizes]
+        self.lora_b = [torch.zeros(num_slots, out, max_rank, dtype=dtype, device=device) for out in part_sizes]
+        self.active_slots: list[frozenset[int]] = [frozenset() for _ in part_sizes]  # per part
+        self._offsets = [sum(part_sizes[:p]) for p in range(len(part_sizes))]
         self._apply = apply_lora
         if torch.device(device).type == "cuda":
             from refengine.kernels.lora_triton import apply_lora_triton, triton_available
@@ -52,25 +71,32 @@ class LoraLinear:
         return self.base.out_features
 
     def set_slot(self, slot: int, deltas: ProjectionDeltas | None) -> None:
-        """Put an adapter's delta in ``slot`` (None: its adapter does not target this projection)."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-        if deltas is None:
-            self.active_slots = self.active_slots - {slot}
-            return
-        rank = deltas.lora_a.shape[0]
-        if rank > self.lora_a.shape[1] or deltas.lora_b.shape[0] != self.out_features \
-                or deltas.lora_a.shape[1] != self.in_features:
-            raise ValueError(f"LoRA delta A {tuple(deltas.lora_a.shape)} / B {tuple(deltas.lora_b.shape)} does not "
-                             f"fit a slot of rank {self.lora_a.shape[1]} on a {self.in_features}->"
-                             f"{self.out_features} projection")
-        self.lora_a[slot, :rank].copy_(deltas.lora_a)
-        self.lora_b[slot, :, :rank].copy_(deltas.lora_b)
-        self.active_slots = self.active_slots | {slot}
+        """Put an adapter's deltas in ``slot`` (None: the adapter does not target this projection)."""
+        parts = deltas.parts if deltas is not None else (None,) * len(self.part_sizes)
+        if len(parts) != len(self.part_sizes):
+            raise ValueError(f"LoRA deltas for {len(parts)} modules on a projection fusing {len(self.part_sizes)}")
+        for p, pair in enumerate(parts):
+            self.lora_a[p][slot].zero_()
+            self.lora_b[p][slot].zero_()
+            self.active_slots[p] = self.active_slots[p] - {slot}
+            if pair is None:
+                continue
+            rank = pair.lora_a.shape[0]
+            if rank > self.max_rank or pair.lora_a.shape[1] != self.in_features \
+                    or pair.lora_b.shape != (self.part_sizes[p], rank):
+                raise ValueError(f"LoRA delta A {tuple(pair.lora_a.shape)} / B {tuple(pair.lora_b.shape)} does not fit "
+                                 f"a rank-{self.max_rank} slot of a {self.in_features}->{self.part_sizes[p]} module")
+            self.lora_a[p][slot, :rank].copy_(pair.lora_a)
+            self.lora_b[p][slot, :, :rank].copy_(pair.lora_b)
+            self.active_slots[p] = self.active_slots[p] | {slot}
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         y = self.base(x)
         batch = None if ctx is None else ctx.lora
-        if batch is not None and self.active_slots:
-            self._apply(y, x, batch, self.lora_a, self.lora_b, self.active_slots)
+        if batch is None:
+            return y
+        for p, active in enumerate(self.active_slots):
+            if active:
+                columns = y[:, self._offsets[p]:self._offsets[p] + self.part_sizes[p]]
+                self._apply(columns, x, batch, self.lora_a[p], self.lora_b[p], active)
         return y

@@ -10,10 +10,9 @@ changes the math — DoRA, LoRA biases, ``bias`` other than "none", ``modules_to
 trainable tokens, target parameters, embedding or lm_head adapters, ``fan_in_fan_out`` —
 is refused with ``InvalidRequestError`` naming it, before any weight is kept.
 
-The result is already in the engine's fused form (``ProjectionDeltas``): q, k and v (and
-gate and up) share one input, so their ``A`` matrices stack into one ``[r_q + r_k + r_v,
-in]`` matrix and their ``B`` matrices form one block-diagonal ``[out_q + out_k + out_v,
-r_q + r_k + r_v]`` matrix, the scale folded in: one shrink and one expand per fused projection.
+The result is grouped the way the engine's projections are fused (``ProjectionDeltas``:
+q, k and v under ``qkv_proj``, gate and up under ``gate_up_proj``), each module's pair
+with the scale folded into ``B``.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from refengine.config import ModelConfig
-from refengine.kernels.lora_linear import FUSED_PROJECTIONS, ProjectionDeltas
+from refengine.kernels.lora_linear import FUSED_PROJECTIONS, LoraPair, ProjectionDeltas
 from refengine.types import InvalidRequestError
 
 CONFIG_FILE = "adapter_config.json"
@@ -122,7 +121,7 @@ def _read_modules(path: Path, weights_file: Path, model: ModelConfig
 
 
 def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor], config: dict[str, Any],
-                 shapes: dict[str, tuple[int, int]], max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 shapes: dict[str, tuple[int, int]], max_rank: int) -> LoraPair:
     block = "self_attn" if proj in "qkvo" else "mlp"
     module = f"model.layers.{layer}.{block}.{proj}_proj"
     if set(pair) != {"A", "B"}:
@@ -142,24 +141,7 @@ def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor
     scale = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
     if not lora_a.is_floating_point() or not lora_b.is_floating_point():
         raise _refuse(path, f"{module}: LoRA weights must be floating point")
-    return lora_a.float(), lora_b.float() * scale
-
-
-def _fuse(parts: list[tuple[torch.Tensor, torch.Tensor] | None], outs: list[int]) -> ProjectionDeltas | None:
-    """Stack the parts' A matrices; place each B in its own rows and rank columns."""
-    present = [p for p in parts if p is not None]
-    if not present:
-        return None
-    lora_a = torch.cat([a for a, _ in present])
-    lora_b = torch.zeros(sum(outs), lora_a.shape[0])
-    row = col = 0
-    for part, out in zip(parts, outs, strict=True):
-        if part is not None:
-            rank = part[0].shape[0]
-            lora_b[row:row + out, col:col + rank] = part[1]
-            col += rank
-        row += out
-    return ProjectionDeltas(lora_a, lora_b)
+    return LoraPair(lora_a.float(), lora_b.float() * scale)
 
 
 def _digest(*files: Path) -> str:
@@ -194,9 +176,9 @@ def read_peft_adapter(path: Path, model: ModelConfig, max_rank: int) -> PeftAdap
     for layer in range(model.num_hidden_layers):
         fused = {}
         for name, letters in FUSED_PROJECTIONS.items():
-            deltas = _fuse([pairs.get((layer, p)) for p in letters], [shapes[p][1] for p in letters])
-            if deltas is not None:
-                fused[name] = deltas
+            parts = tuple(pairs.get((layer, letter)) for letter in letters)
+            if any(part is not None for part in parts):
+                fused[name] = ProjectionDeltas(parts)
         layers.append(fused)
-    max_used = max(a.shape[0] for a, _ in pairs.values())
+    max_used = max(pair.lora_a.shape[0] for pair in pairs.values())
     return PeftAdapter(tuple(layers), max_used, _digest(config_file, weights_file))

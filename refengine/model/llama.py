@@ -40,9 +40,12 @@ class LlamaLayer:
         self.down_proj = Linear(weights[f"{mlp}.down_proj.weight"], prepack=prepack)
         if lora is not None:  # the four projections take adapter deltas (kernels/lora_linear.py)
             dtype, device = self.input_norm.dtype, str(self.input_norm.device)
-            for name, parts in FUSED_PROJECTIONS.items():
-                setattr(self, name, LoraLinear(getattr(self, name), lora.num_slots, lora.max_rank * len(parts),
-                                               dtype, device))
+            q_out, kv_out = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+            part_sizes = {"qkv_proj": (q_out, kv_out, kv_out), "o_proj": (config.hidden_size,),
+                          "gate_up_proj": (config.intermediate_size,) * 2, "down_proj": (config.hidden_size,)}
+            for name, sizes in part_sizes.items():
+                projection = LoraLinear(getattr(self, name), sizes, lora.num_slots, lora.max_rank, dtype, device)
+                setattr(self, name, projection)
 
     def lora_projections(self) -> dict[str, LoraLinear]:
         return {name: getattr(self, name) for name in FUSED_PROJECTIONS if isinstance(getattr(self, name), LoraLinear)}

@@ -1,12 +1,15 @@
 """The whole conformance suite against a real ``refengine serve`` on loopback.
 
 One pytest test per registered check (ids like ``G14:stop_string_held_back``), so a
-failure names its rule; plus a test that every rule of sections D, M, G, L, A, H, X
-in RULES.md has at least one check.
+failure names its rule; plus a test that every rule of sections D, M, G, L, A, H, R, X
+in RULES.md has at least one check. The server under test has LoRA enabled; the LoRA
+checks also run against the shared LoRA-disabled server (``test_rule_lora_disabled``), where
+R5, R6 and D4's lora_name part must pass and the checks that need LoRA must skip.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +24,7 @@ from tests.integration.conftest import ServerProcess
 REPO = Path(__file__).resolve().parents[2]
 RULES_PATHS = [Path("/work/shared/contract/RULES.md"), REPO / "contract" / "RULES.md",
                REPO / "tests" / "data" / "RULES.md"]
-COVERED_SECTIONS = "DMGLAHX"
+COVERED_SECTIONS = "DMGLAHRX"
 CHECKS = all_checks()
 
 
@@ -41,9 +44,9 @@ REFENGINE_OPTIONS = Options(
 
 
 @pytest.fixture(scope="module")
-def target(conformance_address: str) -> Iterator[Target]:
+def target(conformance_address: str, conformance_lora: dict[str, str]) -> Iterator[Target]:
     options = Options() if os.environ.get("OECONF_TARGET") else REFENGINE_OPTIONS
-    with Target(conformance_address, options) as t:
+    with Target(conformance_address, dataclasses.replace(options, **conformance_lora)) as t:
         yield t
 
 
@@ -53,6 +56,31 @@ def test_rule(chk: Check, target: Target) -> None:
     if result.status is Status.SKIP:
         pytest.skip(f"{chk.rule}: {result.message}")
     assert result.status is Status.PASS, f"{chk.rule} ({chk.title}): {result.message}"
+
+
+#: The LoRA checks run again on a server with LoRA disabled: these must PASS there, the rest SKIP.
+LORA_OFF_CHECKS = [c for c in CHECKS if c.section == "R" or c.name == "D4:caps_media_lora"]
+LORA_OFF_PASS = {"R5:disabled_lifecycle", "R6:supports_lora_means_it", "D4:caps_media_lora"}
+
+
+@pytest.fixture(scope="module")
+def lora_off_target(request: pytest.FixtureRequest, conformance_lora: dict[str, str]) -> Iterator[Target]:
+    """The shared refengine server of tests/integration (LoRA disabled)."""
+    if os.environ.get("OECONF_TARGET"):
+        pytest.skip("external target: no LoRA-disabled refengine server is started")
+    server: ServerProcess = request.getfixturevalue("refengine_server")
+    with Target(server.address, Options(**conformance_lora)) as t:
+        yield t
+
+
+@pytest.mark.parametrize("chk", LORA_OFF_CHECKS, ids=[c.name for c in LORA_OFF_CHECKS])
+def test_rule_lora_disabled(chk: Check, lora_off_target: Target) -> None:
+    assert lora_off_target.model_info.supports_lora is False, "the shared server is expected to run without LoRA"
+    result = run_check(chk, lora_off_target)
+    want = Status.PASS if chk.name in LORA_OFF_PASS else Status.SKIP
+    assert result.status is want, f"{chk.rule} ({chk.title}) with LoRA disabled: {result.status.value} {result.message}"
+    if want is Status.SKIP:
+        assert "supports_lora = false" in result.message, result.message
 
 
 def test_every_rule_has_a_check() -> None:
