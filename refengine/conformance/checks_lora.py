@@ -12,7 +12,6 @@ and deletes its files: checks are independent and re-runnable against a long-run
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import random
 import shutil
@@ -23,16 +22,14 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 import grpc
-import numpy as np
-from safetensors.numpy import save_file
 
 from refengine.conformance.assertions import NON_OK, expect_rejected, expect_valid
+from refengine.conformance.lora_files import ModelShape, write_random_adapter
 from refengine.conformance.registry import check, expect, fail, skip
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 RANK = 8  # below every common --max-lora-rank (refengine's default is 16)
-B_STD = 0.3  # scale of lora_B: greedy output changes within a few tokens, and stays text
 Call = tuple[grpc.StatusCode, Any, str]
 
 
@@ -52,17 +49,11 @@ def _need_lora(t: Target, files: bool = True) -> None:
              "and --lora-model-config FILE (the served model's config.json)")
 
 
-def _dims(t: Target) -> dict[str, int]:
-    """hidden size, q/v output sizes and layer count from the model's config.json."""
-    if "r_dims" not in t.cache:
-        with open(t.options.lora_model_config) as f:
-            cfg = json.load(f)
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        t.cache["r_dims"] = {"hidden": cfg["hidden_size"], "q": heads * head_dim,
-                             "v": cfg.get("num_key_value_heads", heads) * head_dim,
-                             "layers": cfg["num_hidden_layers"]}
-    return t.cache["r_dims"]
+def _shape(t: Target) -> ModelShape:
+    """The served model's projection sizes, from its config.json."""
+    if "r_shape" not in t.cache:
+        t.cache["r_shape"] = ModelShape.from_model_config_json(t.options.lora_model_config)
+    return t.cache["r_shape"]
 
 
 def _run_token(t: Target) -> str:
@@ -76,24 +67,6 @@ def _run_token(t: Target) -> str:
 def _new_id(t: Target) -> int:
     _run_token(t)
     return next(t.cache["r_ids"])
-
-
-def write_adapter(path: str, dims: dict[str, int], seed: int) -> None:
-    """A PEFT LoRA adapter (rank ``RANK``, scale 1) on q_proj and v_proj of every layer."""
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for layer in range(dims["layers"]):
-        for proj in ("q", "v"):
-            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}_proj"
-            a = rng.standard_normal((RANK, dims["hidden"])) / np.sqrt(dims["hidden"])
-            tensors[f"{key}.lora_A.weight"] = a.astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((dims[proj], RANK)) * B_STD).astype(np.float32)
-    os.makedirs(path, exist_ok=True)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": RANK, "lora_dropout": 0.0,
-              "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False}
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def call(t: Target, method: str, request: Any) -> Call:
@@ -140,7 +113,7 @@ class Scratch:
         self.specs = [oe.LoraAdapter(lora_id=_new_id(t), lora_name=f"oeconf-{token}-{tag}-{i}",
                                      source_path=os.path.join(self.dir, f"adapter{i}")) for i in range(count)]
         for i, spec in enumerate(self.specs):
-            write_adapter(spec.source_path, _dims(t), zlib.crc32(f"{tag}/{i}".encode()))
+            write_random_adapter(spec.source_path, _shape(t), RANK, seed=zlib.crc32(f"{tag}/{i}".encode()))
         self.names = [spec.lora_name for spec in self.specs]
 
     def other(self, t: Target, suffix: str) -> tuple[int, str]:

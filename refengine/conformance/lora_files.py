@@ -5,8 +5,10 @@ benchmarks load). numpy and ``safetensors.numpy`` only — the suite never impor
 Layout (what ``peft``'s ``save_pretrained`` writes): ``adapter_config.json`` and
 ``adapter_model.safetensors`` with ``base_model.model.model.layers.<i>.<block>.<module>
 .lora_A.weight`` ``[r, in]`` and ``.lora_B.weight`` ``[out, r]`` for each targeted module.
-Weights are seeded normal values scaled so the adapter visibly changes greedy output
-(``lora_alpha = 2 r``, A and B with standard deviation ``weight_std``).
+Weights are seeded normal values: ``A`` with standard deviation ``1 / sqrt(in)`` (so ``A x``
+keeps the scale of ``x``), ``B`` with ``b_std``, ``lora_alpha = r`` (scale 1). At the default
+0.3, a rank-8 q/v adapter changes SmolLM2's greedy output within a few tokens and its
+output stays text.
 """
 
 from __future__ import annotations
@@ -50,8 +52,7 @@ class ModelShape:
 
 
 def write_random_adapter(directory: str | Path, shape: ModelShape, rank: int = 8,
-                         modules: tuple[str, ...] = ("q_proj", "v_proj"), seed: int = 0,
-                         weight_std: float = 0.05) -> Path:
+                         modules: tuple[str, ...] = ("q_proj", "v_proj"), seed: int = 0, b_std: float = 0.3) -> Path:
     """Write a rank-``rank`` adapter on ``modules`` of every layer into ``directory`` (made)."""
     rng = np.random.default_rng(seed)
     tensors = {}
@@ -60,13 +61,14 @@ def write_random_adapter(directory: str | Path, shape: ModelShape, rank: int = 8
             block = "self_attn" if module in ATTENTION else "mlp"
             key = f"base_model.model.model.layers.{layer}.{block}.{module}"
             in_features, out_features = shape.in_out(module)
-            tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, in_features)) * weight_std).astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((out_features, rank)) * weight_std).astype(
-                np.float32)
+            lora_a = rng.standard_normal((rank, in_features)) / np.sqrt(in_features)
+            tensors[f"{key}.lora_A.weight"] = lora_a.astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((out_features, rank)) * b_std).astype(np.float32)
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(target / "adapter_model.safetensors"))
+    save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
     (target / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(modules),
-        "bias": "none", "use_rslora": False, "use_dora": False}))
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+        "target_modules": list(modules), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "use_dora": False}))
     return target

@@ -3,53 +3,36 @@ the wire (R1–R5), ``lora_name`` in Generate, and the adapter in KV events (E4,
 and vLLM's ZMQ encoding). The lifecycle's full matrix is the conformance suite's (section R);
 PEFT equality is the golden tests'.
 
-The adapter is written here with random weights in PEFT's layout for SmolLM2's shapes.
+The adapters are the conformance suite's random ones (``lora_files.py``), PEFT's layout.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from refengine.client import OpenEngineClient
 from refengine.conformance.kv_subscriber import KvSubscriber
+from refengine.conformance.lora_files import ModelShape, write_random_adapter
+from refengine.model import resolve_model
 from refengine.protocol import oe
 from refengine.server.kv_events_zmq import encode_event
 from refengine.types import BlockStored, LoraAdapterSpec
-from tests.integration.conftest import ServerProcess, greedy_request, running_server
+from tests.integration.conftest import MODEL, ServerProcess, greedy_request, running_server
 
-LAYERS, HIDDEN, KV_OUT = 30, 576, 192  # SmolLM2-135M: q/o 576 x 576, k/v 576 -> 192
 PROMPT = ("Write one short sentence about the sea and the wind at night, the way an old sailor would tell it "
           "to a child who cannot sleep.")  # over two 16-token blocks: its KV events are BlockStored
-
-
-def write_adapter(directory: Path, seed: int, rank: int = 8) -> Path:
-    """q_proj and v_proj of every layer, PEFT's key names; strong enough to change greedy text."""
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(LAYERS):
-        for proj, out in (("q", HIDDEN), ("v", KV_OUT)):
-            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}_proj"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, HIDDEN, generator=generator) * 0.05
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.05
-    directory.mkdir(parents=True)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 4 * rank, "target_modules": ["q_proj", "v_proj"]}))
-    return directory
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("lora-root")
-    write_adapter(root / "sea", seed=1)
-    write_adapter(root / "wind", seed=2)
+    shape = ModelShape.from_model_config_json(resolve_model(MODEL).path / "config.json")
+    write_random_adapter(root / "sea", shape, seed=1)
+    write_random_adapter(root / "wind", shape, seed=2)
     return root
 
 
