@@ -301,6 +301,43 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class MediaConfig:
+    """Limits on ``GenerateRequest.media`` (multimodal models only).
+
+    ``max_items``: media items per request. ``max_bytes``: encoded bytes of one item (a
+    data URI's decoded payload, raw bytes, or a fetched body). ``max_pixels``: width x
+    height of one decoded image (also Pillow's decompression-bomb limit: a larger header
+    is refused before decoding). ``image_formats``: the Pillow formats accepted.
+    ``url_allow_hosts``: hosts ``url`` sources may be fetched from (http and https only);
+    empty = URL fetching off. ``url_allow_private``: also allow hosts that resolve to
+    loopback, private, link-local or otherwise non-global addresses (an SSRF surface: off by
+    default). ``url_timeout_seconds``: the whole fetch, redirects included.
+    ``url_max_redirects``: redirects followed, each re-checked against the policy.
+    """
+
+    max_items: int = 8
+    max_bytes: int = 20 << 20
+    max_pixels: int = 16_000_000
+    image_formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+    url_allow_hosts: tuple[str, ...] = ()
+    url_allow_private: bool = False
+    url_timeout_seconds: float = 10.0
+    url_max_redirects: int = 3
+
+    def __post_init__(self) -> None:
+        _check_int(self, "max_items", 1, 256)
+        _check_int(self, "max_bytes", 1)
+        _check_int(self, "max_pixels", 1)
+        for name in ("image_formats", "url_allow_hosts"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"MediaConfig.{name} must be a tuple of non-empty strings, got {value!r}")
+        _check_bool(self, "url_allow_private")
+        _check_positive_float(self, "url_timeout_seconds")
+        _check_int(self, "url_max_redirects", 0, 20)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights.
 

@@ -132,6 +132,20 @@ class GuidedSpec:
     backend: str = ""
 
 
+@dataclass(frozen=True)
+class MediaInput:
+    """One ``GenerateRequest.media`` item: exactly one source (``url``, ``data_uri`` or
+    ``raw_bytes``); ``mime_type`` is a hint; ``uuid``, when given, is the item's identity
+    (prefix-cache key, encoder cache) instead of a digest of its content."""
+
+    modality: str  # "image", "video", "audio" (only what the model supports is accepted)
+    url: str | None = None
+    data_uri: str | None = None
+    raw_bytes: bytes | None = None
+    mime_type: str = ""
+    uuid: str = ""
+
+
 @dataclass
 class GenerationRequest:
     """One request as the engine sees it. Exactly one of ``prompt`` /

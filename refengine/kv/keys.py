@@ -11,8 +11,10 @@ The engine's extra keys (``engine_extra_keys``) are the model fingerprint (a dig
 weights and config, the same in every process serving those files), then
 ``"salt:<cache_salt>"`` when the request has a salt, then ``"lora:<digest>"`` when it runs
 with a LoRA adapter (a digest of the adapter's files: the same files give the same key
-whatever id or name they were loaded under); media keys are appended after them. Every
-block of a sequence carries the same extra keys. Nothing is process-random, so keys are
+whatever id or name they were loaded under). A block that holds positions of a media
+item (an image's run of embedding positions) then adds ``"media:<identity>"`` for each such
+item (``uuid:<uuid>`` or ``sha256:<digest>``, see ``multimodal/sources.py``); the blocks
+after it differ through the parent chain. Nothing is process-random, so keys are
 identical across restarts, processes and replicas for the same model and the same tokens.
 
 On the wire: ``KvBlockHash`` ``{value: the 32 bytes, encoding: "bytes"}`` on the native
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from refengine.kv.prefix_hash import hash_full_blocks
+from refengine.kv.prefix_hash import MediaSpan, hash_full_blocks
 
 
 def engine_extra_keys(model_fingerprint: str, cache_salt: str | None = None,
@@ -34,9 +36,12 @@ def engine_extra_keys(model_fingerprint: str, cache_salt: str | None = None,
     return (model_fingerprint,) + ((f"salt:{cache_salt}",) if cache_salt else ()) + ((lora_key,) if lora_key else ())
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, extra_keys: tuple[str, ...]) -> list[bytes]:
-    """The keys of every full block of ``token_ids`` (a trailing partial block has none)."""
-    return hash_full_blocks(token_ids, block_size, extra_keys, [])
+def block_keys(token_ids: Sequence[int], block_size: int, extra_keys: tuple[str, ...],
+               media_spans: Sequence[MediaSpan] = ()) -> list[bytes]:
+    """The keys of every full block of ``token_ids`` (a trailing partial block has none).
+    ``media_spans``: ``(first, end, identity)`` of each media item's run of positions in the
+    expanded prompt; a block holding any of them adds ``"media:<identity>"`` to its keys."""
+    return hash_full_blocks(token_ids, block_size, extra_keys, [], media_spans=media_spans)
 
 
 def block_hash_u64(key: bytes) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from refengine.kv.block_pool import BlockPool, KvBlock
-from refengine.kv.prefix_hash import hash_full_blocks
+from refengine.kv.prefix_hash import MediaSpan, block_extra_keys, hash_full_blocks
 from refengine.types import LoraAdapterSpec
 
 
@@ -31,6 +31,7 @@ class KvSequence(Protocol):
     block_hashes: list[bytes]
     extra_keys: tuple[str, ...]
     lora: LoraAdapterSpec | None  # the adapter its KV is computed under (for KV events)
+    media_spans: tuple[MediaSpan, ...]  # its media items' positions and identities
 
 
 class KvCacheManager:
@@ -52,7 +53,8 @@ class KvCacheManager:
         if not self.pool.enable_caching:
             return []
         max_cached_blocks = (len(seq.token_ids) - 1) // self.block_size
-        hashes = hash_full_blocks(seq.token_ids, self.block_size, seq.extra_keys, seq.block_hashes)
+        hashes = hash_full_blocks(seq.token_ids, self.block_size, seq.extra_keys, seq.block_hashes,
+                                  media_spans=seq.media_spans)
         hit_block_ids = []
         for block_hash in hashes[:max_cached_blocks]:
             block_id = self.pool.lookup(block_hash)
@@ -117,11 +119,13 @@ class KvCacheManager:
             first_new -= 1
         if first_new == num_full:
             return
-        hashes = hash_full_blocks(seq.token_ids, self.block_size, seq.extra_keys, seq.block_hashes, num_full)
+        hashes = hash_full_blocks(seq.token_ids, self.block_size, seq.extra_keys, seq.block_hashes, num_full,
+                                  seq.media_spans)
         for i in range(first_new, num_full):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             parent = hashes[i - 1] if i else None
-            self.pool.cache_block(seq.block_table[i], hashes[i], parent, tokens, seq.extra_keys, seq.lora)
+            keys = block_extra_keys(i, self.block_size, seq.extra_keys, seq.media_spans)
+            self.pool.cache_block(seq.block_table[i], hashes[i], parent, tokens, keys, seq.lora)
 
     def _block_at(self, seq: KvSequence, slot: int) -> KvBlock:
         return self.pool.blocks[seq.block_table[slot]]

@@ -47,7 +47,13 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "LlavaForConditionalGeneration": "llava",  # a vision tower + projector before a Llama-family LM
 }
+#: LLaVA checkpoints name the LM's tensors under a prefix (two spellings: the original one,
+#: and transformers 5's module tree); loaded, they are renamed to the plain LM's names.
+LLAVA_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."), ("model.vision_tower.", "vision_tower."),
+                  ("model.multi_modal_projector.", "multi_modal_projector."))
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,11 @@ def load_model_config(hf_dir: Path) -> ModelConfig:
             f"{hf_dir}: architecture {architecture!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     model_type = SUPPORTED_ARCHITECTURES[architecture]
+    if model_type == "llava":  # the LM's own config; the vision part is model/vision.py's
+        config = {"eos_token_id": config.get("eos_token_id"), **config["text_config"]}
+        model_type = config.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise UnsupportedModelError(f"{hf_dir}: a {model_type!r} language model is not supported")
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{hf_dir}: activation {config['hidden_act']!r} is not supported")
     if model_type != "qwen2" and (config.get("attention_bias") or config.get("mlp_bias")):
@@ -210,19 +221,23 @@ def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, 
     embeddings are not tied (a tied copy some files carry is dropped), and saved
     ``rotary_emb.inv_freq`` buffers (computed, not learned) are skipped.
     """
-    tied = bool(_read_json(hf_dir / "config.json").get("tie_word_embeddings", False))
+    config = _read_json(hf_dir / "config.json")
+    tied = bool(config.get("text_config", config).get("tie_word_embeddings", config.get("tie_word_embeddings")))
+    llava = "vision_config" in config
     weights: dict[str, torch.Tensor] = {}
     for path in weight_files(hf_dir):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):
+            for stored in f.keys():
+                if stored.endswith("rotary_emb.inv_freq"):
                     continue
+                name = _llava_name(stored) if llava else stored
                 if name in weights:
                     raise UnsupportedModelError(f"{hf_dir}: tensor {name} appears in two weight files")
-                weights[name] = f.get_tensor(name).to(dtype)
+                weights[name] = f.get_tensor(stored).to(dtype)
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        expected = {n for n in _read_json(index)["weight_map"] if not n.endswith("rotary_emb.inv_freq")}
+        expected = {_llava_name(n) if llava else n for n in _read_json(index)["weight_map"]
+                    if not n.endswith("rotary_emb.inv_freq")}
         if missing := expected - weights.keys():
             raise UnsupportedModelError(f"{hf_dir}: shards lack {sorted(missing)[:5]} listed in the index")
     if tied:
@@ -230,6 +245,13 @@ def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, 
     elif "lm_head.weight" not in weights:
         raise UnsupportedModelError(f"{hf_dir}: no lm_head.weight and tie_word_embeddings is false")
     return weights
+
+
+def _llava_name(stored: str) -> str:
+    for prefix, plain in LLAVA_PREFIXES:
+        if stored.startswith(prefix):
+            return plain + stored[len(prefix):]
+    return stored
 
 
 def load_tokenizer(hf_dir: Path) -> PreTrainedTokenizerFast:

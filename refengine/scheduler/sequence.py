@@ -42,6 +42,8 @@ class Sequence:
     # most ``max_loras`` distinct ones run at once; ``lora`` names it in KV events.
     lora_key: int = 0
     lora: LoraAdapterSpec | None = None
+    # Its media items' runs of positions in the prompt, with their identities (prefix-cache keys).
+    media_spans: tuple[tuple[int, int, str], ...] = ()
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

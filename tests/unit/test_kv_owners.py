@@ -20,6 +20,7 @@ class Seq:
     token_ids: list[int]
     extra_keys: tuple[str, ...] = ()
     lora: None = None
+    media_spans: tuple = ()
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)

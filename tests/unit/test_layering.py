@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "refengine"
 
-CORE = ("engine", "scheduler", "kv", "lora", "model", "kernels", "sampling")
+CORE = ("engine", "scheduler", "kv", "lora", "multimodal", "model", "kernels", "sampling")
 # plain data, __version__, pure block-key functions, the KV transfer interface (no torch, no grpc)
 BOTTOM = ("types", "config", "package", "keys", "transfer_api")
 #: Modules that form a component of their own, below the package they sit in: the block-key
@@ -34,7 +34,8 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "conformance": ("protocol",),  # checks any server: never this engine's internals
     "client": ("protocol",),  # a client for any server: no torch, no engine
     "server": ("engine", "protocol", "args", "runtime", *BOTTOM),
-    "engine": ("scheduler", "kv", "lora", "model", "kernels", "sampling", *BOTTOM),
+    "engine": ("scheduler", "kv", "lora", "multimodal", "model", "kernels", "sampling", *BOTTOM),
+    "multimodal": BOTTOM,
     "lora": ("kernels", *BOTTOM),
     "scheduler": ("kv", *BOTTOM),
     "model": ("kernels", *BOTTOM),
