@@ -21,6 +21,7 @@ many adapters it checks; ``None`` runs the base model (``disable_adapter``).
 from __future__ import annotations
 
 import contextlib
+import warnings
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -93,7 +94,9 @@ def make_peft_adapter(
         bias="none",
         init_lora_weights=False,
     )
-    peft_model = get_peft_model(base_model, config, adapter_name=ADAPTER_NAME)
+    with warnings.catch_warnings():  # see PeftOracle
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(base_model, config, adapter_name=ADAPTER_NAME)
     try:
         if _randomize(peft_model, ADAPTER_NAME, seed, strength) == 0:
             raise ValueError(f"target_modules {list(target_modules)} match no module of the model")
@@ -119,7 +122,9 @@ class PeftOracle:
             raise ValueError("PeftOracle needs at least one adapter")
         items = list(adapters.items())
         first_name, first_dir = items[0]
-        self.model = PeftModel.from_pretrained(base_model.eval(), str(first_dir), adapter_name=first_name)
+        with warnings.catch_warnings():  # peft 0.21 asks transformers 5 a deprecated question
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            self.model = PeftModel.from_pretrained(base_model.eval(), str(first_dir), adapter_name=first_name)
         for name, directory in items[1:]:
             self.model.load_adapter(str(directory), adapter_name=name)
         self.model.eval()
@@ -149,6 +154,6 @@ class PeftOracle:
             for _ in range(num_tokens):
                 token = int(out.logits[0, -1].argmax())
                 generated.append(token)
-                out = self.model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+                out = self.model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
         return generated
 

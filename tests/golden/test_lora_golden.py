@@ -7,10 +7,11 @@ subset of layers, rsLoRA on and off, and per-module ranks and alphas (``rank_pat
 (and the base model) on two prompts:
 
 * the greedy continuation is PEFT's: every generated token is the oracle's argmax given the
-  same prefix (by induction, the same tokens as PEFT's own greedy decoding);
+  same prefix (by induction, the same tokens as PEFT's own greedy decoding, which is also
+  run once per model);
 * the log-probs the engine reports — each prompt position's target and top-20 candidates
-  (a prefill), each generated token's and its top-20 (decode steps) — are the oracle's
-  log-softmax within ``TOL``;
+  (a prefill), each generated token's and its top-20 (decode steps), and the whole
+  vocabulary after the prefill — are the oracle's log-softmax within ``TOL``;
 * the adapter changes the greedy output (so the checks are not run on a no-op adapter).
 
 Then a batch mixing four adapters and the base model, two prompts each (the prompts shared
@@ -179,13 +180,15 @@ def greedy_request(rid: str, model: str | None, ids: list[int]) -> GenerationReq
 
 
 def scoring_request(rid: str, model: str | None, ids: list[int]) -> GenerationRequest:
-    """One prefill of ``ids`` that reports every prompt position's log-prob and top-20."""
+    """One prefill of ``ids`` that reports every prompt position's log-prob and top-20, and the
+    whole distribution of the one token it then generates."""
     return GenerationRequest(
         request_id=rid,
         prompt_token_ids=list(ids),
         sampling=SamplingParams(temperature=0.0),
         stopping=StoppingParams(max_tokens=1, ignore_eos=True),
-        logprobs=LogprobParams(prompt_logprobs=True, prompt_candidates=CandidateSpec("top_n", top_n=TOP_N)),
+        logprobs=LogprobParams(prompt_logprobs=True, prompt_candidates=CandidateSpec("top_n", top_n=TOP_N),
+                               output_logprobs=True, output_candidates=CandidateSpec("all")),
         lora_name=model,
     )
 
@@ -255,10 +258,14 @@ def test_matches_peft(engine, oracle, prompt_ids, alone, model) -> None:
         n = len(prompt)
 
         oracle_argmax = reference[n - 1:-1].argmax(dim=-1).tolist()
-        assert generated == oracle_argmax, (
-            f"{model} on prompt {p}: engine greedy {generated} is not PEFT's {oracle_argmax} "
-            f"(first difference at output position "
-            f"{next(i for i, (a, b) in enumerate(zip(generated, oracle_argmax, strict=True)) if a != b)})")
+        if generated != oracle_argmax:
+            i = next(i for i, (a, b) in enumerate(zip(generated, oracle_argmax, strict=True)) if a != b)
+            top2 = reference[n - 1 + i].topk(2).values.tolist()
+            pytest.fail(f"{model} on prompt {p}: engine greedy {generated} is not PEFT's {oracle_argmax}: first "
+                        f"difference at output position {i}, where PEFT's top two log-probs are {top2}")
+
+        if p == prompts_for(model)[0]:  # and once per model, PEFT's own greedy decoding with its KV cache
+            assert oracle.greedy(model, prompt, NUM_TOKENS) == generated, f"{model} on prompt {p}"
 
         decode_error = logprob_errors(alone[model, p].outputs[0].tokens, reference[n - 1:-1])
         assert decode_error <= TOL, f"{model} on prompt {p}: output log-probs differ from PEFT by {decode_error}"
@@ -269,6 +276,12 @@ def test_matches_peft(engine, oracle, prompt_ids, alone, model) -> None:
         assert [t.token_id for t in scored.prompt_tokens] == seq
         prefill_error = logprob_errors(scored.prompt_tokens[1:], reference[:-1])
         assert prefill_error <= TOL, f"{model} on prompt {p}: prompt log-probs differ from PEFT by {prefill_error}"
+        # The whole vocabulary at the position after the sequence.
+        (last,) = scored.outputs[0].tokens
+        ids = torch.tensor([c.token_id for c in last.candidates])
+        assert ids.sort().values.equal(torch.arange(reference.shape[1])), "candidates 'all' must be the vocabulary"
+        full_error = (torch.tensor([c.logprob for c in last.candidates]) - reference[-1, ids]).abs().max().item()
+        assert full_error <= TOL, f"{model} on prompt {p}: next-token log-probs differ from PEFT by {full_error}"
     assert_idle(engine)
 
 
