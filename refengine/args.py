@@ -27,6 +27,7 @@ from refengine.config import (
     KvEventsConfig,
     KvTransferConfig,
     LoraConfig,
+    MediaConfig,
     SchedulerConfig,
 )
 
@@ -73,6 +74,14 @@ FIELD_FLAGS = {
     "LoraConfig.max_loras": "--max-loras",
     "LoraConfig.max_lora_rank": "--max-lora-rank",
     "LoraConfig.max_loaded_loras": "--max-loaded-loras",
+    "MediaConfig.max_items": "--media-max-items",
+    "MediaConfig.max_bytes": "--media-max-mib",
+    "MediaConfig.max_pixels": "--media-max-pixels",
+    "MediaConfig.image_formats": "--media-image-format",
+    "MediaConfig.url_allow_hosts": "--media-url-allow",
+    "MediaConfig.url_allow_private": "--media-url-allow-private",
+    "MediaConfig.url_timeout_seconds": "--media-url-timeout",
+    "MediaConfig.url_max_redirects": "--media-url-max-redirects",
 }
 MIB_SHIFT = 20
 
@@ -110,6 +119,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_kv_event_args(parser.add_argument_group("KV events"))
     _add_kv_transfer_args(parser.add_argument_group("disaggregated prefill/decode"))
     _add_lora_args(parser.add_argument_group("LoRA adapters"))
+    _add_media_args(parser.add_argument_group("media (multimodal models)"))
+
+
+def _add_media_args(g: argparse._ArgumentGroup) -> None:
+    d = MediaConfig()
+    g.add_argument("--media-max-items", type=int, default=d.max_items,
+                   help="media items one request may carry (default: %(default)s)")
+    g.add_argument("--media-max-mib", type=float, default=d.max_bytes / (1 << 20),
+                   help="encoded size of one media item, MiB (default: %(default)s)")
+    g.add_argument("--media-max-pixels", type=int, default=d.max_pixels,
+                   help="width x height of one decoded image (default: %(default)s)")
+    g.add_argument("--media-image-format", action="append", default=None, metavar="FORMAT",
+                   help=f"an accepted Pillow image format, repeatable (default: {', '.join(d.image_formats)})")
+    g.add_argument("--media-url-allow", action="append", default=[], metavar="HOST",
+                   help="a host url media may be fetched from, repeatable (default: none, so url fetching is off)")
+    g.add_argument("--media-url-allow-private", action="store_true",
+                   help="also fetch from hosts resolving to loopback, private or link-local addresses "
+                   ", an SSRF risk (default: off)")
+    g.add_argument("--media-url-timeout", type=float, default=d.url_timeout_seconds, metavar="SECONDS",
+                   help="the longest one url fetch may take, redirects included (default: %(default)s)")
+    g.add_argument("--media-url-max-redirects", type=int, default=d.url_max_redirects,
+                   help="redirects one url fetch follows, each re-checked (default: %(default)s)")
 
 
 def _add_lora_args(g: argparse._ArgumentGroup) -> None:
@@ -289,4 +320,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         lora=LoraConfig(enabled=args.enable_lora, roots=tuple(os.path.abspath(r) for r in args.lora_root),
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_loaded_loras=args.max_loaded_loras),
+        media=MediaConfig(max_items=args.media_max_items, max_bytes=int(args.media_max_mib * (1 << 20)),
+                          max_pixels=args.media_max_pixels,
+                          image_formats=tuple(args.media_image_format or MediaConfig().image_formats),
+                          url_allow_hosts=tuple(args.media_url_allow), url_allow_private=args.media_url_allow_private,
+                          url_timeout_seconds=args.media_url_timeout, url_max_redirects=args.media_url_max_redirects),
     )

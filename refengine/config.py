@@ -375,6 +375,7 @@ class EngineConfig:
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)
 
     def __post_init__(self) -> None:
         _check_name(self, "model")
@@ -406,7 +407,7 @@ class EngineConfig:
     def _check_parts(self) -> None:
         for name, kind in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("kernels", KernelConfig),
                            ("guided", GuidedConfig), ("kv_events", KvEventsConfig),
-                           ("kv_transfer", KvTransferConfig), ("lora", LoraConfig)):
+                           ("kv_transfer", KvTransferConfig), ("lora", LoraConfig), ("media", MediaConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"EngineConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         limit = self.scheduler.max_num_seqs

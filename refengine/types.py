@@ -165,6 +165,7 @@ class GenerationRequest:
     guided: GuidedSpec | None = None
     detokenize: bool = True  # False: token ids only, no text (stop strings still match internally)
     lora_name: str | None = None  # a loaded LoRA adapter to generate with (None: the base model)
+    media: tuple[MediaInput, ...] = ()  # item i fills the prompt's i-th media placeholder
 
 
 class FinishReason(enum.Enum):

@@ -42,6 +42,7 @@ def make_outputs(request: Request, tokenizer: PreTrainedTokenizerBase, eos_token
             kv_from_remote=p.kv.session is not None,  # decode role (num_sequences is 1 there)
             lora_key=0 if lora is None else lora.key,
             lora=None if lora is None else lora.spec,
+            media_spans=tuple((run.start, run.end, run.identity) for run in request.media),
         )
         outputs.append(OutputState(
             seq=seq,

@@ -33,6 +33,7 @@ from refengine.engine.admission import make_outputs
 from refengine.engine.disagg import Disaggregation, first_sampled_token, transfer_fault
 from refengine.engine.engine_lora import StepLora
 from refengine.engine.input_builder import build_model_input
+from refengine.engine.media import step_embeds
 from refengine.engine.observe import check_idle, engine_stats, request_usage
 from refengine.engine.output_processor import OutputProcessor
 from refengine.engine.request import OutputState, OutputStatus, Request
@@ -149,7 +150,8 @@ class EngineCore:
             num_logit_rows = [item.num_new_tokens if all_rows else int(item.samples)
                               for item, all_rows in zip(sched.scheduled, prompt_rows, strict=True)]
             adapter_slots = self.lora.step_slots(sched, self.requests) if self.lora is not None else None
-            model_input = build_model_input(sched, self.kv.block_size, num_logit_rows, adapter_slots)
+            model_input = build_model_input(sched, self.kv.block_size, num_logit_rows, adapter_slots,
+                                            step_embeds(sched, self.requests))
             logits = self.runner.execute(model_input)
             targets, sampled = sample_step(self.sampler, sched, model_input, logits, self.requests)
             self.update_from_output(sched, model_input, logits, prompt_rows, list(zip(targets, sampled, strict=True)),

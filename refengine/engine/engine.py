@@ -28,6 +28,7 @@ from refengine.engine.info import engine_info
 from refengine.engine.input_processor import InputProcessor
 from refengine.engine.interface import OutputSink
 from refengine.engine.kv_events import KvEventHub
+from refengine.engine.media import MediaInputs
 from refengine.engine.request import Request
 from refengine.engine.role_check import RoleCheck
 from refengine.engine.stream import Completion, RequestStream
@@ -78,6 +79,7 @@ class Engine(EngineKvMixin, EngineLoraMixin):
         served_model_name: str | None = None,
         kv_event_sink: KvEventSink | None = None,
         transfer_backends: Seq[KvTransferBackend] = (),
+        media: MediaInputs | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -98,14 +100,20 @@ class Engine(EngineKvMixin, EngineLoraMixin):
                                StepLora(lora.max_loras, runner) if lora.enabled else None)
         self._step_lock = threading.Lock()  # held by a step; subscribing waits for the step to end
         name = served_model_name or config.served_model_name or config.model
-        self.info = engine_info(config, model_config, name, max_model_len, runner.num_blocks, tuple(backends))
+        self.media = media  # the model's vision path (None: text only)
+        self.info = engine_info(config, model_config, name, max_model_len, runner.num_blocks, tuple(backends),
+                                multimodal=media is not None)
         self.guides = GuideCompiler(tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids),
                                     config.guided)
         self.input_processor = InputProcessor(tokenizer, Limits(
             model_config.vocab_size, max_model_len, config.max_sequences_per_request, config.max_logprobs,
             config.cache.block_size, runner.num_blocks), self.guides,
             RoleCheck(config.role, model_fingerprint, config.cache.block_size, self.block_io, tuple(backends),
-                      model_config.vocab_size), self.loras)
+                      model_config.vocab_size), self.loras, media)
+        self._init_front_end()
+
+    def _init_front_end(self) -> None:
+        """The inbox, the sinks and the loop's state (guarded by ``_lock``)."""
         self._lock = threading.Condition()
         self._inbox: list[Request] = []
         self._abort_ids: set[str] = set()
@@ -130,23 +138,17 @@ class Engine(EngineKvMixin, EngineLoraMixin):
     def from_config(cls, config: EngineConfig, kv_event_sink: KvEventSink | None = None,
                     transfer_backends: Seq[KvTransferBackend] = ()) -> Engine:
         """Load the model named by ``config.model`` (manifest name or path)."""
-        from refengine.model.loader import (
-            load_model_config,
-            load_tokenizer,
-            load_weights,
-            model_fingerprint,
-            resolve_model,
-        )
+        from refengine.model import loader
 
-        resolved = resolve_model(config.model)
+        resolved = loader.resolve_model(config.model)
+        model_config, dtype = loader.load_model_config(resolved.path), DTYPES[config.dtype]
+        weights = loader.load_weights(resolved.path, dtype)
         return cls(
-            config,
-            load_model_config(resolved.path),
-            load_weights(resolved.path, DTYPES[config.dtype]),
-            load_tokenizer(resolved.path),
-            model_fingerprint=model_fingerprint(resolved.path),
+            config, model_config, weights, loader.load_tokenizer(resolved.path),
+            model_fingerprint=loader.model_fingerprint(resolved.path),
             served_model_name=config.served_model_name or resolved.name,
             kv_event_sink=kv_event_sink, transfer_backends=transfer_backends,
+            media=MediaInputs.from_model(resolved.path, model_config, weights, dtype, config.device, config.media),
         )
 
     # -- accepting work (any thread) ------------------------------------------

@@ -8,7 +8,7 @@ from refengine.sampling.guided import backend_modes
 
 
 def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_name: str, max_model_len: int,
-                num_blocks: int, kv_transfer_backends: tuple[str, ...] = ()) -> EngineInfo:
+                num_blocks: int, kv_transfer_backends: tuple[str, ...] = (), multimodal: bool = False) -> EngineInfo:
     return EngineInfo(
         served_model_name=served_model_name,
         served_model_aliases=tuple(a for a in config.served_model_aliases if a != served_model_name),
@@ -31,4 +31,5 @@ def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_na
         kv_transfer_backends=kv_transfer_backends,
         kv_session_ttl_seconds=config.kv_transfer.session_ttl_seconds,
         max_loras=config.lora.max_loras if config.lora.enabled else 0,
+        supports_multimodal=multimodal and config.role == "aggregated",
     )

@@ -15,9 +15,11 @@ from refengine.scheduler.scheduler import SchedulerOutput
 
 
 def build_model_input(sched: SchedulerOutput, block_size: int, num_logit_rows: Sequence[int],
-                      adapter_slots: Sequence[int] | None = None) -> ModelInput:
+                      adapter_slots: Sequence[int] | None = None,
+                      input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> ModelInput:
     """``num_logit_rows[i]``: how many of sequence ``i``'s last rows need logits (0, 1, or
-    all of its new tokens for prompt logprobs); ``adapter_slots[i]``: its LoRA slot (-1: none)."""
+    all of its new tokens for prompt logprobs); ``adapter_slots[i]``: its LoRA slot (-1: none);
+    ``input_embeds``: step rows whose input is an embedding (media), and those embeddings."""
     scheduled = sched.scheduled
     input_ids: list[int] = []
     for item in scheduled:
@@ -54,4 +56,5 @@ def build_model_input(sched: SchedulerOutput, block_size: int, num_logit_rows: S
         block_copies=list(sched.block_copies),
         adapter_slots=None if adapter_slots is None else torch.repeat_interleave(
             torch.tensor(adapter_slots, dtype=torch.int64), query_lens),
+        input_embeds=input_embeds,
     )

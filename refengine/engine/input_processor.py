@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from refengine.engine.media import MediaInputs, MediaRun
 from refengine.engine.request import Request
 from refengine.engine.role_check import RoleCheck
 from refengine.engine.validation import (
@@ -32,9 +33,10 @@ if TYPE_CHECKING:
 
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits, guides: GuideCompiler,
-                 role: RoleCheck, loras: LoraRegistry) -> None:
+                 role: RoleCheck, loras: LoraRegistry, media: MediaInputs | None = None) -> None:
         self.tokenizer = tokenizer
         self.loras = loras
+        self.media = media
         self.limits = limits
         self.guides = guides
         self.role = role
@@ -48,10 +50,22 @@ class InputProcessor:
             prompt_ids = list(self.tokenizer.encode(params.prompt, add_special_tokens=False))
         else:
             prompt_ids = list(params.prompt_token_ids or [])
+        media: tuple[MediaRun, ...] = ()
+        if params.media:
+            prompt_ids, media = self._media(params, prompt_ids)
         max_tokens = validate_prompt(params, prompt_ids, self.limits)
         self.role.check(params, prompt_ids)
         lora = None if params.lora_name is None else self.loras.get(params.lora_name)  # R4
-        return Request(params, prompt_ids, max_tokens, guide=self._compile(params), lora=lora)
+        return Request(params, prompt_ids, max_tokens, guide=self._compile(params), lora=lora, media=media)
+
+    def _media(self, params: GenerationRequest, prompt_ids: list[int]) -> tuple[list[int], tuple[MediaRun, ...]]:
+        """The expanded prompt and its media (G19, D9): only a model with a vision path, only
+        the aggregated role (a prefill/decode pair cannot carry media yet)."""
+        if self.media is None:
+            raise InvalidRequestError("this model does not accept media (supports_multimodal=false)")
+        if self.role.role != "aggregated":
+            raise InvalidRequestError(f"media is not supported on a {self.role.role} server (only aggregated)")
+        return self.media.prepare(prompt_ids, params.media)
 
     def _compile(self, params: GenerationRequest) -> CompiledGuide | None:
         """Last, as the costliest check: a compile may wait for a worker, up to its time limit."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+from refengine.engine.media import MediaRun
 from refengine.engine.stop_checker import StopChecker, TokenHoldBack
 from refengine.lora.registry import LoadedLora
 from refengine.sampling.guided import CompiledGuide, GuideMatcher
@@ -70,6 +71,7 @@ class Request:
     max_tokens: int  # resolved: never past the context limit
     guide: CompiledGuide | None = None  # compiled before acceptance; one matcher per output from it
     lora: LoadedLora | None = None  # resolved at acceptance; kept (weights too) until the request ends
+    media: tuple[MediaRun, ...] = ()  # its images' embedding runs in the (expanded) prompt
     outputs: list[OutputState] = field(default_factory=list)
     prompt_infos: list[TokenInfo] = field(default_factory=list)
     prompt_logprobs_ready: bool = False  # every requested prompt position is recorded

@@ -31,6 +31,9 @@ class ModelInput:
     logit_row_indices: torch.Tensor  # [sum(num_logit_rows)] int64
     block_copies: list[tuple[int, int]]  # (src, dst) whole-block copies to run before the step
     adapter_slots: torch.Tensor | None = None  # [num_tokens] LoRA slot per token (-1: base); None = no adapters
+    # Media: (step rows [n] int64, their input embeddings [n, hidden]) replacing the token
+    # embeddings of those rows (an image's positions); None = token embeddings only.
+    input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -88,6 +88,7 @@ class LlamaModel:
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         ctx: ForwardContext,
+        input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows, embeddings): media positions
     ) -> torch.Tensor:  # [T, hidden]
         eps = self.config.rms_norm_eps
         q_size = self.num_heads * self.head_dim
@@ -95,6 +96,8 @@ class LlamaModel:
         # ``hidden`` is the residual stream: each add_rms_norm adds a sublayer's output
         # to it in place and returns the normalized input of the next sublayer.
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if input_embeds is not None:
+            hidden[input_embeds[0]] = input_embeds[1].to(hidden.dtype)
         ops = self.ops
         x = ops.add_rms_norm(hidden, None, self.layers[0].input_norm, eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, ctx.kv_caches, strict=True)):

@@ -92,7 +92,10 @@ class ModelRunner:
         slots = model_input.adapter_slots
         ctx = ForwardContext(self.attention, meta, self.kv_caches,
                              lora=None if slots is None else LoraBatch.build(slots.to(device)))
-        hidden = self.model.forward(model_input.input_ids.to(device), model_input.positions.to(device), ctx)
+        embeds = model_input.input_embeds
+        if embeds is not None:
+            embeds = (embeds[0].to(device), embeds[1].to(device))
+        hidden = self.model.forward(model_input.input_ids.to(device), model_input.positions.to(device), ctx, embeds)
         if model_input.logit_row_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[model_input.logit_row_indices.to(device)]).cpu()

@@ -82,6 +82,7 @@ def capabilities_of(info: EngineInfo) -> Capabilities:
         guided_modes=tuple(m for m in GUIDED_MODES if m in info.guided_modes),
         guided_backends=info.guided_backends,
         lora=info.max_loras > 0,
+        multimodal=info.supports_multimodal,
     )
 
 

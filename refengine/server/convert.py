@@ -27,8 +27,9 @@ Both can only tighten the server's settings, never loosen them.
 
 | guided.<mode> / guided.backend          | GuidedSpec (mode = the oneof field's name)       |
 
-Rejected here (INVALID_ARGUMENT): an empty ``StopCondition`` (G6). Media never reaches this
-module (``validation.py`` refuses it while unsupported); ``lora_name`` (empty = the base
+Rejected here (INVALID_ARGUMENT): an empty ``StopCondition`` (G6). ``media`` items map one to
+one, in order, to ``MediaInput`` (no source set: all three None); the engine checks and
+decodes them before acceptance (``engine/media.py``). ``lora_name`` (empty = the base
 model) is resolved by the engine before acceptance (unknown → NOT_FOUND, R4); a guided spec
 is checked and compiled by the engine before acceptance.
 """
@@ -50,6 +51,7 @@ from refengine.types import (
     KvParams,
     KvSessionSpec,
     LogprobParams,
+    MediaInput,
     SamplingParams,
     StoppingParams,
 )
@@ -168,6 +170,22 @@ def _guided(g: oe.GuidedDecoding) -> GuidedSpec | None:
     return GuidedSpec(mode, spec=getattr(g, mode), backend=g.backend)
 
 
+#: Modality enum → the engine's modality names (G19: order kept, every item mapped; the
+#: engine refuses the modalities its model lacks).
+MODALITIES = {oe.MODALITY_IMAGE: "image", oe.MODALITY_VIDEO: "video", oe.MODALITY_AUDIO: "audio",
+              oe.MODALITY_UNSPECIFIED: "unspecified"}
+
+
+def _media(item: oe.MediaItem) -> MediaInput:
+    source = item.WhichOneof("source")
+    return MediaInput(
+        modality=MODALITIES.get(item.modality, f"modality {item.modality}"),
+        url=item.url if source == "url" else None,
+        data_uri=item.data_uri if source == "data_uri" else None,
+        raw_bytes=item.raw_bytes if source == "raw_bytes" else None,
+        mime_type=item.mime_type, uuid=item.uuid)
+
+
 def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata,
                       max_prompt_positions: int | None = None) -> GenerationRequest:
     """Map a validated ``GenerateRequest``; raises ``Rejection`` for G6's empty condition.
@@ -189,6 +207,7 @@ def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata,
         guided=_guided(request.guided) if request.HasField("guided") else None,
         detokenize=detokenize_of(request.extra),
         lora_name=request.lora_name or None,
+        media=tuple(_media(item) for item in request.media),
     )
 
 

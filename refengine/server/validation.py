@@ -9,7 +9,8 @@ role, the capability table, message-size limits. The edge never tokenizes: a pro
 limit it knows only in bytes goes down as ``LogprobParams.max_prompt_positions``.
 
 Status choices (ref, where the contract only says "non-OK"):
-- unsupported feature (guided decoding, media): INVALID_ARGUMENT, naming the capability;
+- unsupported feature (guided decoding): INVALID_ARGUMENT, naming the capability; media are
+  the engine's to check (a model without a vision path refuses them: INVALID_ARGUMENT);
 - ``lora_name`` naming no loaded adapter, LoRA enabled or not: NOT_FOUND (R4), from the
   engine (``LoraNotFoundError``), which resolves the name before acceptance;
 - a ``kv.session`` on an aggregated or prefill server: FAILED_PRECONDITION "role mismatch" (K6).
@@ -104,8 +105,6 @@ def check_features(request: oe.GenerateRequest, caps: Capabilities) -> None:
         if mode not in caps.guided_modes:
             raise invalid(f"guided decoding mode {mode!r} is not supported "
                           f"(generation.guided_decoding.modes = {list(caps.guided_modes)})")
-    if request.media and not caps.multimodal:
-        raise invalid(f"model {caps.served_model_name!r} does not accept media (supports_multimodal=false)")
     s = request.sampling
     if s.HasField("num_sequences") and s.num_sequences == 0:  # presence: the engine sees only 1 …
         raise invalid("sampling.num_sequences must be > 0 when present (omit it for 1)")  # G4

@@ -24,6 +24,7 @@ from refengine.config import (
     KvEventsConfig,
     KvTransferConfig,
     LoraConfig,
+    MediaConfig,
     ModelConfig,
     SchedulerConfig,
 )
@@ -32,7 +33,7 @@ from refengine.kernels.attention.cpu_paged import native_kernel_unavailable_reas
 from refengine.runtime import apply_process_settings
 
 CONFIG_CLASSES = (EngineConfig, CacheConfig, SchedulerConfig, KernelConfig, GuidedConfig, KvEventsConfig,
-                  KvTransferConfig, LoraConfig)
+                  KvTransferConfig, LoraConfig, MediaConfig)
 MODEL = dict(architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -144,7 +145,7 @@ def get(config: EngineConfig, field: str) -> Any:
     owner, name = field.split(".")
     part = {"EngineConfig": config, "CacheConfig": config.cache, "SchedulerConfig": config.scheduler,
             "KernelConfig": config.kernels, "GuidedConfig": config.guided, "KvEventsConfig": config.kv_events,
-            "KvTransferConfig": config.kv_transfer, "LoraConfig": config.lora}[owner]
+            "KvTransferConfig": config.kv_transfer, "LoraConfig": config.lora, "MediaConfig": config.media}[owner]
     return getattr(part, name)
 
 
@@ -191,13 +192,22 @@ FLAG_SETTINGS = [
     (["--max-loras", "2"], "LoraConfig.max_loras", 2),
     (["--max-lora-rank", "8"], "LoraConfig.max_lora_rank", 8),
     (["--max-loaded-loras", "9"], "LoraConfig.max_loaded_loras", 9),
+    (["--media-max-items", "2"], "MediaConfig.max_items", 2),
+    (["--media-max-mib", "1"], "MediaConfig.max_bytes", 1 << 20),
+    (["--media-max-pixels", "1000"], "MediaConfig.max_pixels", 1000),
+    (["--media-image-format", "PNG"], "MediaConfig.image_formats", ("PNG",)),
+    (["--media-url-allow", "img.example"], "MediaConfig.url_allow_hosts", ("img.example",)),
+    (["--media-url-allow-private"], "MediaConfig.url_allow_private", True),
+    (["--media-url-timeout", "3"], "MediaConfig.url_timeout_seconds", 3.0),
+    (["--media-url-max-redirects", "0"], "MediaConfig.url_max_redirects", 0),
 ]
 
 
 def test_every_config_field_has_a_flag() -> None:
     fields = {f"{kind.__name__}.{f.name}" for kind in CONFIG_CLASSES for f in dataclasses.fields(kind)
               if not dataclasses.is_dataclass(f.type)
-              and f.name not in ("cache", "scheduler", "kernels", "guided", "kv_events", "kv_transfer", "lora")}
+              and f.name not in ("cache", "scheduler", "kernels", "guided", "kv_events", "kv_transfer", "lora",
+                                 "media")}
     assert set(FIELD_FLAGS) == fields
     assert {field for _, field, _ in FLAG_SETTINGS} == fields
     assert all(FIELD_FLAGS[field] == flags[0] for flags, field, _ in FLAG_SETTINGS)

@@ -1,0 +1,108 @@
+"""The vision half of a LLaVA-style model: vision tower, feature selection, projector.
+
+``VisionEncoder.encode(pixel_values)`` turns preprocessed images ``[n, 3, H, W]`` into the
+language model's input embeddings ``[n, num_image_tokens, hidden]``, as
+``LlavaForConditionalGeneration.get_image_features`` does: the tower's hidden states at
+``vision_feature_layer`` (one layer, or several concatenated), without the CLS position
+when ``vision_feature_select_strategy`` is "default", through the two-layer projector.
+
+The tower itself is transformers' own module (CLIP or SigLIP vision model) built from the
+checkpoint's ``vision_config`` with the checkpoint's weights: an image is encoded once per
+request (or not at all, on an encoder-cache hit), so it is not on the step's hot path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from refengine.config import ModelConfig
+
+TOWER_PREFIX, PROJECTOR_PREFIX = "vision_tower.", "multi_modal_projector."
+ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
+               "relu": F.relu}
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """What the engine needs to know of a model's vision path."""
+
+    image_token_id: int
+    num_image_tokens: int  # embedding positions one image fills in the prompt
+    tower: dict[str, Any]  # the checkpoint's vision_config
+    feature_layers: tuple[int, ...]
+    drop_cls: bool  # vision_feature_select_strategy "default"
+    projector_act: str
+
+
+def load_vision_config(hf_dir: Path) -> VisionConfig | None:
+    """The vision path of a LLaVA-style checkpoint; None for a text-only model."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    if "vision_config" not in config:
+        return None
+    tower = config["vision_config"]
+    layer = config.get("vision_feature_layer", -2)
+    strategy = config.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise ValueError(f"{hf_dir}: vision_feature_select_strategy {strategy!r} is not supported")
+    act = config.get("projector_hidden_act", "gelu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{hf_dir}: projector_hidden_act {act!r} is not supported")
+    patches = (tower["image_size"] // tower["patch_size"]) ** 2
+    has_cls = tower.get("model_type", "clip_vision_model") == "clip_vision_model"
+    return VisionConfig(
+        image_token_id=config.get("image_token_index", config.get("image_token_id")),
+        num_image_tokens=patches + int(has_cls) - int(strategy == "default"),
+        tower=tower, feature_layers=tuple(layer) if isinstance(layer, list) else (layer,),
+        drop_cls=strategy == "default", projector_act=act)
+
+
+def _tower(config: dict[str, Any]) -> torch.nn.Module:
+    from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
+
+    kind = config.get("model_type", "clip_vision_model")
+    if kind == "clip_vision_model":
+        return CLIPVisionModel(CLIPVisionConfig(**config))
+    if kind == "siglip_vision_model":
+        return SiglipVisionModel(SiglipVisionConfig(**config))
+    raise ValueError(f"vision tower {kind!r} is not supported (CLIP or SigLIP)")
+
+
+class VisionEncoder:
+    def __init__(self, vision: VisionConfig, text: ModelConfig, weights: dict[str, torch.Tensor],
+                 dtype: torch.dtype, device: str) -> None:
+        self.config = vision
+        tower = _tower(vision.tower)
+        state = {name[len(TOWER_PREFIX):].removeprefix("vision_model."): w
+                 for name, w in weights.items() if name.startswith(TOWER_PREFIX)}
+        if any(name.startswith("vision_model.") for name in tower.state_dict()):  # a module tree with the wrapper
+            state = {f"vision_model.{name}": w for name, w in state.items()}
+        missing, unexpected = tower.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not m.endswith("position_ids")]
+        if missing or unexpected:
+            raise ValueError(f"vision tower weights do not match its config: missing {missing[:4]}, "
+                             f"unexpected {unexpected[:4]}")
+        self.tower = tower.to(dtype=dtype, device=device).eval()
+        projector = {name[len(PROJECTOR_PREFIX):]: w.to(dtype=dtype, device=device)
+                     for name, w in weights.items() if name.startswith(PROJECTOR_PREFIX)}
+        self.linear_1 = (projector["linear_1.weight"], projector.get("linear_1.bias"))
+        self.linear_2 = (projector["linear_2.weight"], projector.get("linear_2.bias"))
+        if self.linear_2[0].shape[0] != text.hidden_size:
+            raise ValueError(f"the projector outputs {self.linear_2[0].shape[0]} features, the LM takes "
+                             f"{text.hidden_size}")
+        self.dtype, self.device = dtype, device
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[n, 3, H, W]`` → ``[n, num_image_tokens, hidden]`` (the LM's dtype, on its device)."""
+        out = self.tower(pixel_values.to(dtype=self.dtype, device=self.device), output_hidden_states=True)
+        features = torch.cat([out.hidden_states[layer] for layer in self.config.feature_layers], dim=-1)
+        if self.config.drop_cls:
+            features = features[:, 1:]
+        hidden = ACTIVATIONS[self.config.projector_act](F.linear(features, *self.linear_1))
+        return F.linear(hidden, *self.linear_2)

@@ -1,0 +1,205 @@
+"""Images through the engine on a tiny random LLaVA; transformers' ``LlavaForConditionalGeneration``
+(with its own ``CLIPImageProcessor``) is the oracle.
+
+The model is built here from a transformers config (CLIP vision tower 56 px / 14 px patches
+→ 16 image positions after the CLS is dropped, a 2-layer Llama LM) and saved, with its image
+processor, to a temporary directory the engine loads like any checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+import torch
+from PIL import Image
+from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
+from refengine.engine.engine import Engine
+from refengine.engine.media import MediaInputs
+from refengine.model.loader import load_model_config, load_weights
+from refengine.types import (
+    GenerationRequest,
+    InvalidRequestError,
+    MediaInput,
+    SamplingParams,
+    StoppingParams,
+)
+from tests.unit.tokenizer_fixture import byte_fallback_tokenizer
+
+TOKENIZER = byte_fallback_tokenizer()
+VOCAB = len(TOKENIZER)
+IMAGE_TOKEN = VOCAB - 1
+NUM_IMAGE_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=56, patch_size=14, projection_dim=32)
+    text = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2)
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text,
+                                                      image_token_index=IMAGE_TOKEN)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 0.08)
+    directory = tmp_path_factory.mktemp("llava")
+    model.save_pretrained(directory)
+    processor = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    processor.save_pretrained(directory)
+    return model, processor, directory
+
+
+def make_engine(llava, budget: int = 512, num_blocks: int = 256) -> Engine:
+    _, _, directory = llava
+    config = EngineConfig(max_model_len=512, max_sequences_per_request=4,
+                          cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8))
+    model_config, weights = load_model_config(directory), load_weights(directory)
+    media = MediaInputs.from_model(directory, model_config, weights, torch.float32, "cpu", config.media)
+    return Engine(config, model_config, weights, TOKENIZER, model_fingerprint="tiny-llava", media=media)
+
+
+def png(seed: int, size: tuple[int, int]) -> bytes:
+    rng = random.Random(seed)
+    image = Image.new("RGB", size)
+    image.putdata([(rng.randrange(256), rng.randrange(256), rng.randrange(256)) for _ in range(size[0] * size[1])])
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+IMAGES = [png(1, (56, 56)), png(2, (80, 64)), png(3, (40, 90))]
+
+
+def prompt_with(num_images: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    ids = [rng.randrange(3, VOCAB - 1) for _ in range(5)]
+    for _ in range(num_images):
+        ids += [IMAGE_TOKEN] + [rng.randrange(3, VOCAB - 1) for _ in range(3)]
+    return ids
+
+
+def request(rid: str, ids: list[int], images: list[bytes], n: int = 8, **media) -> GenerationRequest:
+    return GenerationRequest(rid, prompt_token_ids=ids, sampling=SamplingParams(temperature=0.0),
+                             stopping=StoppingParams(max_tokens=n, ignore_eos=True),
+                             media=tuple(MediaInput("image", raw_bytes=b, **media) for b in images))
+
+
+def hf_greedy(llava, ids: list[int], images: list[bytes], n: int = 8) -> tuple[list[int], torch.Tensor]:
+    """Transformers' greedy tokens and its logits over the (expanded) prompt."""
+    model, processor, _ = llava
+    expanded = []
+    for token in ids:
+        expanded += [IMAGE_TOKEN] * NUM_IMAGE_TOKENS if token == IMAGE_TOKEN else [token]
+    pixels = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")["pixel_values"] \
+        if images else None
+    seq, out = torch.tensor([expanded]), []
+    with torch.no_grad():
+        prompt_logits = model(input_ids=seq, pixel_values=pixels).logits[0]
+        for _ in range(n):
+            token = int(model(input_ids=seq, pixel_values=pixels).logits[0, -1].argmax())
+            out.append(token)
+            seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
+    return out, prompt_logits
+
+
+def tokens(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]]:
+    return [c.outputs[0].token_ids for c in engine.run_until_done(requests)]
+
+
+def assert_idle(engine: Engine) -> None:
+    engine.core.check_idle()
+    assert engine.core.pool.num_used == 0, "KV blocks leaked"
+
+
+@pytest.mark.parametrize("num_images", [1, 2, 3])
+def test_greedy_and_logits_match_transformers(llava, num_images: int) -> None:
+    engine = make_engine(llava)
+    ids, images = prompt_with(num_images), IMAGES[:num_images]
+    expected, hf_logits = hf_greedy(llava, ids, images)
+    assert tokens(engine, [request("r", ids, images)]) == [expected]
+    from refengine.engine.input_builder import build_model_input
+    from refengine.engine.media import step_embeds
+    from refengine.scheduler.scheduler import ScheduledSequence, SchedulerOutput
+    accepted = engine.input_processor.process(request("logits", ids, images))
+    prompt = accepted.prompt_token_ids
+    sched = SchedulerOutput([ScheduledSequence("logits", 0, 0, len(prompt), True, tuple(prompt),
+                                               tuple(range(-(-len(prompt) // 4))))])
+    model_input = build_model_input(sched, 4, [len(prompt)], None, step_embeds(sched, {"logits": accepted}))
+    logits = engine.core.runner.execute(model_input)
+    assert (logits - hf_logits).abs().max() < 1e-3
+    assert_idle(engine)
+
+
+def test_image_changes_the_output_and_a_mixed_batch_matches_solo_runs(llava) -> None:
+    engine = make_engine(llava)
+    batch = [request("text", prompt_with(0, 5), []), request("one", prompt_with(1, 6), IMAGES[:1]),
+             request("two", prompt_with(2, 7), IMAGES[1:3]), request("other", prompt_with(1, 6), IMAGES[2:3])]
+    solo = [tokens(make_engine(llava), [r])[0] for r in batch]
+    assert solo[1] != solo[3], "a different image must change the output"
+    assert tokens(engine, batch) == solo
+    assert_idle(engine)
+
+
+def test_chunked_prefill_and_preemption_keep_the_tokens(llava) -> None:
+    """A 6-token budget splits every image run across steps; a tiny pool forces preemption."""
+    batch = [request(f"r{i}", prompt_with(1 + i % 2, 10 + i), IMAGES[i % 3:i % 3 + 1 + i % 2]) for i in range(4)]
+    expected = [tokens(make_engine(llava), [r])[0] for r in batch]
+    chunked = make_engine(llava, budget=6)
+    assert tokens(chunked, batch) == expected
+    tight = make_engine(llava, num_blocks=24)
+    preempted: list[str] = []
+    preempt = tight.core.scheduler._preempt
+    tight.core.scheduler._preempt = lambda seq: preempted.append(seq.request_id) or preempt(seq)
+    assert tokens(tight, batch) == expected
+    assert preempted, "the pool was meant to be too small for all four at once"
+    assert_idle(chunked)
+    assert_idle(tight)
+
+
+def test_prefix_cache_keys_follow_the_image(llava) -> None:
+    engine = make_engine(llava)
+    ids = prompt_with(1, 20)
+    first = engine.run_until_done([request("a", ids, IMAGES[:1])])[0]
+    same = engine.run_until_done([request("b", ids, IMAGES[:1])])[0]
+    other = engine.run_until_done([request("c", ids, IMAGES[1:2])])[0]
+    blocks_before_image = 5 // 4  # the 5 text tokens before the placeholder: one full block
+    assert first.usage.cached_prompt_tokens == 0
+    assert same.usage.cached_prompt_tokens > NUM_IMAGE_TOKENS  # the same image: its blocks are hits
+    assert other.usage.cached_prompt_tokens == blocks_before_image * 4  # only the text before the image
+    by_uuid = [engine.run_until_done([request(f"u{i}", ids, IMAGES[i:i + 1], uuid="img-7")])[0] for i in range(2)]
+    assert by_uuid[1].usage.cached_prompt_tokens > NUM_IMAGE_TOKENS  # same uuid, other bytes: the uuid decides
+    assert engine.media.cache.hits >= 2  # "b" re-used "a"'s encoding, "u1" re-used "u0"'s
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda r: request("x", prompt_with(2), IMAGES[:1]), r"2 image placeholder\(s\) .* 1 media item"),
+    (lambda r: request("x", prompt_with(0), IMAGES[:1]), r"0 image placeholder"),
+    (lambda r: request("x", prompt_with(1)[:5] + [IMAGE_TOKEN] * 3, IMAGES[:1]), r"3 tokens long"),
+    (lambda r: request("x", prompt_with(1), [b"not an image"]), r"image"),
+    (lambda r: request("x", prompt_with(1), [IMAGES[0][:60]]), r"image"),
+    (lambda r: GenerationRequest("x", prompt_token_ids=prompt_with(1), media=(MediaInput("video", raw_bytes=b"v"),)),
+     r"modality 'video' is not supported"),
+    (lambda r: request("x", prompt_with(9), IMAGES * 3), r"at most 8 per request"),
+])
+def test_malformed_media_is_refused_before_acceptance(llava, change, message: str) -> None:
+    engine = make_engine(llava)
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.add_request(change(None))
+    assert not engine.has_unfinished_requests and engine.core.pool.num_used == 0
+
+
+def test_a_text_only_model_refuses_media() -> None:
+    from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
+    model = make_tiny_hf_model(vocab_size=VOCAB)
+    engine = Engine(EngineConfig(max_model_len=256), model_config_from_hf(model), hf_weights(model), TOKENIZER)
+    assert not engine.info.supports_multimodal
+    with pytest.raises(InvalidRequestError, match="does not accept media"):
+        engine.add_request(request("x", prompt_with(1), IMAGES[:1]))
