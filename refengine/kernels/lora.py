@@ -43,6 +43,19 @@ class LoraBatch:
     # ``padded_positions [num_lora_tokens]``: where ``token_indices[i]``'s row is in it.
     padded_rows: torch.Tensor
     padded_positions: torch.Tensor
+    # When every segment's tokens are consecutive rows of x (the engine orders a step's
+    # sequences by adapter), the first row of each segment: slices replace the gather and
+    # the scatter. None otherwise.
+    seg_rows: tuple[int, ...] | None = None
+    # ``(first, end)`` when ``seg_slots`` is ``first, first + 1, … end - 1``, else None.
+    slot_range: tuple[int, int] | None = None
+
+    @property
+    def stacked(self) -> bool:
+        """Consecutive, equally long segments back to back: x's rows view as ``[segments, len, in]``."""
+        rows, length = self.seg_rows, self.max_seg_len
+        return rows is not None and all(n == length for n in self.seg_lens) \
+            and rows == tuple(range(rows[0], rows[0] + length * len(rows), length))
 
     @property
     def num_tokens(self) -> int:
@@ -76,40 +89,83 @@ class LoraBatch:
         segment_of = torch.repeat_interleave(torch.arange(len(seg_lens), device=device), lens)
         positions = segment_of * max_len + torch.arange(len(token_indices), device=device) - starts[segment_of]
         tensors = tuple(torch.tensor(v, dtype=torch.int32, device=device) for v in (seg_starts, seg_lens, seg_slots))
+        steps = token_indices[1:] - token_indices[:-1]
+        steps[starts[1:] - 1] = 1  # a segment may start anywhere after the one before
+        seg_rows = tuple(int(r) for r in token_indices[starts].tolist()) if bool((steps == 1).all()) else None
+        consecutive = seg_slots == tuple(range(seg_slots[0], seg_slots[0] + len(seg_slots)))
         return cls(token_indices, seg_starts, seg_lens, seg_slots, tensors, max_len,  # type: ignore[arg-type]
-                   padded_rows, positions)
+                   padded_rows, positions, seg_rows, (seg_slots[0], seg_slots[-1] + 1) if consecutive else None)
 
 
-def _slot_weights(weights: torch.Tensor, seg_slots: tuple[int, ...]) -> torch.Tensor:
+def _slot_weights(weights: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
     """``weights[seg_slots]``: a view when the slots are consecutive, else a copy."""
-    first = seg_slots[0]
-    if seg_slots == tuple(range(first, first + len(seg_slots))):
-        return weights[first:first + len(seg_slots)]
-    return weights[torch.tensor(seg_slots, device=weights.device)]
+    if batch.slot_range is not None:
+        return weights[batch.slot_range[0]:batch.slot_range[1]]
+    return weights[batch.seg_tensors[2].long()]
 
 
 def apply_lora(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, lora_a: torch.Tensor, lora_b: torch.Tensor,
                active_slots: frozenset[int] | None = None) -> None:
-    """``y += delta`` in place (torch reference). ``x [T, in]``, ``y [T, out]`` (a column
-    slice of a wider output is fine). ``active_slots``: the slots whose adapter has weights
-    for this projection (others are skipped: their delta is zero); None = all."""
+    """``y += delta`` in place for one module (torch reference): ``x [T, in]``, ``y [T, out]``,
+    ``lora_a [slots, rank, in]``, ``lora_b [slots, out, rank]``. ``active_slots``: the slots
+    whose adapter targets the module (others are skipped); None = all."""
+    apply_lora_parts(y, x, batch, lora_a, (lora_b,), active_slots)
+
+
+def apply_lora_parts(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, lora_a: torch.Tensor,
+                     lora_b_parts: tuple[torch.Tensor, ...], active_slots: frozenset[int] | None = None) -> None:
+    """``y += delta`` for a fused projection of modules ``p`` (q, k, v): ``lora_a [slots, P *
+    rank, in]`` stacks their A matrices along the rank axis (module p: rows ``p * rank …``),
+    ``lora_b_parts[p] [slots, out_p, rank]``, and module p's delta lands in ``y``'s columns
+    after the modules before it. One gather of ``x``, one shrink for all modules, one expand
+    per module, one scatter. Segments on slots outside ``active_slots`` are skipped (the
+    batched path is taken only when none is)."""
     segments = [i for i, slot in enumerate(batch.seg_slots) if active_slots is None or slot in active_slots]
     if not segments:
         return
+    rank = lora_b_parts[0].shape[2]
+    offsets = [0]
+    for lora_b in lora_b_parts:
+        offsets.append(offsets[-1] + lora_b.shape[1])
+    if batch.seg_rows is not None:  # measured faster than padding, whatever the segments' lengths
+        _apply_in_place(y, x, batch, lora_a, lora_b_parts, segments, rank, offsets)
+        return
     if batch.batched and len(segments) == len(batch.seg_slots):
-        xs = x.index_select(0, batch.padded_rows).view(len(segments), batch.max_seg_len, -1)
-        shrunk = torch.bmm(xs, _slot_weights(lora_a, batch.seg_slots).transpose(1, 2))
-        deltas = torch.bmm(shrunk, _slot_weights(lora_b, batch.seg_slots).transpose(1, 2))
-        y.index_add_(0, batch.token_indices, deltas.view(-1, y.shape[1]).index_select(0, batch.padded_positions))
+        count, length = len(batch.seg_slots), batch.max_seg_len
+        xs = x.index_select(0, batch.padded_rows).view(count, length, -1)
+        shrunk = torch.bmm(xs, _slot_weights(lora_a, batch).transpose(1, 2))
+        deltas = torch.empty(count, length, offsets[-1], dtype=y.dtype, device=y.device)
+        for p, lora_b in enumerate(lora_b_parts):
+            torch.bmm(shrunk[..., p * rank:(p + 1) * rank], _slot_weights(lora_b, batch).transpose(1, 2),
+                      out=deltas[..., offsets[p]:offsets[p + 1]])
+        y.index_add_(0, batch.token_indices, deltas.view(-1, offsets[-1]).index_select(0, batch.padded_positions))
         return
     xs = x.index_select(0, batch.token_indices)
-    deltas = torch.empty(xs.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+    deltas = torch.zeros(xs.shape[0], offsets[-1], dtype=y.dtype, device=y.device)
     for i in segments:
         start, end, slot = batch.seg_starts[i], batch.seg_starts[i] + batch.seg_lens[i], batch.seg_slots[i]
-        torch.mm(torch.mm(xs[start:end], lora_a[slot].t()), lora_b[slot].t(), out=deltas[start:end])
-    if len(segments) == len(batch.seg_slots):
-        y.index_add_(0, batch.token_indices, deltas)
+        shrunk = torch.mm(xs[start:end], lora_a[slot].t())
+        for p, lora_b in enumerate(lora_b_parts):
+            deltas[start:end, offsets[p]:offsets[p + 1]] = torch.mm(shrunk[:, p * rank:(p + 1) * rank],
+                                                                    lora_b[slot].t())
+    y.index_add_(0, batch.token_indices, deltas)
+
+
+def _apply_in_place(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, lora_a: torch.Tensor,
+                    lora_b_parts: tuple[torch.Tensor, ...], segments: list[int], rank: int, offsets: list[int]) -> None:
+    """Segments on consecutive rows: slices of ``x`` and ``y``, no gather or scatter."""
+    assert batch.seg_rows is not None
+    if batch.stacked and len(segments) == len(batch.seg_slots):
+        first, length, count = batch.seg_rows[0], batch.max_seg_len, len(batch.seg_slots)
+        xs = x[first:first + length * count].view(count, length, -1)
+        shrunk = torch.bmm(xs, _slot_weights(lora_a, batch).transpose(1, 2))
+        ys = y[first:first + length * count]
+        for p, lora_b in enumerate(lora_b_parts):
+            columns = ys[:, offsets[p]:offsets[p + 1]].unflatten(0, (count, length))
+            columns.baddbmm_(shrunk[..., p * rank:(p + 1) * rank], _slot_weights(lora_b, batch).transpose(1, 2))
         return
     for i in segments:
-        start, end = batch.seg_starts[i], batch.seg_starts[i] + batch.seg_lens[i]
-        y.index_add_(0, batch.token_indices[start:end], deltas[start:end])
+        row, length, slot = batch.seg_rows[i], batch.seg_lens[i], batch.seg_slots[i]
+        shrunk = torch.mm(x[row:row + length], lora_a[slot].t())
+        for p, lora_b in enumerate(lora_b_parts):
+            y[row:row + length, offsets[p]:offsets[p + 1]].addmm_(shrunk[:, p * rank:(p + 1) * rank], lora_b[slot].t())

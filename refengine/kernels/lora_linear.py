@@ -15,7 +15,7 @@ import torch
 
 from refengine.kernels.forward_context import ForwardContext
 from refengine.kernels.linear import Linear
-from refengine.kernels.lora import apply_lora
+from refengine.kernels.lora import apply_lora_parts
 
 #: The model's fused projections, and the PEFT modules (``<letter>_proj``) each fuses, in
 #: the order of its output rows.
@@ -40,10 +40,11 @@ class ProjectionDeltas:
 
 
 class LoraLinear:
-    """Slot buffers per fused module (``part_sizes``: the modules' output sizes, in order):
-    ``lora_a[p] [num_slots, max_rank, in]`` and ``lora_b[p] [num_slots, out_p, max_rank]``,
-    so each module's delta lands in its own columns of the fused output and nothing is stored
-    for the zeros between modules."""
+    """Slot buffers for the modules fused into one projection (``part_sizes``: their output
+    sizes, in order): ``lora_a [num_slots, P * max_rank, in]``, module p's A in rows
+    ``p * max_rank …`` (they share the input), and ``lora_b[p] [num_slots, out_p, max_rank]``,
+    so each module's delta lands in its own columns and nothing is stored for the zeros
+    between modules. Invariant: a slot not in ``active_slots`` holds zeros only."""
 
     def __init__(self, base: Linear, part_sizes: tuple[int, ...], num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: str) -> None:
@@ -51,16 +52,18 @@ class LoraLinear:
         self.base = base
         self.max_rank = max_rank
         self.part_sizes = part_sizes
-        self.lora_a = [torch.zeros(num_slots, max_rank, base.in_features, dtype=dtype, device=device)
-                       for _ in part_sizes]
-        self.lora_b = [torch.zeros(num_slots, out, max_rank, dtype=dtype, device=device) for out in part_sizes]
-        self.active_slots: list[frozenset[int]] = [frozenset() for _ in part_sizes]  # per part
+        # Stored transposed (``[slots, in, rank]``, ``[slots, rank, out]``) and used through
+        # transposed views: the matmuls then read both operands contiguously.
+        self.lora_a = torch.zeros(num_slots, base.in_features, len(part_sizes) * max_rank, dtype=dtype,
+                                  device=device).transpose(1, 2)
+        self.lora_b = tuple(torch.zeros(num_slots, max_rank, out, dtype=dtype, device=device).transpose(1, 2)
+                            for out in part_sizes)
+        self.active_slots: frozenset[int] = frozenset()  # slots whose adapter targets any of the modules
         self._offsets = [sum(part_sizes[:p]) for p in range(len(part_sizes))]
-        self._apply = apply_lora
+        self._triton = None
         if torch.device(device).type == "cuda":
             from refengine.kernels.lora_triton import apply_lora_triton, triton_available
-            if triton_available():
-                self._apply = apply_lora_triton
+            self._triton = apply_lora_triton if triton_available() else None
 
     @property
     def in_features(self) -> int:
@@ -76,27 +79,30 @@ class LoraLinear:
         if len(parts) != len(self.part_sizes):
             raise ValueError(f"LoRA deltas for {len(parts)} modules on a projection fusing {len(self.part_sizes)}")
         for p, pair in enumerate(parts):
-            self.lora_a[p][slot].zero_()
-            self.lora_b[p][slot].zero_()
-            self.active_slots[p] = self.active_slots[p] - {slot}
-            if pair is None:
-                continue
-            rank = pair.lora_a.shape[0]
-            if rank > self.max_rank or pair.lora_a.shape[1] != self.in_features \
-                    or pair.lora_b.shape != (self.part_sizes[p], rank):
+            if pair is not None and (pair.lora_a.shape[0] > self.max_rank or pair.lora_a.shape[1] != self.in_features
+                                     or pair.lora_b.shape != (self.part_sizes[p], pair.lora_a.shape[0])):
                 raise ValueError(f"LoRA delta A {tuple(pair.lora_a.shape)} / B {tuple(pair.lora_b.shape)} does not fit "
                                  f"a rank-{self.max_rank} slot of a {self.in_features}->{self.part_sizes[p]} module")
-            self.lora_a[p][slot, :rank].copy_(pair.lora_a)
-            self.lora_b[p][slot, :, :rank].copy_(pair.lora_b)
-            self.active_slots[p] = self.active_slots[p] | {slot}
+        self.lora_a[slot].zero_()
+        for p, pair in enumerate(parts):
+            self.lora_b[p][slot].zero_()
+            if pair is not None:
+                rank, first = pair.lora_a.shape[0], p * self.max_rank
+                self.lora_a[slot, first:first + rank].copy_(pair.lora_a)
+                self.lora_b[p][slot, :, :rank].copy_(pair.lora_b)
+        targeted = any(pair is not None for pair in parts)
+        self.active_slots = self.active_slots | {slot} if targeted else self.active_slots - {slot}
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         y = self.base(x)
         batch = None if ctx is None else ctx.lora
-        if batch is None:
+        if batch is None or not self.active_slots:
             return y
-        for p, active in enumerate(self.active_slots):
-            if active:
-                columns = y[:, self._offsets[p]:self._offsets[p] + self.part_sizes[p]]
-                self._apply(columns, x, batch, self.lora_a[p], self.lora_b[p], active)
+        if self._triton is None:
+            apply_lora_parts(y, x, batch, self.lora_a, self.lora_b, self.active_slots)
+            return y
+        for p, out in enumerate(self.part_sizes):  # CUDA: the Triton kernels, one module at a time
+            first = p * self.max_rank
+            self._triton(y[:, self._offsets[p]:self._offsets[p] + out], x, batch,
+                         self.lora_a[:, first:first + self.max_rank], self.lora_b[p], self.active_slots)
         return y

@@ -150,7 +150,17 @@ class Scheduler:
 
         if not preempted:
             self._admit_waiting(out, budget)
+        if self.max_loras:
+            self._group_by_adapter(out)
         return out
+
+    def _group_by_adapter(self, out: SchedulerOutput) -> None:
+        """Order the step's sequences by adapter (stably): each adapter's tokens are then
+        consecutive rows, which the LoRA kernels take as slices. A step is a set of
+        sequences, so its order changes nothing else."""
+        order = sorted(range(len(self._scheduled)), key=lambda i: self._scheduled[i].lora_key)
+        self._scheduled = [self._scheduled[i] for i in order]
+        out.scheduled = [out.scheduled[i] for i in order]
 
     def _add_to_step(self, out: SchedulerOutput, seq: Sequence, num_new: int, copies: list[tuple[int, int]]) -> None:
         out.block_copies.extend(copies)

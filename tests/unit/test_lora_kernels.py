@@ -27,22 +27,24 @@ def weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(SLOTS, RANK, IN, generator=g), torch.randn(SLOTS, OUT, RANK, generator=g)
 
 
-CASES = {  # per-token slots, and whether the batched (padded bmm) path is taken
-    "decode-balanced": ([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, -1, 2], True),
-    "non-consecutive-slots": ([4, 1, 4, 1, -1, 1, 4], True),
-    "prefill-beside-decodes": ([2] * 20 + [0, 3, -1], False),
-    "one-adapter": ([3, 3, -1, 3], False),
+CASES = {  # per-token slots; whether the batched (bmm) path is taken; whether rows are sliced in place
+    "decode-balanced": ([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, -1, 2], True, False),
+    "non-consecutive-slots": ([4, 1, 4, 1, -1, 1, 4], True, False),
+    "prefill-beside-decodes": ([2] * 20 + [0, 3, -1], False, True),
+    "one-adapter": ([3, 3, -1, 3], False, False),
+    "grouped-decode": ([-1, 0, 0, 1, 1, 3, 3], True, True),  # the engine's order: by adapter
+    "grouped-ragged": ([-1, -1, 4, 4, 4, 1, 2, 2], True, True),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_apply_lora_matches_the_per_token_loop(case: str) -> None:
-    slots, batched = CASES[case]
+    slots, batched, in_place = CASES[case]
     a, b = weights()
     x = torch.randn(len(slots), IN, generator=torch.Generator().manual_seed(1))
     y = torch.randn(len(slots), OUT, generator=torch.Generator().manual_seed(2))
     batch = LoraBatch.build(torch.tensor(slots))
-    assert batch is not None and batch.batched == batched
+    assert batch is not None and batch.batched == batched and (batch.seg_rows is not None) == in_place
     expected = naive(y, x, slots, a, b)
     apply_lora(y, x, batch, a, b)
     assert torch.allclose(y, expected, atol=1e-4)
@@ -87,3 +89,27 @@ def test_lora_linear_puts_each_module_in_its_own_columns() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         layer.set_slot(0, ProjectionDeltas((LoraPair(torch.zeros(RANK + 1, IN), torch.zeros(16, RANK + 1)), None,
                                             None)))
+
+
+def test_fused_modules_on_the_batched_path() -> None:
+    """Two slots, three modules, balanced decode-like rows: one shrink, three expands."""
+    g = torch.Generator().manual_seed(5)
+    sizes = (16, 8, 16)
+    base = Linear(torch.randn(sum(sizes), IN, generator=g), prepack=False)
+    layer = LoraLinear(base, sizes, num_slots=2, max_rank=RANK, dtype=torch.float32, device="cpu")
+    pairs = {slot: tuple(LoraPair(torch.randn(r, IN, generator=g), torch.randn(out, r, generator=g))
+                         for r, out in zip((RANK, 3, 5), sizes, strict=True)) for slot in (0, 1)}
+    for slot, parts in pairs.items():
+        layer.set_slot(slot, ProjectionDeltas(parts))
+    slots = [0, 1, 1, 0, -1, 0, 1]
+    x = torch.randn(len(slots), IN, generator=g)
+
+    class Ctx:
+        lora = LoraBatch.build(torch.tensor(slots))
+
+    assert Ctx.lora is not None and Ctx.lora.batched
+    expected = base(x)
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected[t] += torch.cat([p.lora_b @ (p.lora_a @ x[t]) for p in pairs[slot]])
+    assert torch.allclose(layer(x, Ctx()), expected, atol=1e-4)  # type: ignore[arg-type]
