@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
                         "write small PEFT adapters (default: the R checks that need adapters skip)")
     parser.add_argument("--lora-model-config", default="", metavar="FILE",
                         help="R1-R7: the served model's Hugging Face config.json (shapes of those adapters)")
+    parser.add_argument("--media-placeholder-token-id", type=int, default=None, metavar="N",
+                        help="D9/G19: the model's image placeholder token id; prompts with real images are then "
+                        "sent as token ids holding N once per image (default: those media checks skip)")
     parser.add_argument("--quiet", action="store_true", help="no per-check progress lines")
     args = parser.parse_args(argv)
 
@@ -48,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                       slow_reader_extra=json.loads(args.slow_reader_extra),
                       known_extra_keys=json.loads(args.known_extra_keys), prefill_address=args.prefill,
                       decode_address=args.decode, lora_dir=args.lora_dir,
-                      lora_model_config=args.lora_model_config)
+                      lora_model_config=args.lora_model_config,
+                      media_placeholder_token_id=args.media_placeholder_token_id)
     rules = [r for r in args.rules.split(",") if r.strip()] or None
     try:
         results = run(args.address, rules, options, on_result=progress)

@@ -4,6 +4,14 @@ The suite carries only tiny synthetic samples (a 1x1 PNG, 10 ms of silent WAV, t
 first box of an MP4) and knows no model's media placeholder, so against a multimodal
 model it can check *when* a request is validated (before acceptance), not what the
 model makes of the media; media order needs a model-specific prompt and is not tested.
+
+Given the model's image placeholder token id (``Options.media_placeholder_token_id``,
+``--media-placeholder-token-id N``), the prompt is sent as token ids holding N once per
+image, and a multimodal model is checked with a real image (a 64x64 PNG written here, no
+imaging library): it is accepted and completes (D9); an item count that does not match the
+placeholders, and bytes that are not an image, are refused before acceptance (G19: an item
+that cannot be placed or decoded is refused, never silently ignored). Without the option
+those checks skip, naming it.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from refengine.conformance.assertions import NON_OK, expect_rejected, stream_violations
+from refengine.conformance.assertions import NON_OK, expect_finish, expect_rejected, expect_valid, stream_violations
 from refengine.conformance.registry import check, expect, fail, skip
 from refengine.conformance.target import StreamResult, Target
 from refengine.protocol import oe
@@ -31,11 +39,26 @@ def _png_chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png(width: int, height: int, color_type: int, rows: bytes) -> bytes:
+    """A PNG of 8-bit samples; ``rows``: each scanline with its filter byte (0 = none)."""
+    header = struct.pack(">IIBBBBB", width, height, 8, color_type, 0, 0, 0)
+    return (PNG_SIGNATURE + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(rows))
+            + _png_chunk(b"IEND", b""))
+
+
 def tiny_png() -> bytes:
     """A valid 1x1 grey PNG."""
-    header = struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(b"\x00\x80"))
-            + _png_chunk(b"IEND", b""))
+    return _png(1, 1, 0, b"\x00\x80")
+
+
+def rgb_png(width: int = 64, height: int = 64) -> bytes:
+    """A valid RGB PNG (a colour gradient), large enough for common image processors' minimum sizes."""
+    rows = b"".join(b"\x00" + bytes(v for x in range(width) for v in (x * 4 % 256, y * 4 % 256, (x + y) * 2 % 256))
+                    for y in range(height))
+    return _png(width, height, 2, rows)
 
 
 def tiny_wav() -> bytes:
@@ -152,3 +175,94 @@ def media_source_required(t: Target) -> str:
     mm = _multimodal(t)
     note = "" if mm else " (the model is not multimodal, so any media is refused anyway)"
     return f"{len(cases)} source-less items refused before acceptance{note}"
+
+
+# -- a multimodal model whose image placeholder is known (Options.media_placeholder_token_id) --
+PLACEHOLDER_FLAG = "--media-placeholder-token-id"
+
+
+def _placeholder(t: Target) -> int:
+    """The model's image placeholder token id; skips unless supports_multimodal = true and it is given."""
+    if not _multimodal(t):
+        skip("the model does not say supports_multimodal = true")
+    token = t.options.media_placeholder_token_id
+    if token is None:
+        skip(f"the model's image placeholder token id is not known: pass {PLACEHOLDER_FLAG} N "
+             "(Options.media_placeholder_token_id) to send real images")
+    return token
+
+
+def _image(data: bytes, source: str = "raw_bytes") -> MediaSpec:
+    """An image item carrying ``data`` inline (``raw_bytes``) or as a base64 data URI."""
+    def fill(m: Any) -> None:
+        m.modality = oe.MODALITY_IMAGE
+        if source == "data_uri":
+            m.data_uri = _data_uri("image/png", data)
+        else:
+            m.raw_bytes, m.mime_type = data, "image/png"
+
+    return fill
+
+
+def _image_request(t: Target, tag: str, placeholders: int, *specs: MediaSpec) -> Any:
+    """Token ids holding the placeholder ``placeholders`` times (each between text ids), with ``specs``."""
+    token = _placeholder(t)
+    text = [i for i in t.known_token_ids() if i != token]
+    expect(len(text) >= 4, f"too few known token ids other than the placeholder {token}: {text}")
+    ids = text[:4]
+    for k in range(placeholders):
+        ids += [token, text[k % len(text)]]
+    req = t.request(tag, token_ids=ids, max_tokens=4, ignore_eos=True)
+    for spec in specs:
+        spec(req.media.add())
+    return req
+
+
+@check("D9", "supports_multimodal = true: a real image at the model's placeholder is accepted and completes")
+def multimodal_image_accepted(t: Target) -> str:
+    """D9: with the placeholder known, one valid 64x64 PNG (inline bytes) is accepted and
+    the stream completes (max_tokens, ignore_eos); the same image as a data URI is accepted
+    too or refused before acceptance (which sources a model takes is not advertised)."""
+    token = _placeholder(t)
+    res = expect_valid(t.generate(_image_request(t, "d9img", 1, _image(rgb_png()))),
+                       what=f"one 64x64 PNG (inline bytes) at placeholder {token}")
+    expect_finish(res, oe.FINISH_REASON_LENGTH, what="one 64x64 PNG with max_tokens 4 and ignore_eos")
+    uri = _validated_in_time(t.generate(_image_request(t, "d9uri", 1, _image(rgb_png(), "data_uri"))),
+                             "the same PNG as a data URI")
+    t.wait_idle("D9")
+    usage = res.usage()
+    prompt = f", prompt_tokens {usage.prompt_tokens}" if usage is not None else ""
+    return f"inline PNG accepted and completed ({len(res.tokens())} tokens{prompt}); as a data URI: {uri}"
+
+
+@check("G19", "an image count that does not match the prompt's placeholders is refused before acceptance")
+def media_placeholder_mismatch_refused(t: Target) -> str:
+    """G19: items fill the placeholders in order; an item left without a placeholder, or a
+    placeholder without an item, is refused before acceptance (non-OK, no event), never ignored."""
+    image = _image(rgb_png())
+    cases = {"one placeholder, two images": (1, (image, image)),
+             "two placeholders, one image": (2, (image,)),
+             "no placeholder, one image": (0, (image,))}
+    codes = set()
+    for what, (placeholders, specs) in cases.items():
+        res = t.generate(_image_request(t, "g19n", placeholders, *specs))
+        expect_rejected(res, codes=NON_OK, what=what)
+        codes.add(res.code.name)
+    t.wait_idle("G19")
+    return f"{len(cases)} placeholder/item count mismatches refused before acceptance ({', '.join(sorted(codes))})"
+
+
+@check("G19", "image bytes that are not a decodable image are refused before acceptance")
+def media_malformed_image_refused(t: Target) -> str:
+    """G19: an image item whose bytes are not an image (plain text; a PNG signature followed by
+    garbage) is refused before acceptance (non-OK, no event), never ignored. A truncated file is
+    not tried: some decoders are configured to pad one, and the rules do not forbid that."""
+    cases = {"text bytes": b"oeconf: this is not an image",
+             "a PNG signature, then garbage": PNG_SIGNATURE + b"\x00garbage" * 8}
+    codes = set()
+    for what, data in cases.items():
+        res = t.generate(_image_request(t, "g19m", 1, _image(data)))
+        expect_rejected(res, codes=NON_OK, what=f"an image item holding {what}")
+        codes.add(res.code.name)
+    t.wait_idle("G19")
+    return f"{len(cases)} undecodable image items refused before acceptance ({', '.join(sorted(codes))})"

@@ -54,6 +54,11 @@ class Options:
     # (their shapes); the R checks that need adapter files skip without both.
     lora_dir: str = ""
     lora_model_config: str = ""
+    # D9/G19: the served model's image placeholder token id. With it (and supports_multimodal =
+    # true) prompts are sent as token ids holding it once per image, so real images can be
+    # checked: accepted and completed, and a mismatched or undecodable item refused before
+    # acceptance. Without it those checks skip (no model's placeholder is known to the suite).
+    media_placeholder_token_id: int | None = None
 
 
 @dataclass

@@ -58,7 +58,8 @@ class MediaInputs:
 
         self.encoder = encoder
         self.config = config
-        self.image_processor = AutoImageProcessor.from_pretrained(hf_dir, local_files_only=True, use_fast=False)
+        # backend "pil": the processor without torchvision (numpy and Pillow), which is what refengine installs
+        self.image_processor = AutoImageProcessor.from_pretrained(hf_dir, local_files_only=True, backend="pil")
         self.cache: EncoderCache[torch.Tensor] = EncoderCache(ENCODER_CACHE_ENTRIES)
         self._encode_lock = threading.Lock()  # one encode at a time: the step thread runs the LM meanwhile
 

@@ -1,25 +1,21 @@
 """Images through the engine on a tiny random LLaVA; transformers' ``LlavaForConditionalGeneration``
 (with its own ``CLIPImageProcessor``) is the oracle.
 
-The model is built here from a transformers config (CLIP vision tower 56 px / 14 px patches
-→ 16 image positions after the CLS is dropped, a 2-layer Llama LM) and saved, with its image
-processor, to a temporary directory the engine loads like any checkpoint.
+The model is built by ``tests/tiny_llava.py`` (CLIP vision tower 56 px / 14 px patches → 16
+image positions after the CLS is dropped, a 2-layer Llama LM) and saved, with its image
+processor and tokenizer, to a temporary directory the engine loads like any checkpoint.
 """
 
 from __future__ import annotations
 
 import io
-import random
 
 import pytest
 import torch
 from PIL import Image
-from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
+from refengine.config import EngineConfig
 from refengine.engine.engine import Engine
-from refengine.engine.media import MediaInputs
-from refengine.model.loader import load_model_config, load_weights
 from refengine.types import (
     GenerationRequest,
     InvalidRequestError,
@@ -27,62 +23,20 @@ from refengine.types import (
     SamplingParams,
     StoppingParams,
 )
-from tests.unit.tokenizer_fixture import byte_fallback_tokenizer
-
-TOKENIZER = byte_fallback_tokenizer()
-VOCAB = len(TOKENIZER)
-IMAGE_TOKEN = VOCAB - 1
-NUM_IMAGE_TOKENS = 16
+from tests import tiny_llava
+from tests.tiny_llava import IMAGE_TOKEN, NUM_IMAGE_TOKENS, TOKENIZER, VOCAB, TinyLlava, png, prompt_with
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    torch.manual_seed(0)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=56, patch_size=14, projection_dim=32)
-    text = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2)
-    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text,
-                                                      image_token_index=IMAGE_TOKEN)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0, 0.08)
-    directory = tmp_path_factory.mktemp("llava")
-    model.save_pretrained(directory)
-    processor = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
-    processor.save_pretrained(directory)
-    return model, processor, directory
+def llava(tmp_path_factory: pytest.TempPathFactory) -> TinyLlava:
+    return tiny_llava.build_tiny_llava(tmp_path_factory.mktemp("llava"))
 
 
-def make_engine(llava, budget: int = 512, num_blocks: int = 256) -> Engine:
-    _, _, directory = llava
-    config = EngineConfig(max_model_len=512, max_sequences_per_request=4,
-                          cache=CacheConfig(block_size=4, num_blocks=num_blocks),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8))
-    model_config, weights = load_model_config(directory), load_weights(directory)
-    media = MediaInputs.from_model(directory, model_config, weights, torch.float32, "cpu", config.media)
-    return Engine(config, model_config, weights, TOKENIZER, model_fingerprint="tiny-llava", media=media)
-
-
-def png(seed: int, size: tuple[int, int]) -> bytes:
-    rng = random.Random(seed)
-    image = Image.new("RGB", size)
-    image.putdata([(rng.randrange(256), rng.randrange(256), rng.randrange(256)) for _ in range(size[0] * size[1])])
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
+def make_engine(llava: TinyLlava, budget: int = 512, num_blocks: int = 256) -> Engine:
+    return tiny_llava.make_engine(llava.directory, budget=budget, num_blocks=num_blocks)
 
 
 IMAGES = [png(1, (56, 56)), png(2, (80, 64)), png(3, (40, 90))]
-
-
-def prompt_with(num_images: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    ids = [rng.randrange(3, VOCAB - 1) for _ in range(5)]
-    for _ in range(num_images):
-        ids += [IMAGE_TOKEN] + [rng.randrange(3, VOCAB - 1) for _ in range(3)]
-    return ids
 
 
 def request(rid: str, ids: list[int], images: list[bytes], n: int = 8, **media) -> GenerationRequest:
