@@ -21,6 +21,7 @@ from PIL import Image
 from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
 from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
+from refengine.engine.core import KvEventSink
 from refengine.engine.engine import Engine
 from refengine.engine.media import MediaInputs
 from refengine.model.loader import load_model_config, load_weights
@@ -63,14 +64,16 @@ def build_tiny_llava(directory: Path) -> TinyLlava:
     return TinyLlava(model, processor, directory)
 
 
-def make_engine(directory: Path, budget: int = 512, num_blocks: int = 256, max_model_len: int = 512) -> Engine:
+def make_engine(directory: Path, budget: int = 512, num_blocks: int = 256, max_model_len: int = 512,
+                kv_event_sink: KvEventSink | None = None) -> Engine:
     """An in-process engine on the checkpoint (float32, 4-token KV blocks)."""
     config = EngineConfig(max_model_len=max_model_len, max_sequences_per_request=4,
                           cache=CacheConfig(block_size=4, num_blocks=num_blocks),
                           scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8))
     model_config, weights = load_model_config(directory), load_weights(directory)
     media = MediaInputs.from_model(directory, model_config, weights, torch.float32, "cpu", config.media)
-    return Engine(config, model_config, weights, TOKENIZER, model_fingerprint="tiny-llava", media=media)
+    return Engine(config, model_config, weights, TOKENIZER, model_fingerprint="tiny-llava", media=media,
+                  kv_event_sink=kv_event_sink)
 
 
 def png(seed: int, size: tuple[int, int]) -> bytes:

@@ -157,3 +157,25 @@ def test_a_text_only_model_refuses_media() -> None:
     assert not engine.info.supports_multimodal
     with pytest.raises(InvalidRequestError, match="does not accept media"):
         engine.add_request(request("x", prompt_with(1), IMAGES[:1]))
+
+
+def test_kv_events_and_offline_block_keys_carry_the_image(llava: TinyLlava) -> None:
+    """E4: the blocks holding an image's positions publish ``media:<identity>`` in their extra
+    keys (the text block before it does not), and a router recomputes every published hash
+    with the public ``block_keys`` from the expanded prompt and the media spans."""
+    from refengine.config import MediaConfig
+    from refengine.kv.keys import block_keys, engine_extra_keys
+    from refengine.multimodal.sources import load_image
+    from refengine.types import BlockStored
+    events: list = []
+    engine = tiny_llava.make_engine(llava.directory, kv_event_sink=events.extend)
+    ids = prompt_with(1, 30)  # 5 text ids, the placeholder, 3 text ids: the image is positions 5-20
+    engine.run_until_done([request("e", ids, IMAGES[:1], n=8)])
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    identity = load_image(MediaInput("image", raw_bytes=IMAGES[0]), MediaConfig()).identity
+    media_key = f"media:{identity}"
+    assert [media_key in e.extra_keys for e in stored[:7]] == [False, True, True, True, True, True, False]
+    expanded = ids[:5] + [IMAGE_TOKEN] * NUM_IMAGE_TOKENS + ids[6:]
+    assert [e.token_ids for e in stored[:6]] == [tuple(expanded[i * 4:i * 4 + 4]) for i in range(6)]
+    keys = block_keys(expanded, 4, engine_extra_keys("tiny-llava"), [(5, 5 + NUM_IMAGE_TOKENS, identity)])
+    assert [e.block_hash for e in stored[:len(keys)]] == keys
