@@ -158,7 +158,8 @@ def load_model_config(hf_dir: Path) -> ModelConfig:
         )
     model_type = SUPPORTED_ARCHITECTURES[architecture]
     if model_type == "llava":  # the LM's own config; the vision part is model/vision.py's
-        config = {"eos_token_id": config.get("eos_token_id"), **config["text_config"]}
+        config = {"eos_token_id": config.get("eos_token_id"),
+                  "tie_word_embeddings": config.get("tie_word_embeddings", False), **config["text_config"]}
         model_type = config.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2"):
             raise UnsupportedModelError(f"{hf_dir}: a {model_type!r} language model is not supported")

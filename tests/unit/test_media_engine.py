@@ -179,3 +179,18 @@ def test_kv_events_and_offline_block_keys_carry_the_image(llava: TinyLlava) -> N
     assert [e.token_ids for e in stored[:6]] == [tuple(expanded[i * 4:i * 4 + 4]) for i in range(6)]
     keys = block_keys(expanded, 4, engine_extra_keys("tiny-llava"), [(5, 5 + NUM_IMAGE_TOKENS, identity)])
     assert [e.block_hash for e in stored[:len(keys)]] == keys
+
+
+def test_tied_embeddings_declared_only_at_the_top_level(tmp_path) -> None:
+    """A LLaVA config.json may say ``tie_word_embeddings`` at the top level only: config and
+    weights must agree (no lm_head expected)."""
+    import json
+
+    from refengine.model.loader import load_model_config, load_weights
+    directory = tiny_llava.build_tiny_llava(tmp_path / "tied").directory
+    config = json.loads((directory / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    config["text_config"].pop("tie_word_embeddings", None)
+    (directory / "config.json").write_text(json.dumps(config))
+    assert load_model_config(directory).tie_word_embeddings
+    assert "lm_head.weight" not in load_weights(directory)
