@@ -1,4 +1,5 @@
-"""All engine configuration, in one place, as frozen dataclasses.
+"""All engine configuration as frozen dataclasses: here, and the optional features' in
+``config_features.py`` (re-exported here, so everything imports from ``refengine.config``).
 
 Every default is documented here and surfaced by ``refengine serve --help``
 (``refengine/args.py`` holds the flags). Each dataclass checks its own fields in
@@ -11,10 +12,25 @@ touches tensors (a test checks both this module and ``refengine.args``).
 
 from __future__ import annotations
 
-import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from refengine.config_checks import check_bool, check_choice, check_int, check_name, check_positive_float, is_int
+from refengine.config_features import (
+    ENGINE_ROLES,
+    GUIDED_BACKENDS,
+    TRANSFER_BACKENDS,
+    GuidedConfig,
+    KvEventsConfig,
+    KvTransferConfig,
+    LoraConfig,
+    MediaConfig,
+)
+
+__all__ = ["ENGINE_ROLES", "GUIDED_BACKENDS", "TRANSFER_BACKENDS", "CacheConfig", "EngineConfig", "GuidedConfig",
+           "KernelConfig", "KvEventsConfig", "KvTransferConfig", "LoraConfig", "MediaConfig", "ModelConfig",
+           "SchedulerConfig", "default_cache_dir"]
 
 # Names the runner maps to torch dtypes (``refengine.model.runner.DTYPES``).
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -33,52 +49,6 @@ def default_cache_dir() -> Path:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
     return Path(xdg).expanduser() / "refengine"
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def _check_int(owner: object, name: str, minimum: int, maximum: int | None = None, optional: bool = False) -> None:
-    """``owner.name`` is an int in ``[minimum, maximum]`` (or ``None`` when ``optional``)."""
-    value = getattr(owner, name)
-    if optional and value is None:
-        return
-    if not (_is_int(value) and value >= minimum and (maximum is None or value <= maximum)):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        none = " or None" if optional else ""
-        raise ValueError(f"{type(owner).__name__}.{name} must be an integer {bound}{none}, got {value!r}")
-
-
-def _is_int(value: object) -> bool:
-    # Integral admits numpy integers (from parsed model files); True is an int to Python, not to us.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_positive_float(owner: object, name: str) -> None:
-    value = getattr(owner, name)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise ValueError(f"{type(owner).__name__}.{name} must be a number > 0, got {value!r}")
-
-
-def _check_bool(owner: object, name: str) -> None:
-    value = getattr(owner, name)
-    if not isinstance(value, bool):
-        raise ValueError(f"{type(owner).__name__}.{name} must be True or False, got {value!r}")
-
-
-def _check_choice(owner: object, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(owner, name)
-    if value not in choices:
-        raise ValueError(f"{type(owner).__name__}.{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def _check_name(owner: object, name: str, optional: bool = False) -> None:
-    value = getattr(owner, name)
-    if optional and value is None:
-        return
-    if not isinstance(value, str) or not value:
-        none = " or None" if optional else ""
-        raise ValueError(f"{type(owner).__name__}.{name} must be a non-empty string{none}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------- configs
@@ -110,20 +80,20 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_name(self, "architecture")
+        check_name(self, "architecture")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            _check_int(self, name, 1)
+            check_int(self, name, 1)
         # Grouped-query attention: query head h reads KV head h // (heads / kv_heads).
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:  # rotate-half RoPE pairs the two halves of a head
             raise ValueError(f"ModelConfig.head_dim must be even, got {self.head_dim}")
-        _check_positive_float(self, "rms_norm_eps")
-        _check_positive_float(self, "rope_theta")
-        _check_int(self, "bos_token_id", 0, optional=True)
-        if any(not _is_int(t) or t < 0 for t in self.eos_token_ids):
+        check_positive_float(self, "rms_norm_eps")
+        check_positive_float(self, "rope_theta")
+        check_int(self, "bos_token_id", 0, optional=True)
+        if any(not is_int(t) or t < 0 for t in self.eos_token_ids):
             raise ValueError(f"ModelConfig.eos_token_ids must be integers >= 0, got {self.eos_token_ids!r}")
 
 
@@ -141,10 +111,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _check_int(self, "block_size", 1)
-        _check_int(self, "num_blocks", 1, optional=True)
-        _check_int(self, "kv_memory_bytes", 1)
-        _check_bool(self, "enable_prefix_caching")
+        check_int(self, "block_size", 1)
+        check_int(self, "num_blocks", 1, optional=True)
+        check_int(self, "kv_memory_bytes", 1)
+        check_bool(self, "enable_prefix_caching")
 
 
 @dataclass(frozen=True)
@@ -163,9 +133,9 @@ class SchedulerConfig:
     max_active_requests: int = 4096
 
     def __post_init__(self) -> None:
-        _check_int(self, "max_num_batched_tokens", 1)
-        _check_int(self, "max_num_seqs", 1)
-        _check_int(self, "max_active_requests", 1)
+        check_int(self, "max_num_batched_tokens", 1)
+        check_int(self, "max_num_seqs", 1)
+        check_int(self, "max_active_requests", 1)
 
 
 @dataclass(frozen=True)
@@ -182,159 +152,8 @@ class KernelConfig:
     onednn_linear: bool = True
 
     def __post_init__(self) -> None:
-        _check_bool(self, "native_cpu_kernels")
-        _check_bool(self, "onednn_linear")
-
-
-GUIDED_BACKENDS = ("xgrammar", "llguidance")
-
-
-@dataclass(frozen=True)
-class GuidedConfig:
-    """Grammar-constrained sampling (``GenerateRequest.guided``).
-
-    ``default_backend`` serves requests that name none. A grammar is compiled before the
-    request is accepted, on one of ``compile_threads`` worker threads; a compile that takes
-    longer than ``compile_timeout_seconds`` refuses the request (the worker finishes in the
-    background, and its result is cached). ``cache_size`` compiled grammars are kept (LRU,
-    keyed by backend, mode, spec and tokenizer). ``max_spec_bytes`` bounds the size of a
-    schema, regex, grammar or structural tag; ``max_choices`` the entries of a choice list.
-    """
-
-    default_backend: str = "xgrammar"
-    compile_timeout_seconds: float = 5.0
-    compile_threads: int = 2
-    cache_size: int = 256
-    max_spec_bytes: int = 64 * 1024
-    max_choices: int = 1024
-
-    def __post_init__(self) -> None:
-        _check_choice(self, "default_backend", GUIDED_BACKENDS)
-        _check_positive_float(self, "compile_timeout_seconds")
-        _check_int(self, "compile_threads", 1)
-        _check_int(self, "cache_size", 1)
-        _check_int(self, "max_spec_bytes", 1)
-        _check_int(self, "max_choices", 1)
-
-
-@dataclass(frozen=True)
-class KvEventsConfig:
-    """KV events for KV-aware routers (``SubscribeKvEvents``, and the ZMQ source of the server).
-
-    ``enabled``: the prefix cache records its changes and each step's are published as one
-    numbered batch. ``retained_batches``: the newest batches kept for replay
-    (``start_sequence_number``). ``subscriber_buffer``: batches one subscriber may hold
-    unread; a subscriber past it is cut off with an error, never slowing the engine.
-    """
-
-    enabled: bool = True
-    retained_batches: int = 10_000
-    subscriber_buffer: int = 1024
-
-    def __post_init__(self) -> None:
-        _check_bool(self, "enabled")
-        _check_int(self, "retained_batches", 1)
-        _check_int(self, "subscriber_buffer", 1)
-
-
-ENGINE_ROLES = ("aggregated", "prefill", "decode")
-TRANSFER_BACKENDS = ("grpc", "nixl")
-
-
-@dataclass(frozen=True)
-class KvTransferConfig:
-    """Disaggregated prefill/decode (``role`` prefill or decode).
-
-    ``backend``: how this engine's KV sessions are offered when it prefills — ``grpc`` (the
-    decode engine pulls over refengine's own ``refengine.kvpull.v1`` service on this
-    server's port; always available) or ``nixl`` (the decode engine READs the blocks
-    with NIXL; needs the ``nixl`` package). A decode engine accepts every backend it has.
-    ``session_ttl_seconds``: the lease of a session not yet pulled; its KV is freed at
-    expiry. ``chunk_bytes``: the most KV bytes in one gRPC pull chunk (each checksummed).
-    ``num_transfer_threads``: pulls a decode engine runs at once. ``pull_timeout_seconds``:
-    the longest one pull may take before it fails (KV_TRANSFER_FAILED).
-    """
-
-    backend: str = "grpc"
-    session_ttl_seconds: float = 30.0
-    chunk_bytes: int = 4 << 20
-    num_transfer_threads: int = 4
-    pull_timeout_seconds: float = 30.0
-
-    def __post_init__(self) -> None:
-        _check_choice(self, "backend", TRANSFER_BACKENDS)
-        _check_positive_float(self, "session_ttl_seconds")
-        _check_int(self, "chunk_bytes", 1 << 12, 1 << 26)
-        _check_int(self, "num_transfer_threads", 1, 64)
-        _check_positive_float(self, "pull_timeout_seconds")
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """Multi-LoRA (PEFT adapters loaded at run time through ``LoadLora``).
-
-    ``enabled``: the LoRA RPCs and ``lora_name`` work (R5, R6); off, they answer
-    FAILED_PRECONDITION / NOT_FOUND. ``roots``: absolute directories an adapter's
-    ``source_path`` must resolve inside (after following symlinks); no root, no adapter.
-    ``max_loras``: adapter slots on the device (``DeploymentCapacity.max_loras``): the
-    most distinct adapters the running requests may use at once. ``max_lora_rank``: the
-    largest rank an adapter may have (slot memory is sized by it). ``max_loaded_loras``:
-    the most adapters registered at once (kept in host memory, swapped into slots).
-    """
-
-    enabled: bool = False
-    roots: tuple[str, ...] = ()
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_loaded_loras: int = 64
-
-    def __post_init__(self) -> None:
-        _check_bool(self, "enabled")
-        if not isinstance(self.roots, tuple) or not all(isinstance(r, str) and os.path.isabs(r) for r in self.roots):
-            raise ValueError(f"LoraConfig.roots must be a tuple of absolute directories, got {self.roots!r}")
-        _check_int(self, "max_loras", 1, 256)
-        _check_int(self, "max_lora_rank", 1, 512)
-        _check_int(self, "max_loaded_loras", 1)
-        if self.max_loaded_loras < self.max_loras:
-            raise ValueError(f"LoraConfig.max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras "
-                             f"({self.max_loras})")
-
-
-@dataclass(frozen=True)
-class MediaConfig:
-    """Limits on ``GenerateRequest.media`` (multimodal models only).
-
-    ``max_items``: media items per request. ``max_bytes``: encoded bytes of one item (a
-    data URI's decoded payload, raw bytes, or a fetched body). ``max_pixels``: width x
-    height of one decoded image (also Pillow's decompression-bomb limit: a larger header
-    is refused before decoding). ``image_formats``: the Pillow formats accepted.
-    ``url_allow_hosts``: hosts ``url`` sources may be fetched from (http and https only);
-    empty = URL fetching off. ``url_allow_private``: also allow hosts that resolve to
-    loopback, private, link-local or otherwise non-global addresses (an SSRF surface: off by
-    default). ``url_timeout_seconds``: the whole fetch, redirects included.
-    ``url_max_redirects``: redirects followed, each re-checked against the policy.
-    """
-
-    max_items: int = 8
-    max_bytes: int = 20 << 20
-    max_pixels: int = 16_000_000
-    image_formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-    url_allow_hosts: tuple[str, ...] = ()
-    url_allow_private: bool = False
-    url_timeout_seconds: float = 10.0
-    url_max_redirects: int = 3
-
-    def __post_init__(self) -> None:
-        _check_int(self, "max_items", 1, 256)
-        _check_int(self, "max_bytes", 1)
-        _check_int(self, "max_pixels", 1)
-        for name in ("image_formats", "url_allow_hosts"):
-            value = getattr(self, name)
-            if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
-                raise ValueError(f"MediaConfig.{name} must be a tuple of non-empty strings, got {value!r}")
-        _check_bool(self, "url_allow_private")
-        _check_positive_float(self, "url_timeout_seconds")
-        _check_int(self, "url_max_redirects", 0, 20)
+        check_bool(self, "native_cpu_kernels")
+        check_bool(self, "onednn_linear")
 
 
 @dataclass(frozen=True)
@@ -378,22 +197,22 @@ class EngineConfig:
     media: MediaConfig = field(default_factory=MediaConfig)
 
     def __post_init__(self) -> None:
-        _check_name(self, "model")
-        _check_name(self, "served_model_name", optional=True)
-        self._check_aliases()
-        _check_choice(self, "dtype", DTYPE_NAMES)
-        _check_name(self, "device")
-        _check_int(self, "max_model_len", 2, optional=True)
-        _check_int(self, "max_sequences_per_request", 1)
-        _check_int(self, "max_logprobs", 0)
-        _check_int(self, "seed", 0, UINT64_MAX)
-        _check_int(self, "num_threads", 1, optional=True)
-        _check_choice(self, "attention_backend", ATTENTION_BACKENDS)
-        _check_bool(self, "debug_kv_integrity")
-        _check_choice(self, "role", ENGINE_ROLES)
-        self._check_parts()
+        check_name(self, "model")
+        check_name(self, "served_model_name", optional=True)
+        self.check_aliases()
+        check_choice(self, "dtype", DTYPE_NAMES)
+        check_name(self, "device")
+        check_int(self, "max_model_len", 2, optional=True)
+        check_int(self, "max_sequences_per_request", 1)
+        check_int(self, "max_logprobs", 0)
+        check_int(self, "seed", 0, UINT64_MAX)
+        check_int(self, "num_threads", 1, optional=True)
+        check_choice(self, "attention_backend", ATTENTION_BACKENDS)
+        check_bool(self, "debug_kv_integrity")
+        check_choice(self, "role", ENGINE_ROLES)
+        self.check_parts()
 
-    def _check_aliases(self) -> None:
+    def check_aliases(self) -> None:
         aliases = self.served_model_aliases
         if not isinstance(aliases, tuple):  # a list would make the frozen config unhashable
             raise ValueError(f"served_model_aliases must be a tuple of names, got {aliases!r}")
@@ -404,7 +223,7 @@ class EngineConfig:
         if self.served_model_name is not None and self.served_model_name in aliases:
             raise ValueError(f"served_model_aliases repeats the served model name {self.served_model_name!r}")
 
-    def _check_parts(self) -> None:
+    def check_parts(self) -> None:
         for name, kind in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("kernels", KernelConfig),
                            ("guided", GuidedConfig), ("kv_events", KvEventsConfig),
                            ("kv_transfer", KvTransferConfig), ("lora", LoraConfig), ("media", MediaConfig)):

@@ -50,3 +50,13 @@ def hf_smollm2(smollm2_dir: Path) -> transformers.LlamaForCausalLM:
         smollm2_dir, dtype=torch.float32, local_files_only=True
     )
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model_parts(smollm2_dir: Path):
+    """What ``Engine(config, *model_parts[:3], model_fingerprint=...)`` takes: config, weights,
+    tokenizer, fingerprint of the embedded default (loaded once per test module)."""
+    from refengine.model.loader import load_model_config, load_tokenizer, load_weights, model_fingerprint
+
+    return (load_model_config(smollm2_dir), load_weights(smollm2_dir), load_tokenizer(smollm2_dir),
+            model_fingerprint(smollm2_dir))

@@ -10,7 +10,6 @@ from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from refengine.engine.engine import Engine
 from refengine.kernels.attention import make_attention_backend
 from refengine.kernels.attention.cpu_paged import native_kernel_unavailable_reason
-from refengine.model.loader import load_model_config, load_tokenizer, load_weights, model_fingerprint
 from refengine.model.runner import ModelRunner
 from refengine.scheduler.sequence import Sequence
 from refengine.types import GenerationRequest, SamplingParams, StoppingParams
@@ -31,14 +30,6 @@ PROMPTS = [
 NUM_TOKENS = 48
 
 
-@pytest.fixture(scope="module")
-def model_parts(smollm2_dir):
-    return (
-        load_model_config(smollm2_dir),
-        load_weights(smollm2_dir),
-        load_tokenizer(smollm2_dir),
-        model_fingerprint(smollm2_dir),
-    )
 
 
 def make_engine(model_parts, num_blocks: int = 512, budget: int = 2048, max_seqs: int = 64) -> Engine:

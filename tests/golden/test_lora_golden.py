@@ -32,7 +32,6 @@ import torch
 from refengine.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
 from refengine.engine.engine import Engine
 from refengine.engine.stream import Completion
-from refengine.model.loader import load_model_config, load_tokenizer, load_weights, model_fingerprint
 from refengine.types import (
     CandidateSpec,
     GenerationRequest,
@@ -96,14 +95,6 @@ def runs() -> list[tuple[str | None, int]]:
 # ----------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def model_parts(smollm2_dir):
-    return (
-        load_model_config(smollm2_dir),
-        load_weights(smollm2_dir),
-        load_tokenizer(smollm2_dir),
-        model_fingerprint(smollm2_dir),
-    )
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,50 @@
+"""The field checks every configuration dataclass runs in ``__post_init__`` (``config.py``,
+``config_features.py``): each raises ``ValueError`` naming the class, the field and the
+allowed range. No torch (the server imports the configs)."""
+
+from __future__ import annotations
+
+import numbers
+
+
+def check_int(owner: object, name: str, minimum: int, maximum: int | None = None, optional: bool = False) -> None:
+    """``owner.name`` is an int in ``[minimum, maximum]`` (or ``None`` when ``optional``)."""
+    value = getattr(owner, name)
+    if optional and value is None:
+        return
+    if not (is_int(value) and value >= minimum and (maximum is None or value <= maximum)):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        none = " or None" if optional else ""
+        raise ValueError(f"{type(owner).__name__}.{name} must be an integer {bound}{none}, got {value!r}")
+
+
+def is_int(value: object) -> bool:
+    # Integral admits numpy integers (from parsed model files); True is an int to Python, not to us.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_positive_float(owner: object, name: str) -> None:
+    value = getattr(owner, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{type(owner).__name__}.{name} must be a number > 0, got {value!r}")
+
+
+def check_bool(owner: object, name: str) -> None:
+    value = getattr(owner, name)
+    if not isinstance(value, bool):
+        raise ValueError(f"{type(owner).__name__}.{name} must be True or False, got {value!r}")
+
+
+def check_choice(owner: object, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(owner, name)
+    if value not in choices:
+        raise ValueError(f"{type(owner).__name__}.{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def check_name(owner: object, name: str, optional: bool = False) -> None:
+    value = getattr(owner, name)
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or not value:
+        none = " or None" if optional else ""
+        raise ValueError(f"{type(owner).__name__}.{name} must be a non-empty string{none}, got {value!r}")
