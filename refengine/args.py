@@ -21,6 +21,7 @@ from refengine.config import (
     GUIDED_BACKENDS,
     TRANSFER_BACKENDS,
     CacheConfig,
+    EncoderConfig,
     EngineConfig,
     GuidedConfig,
     KernelConfig,
@@ -82,6 +83,13 @@ FIELD_FLAGS = {
     "MediaConfig.url_allow_private": "--media-url-allow-private",
     "MediaConfig.url_timeout_seconds": "--media-url-timeout",
     "MediaConfig.url_max_redirects": "--media-url-max-redirects",
+    "EncoderConfig.memory_mib": "--encoder-memory-mib",
+    "EncoderConfig.max_cached_entries": "--encoder-cache-entries",
+    "EncoderConfig.lease_seconds": "--embedding-lease",
+    "EncoderConfig.max_lease_seconds": "--embedding-max-lease",
+    "EncoderConfig.staging_mib": "--embedding-staging-mib",
+    "EncoderConfig.pull_threads": "--embedding-pull-threads",
+    "EncoderConfig.pull_timeout_seconds": "--embedding-pull-timeout",
 }
 MIB_SHIFT = 20
 
@@ -120,6 +128,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_kv_transfer_args(parser.add_argument_group("disaggregated prefill/decode"))
     _add_lora_args(parser.add_argument_group("LoRA adapters"))
     _add_media_args(parser.add_argument_group("media (multimodal models)"))
+    _add_encoder_args(parser.add_argument_group("embedding handles (draft profile encoder: --role encoder and "
+                                                "its consumers)"))
 
 
 def _add_media_args(g: argparse._ArgumentGroup) -> None:
@@ -238,6 +248,25 @@ def _add_guided_args(g: argparse._ArgumentGroup) -> None:
                    help="most entries of a choice constraint (default: %(default)s)")
 
 
+def _add_encoder_args(g: argparse._ArgumentGroup) -> None:
+    d = EncoderConfig()
+    g.add_argument("--encoder-memory-mib", type=int, default=d.memory_mib,
+                   help="encoder role: host memory for embeddings of live handles and of the encoder cache, MiB "
+                   "(default: %(default)s)")
+    g.add_argument("--encoder-cache-entries", type=int, default=d.max_cached_entries,
+                   help="encoder role: encoded items no handle holds kept for reuse (default: %(default)s)")
+    g.add_argument("--embedding-lease", type=float, default=d.lease_seconds, metavar="SECONDS",
+                   help="encoder role: a handle's lease when Encode names none (default: %(default)s)")
+    g.add_argument("--embedding-max-lease", type=float, default=d.max_lease_seconds, metavar="SECONDS",
+                   help="encoder role: the longest lease Encode or RenewLease grants (default: %(default)s)")
+    g.add_argument("--embedding-staging-mib", type=int, default=d.staging_mib,
+                   help="consumers: host memory handles are pulled into, MiB (default: %(default)s)")
+    g.add_argument("--embedding-pull-threads", type=int, default=d.pull_threads,
+                   help="consumers: handle pulls run at once (default: %(default)s)")
+    g.add_argument("--embedding-pull-timeout", type=float, default=d.pull_timeout_seconds, metavar="SECONDS",
+                   help="consumers: a handle pull taking longer ends its request (default: %(default)s)")
+
+
 def _add_kv_event_args(g: argparse._ArgumentGroup) -> None:
     d = KvEventsConfig()
     g.add_argument("--no-kv-events", action="store_true",
@@ -253,7 +282,8 @@ def _add_kv_transfer_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--role", choices=ENGINE_ROLES, default=d.role,
                    help="aggregated: prompt and output here; prefill: compute the prompt's KV and first token, "
                    "end with PrefillReady and hold the KV as a session; decode: continue a prefill engine's "
-                   "session (kv.session) (default: %(default)s)")
+                   "session (kv.session); encoder: a multimodal model's vision path only, serving "
+                   "refengine.v1alpha1.Media (default: %(default)s)")
     g.add_argument("--kv-transfer-backend", choices=TRANSFER_BACKENDS, default=t.backend,
                    help="how a prefill engine offers its sessions: grpc (refengine.kvpull.v1 on this port) or "
                    "nixl (needs the nixl package); a decode engine takes both (default: %(default)s)")
@@ -325,4 +355,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                           image_formats=tuple(args.media_image_format or MediaConfig().image_formats),
                           url_allow_hosts=tuple(args.media_url_allow), url_allow_private=args.media_url_allow_private,
                           url_timeout_seconds=args.media_url_timeout, url_max_redirects=args.media_url_max_redirects),
+        encoder=EncoderConfig(memory_mib=args.encoder_memory_mib, max_cached_entries=args.encoder_cache_entries,
+                              lease_seconds=args.embedding_lease, max_lease_seconds=args.embedding_max_lease,
+                              staging_mib=args.embedding_staging_mib, pull_threads=args.embedding_pull_threads,
+                              pull_timeout_seconds=args.embedding_pull_timeout),
     )

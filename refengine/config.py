@@ -21,6 +21,7 @@ from refengine.config_features import (
     ENGINE_ROLES,
     GUIDED_BACKENDS,
     TRANSFER_BACKENDS,
+    EncoderConfig,
     GuidedConfig,
     KvEventsConfig,
     KvTransferConfig,
@@ -28,7 +29,8 @@ from refengine.config_features import (
     MediaConfig,
 )
 
-__all__ = ["ENGINE_ROLES", "GUIDED_BACKENDS", "TRANSFER_BACKENDS", "CacheConfig", "EngineConfig", "GuidedConfig",
+__all__ = ["ENGINE_ROLES", "GUIDED_BACKENDS", "TRANSFER_BACKENDS", "CacheConfig", "EncoderConfig", "EngineConfig",
+           "GuidedConfig",
            "KernelConfig", "KvEventsConfig", "KvTransferConfig", "LoraConfig", "MediaConfig", "ModelConfig",
            "SchedulerConfig", "default_cache_dir"]
 
@@ -195,6 +197,7 @@ class EngineConfig:
     kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
 
     def __post_init__(self) -> None:
         check_name(self, "model")
@@ -226,7 +229,8 @@ class EngineConfig:
     def check_parts(self) -> None:
         for name, kind in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("kernels", KernelConfig),
                            ("guided", GuidedConfig), ("kv_events", KvEventsConfig),
-                           ("kv_transfer", KvTransferConfig), ("lora", LoraConfig), ("media", MediaConfig)):
+                           ("kv_transfer", KvTransferConfig), ("lora", LoraConfig), ("media", MediaConfig),
+                           ("encoder", EncoderConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"EngineConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         limit = self.scheduler.max_num_seqs

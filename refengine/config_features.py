@@ -66,7 +66,7 @@ class KvEventsConfig:
         check_int(self, "subscriber_buffer", 1)
 
 
-ENGINE_ROLES = ("aggregated", "prefill", "decode")
+ENGINE_ROLES = ("aggregated", "prefill", "decode", "encoder")
 TRANSFER_BACKENDS = ("grpc", "nixl")
 
 
@@ -164,3 +164,36 @@ class MediaConfig:
         check_bool(self, "url_allow_private")
         check_positive_float(self, "url_timeout_seconds")
         check_int(self, "url_max_redirects", 0, 20)
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Embedding handles (draft profile ``encoder``, docs/profiles/encoder.md).
+
+    Encoder role: ``memory_mib`` of host memory hold the embeddings of live handles and of
+    the encoder cache; ``max_cached_entries`` items no handle holds are kept for reuse (least
+    recently used evicted first, or whenever a new item needs their rows); a handle's lease is
+    ``lease_seconds`` unless Encode asks otherwise, at most ``max_lease_seconds``.
+    Consumers (aggregated and prefill roles): handles are pulled into ``staging_mib`` of host
+    memory by ``pull_threads`` threads, over ``pull_timeout_seconds`` at most.
+    """
+
+    memory_mib: int = 256
+    max_cached_entries: int = 256
+    lease_seconds: float = 60.0
+    max_lease_seconds: float = 600.0
+    staging_mib: int = 64
+    pull_threads: int = 2
+    pull_timeout_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_int(self, "memory_mib", 1)
+        check_int(self, "max_cached_entries", 0)
+        check_positive_float(self, "lease_seconds")
+        check_positive_float(self, "max_lease_seconds")
+        if self.lease_seconds > self.max_lease_seconds:
+            raise ValueError(f"EncoderConfig.lease_seconds ({self.lease_seconds}) must be <= max_lease_seconds "
+                             f"({self.max_lease_seconds})")
+        check_int(self, "staging_mib", 1)
+        check_int(self, "pull_threads", 1, 64)
+        check_positive_float(self, "pull_timeout_seconds")

@@ -111,6 +111,44 @@ class KvSessionSpec:
     attributes: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EmbeddingTransferSpec:
+    """One way to fetch a handle's rows (draft profile ``encoder``, ``EmbeddingTransfer``):
+    ``backend`` "grpc" or "nixl"; ``attributes`` JSON values (K9 encoding)."""
+
+    backend: str
+    endpoints: tuple[KvEndpointSpec, ...] = ()
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EmbeddingHandleSpec:
+    """Leased embeddings of one media item on an encoder (``refengine.v1alpha1.EmbeddingHandle``).
+
+    ``shape`` is (num_tokens, hidden_size); ``identity`` is the media's prefix-cache key, the
+    same an aggregated engine derives from the item itself (``uuid:…`` or ``sha256:…``)."""
+
+    handle_id: str
+    mm_hash: str
+    mm_hash_algorithm: str  # "refengine-rgb8-sha256" or "uuid"
+    modality: str
+    shape: tuple[int, ...]
+    dtype: str
+    layout: str
+    fingerprint: str
+    transfers: tuple[EmbeddingTransferSpec, ...] = ()
+    lease_expires_unix_nanos: int = 0
+    cached: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[0] if self.shape else 0
+
+    @property
+    def identity(self) -> str:
+        return f"{'uuid' if self.mm_hash_algorithm == 'uuid' else 'sha256'}:{self.mm_hash}"
+
+
 GUIDED_MODES = ("json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag", "choice")
 GuidedMode = Literal["json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag", "choice"]
 
@@ -166,6 +204,8 @@ class GenerationRequest:
     detokenize: bool = True  # False: token ids only, no text (stop strings still match internally)
     lora_name: str | None = None  # a loaded LoRA adapter to generate with (None: the base model)
     media: tuple[MediaInput, ...] = ()  # item i fills the prompt's i-th media placeholder
+    # or (never both) encoded elsewhere: handle i fills the i-th placeholder (draft profile "encoder")
+    media_handles: tuple[EmbeddingHandleSpec, ...] = ()
 
 
 class FinishReason(enum.Enum):
@@ -316,6 +356,22 @@ class EngineStats:
     active_kv_sessions: int = 0  # prefill role: sessions held for decode engines (K7)
     kv_pulled_bytes: int = 0  # decode role: KV received by successful pulls, in total
     kv_pull_seconds: float = 0.0  # ... and the time those pulls took
+    media: MediaStats | None = None  # encoder role: its handles and rows
+
+
+@dataclass(frozen=True)
+class MediaStats:
+    """An encoder's embedding memory: rows held by live handles, kept for reuse (the encoder
+    cache, evictable) and free (held + cached + free = total), and its counters."""
+
+    held_handles: int
+    held_rows: int
+    cached_rows: int
+    free_rows: int
+    total_rows: int
+    cached_entries: int
+    cache_hits: int
+    cache_misses: int
 
 
 # -- KV events ------------------------------------------------------------------

@@ -203,7 +203,9 @@ def generate(out: Path) -> list[Path]:
 
 
 # refengine's own services (not OpenEngine): proto package -> bindings dir under --out.
-OWNED_PACKAGES = {"refengine.kvpull.v1": Path("kvpull") / "v1"}
+OWNED_PACKAGES = {"refengine.kvpull.v1": Path("kvpull") / "v1",
+                  # the draft profiles (docs/profiles/): importing openengine.v1 types, never extending them
+                  "refengine.v1alpha1": Path("v1alpha1")}
 OWNED_INIT = '''"""Generated bindings of refengine's own ``{package}`` protos (not OpenEngine).
 
 Written by ``scripts/gen_proto.py``; do not edit.
@@ -222,6 +224,7 @@ def owned_bindings(package: str, rel: Path) -> dict[str, str]:
         for path in sorted((Path(tmp) / source).iterdir()):
             text = path.read_text(encoding="utf-8")
             text = text.replace(f"from {package} import ", f"from {target_package} import ")
+            text = text.replace("from openengine.v1 import ", f"from {TARGET_PACKAGE} import ")
             # module names only ('refengine.kvpull.v1.kv_pull_pb2'); service and message names stay
             text = re.sub(rf"'{re.escape(package)}\.(\w+_pb2)'", rf"'{target_package}.\1'", text)
             proto = (source / (path.name.split("_pb2")[0] + ".proto")).as_posix()
@@ -233,7 +236,8 @@ def generate_owned(out: Path) -> list[Path]:
     """Write each owned package's bindings under ``out/<dir>``; return the paths written."""
     outputs: dict[Path, str] = {}
     for package, rel in OWNED_PACKAGES.items():
-        outputs[out / rel.parts[0] / "__init__.py"] = f'"""refengine\'s own protos: {package}."""\n'
+        if len(rel.parts) > 1:
+            outputs[out / rel.parts[0] / "__init__.py"] = f'"""refengine\'s own protos: {package}."""\n'
         outputs.update({out / rel / name: text for name, text in owned_bindings(package, rel).items()})
     for path, text in outputs.items():
         path.parent.mkdir(parents=True, exist_ok=True)

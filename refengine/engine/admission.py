@@ -43,6 +43,8 @@ def make_outputs(request: Request, tokenizer: PreTrainedTokenizerBase, eos_token
             lora_key=0 if lora is None else lora.key,
             lora=None if lora is None else lora.spec,
             media_spans=tuple((run.start, run.end, run.identity) for run in request.media),
+            # a decode engine has no media rows: it could not recompute such a prompt
+            recomputable=all(run.embeds is not None or run.handle is not None for run in request.media),
         )
         outputs.append(OutputState(
             seq=seq,

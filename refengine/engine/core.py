@@ -15,15 +15,17 @@ One step (``step``):
 
 Roles (``disagg.py``): before scheduling, a prefill engine frees its due KV sessions and
 a decode engine applies its finished pulls; a prefill engine ends a request at its first
-token with a session instead of emitting the token. Nothing below calls back up, and only
-this module changes request state; the front end (``engine.py``) feeds it.
+token with a session instead of emitting the token. A request whose media are embedding
+handles waits outside the scheduler until its rows are pulled (``media_pulls.py``).
+Nothing below calls back up, and only this module changes request state; the front end
+(``engine.py``) feeds it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +36,7 @@ from refengine.engine.disagg import Disaggregation, first_sampled_token, transfe
 from refengine.engine.engine_lora import StepLora
 from refengine.engine.input_builder import build_model_input
 from refengine.engine.media import step_embeds
+from refengine.engine.media_pulls import MediaPulls
 from refengine.engine.observe import check_idle, engine_stats, request_usage
 from refengine.engine.output_processor import OutputProcessor
 from refengine.engine.request import OutputState, OutputStatus, Request
@@ -84,6 +87,7 @@ class EngineCore:
         kv_event_sink: KvEventSink | None = None,
         disagg: Callable[[KvCacheManager], Disaggregation] | None = None,
         lora: StepLora | None = None,
+        media_pulls: MediaPulls | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -100,6 +104,8 @@ class EngineCore:
         self.kv_event_sink = kv_event_sink
         self.disagg = disagg(self.kv) if disagg is not None else None  # prefill and decode roles
         self.requests: dict[str, Request] = {}  # accepted and not yet finished
+        self.media_pulls = media_pulls
+        self._awaiting_media: set[str] = set()  # accepted, their embedding handles being pulled
         self._prompt_logprobs_pending: set[str] = set()  # prompt logprobs not yet emitted
         self._last_batch = (0, 0)  # (prefill, decode) sequences of the last step
 
@@ -110,10 +116,20 @@ class EngineCore:
         self.requests[request.request_id] = request
         if request.wants_prompt_logprobs:
             self._prompt_logprobs_pending.add(request.request_id)
+        if request.awaits_media:
+            assert self.media_pulls is not None, "handles are refused before acceptance without a pull backend"
+            self._awaiting_media.add(request.request_id)
+            self.media_pulls.start(request.request_id, [run.handle for run in request.media if run.handle])
+            return
         self.scheduler.add(request.outputs[0].seq)
 
     def _cancel(self, request: Request, finish: FinishInfo) -> list[SequenceDelta]:
         """End every unfinished output with ``finish``; frees their KV."""
+        if request.request_id in self._awaiting_media:  # never scheduled: only its pull to stop
+            assert self.media_pulls is not None
+            self._awaiting_media.discard(request.request_id)
+            self.media_pulls.cancel(request.request_id)
+            request.outputs[0].seq.status = SequenceStatus.FINISHED
         deltas = []
         for out in request.outputs:
             if out.status is not OutputStatus.FINISHED:
@@ -141,7 +157,11 @@ class EngineCore:
         if self.disagg is not None:
             self.disagg.free_due_sessions()
             self._attach_received_kv(outcome)
+        if self.media_pulls is not None:
+            self._attach_pulled_media(outcome)
         sched = self.scheduler.schedule()
+        for request_id, _ in sched.lost:
+            self._end_lost(self.requests[request_id], outcome)
         if sched.kv_loads:
             assert self.disagg is not None
             self.disagg.start_loads(sched.kv_loads, self.requests)
@@ -224,6 +244,32 @@ class EngineCore:
             if out.generator is not None:  # the prefill engine made this output's first draw
                 torch.rand(1, dtype=torch.float64, generator=out.generator)
             self._append(request, out, token, outcome)
+
+    def _attach_pulled_media(self, outcome: StepOutcome) -> None:
+        """Requests whose handles were pulled since the last step: scheduled now, or failed."""
+        assert self.media_pulls is not None
+        for request_id, pulled, fault in self.media_pulls.take_finished():
+            request = self.requests.get(request_id)
+            if request is None or request_id not in self._awaiting_media:  # cancelled while pulling
+                continue
+            self._awaiting_media.discard(request_id)
+            if pulled is None:
+                assert fault is not None
+                request.outputs[0].seq.status = SequenceStatus.FINISHED
+                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=fault.message))
+                outcome.faults[request_id] = fault
+                continue
+            request.media = tuple(run if run.handle is None else replace(run, embeds=pulled[run.handle.handle_id])
+                                  for run in request.media)
+            self.scheduler.add(request.outputs[0].seq)
+
+    def _end_lost(self, request: Request, outcome: StepOutcome) -> None:
+        """A preempted sequence that cannot recompute its prompt here (a decode engine has no
+        media rows): the request ends, retryable (ENC14)."""
+        self._cancel(request, FinishInfo(FinishReason.CANCELLED, message="preempted"))
+        outcome.faults[request.request_id] = EngineFault(
+            "overloaded", "preempted for KV memory, and a decode engine cannot recompute a prompt with media: "
+            "retry the request (prefill again)", retryable=True)
 
     # -- emission ----------------------------------------------------------------
     def _emit(self, outcome: StepOutcome) -> list[RequestOutput]:

@@ -135,7 +135,8 @@ class Disaggregation:
         attributes = SessionAttributes(
             model_fingerprint=self.fingerprint, block_size=self.kv.block_size, kv_dtype=self.store.dtype,
             kv_layout=self.store.layout, block_nbytes=self.store.block_nbytes,
-            num_prompt_tokens=len(request.prompt_token_ids), prompt_hash=prompt_hash(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            prompt_hash=prompt_hash(request.prompt_token_ids, request.media_identities),
             num_blocks=len(session.block_ids),
             first_token=FirstToken(token.token_id, token.logprob, token.rank, tuple(token.candidates)),
             lease_expires_unix_nanos=time.time_ns() + int(ttl * 1e9), lease_seconds=ttl,

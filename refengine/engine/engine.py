@@ -29,6 +29,7 @@ from refengine.engine.input_processor import InputProcessor
 from refengine.engine.interface import OutputSink
 from refengine.engine.kv_events import KvEventHub
 from refengine.engine.media import MediaInputs
+from refengine.engine.media_pulls import make_media_pulls
 from refengine.engine.request import Request
 from refengine.engine.role_check import RoleCheck
 from refengine.engine.stream import Completion, RequestStream
@@ -80,7 +81,10 @@ class Engine(EngineKvMixin, EngineLoraMixin):
         kv_event_sink: KvEventSink | None = None,
         transfer_backends: Seq[KvTransferBackend] = (),
         media: MediaInputs | None = None,
+        embedding_backends: Seq[KvTransferBackend] = (),
     ) -> None:
+        if config.role == "encoder":
+            raise ValueError("the encoder role runs an EncoderEngine (refengine.engine.encoder), not an Engine")
         self.config = config
         self.tokenizer = tokenizer
         max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
@@ -97,7 +101,8 @@ class Engine(EngineKvMixin, EngineLoraMixin):
             backends=backends, on_load_done=self._wake)
         self.core = EngineCore(config, runner, tokenizer, tuple(model_config.eos_token_ids), model_fingerprint,
                                self._kv_sink(config, kv_event_sink), disagg,
-                               StepLora(lora.max_loras, runner) if lora.enabled else None)
+                               StepLora(lora.max_loras, runner) if lora.enabled else None,
+                               make_media_pulls(config, media, embedding_backends, self._wake))
         self._step_lock = threading.Lock()  # held by a step; subscribing waits for the step to end
         name = served_model_name or config.served_model_name or config.model
         self.media = media  # the model's vision path (None: text only)
@@ -109,7 +114,8 @@ class Engine(EngineKvMixin, EngineLoraMixin):
             model_config.vocab_size, max_model_len, config.max_sequences_per_request, config.max_logprobs,
             config.cache.block_size, runner.num_blocks), self.guides,
             RoleCheck(config.role, model_fingerprint, config.cache.block_size, self.block_io, tuple(backends),
-                      model_config.vocab_size), self.loras, media)
+                      model_config.vocab_size), self.loras, media,
+            tuple(self.core.media_pulls.backends) if self.core.media_pulls else ())
         self._init_front_end()
 
     def _init_front_end(self) -> None:
@@ -136,7 +142,8 @@ class Engine(EngineKvMixin, EngineLoraMixin):
 
     @classmethod
     def from_config(cls, config: EngineConfig, kv_event_sink: KvEventSink | None = None,
-                    transfer_backends: Seq[KvTransferBackend] = ()) -> Engine:
+                    transfer_backends: Seq[KvTransferBackend] = (),
+                    embedding_backends: Seq[KvTransferBackend] = ()) -> Engine:
         """Load the model named by ``config.model`` (manifest name or path)."""
         from refengine.model import loader
 
@@ -149,6 +156,7 @@ class Engine(EngineKvMixin, EngineLoraMixin):
             served_model_name=config.served_model_name or resolved.name,
             kv_event_sink=kv_event_sink, transfer_backends=transfer_backends,
             media=MediaInputs.from_model(resolved.path, model_config, weights, dtype, config.device, config.media),
+            embedding_backends=embedding_backends,
         )
 
     # -- accepting work (any thread) ------------------------------------------
@@ -273,6 +281,8 @@ class Engine(EngineKvMixin, EngineLoraMixin):
             self.core.disagg.loads.shutdown()
             for backend in self.core.disagg.backends.values():
                 backend.close()
+        if self.core.media_pulls is not None:
+            self.core.media_pulls.shutdown()
 
     def _loop(self) -> None:
         while True:

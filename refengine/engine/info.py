@@ -31,5 +31,5 @@ def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_na
         kv_transfer_backends=kv_transfer_backends,
         kv_session_ttl_seconds=config.kv_transfer.session_ttl_seconds,
         max_loras=config.lora.max_loras if config.lora.enabled else 0,
-        supports_multimodal=multimodal and config.role == "aggregated",
+        supports_multimodal=multimodal,
     )

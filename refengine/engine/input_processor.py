@@ -33,10 +33,12 @@ if TYPE_CHECKING:
 
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits, guides: GuideCompiler,
-                 role: RoleCheck, loras: LoraRegistry, media: MediaInputs | None = None) -> None:
+                 role: RoleCheck, loras: LoraRegistry, media: MediaInputs | None = None,
+                 handle_backends: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.loras = loras
         self.media = media
+        self.handle_backends = handle_backends  # what embedding handles can be pulled with here
         self.limits = limits
         self.guides = guides
         self.role = role
@@ -51,21 +53,21 @@ class InputProcessor:
         else:
             prompt_ids = list(params.prompt_token_ids or [])
         media: tuple[MediaRun, ...] = ()
-        if params.media:
+        if params.media or params.media_handles:
             prompt_ids, media = self._media(params, prompt_ids)
         max_tokens = validate_prompt(params, prompt_ids, self.limits)
-        self.role.check(params, prompt_ids)
+        self.role.check(params, prompt_ids, tuple((run.start, run.identity) for run in media))
         lora = None if params.lora_name is None else self.loras.get(params.lora_name)  # R4
         return Request(params, prompt_ids, max_tokens, guide=self._compile(params), lora=lora, media=media)
 
     def _media(self, params: GenerationRequest, prompt_ids: list[int]) -> tuple[list[int], tuple[MediaRun, ...]]:
-        """The expanded prompt and its media (G19, D9): only a model with a vision path, only
-        the aggregated role (a prefill/decode pair cannot carry media yet)."""
+        """The expanded prompt and its media (G19, D9; ENC10): only a model with a vision path.
+        A decode engine only learns each item's identity (it never computes the prompt)."""
         if self.media is None:
             raise InvalidRequestError("this model does not accept media (supports_multimodal=false)")
-        if self.role.role != "aggregated":
-            raise InvalidRequestError(f"media is not supported on a {self.role.role} server (only aggregated)")
-        return self.media.prepare(prompt_ids, params.media)
+        decode = self.role.role == "decode"
+        return self.media.prepare(prompt_ids, params.media, params.media_handles, need_rows=not decode,
+                                  pull_backends=None if decode else self.handle_backends)
 
     def _compile(self, params: GenerationRequest) -> CompiledGuide | None:
         """Last, as the costliest check: a compile may wait for a worker, up to its time limit."""

@@ -41,7 +41,7 @@ class EngineInfo:
     kv_transfer_backends: tuple[str, ...] = ()
     kv_session_ttl_seconds: float = 0.0
     max_loras: int = 0  # LoRA adapter slots (DeploymentCapacity.max_loras); 0: LoRA disabled
-    supports_multimodal: bool = False  # D9: image media accepted (a vision model, aggregated role)
+    supports_multimodal: bool = False  # D9: image media accepted (a vision model)
 
 
 class EngineClient(Protocol):

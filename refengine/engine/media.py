@@ -13,6 +13,12 @@ split across chunked-prefill steps: its embedding rows are computed whole before
 request is accepted, so any slice of them can go into any step (the LM's attention is
 causal over positions, so a split computes exactly what one step would). The token budget
 counts image positions like any others: they are prompt tokens.
+
+Embedding handles (draft profile ``encoder``, ``multimodal/handles.py``): a request may carry
+handles instead of items. They are checked before acceptance; their runs have no rows yet
+(``embeds`` None) until the core pulls them (``media_pulls.py``). A decode engine never needs
+the rows (it never computes the prompt), only each item's identity, so its runs stay empty:
+for items it decodes the image to learn its identity, and never encodes it.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from refengine.config import MediaConfig, ModelConfig
+from refengine.model.embedding_io import dtype_name, embedding_layout
 from refengine.model.vision import VisionEncoder, load_vision_config
 from refengine.multimodal.encoder_cache import EncoderCache
+from refengine.multimodal.handles import HandleExpectation, check_handles
 from refengine.multimodal.placeholders import expand_placeholders
 from refengine.multimodal.sources import LoadedImage, load_image
 from refengine.scheduler.scheduler import SchedulerOutput
-from refengine.types import InvalidRequestError, MediaInput
+from refengine.types import EmbeddingHandleSpec, InvalidRequestError, MediaInput
 
 if TYPE_CHECKING:
     from refengine.engine.request import Request
@@ -45,11 +53,13 @@ class MediaRun:
 
     start: int
     identity: str
-    embeds: torch.Tensor  # [num_image_tokens, hidden], the LM's dtype and device
+    num_tokens: int
+    embeds: torch.Tensor | None  # [num_tokens, hidden], the LM's dtype and device; None: not here (yet)
+    handle: EmbeddingHandleSpec | None = None  # where the rows are to be pulled from
 
     @property
     def end(self) -> int:
-        return self.start + self.embeds.shape[0]
+        return self.start + self.num_tokens
 
 
 class MediaInputs:
@@ -62,6 +72,7 @@ class MediaInputs:
         self.image_processor = AutoImageProcessor.from_pretrained(hf_dir, local_files_only=True, backend="pil")
         self.cache: EncoderCache[torch.Tensor] = EncoderCache(ENCODER_CACHE_ENTRIES)
         self._encode_lock = threading.Lock()  # one encode at a time: the step thread runs the LM meanwhile
+        self.expectation = self._expectation_of()
 
     @classmethod
     def from_model(cls, hf_dir: Path, text: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -72,24 +83,48 @@ class MediaInputs:
             return None
         return cls(hf_dir, VisionEncoder(vision, text, weights, dtype, device), config)
 
-    def prepare(self, prompt_ids: Sequence[int], items: Sequence[MediaInput]) -> tuple[list[int], tuple[MediaRun, ...]]:
-        """The expanded prompt and its media runs (see the module docstring)."""
-        if len(items) > self.config.max_items:
-            raise InvalidRequestError(f"{len(items)} media items; at most {self.config.max_items} per request")
+    def _expectation_of(self) -> HandleExpectation:
+        """What a handle must match to stand in for this engine's own encoding."""
+        hidden = self.encoder.linear_2[0].shape[0]
+        layout = embedding_layout(hidden, self.encoder.dtype)
+        return HandleExpectation(self.encoder.fingerprint(self.image_processor.to_json_string(), layout),
+                                 self.encoder.config.num_image_tokens, hidden, dtype_name(self.encoder.dtype),
+                                 layout)
+
+    def prepare(self, prompt_ids: Sequence[int], items: Sequence[MediaInput],
+                handles: Sequence[EmbeddingHandleSpec] = (), need_rows: bool = True,
+                pull_backends: tuple[str, ...] | None = ()) -> tuple[list[int], tuple[MediaRun, ...]]:
+        """The expanded prompt and its media runs (see the module docstring). ``need_rows``
+        False: identities only (decode role: nothing encoded or pulled). ``pull_backends``: what
+        handles may be pulled with."""
+        count = len(items) + len(handles)
+        if items and handles:
+            raise InvalidRequestError("a request carries media items or media handles, not both")
+        if count > self.config.max_items:
+            raise InvalidRequestError(f"{count} media items; at most {self.config.max_items} per request")
         vision = self.encoder.config
+        expanded, starts = expand_placeholders(prompt_ids, vision.image_token_id, count, vision.num_image_tokens)
+        if handles:
+            check_handles(handles, self.expectation, pull_backends)
+            return expanded, tuple(MediaRun(start, handle.identity, vision.num_image_tokens, None,
+                                            handle if need_rows else None)
+                                   for start, handle in zip(starts, handles, strict=True))
         images = [load_image(item, self.config) for item in items]
-        expanded, starts = expand_placeholders(prompt_ids, vision.image_token_id, len(images), vision.num_image_tokens)
-        embeds = self._embeds(images)
-        return expanded, tuple(MediaRun(start, image.identity, rows)
+        embeds = self._embeds(images) if need_rows else [None] * len(images)
+        return expanded, tuple(MediaRun(start, image.identity, vision.num_image_tokens, rows)
                                for start, image, rows in zip(starts, images, embeds, strict=True))
+
+    def encode_images(self, images: Sequence[LoadedImage]) -> torch.Tensor:
+        """``[len(images), num_image_tokens, hidden]``: preprocess and encode, no cache."""
+        pixels = self.image_processor(images=[image.image for image in images], return_tensors="pt")
+        with self._encode_lock:
+            return self.encoder.encode(pixels["pixel_values"])
 
     def _embeds(self, images: list[LoadedImage]) -> list[torch.Tensor]:
         found = [self.cache.get(image.identity) for image in images]
         missing = [i for i, rows in enumerate(found) if rows is None]
         if missing:
-            pixels = self.image_processor(images=[images[i].image for i in missing], return_tensors="pt")
-            with self._encode_lock:
-                encoded = self.encoder.encode(pixels["pixel_values"])
+            encoded = self.encode_images([images[i] for i in missing])
             for row, i in enumerate(missing):
                 found[i] = encoded[row]
                 self.cache.put(images[i].identity, encoded[row])
@@ -106,6 +141,7 @@ def step_embeds(sched: SchedulerOutput, requests: Mapping[str, Request]) -> tupl
         for run in requests[item.request_id].media:
             first, last = max(start, run.start), min(end, run.end)
             if first < last:
+                assert run.embeds is not None, "a run is scheduled only once its rows are here"
                 rows.append(torch.arange(step_start + first - start, step_start + last - start))
                 values.append(run.embeds[first - run.start:last - run.start])
         step_start += item.num_new_tokens

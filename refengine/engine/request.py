@@ -86,6 +86,16 @@ class Request:
         return self.params.sampling.num_sequences
 
     @property
+    def media_identities(self) -> tuple[tuple[int, str], ...]:
+        """(first position, identity) of each media item, for the KV session's prompt hash."""
+        return tuple((run.start, run.identity) for run in self.media)
+
+    @property
+    def awaits_media(self) -> bool:
+        """Some media rows are still to be pulled from an encoder (not on a decode engine)."""
+        return any(run.embeds is None and run.handle is not None for run in self.media)
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.logprobs.prompt_logprobs or self.params.logprobs.prompt_candidates is not None
 

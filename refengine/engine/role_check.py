@@ -7,7 +7,7 @@ Choices where the contract is silent (ref):
   a decode engine refuses them, as it never computes the prompt;
 - a decode request's session is checked against this engine and this prompt: schema,
   model fingerprint, block size, KV dtype and layout, block bytes, prompt length and
-  prompt hash, block count, and a backend this engine has. Any mismatch is
+  prompt hash (media identities included), block count, and a backend this engine has. Any mismatch is
   INVALID_ARGUMENT naming the attribute, before anything is allocated.
 """
 
@@ -28,7 +28,8 @@ class RoleCheck:
         self.backends = backends
         self.vocab_size = vocab_size
 
-    def check(self, params: GenerationRequest, prompt_ids: list[int]) -> None:
+    def check(self, params: GenerationRequest, prompt_ids: list[int], media: tuple[tuple[int, str], ...] = ()) -> None:
+        """``media``: (first position, identity) of each media item in the expanded prompt."""
         session = params.kv.session
         if session is not None and self.role != "decode":
             raise InvalidRequestError(f"role mismatch: this is a {self.role} engine; only a decode engine takes "
@@ -44,9 +45,10 @@ class RoleCheck:
                                           "PrefillReady.kv_session)")
             if params.logprobs.prompt_logprobs or params.logprobs.prompt_candidates is not None:
                 raise InvalidRequestError("prompt logprobs are computed by the prefill engine: ask it for them")
-            self._check_session(session, prompt_ids)
+            self._check_session(session, prompt_ids, media)
 
-    def _check_session(self, session: KvSessionSpec, prompt_ids: list[int]) -> None:
+    def _check_session(self, session: KvSessionSpec, prompt_ids: list[int],
+                       media: tuple[tuple[int, str], ...]) -> None:
         if session.transfer_backend not in self.backends:
             raise InvalidRequestError(f"kv.session.transfer_backend {session.transfer_backend!r} is not one this "
                                       f"engine has: {list(self.backends)}")
@@ -61,7 +63,7 @@ class RoleCheck:
             "kv_layout": self.store.layout,
             "block_nbytes": self.store.block_nbytes,
             "num_prompt_tokens": len(prompt_ids),
-            "prompt_hash": prompt_hash(prompt_ids),
+            "prompt_hash": prompt_hash(prompt_ids, media),
             "num_blocks": -(-len(prompt_ids) // self.block_size),
         }
         for key, want in expected.items():

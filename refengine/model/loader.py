@@ -215,8 +215,10 @@ def weight_files(hf_dir: Path) -> list[Path]:
     return [hf_dir / name for name in names]
 
 
-def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """All parameters by Hugging Face name (``model.layers.0.self_attn.q_proj.weight``), on CPU.
+def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32,
+                 prefixes: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """All parameters by Hugging Face name (``model.layers.0.self_attn.q_proj.weight``), on CPU;
+    with ``prefixes``, only those whose name starts with one (the rest is never read).
 
     Normalized so consumers see one shape of dict: ``lm_head.weight`` is present iff the
     embeddings are not tied (a tied copy some files carry is dropped), and saved
@@ -232,6 +234,8 @@ def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, 
                 if stored.endswith("rotary_emb.inv_freq"):
                     continue
                 name = _llava_name(stored) if llava else stored
+                if prefixes is not None and not name.startswith(prefixes):
+                    continue
                 if name in weights:
                     raise UnsupportedModelError(f"{hf_dir}: tensor {name} appears in two weight files")
                 weights[name] = f.get_tensor(stored).to(dtype)
@@ -239,8 +243,11 @@ def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, 
     if index.is_file():
         expected = {_llava_name(n) if llava else n for n in _read_json(index)["weight_map"]
                     if not n.endswith("rotary_emb.inv_freq")}
+        expected = {n for n in expected if prefixes is None or n.startswith(prefixes)}
         if missing := expected - weights.keys():
             raise UnsupportedModelError(f"{hf_dir}: shards lack {sorted(missing)[:5]} listed in the index")
+    if prefixes is not None:
+        return weights
     if tied:
         weights.pop("lm_head.weight", None)
     elif "lm_head.weight" not in weights:

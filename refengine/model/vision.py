@@ -13,8 +13,10 @@ request (or not at all, on an encoder-cache hit), so it is not on the step's hot
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,19 @@ def _tower(config: dict[str, Any]) -> torch.nn.Module:
     raise ValueError(f"vision tower {kind!r} is not supported (CLIP or SigLIP)")
 
 
+VISION_PREFIXES = (TOWER_PREFIX, PROJECTOR_PREFIX)
+
+
+def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the vision tower's and projector's tensors: names, shapes, dtypes, bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(n for n in weights if n.startswith(VISION_PREFIXES)):
+        tensor = weights[name].detach().to("cpu").contiguous()
+        digest.update(f"\0{name}\0{list(tensor.shape)}\0{tensor.dtype}\0".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
 class VisionEncoder:
     def __init__(self, vision: VisionConfig, text: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype, device: str) -> None:
@@ -96,6 +111,15 @@ class VisionEncoder:
             raise ValueError(f"the projector outputs {self.linear_2[0].shape[0]} features, the LM takes "
                              f"{text.hidden_size}")
         self.dtype, self.device = dtype, device
+        self.weights_digest = weights_digest(weights)
+
+    def fingerprint(self, preprocessing: str, layout: str) -> str:
+        """What makes two encoders' outputs interchangeable: the vision weights, the vision and
+        preprocessing configuration (``preprocessing``: the image processor's JSON), dtype and
+        row layout. Equal fingerprints = equal embeddings for equal media."""
+        facts = {"weights": self.weights_digest, "vision": asdict(self.config), "preprocessing": preprocessing,
+                 "dtype": str(self.dtype).removeprefix("torch."), "layout": layout}
+        return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:

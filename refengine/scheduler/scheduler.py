@@ -74,6 +74,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the step
     kv_loads: list[KvLoad] = field(default_factory=list)  # pulls to start (decode role)
+    # Sequences preempted that cannot recompute (``Sequence.recomputable``): out of the
+    # scheduler, blocks freed; the engine ends their requests.
+    lost: list[tuple[str, int]] = field(default_factory=list)  # (request_id, index)
 
     @property
     def is_empty(self) -> bool:
@@ -137,7 +140,7 @@ class Scheduler:
             copies = self.kv.allocate(seq, num_new)
             while copies is None:
                 victim = self.running[-1]
-                self._preempt(victim)
+                self._preempt(victim, out)
                 preempted = True
                 if victim is seq:
                     break
@@ -224,11 +227,15 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_preemptions += 1
-        self.add(seq)
+        if seq.recomputable:
+            self.add(seq)
+        else:
+            seq.status = SequenceStatus.FINISHED
+            out.lost.append((seq.request_id, seq.index))
 
     def update_from_output(self, out: SchedulerOutput) -> None:
         """The step ``out`` (the last ``schedule()``) ran: its tokens' KV is in the cache.

@@ -44,6 +44,9 @@ class Sequence:
     lora: LoraAdapterSpec | None = None
     # Its media items' runs of positions in the prompt, with their identities (prefix-cache keys).
     media_spans: tuple[tuple[int, int, str], ...] = ()
+    # False when its prompt cannot be computed here (a decode engine lacks a media item's rows): a
+    # preemption then ends it (``SchedulerOutput.lost``) instead of queueing a recompute.
+    recomputable: bool = True
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -35,6 +35,7 @@ from refengine.config import EngineConfig
 from refengine.protocol import oe
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as kv_pull
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as kv_pull_grpc
+from refengine.protocol.v1alpha1 import media_pb2, media_pb2_grpc
 from refengine.runtime import apply_process_settings
 from refengine.server import kv_events_service
 from refengine.server.control import ControlServicer
@@ -44,12 +45,14 @@ from refengine.server.inference import InferenceServicer
 from refengine.server.kv_events_service import advertised_host
 from refengine.server.kv_pull_client import GrpcKvTransfer
 from refengine.server.kv_pull_service import KvPullServicer
+from refengine.server.media_service import MediaServicer
 from refengine.server.options import MIB, ServerOptions
 from refengine.server.state import Lifecycle, ServerState
 from refengine.server.wire import add_servicer
 from refengine.types import KvEndpointSpec
 
 KV_PULL_SERVICE = kv_pull.DESCRIPTOR.services_by_name["KvPull"].full_name
+MEDIA_SERVICE = media_pb2.DESCRIPTOR.services_by_name["Media"].full_name
 
 logger = logging.getLogger("refengine.server")
 
@@ -134,17 +137,26 @@ def serve_from_args(args: argparse.Namespace) -> int:
     return code
 
 
-def _load_in_thread(config: EngineConfig) -> tuple[asyncio.Future, threading.Thread]:
-    """Load the engine on a daemon thread (a signal during loading must not wait for it)."""
+def _load_engine(config: EngineConfig):  # noqa: ANN202 - an Engine or an EncoderEngine (EngineClient)
+    """The role's engine, with the gRPC transfer backends (KV, and embedding handles)."""
+    from refengine.engine.encoder import EncoderEngine
     from refengine.engine.engine import Engine
 
+    if config.role == "encoder":
+        return EncoderEngine.from_config(config, [GrpcKvTransfer(config.kv_transfer.pull_timeout_seconds)])
+    backends = [] if config.role == "aggregated" else [GrpcKvTransfer(config.kv_transfer.pull_timeout_seconds)]
+    return Engine.from_config(config, transfer_backends=backends,
+                              embedding_backends=[GrpcKvTransfer(config.encoder.pull_timeout_seconds)])
+
+
+def _load_in_thread(config: EngineConfig) -> tuple[asyncio.Future, threading.Thread]:
+    """Load the engine on a daemon thread (a signal during loading must not wait for it)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
     def load() -> None:
         try:
-            backends = [] if config.role == "aggregated" else [GrpcKvTransfer(config.kv_transfer.pull_timeout_seconds)]
-            engine = Engine.from_config(config, transfer_backends=backends)
+            engine = _load_engine(config)
         except BaseException as exc:  # noqa: BLE001 - reported to the loop, logged there
             error = exc
             loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
@@ -173,11 +185,13 @@ class Server:
     def _build_listeners(self) -> None:
         o = self.options
         inference, control = InferenceServicer(self.state), ControlServicer(self.state)
-        reflected = (*oe.SERVICE_NAMES, KV_PULL_SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME)
+        reflected = (*oe.SERVICE_NAMES, KV_PULL_SERVICE, MEDIA_SERVICE, "grpc.health.v1.Health",
+                     reflection.SERVICE_NAME)
         shared = o.control_port is None
         main = grpc.aio.server(options=o.grpc_options())
         add_servicer(inference, "Inference", main)
         kv_pull_grpc.add_KvPullServicer_to_server(KvPullServicer(self.state), main)
+        media_pb2_grpc.add_MediaServicer_to_server(MediaServicer(self.state), main)
         plan = [(main, o.host, o.port, "Inference" + (" + Control" if shared else ""))]
         if shared:
             add_servicer(control, "Control", main)
@@ -191,7 +205,7 @@ class Server:
             bound = server.add_insecure_port(f"{host}:{port}")
             print(f"refengine: listening on {host}:{bound} ({what})", flush=True)
             self.listeners.append(server)
-            if server is main:  # K4: a prefill server's sessions are pulled from its Inference port
+            if server is main:  # K4, ENC9: sessions and embedding handles are pulled from the Inference port
                 self.state.kv_endpoints = (KvEndpointSpec(advertised_host(o), bound, "grpc"),)
 
     def _background(self, coro) -> None:  # noqa: ANN001 - a coroutine

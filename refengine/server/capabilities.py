@@ -69,6 +69,13 @@ class Capabilities:
 def capabilities_of(info: EngineInfo) -> Capabilities:
     """D4, role-correct: a prefill or decode engine takes one output per request, and a decode
     engine no prompt logprobs (``engine/role_check.py``)."""
+    if info.role == "encoder":  # ENC2: no Generate at all (media go to refengine.v1alpha1.Media)
+        return Capabilities(
+            served_model_name=info.served_model_name, served_model_aliases=info.served_model_aliases,
+            model_id=info.model_id, max_context_length=info.max_model_len, vocab_size=info.vocab_size,
+            max_num_sequences=0, max_top_n=0, text_input=False, token_ids_input=False, prompt_logprobs=False,
+            output_logprobs=False, candidate_modes=(), guided_backends=info.guided_backends, priority=False,
+            stop_in_output=False, cache_salt=False, prefix_cache_bypass=False, multimodal=True)
     disaggregated = info.role != "aggregated"
     return Capabilities(
         served_model_name=info.served_model_name,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import asdict
 
 import grpc
 from google.protobuf import struct_pb2
@@ -42,9 +43,10 @@ from refengine.server.convert import GENERATE_EXTRA_KEYS
 from refengine.server.errors import Rejection, invalid, rejection_from_engine
 from refengine.server.health import ROLES, health_response
 from refengine.server.metadata import read_trace_context
+from refengine.server.profiles import PROFILES_KEY, profiles_of
 from refengine.server.state import ServerState
 from refengine.server.validation import check_model
-from refengine.types import LoraAdapterSpec, RequestError
+from refengine.types import EngineStats, LoraAdapterSpec, RequestError
 
 SCHEMA_REVISION = 1
 MINIMUM_CLIENT_REVISION = 1
@@ -55,6 +57,13 @@ logger = logging.getLogger(__name__)
 
 def _adapter(spec: LoraAdapterSpec) -> oe.LoraAdapter:
     return oe.LoraAdapter(lora_id=spec.lora_id, lora_name=spec.lora_name, source_path=spec.source_path)
+
+
+def media_attributes(stats: EngineStats) -> dict[str, int]:
+    """An encoder's handles and embedding rows (ENC15), as ``refengine.v1alpha1.*`` load attributes."""
+    if stats.media is None:
+        return {}
+    return {f"refengine.v1alpha1.{name}": value for name, value in asdict(stats.media).items()}
 
 
 def _struct(values: dict) -> struct_pb2.Struct:
@@ -106,7 +115,7 @@ class ControlServicer(oe.ControlServicer):
                 max_batched_tokens=info.max_num_batched_tokens,
                 max_loras=info.max_loras,
             ),
-            extra=_struct({"device": info.device, "dtype": info.dtype}),
+            extra=_struct({"device": info.device, "dtype": info.dtype, PROFILES_KEY: profiles_of(info)}),
         )
 
     def kv_connector(self, info: EngineInfo) -> oe.KvConnectorInfo:
@@ -160,7 +169,8 @@ class ControlServicer(oe.ControlServicer):
                 attributes=_struct({"cached_kv_blocks": stats.cached_kv_blocks,
                                     "open_streams": len(self.state.streams),
                                     "kv_pulled_bytes": stats.kv_pulled_bytes,
-                                    "kv_pull_seconds": stats.kv_pull_seconds}),
+                                    "kv_pull_seconds": stats.kv_pull_seconds,
+                                    **media_attributes(stats)}),
             )
             if request.include_per_rank:
                 load.ranks.append(oe.RankLoadInfo(

@@ -20,6 +20,9 @@
 
 Both can only tighten the server's settings, never loosen them.
 
+- ``refengine.v1alpha1.media_handles`` (list): embedding handles of the draft profile
+  ``encoder`` filling the prompt's media placeholders (``media_wire.py``, ENC10).
+
 - ``detokenize`` (bool, default true): ``false`` sends token ids only — ``TokenOutput.text``
   and every ``TokenInfo.token`` / candidate ``token`` are empty — and skips detokenization,
   unless the request has stop strings, which are still matched on the (unsent) text. Sent by
@@ -42,6 +45,7 @@ from google.protobuf import json_format, struct_pb2
 
 from refengine.protocol import oe
 from refengine.server.errors import invalid
+from refengine.server.media_wire import EXTRA_MEDIA_HANDLES, handles_from_extra
 from refengine.server.metadata import RequestMetadata
 from refengine.types import (
     CandidateSpec,
@@ -60,7 +64,7 @@ EXTRA_STREAM_BUFFER = "refengine.stream_buffer"
 EXTRA_STALL_TIMEOUT = "refengine.stall_timeout_seconds"
 EXTRA_DETOKENIZE = "detokenize"
 GENERATE_EXTRA_KEYS = {EXTRA_STREAM_BUFFER: "number", EXTRA_STALL_TIMEOUT: "number",
-                       EXTRA_DETOKENIZE: "bool"}  # key -> JSON type
+                       EXTRA_DETOKENIZE: "bool", EXTRA_MEDIA_HANDLES: "list"}  # key -> JSON type
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,7 @@ MODALITIES = {oe.MODALITY_IMAGE: "image", oe.MODALITY_VIDEO: "video", oe.MODALIT
               oe.MODALITY_UNSPECIFIED: "unspecified"}
 
 
-def _media(item: oe.MediaItem) -> MediaInput:
+def media_input(item: oe.MediaItem) -> MediaInput:
     source = item.WhichOneof("source")
     return MediaInput(
         modality=MODALITIES.get(item.modality, f"modality {item.modality}"),
@@ -207,7 +211,8 @@ def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata,
         guided=_guided(request.guided) if request.HasField("guided") else None,
         detokenize=detokenize_of(request.extra),
         lora_name=request.lora_name or None,
-        media=tuple(_media(item) for item in request.media),
+        media=tuple(media_input(item) for item in request.media),
+        media_handles=handles_from_extra(request.extra),
     )
 
 

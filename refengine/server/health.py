@@ -65,6 +65,8 @@ ROLES = {
     "aggregated": oe.ENGINE_ROLE_AGGREGATED,
     "prefill": oe.ENGINE_ROLE_PREFILL,
     "decode": oe.ENGINE_ROLE_DECODE,
+    # the release has no encoder role (draft profile "encoder", ENC2): none of its roles
+    "encoder": oe.ENGINE_ROLE_UNSPECIFIED,
 }
 
 
@@ -143,7 +145,22 @@ async def _probe_check(state: ServerState) -> oe.HealthCheck:
     if state.lifecycle is not Lifecycle.READY or state.engine is None:
         lifecycle = state.lifecycle
         return _check("inference_probe", LIFECYCLE_STATE[lifecycle], f"not run: {SCHEDULER_MESSAGES[lifecycle]}")
+    if state.engine.info.role == "encoder":
+        return await encode_probe(state.engine, state.options.health_probe_timeout_seconds)
     return await inference_probe(state.engine, state.options.health_probe_timeout_seconds)
+
+
+async def encode_probe(engine: EngineClient, timeout: float) -> oe.HealthCheck:
+    """An encoder's probe (ENC2): one small image through the vision path, no handle made."""
+    started = time.perf_counter()
+    try:
+        await asyncio.wait_for(asyncio.to_thread(engine.probe), timeout)  # type: ignore[attr-defined]
+    except TimeoutError:
+        return _check("inference_probe", oe.HEALTH_STATE_NOT_READY, f"no image encoded within {timeout:g} s")
+    except Exception as exc:  # noqa: BLE001 - any failure of the vision path is the probe's finding
+        return _check("inference_probe", oe.HEALTH_STATE_NOT_READY, f"probe failed: {type(exc).__name__}: {exc}")
+    return _check("inference_probe", oe.HEALTH_STATE_READY,
+                  f"1 image encoded in {(time.perf_counter() - started) * 1000:.0f} ms")
 
 
 class GrpcHealth:

@@ -6,6 +6,9 @@ thread while the session cannot be freed (``KvSessionStore.begin_read``); a chun
 blocks, at most ``--kv-pull-chunk-kib`` (at least one block), with its CRC-32, so memory
 stays bounded by one chunk per pull in flight. Unknown, released or expired session →
 NOT_FOUND; a range outside the session or another KV layout → INVALID_ARGUMENT.
+
+An encoder server (draft profile ``encoder``) serves its embedding handles the same way: a
+handle is a session whose blocks are embedding rows, its layout the rows' (ENC9).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ class KvPullServicer(pb_grpc.KvPullServicer):
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> EngineClient:
         engine = self.state.engine
-        if engine is None or engine.info.role != "prefill":
+        if engine is None or engine.info.role not in ("prefill", "encoder"):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "this server holds no KV sessions (it is not a ready prefill server)")
+                                "this server holds no KV sessions (it is not a ready prefill or encoder server)")
         return engine
 
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext):  # noqa: N802, ANN201

@@ -30,9 +30,11 @@ from typing import Any
 SCHEMA = "refengine.kv-session/1"
 
 
-def prompt_hash(token_ids: Sequence[int]) -> int:
-    """A u64 of the prompt's token ids (blake2b-8 over little-endian u32s)."""
+def prompt_hash(token_ids: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> int:
+    """A u64 of the prompt's token ids (blake2b-8 over little-endian u32s) and, after them, of
+    each media item's first position and identity (its placeholder ids say nothing of the image)."""
     data = b"".join(int(t).to_bytes(4, "little") for t in token_ids)
+    data += b"".join(f"\0media:{start}:{identity}".encode() for start, identity in media)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 

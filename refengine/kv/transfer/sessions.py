@@ -86,6 +86,14 @@ class KvSessionStore:
             session.pinned_until = max(session.pinned_until, self._clock() + seconds)
             return session.block_ids
 
+    def renew(self, session_id: str, seconds: float) -> float:
+        """Set a live session's lease to end ``seconds`` from now; returns that end (the clock's time)."""
+        with self._lock:
+            session = self._live(session_id)
+            session.expires_at = self._clock() + seconds
+        self._on_change()  # a shorter lease may be due sooner than the loop waits
+        return session.expires_at
+
     def release(self, session_id: str, reason: str, pulled: bool = False) -> bool:
         """Ask to free a session (``pulled``: its decode engine confirmed the pull, so a pin
         ends too). False when there is no such session, or it was released already."""

@@ -1,0 +1,169 @@
+"""Consumer side of embedding handles: a request's rows come from its encoder after acceptance.
+
+An accepted request whose media are handles (``Request.awaits_media``) waits outside the
+scheduler while ``MediaPulls`` fetches its handles on a transfer thread, one handle at a time:
+rows of a host staging arena (``EmbeddingArena``) are taken, the handle's first offered
+transfer this engine has ("grpc" or "nixl") copies the encoder's rows into them (the KV
+transfer backends, unchanged: a handle is pulled like a KV session whose blocks are rows,
+and a successful pull releases the handle on the encoder), the rows are copied out in the
+LM's dtype and device, and the staging rows are free again. Between steps the core takes the
+finished pulls (``take_finished``): the request is then scheduled, or ended with one fault.
+
+Failures (ENC13): a handle the encoder no longer holds (released, expired, encoder restarted)
+or an unreachable encoder → ``kv_transfer_failed``, not retryable (the unchanged request
+names a handle that is gone); a timeout or a corrupt chunk while the encoder may still hold
+the handle → retryable. Staging rows a READ may still write into are never reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from refengine.config import EngineConfig
+from refengine.kv.transfer.base import KvTransferBackend, PullOrder, SessionPinner, TransferFailure
+from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
+from refengine.model.embedding_io import EmbeddingArena
+from refengine.multimodal.embedding_rows import RowPool
+from refengine.types import EmbeddingHandleSpec, EngineFault, KvSessionSpec
+
+if TYPE_CHECKING:
+    from refengine.engine.media import MediaInputs
+
+logger = logging.getLogger(__name__)
+
+Pulled = dict[str, torch.Tensor]  # handle id -> its rows [num_tokens, hidden]
+
+
+def pull_order(request_id: str, handle: EmbeddingHandleSpec, backends: Mapping[str, object],
+               rows: tuple[int, ...]) -> PullOrder:
+    """The KV-transfer order that fetches ``handle``'s rows into ``rows``, over its first
+    offered transfer this engine has (checked before acceptance)."""
+    transfer = next(t for t in handle.transfers if t.backend in backends and t.endpoints)
+    session = KvSessionSpec(handle.handle_id, transfer.backend, transfer.endpoints,
+                            attributes={"transfer": dict(transfer.attributes)})
+    return PullOrder(request_id, session, 0, rows)
+
+
+class MediaPulls:
+    def __init__(self, backends: Mapping[str, KvTransferBackend], staging: EmbeddingArena, num_threads: int,
+                 timeout_seconds: float, on_done: Callable[[], None], dtype: torch.dtype, device: str) -> None:
+        self.backends = backends
+        self.staging = staging
+        self.timeout_seconds = timeout_seconds
+        self.dtype, self.device = dtype, device
+        self.pulled_bytes = 0
+        self.pull_seconds = 0.0
+        self._rows = RowPool(staging.num_rows)
+        self._rows_freed = threading.Condition()  # guards _rows
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="refengine-media-pull")
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._cancel: dict[str, threading.Event] = {}
+        self._finished: list[tuple[str, Pulled | None, EngineFault | None]] = []
+
+    def start(self, request_id: str, handles: Sequence[EmbeddingHandleSpec]) -> None:
+        unique = list({h.handle_id: h for h in handles}.values())  # a handle used twice is pulled once
+        cancelled = threading.Event()
+        with self._lock:
+            self._cancel[request_id] = cancelled
+        self._executor.submit(self._run, request_id, unique, cancelled)
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            event = self._cancel.get(request_id)
+        if event is not None:
+            event.set()
+
+    def take_finished(self) -> list[tuple[str, Pulled | None, EngineFault | None]]:
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def _run(self, request_id: str, handles: list[EmbeddingHandleSpec], cancelled: threading.Event) -> None:
+        pulled: Pulled | None = {}
+        fault = None
+        started = time.perf_counter()
+        try:
+            for handle in handles:
+                pulled[handle.handle_id] = self._pull(request_id, handle, cancelled)
+        except TransferFailure as failure:
+            pulled, fault = None, EngineFault("kv_transfer_failed", f"embedding handle: {failure}", failure.retryable)
+        except Exception as exc:  # a backend bug must still end the request
+            logger.exception("media pull of request %s failed", request_id)
+            pulled, fault = None, EngineFault("internal", f"embedding pull: {type(exc).__name__}: {exc}", False)
+        with self._lock:
+            if pulled is not None:
+                self.pulled_bytes += sum(t.numel() * t.element_size() for t in pulled.values())
+                self.pull_seconds += time.perf_counter() - started
+            del self._cancel[request_id]
+            self._finished.append((request_id, pulled, fault))
+        self._on_done()
+
+    def _pull(self, request_id: str, handle: EmbeddingHandleSpec, cancelled: threading.Event) -> torch.Tensor:
+        rows = self._take_rows(handle.num_tokens, cancelled)
+        keep_rows = False
+        try:
+            order = pull_order(request_id, handle, self.backends, rows)
+            self.backends[order.session.transfer_backend].pull(order, cancelled)
+            return self.staging.get(rows).to(device=self.device, dtype=self.dtype)
+        except TransferFailure as failure:
+            keep_rows = failure.dest_may_change
+            if keep_rows:
+                logger.error("staging rows of handle %s withheld from reuse: %s", handle.handle_id, failure)
+            raise
+        finally:
+            if not keep_rows:
+                with self._rows_freed:
+                    self._rows.free(rows)
+                    self._rows_freed.notify_all()
+
+    def _take_rows(self, count: int, cancelled: threading.Event) -> tuple[int, ...]:
+        if count > self._rows.total_rows:
+            raise TransferFailure("failed", f"{count} rows do not fit the {self._rows.total_rows}-row staging "
+                                  "memory (--embedding-staging-mib)")
+        deadline = time.monotonic() + self.timeout_seconds
+        with self._rows_freed:
+            while (rows := self._rows.allocate(count)) is None:
+                left = deadline - time.monotonic()
+                if cancelled.is_set() or left <= 0:
+                    raise TransferFailure("failed", "cancelled" if cancelled.is_set() else
+                                          "no staging memory came free in time", retryable=True)
+                self._rows_freed.wait(min(left, 0.05))
+        return rows
+
+    def shutdown(self) -> None:
+        """Stop the pulls (each ends once its transfer stopped), then the backends."""
+        with self._lock:
+            for event in self._cancel.values():
+                event.set()
+        self._executor.shutdown(wait=True)
+        for backend in self.backends.values():
+            backend.close()
+
+
+def make_media_pulls(config: EngineConfig, media: MediaInputs | None, given: Sequence[KvTransferBackend],
+                     on_done: Callable[[], None]) -> MediaPulls | None:
+    """The pulls of an aggregated or prefill engine with a vision path, over the ``given``
+    backends (the server's gRPC one) plus NIXL when it can be imported; None otherwise (such an
+    engine refuses handles before acceptance: no transfer it can pull with)."""
+    if media is None or config.role not in ("aggregated", "prefill") or not given:
+        return None
+    backends = {backend.name: backend for backend in given}
+    if "nixl" not in backends and nixl_available()[0]:
+        pinner = next((b for b in given if isinstance(b, SessionPinner)), None)
+        backends["nixl"] = NixlKvTransfer(pinner, pull_timeout_seconds=config.encoder.pull_timeout_seconds)
+    expected = media.expectation
+    row_nbytes = expected.hidden_size * media.encoder.dtype.itemsize
+    staging = EmbeddingArena(max(1, (config.encoder.staging_mib << 20) // row_nbytes), expected.hidden_size,
+                             media.encoder.dtype)
+    for backend in backends.values():
+        backend.bind(staging, lambda handle_id: None)  # a consumer is never a source
+    return MediaPulls(backends, staging, config.encoder.pull_threads, config.encoder.pull_timeout_seconds,
+                      on_done, media.encoder.dtype, media.encoder.device)

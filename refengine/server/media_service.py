@@ -1,0 +1,86 @@
+"""``refengine.v1alpha1.Media`` (draft profile ``encoder``): served by an encoder server only.
+
+Every RPC runs the engine's work on a worker thread (encoding is compute). Failures are a
+non-OK status only: a bad item or lease → INVALID_ARGUMENT with the reason (the same checks as
+``GenerateRequest.media``), no room → RESOURCE_EXHAUSTED, an unknown model → NOT_FOUND, a
+gone handle on RenewLease → NOT_FOUND, a server that is not an encoder → UNIMPLEMENTED, still
+loading → UNAVAILABLE. Rules ENC2–ENC7 in docs/profiles/encoder.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+import grpc
+
+from refengine.protocol.v1alpha1 import media_pb2 as media
+from refengine.protocol.v1alpha1 import media_pb2_grpc as media_grpc
+from refengine.server.convert import media_input
+from refengine.server.errors import Rejection, invalid, rejection_from_engine
+from refengine.server.media_wire import handle_to_pb
+from refengine.server.metadata import read_trace_context
+from refengine.server.state import ServerState
+from refengine.server.validation import check_model
+from refengine.types import KvSessionNotFound, RequestError
+
+logger = logging.getLogger(__name__)
+
+
+class MediaServicer(media_grpc.MediaServicer):
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def _encoder(self, new_work: bool = False):  # noqa: ANN202 - the EncoderEngine, seen through its methods
+        """``new_work``: refused while draining (Encode); releases and renewals still run then."""
+        engine = self.state.engine_for_generate() if new_work else self.state.engine_for_control()
+        if engine.info.role != "encoder":
+            raise Rejection(grpc.StatusCode.UNIMPLEMENTED, "this server is not an encoder (--role encoder); "
+                            "it does not serve refengine.v1alpha1.Media")
+        return engine
+
+    async def _run(self, context: grpc.aio.ServicerContext, build):  # noqa: ANN001, ANN202
+        read_trace_context(context.invocation_metadata())
+        try:
+            return await build()
+        except RequestError as exc:
+            rejection = rejection_from_engine(exc)
+            await context.abort(rejection.code, rejection.message)
+        except KvSessionNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc).replace("KV session", "embedding handle"))
+        except Rejection as rejection:
+            await context.abort(rejection.code, rejection.message)
+        except Exception as exc:  # a bug: INTERNAL, keep serving
+            logger.exception("Media RPC failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    async def Encode(self, request: media.EncodeRequest, context: grpc.aio.ServicerContext):  # noqa: N802, ANN201
+        async def build() -> media.EncodeResponse:
+            engine = self._encoder(new_work=True)
+            if request.model:
+                check_model(request.model, self.state.caps)
+            lease = request.lease_seconds if request.HasField("lease_seconds") else None
+            items = [media_input(item) for item in request.items]
+            handles = await asyncio.to_thread(engine.encode, items, lease)
+            return media.EncodeResponse(handles=[handle_to_pb(h, self.state.kv_endpoints) for h in handles])
+
+        return await self._run(context, build)
+
+    async def Release(self, request: media.ReleaseRequest, context: grpc.aio.ServicerContext):  # noqa: N802, ANN201
+        async def build() -> media.ReleaseResponse:
+            engine = self._encoder()
+            return media.ReleaseResponse(released=await asyncio.to_thread(engine.release_handles,
+                                                                          list(request.handle_ids)))
+
+        return await self._run(context, build)
+
+    async def RenewLease(self, request: media.RenewLeaseRequest, context: grpc.aio.ServicerContext):  # noqa: N802, ANN201
+        async def build() -> media.RenewLeaseResponse:
+            engine = self._encoder()
+            if not math.isfinite(request.lease_seconds) or request.lease_seconds <= 0:
+                raise invalid(f"lease_seconds must be a positive finite number, got {request.lease_seconds}")
+            expires = engine.renew_handle(request.handle_id, request.lease_seconds)
+            return media.RenewLeaseResponse(lease_expires_unix_nanos=expires)
+
+        return await self._run(context, build)
