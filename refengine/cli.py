@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 from refengine.args import DefaultsHelpFormatter, add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:
-    from refengine.client import oe
+    from collections.abc import Iterator
+
+    from refengine.client import OpenEngineClient, oe
     from refengine.types import GuidedSpec
 
 __all__ = ["build_parser", "main"]  # an entry point only: import the engine flags from refengine.args
@@ -93,7 +95,7 @@ def _remote_events(args: argparse.Namespace, guided: GuidedSpec | None) -> int:
     two-hop flow of ``refengine.client.generate_disaggregated``)."""
     import grpc
 
-    from refengine.client import GenerationError, OpenEngineClient, PrefillFailed, generate_disaggregated
+    from refengine.client import GenerationError, OpenEngineClient, PrefillFailed, oe
 
     with OpenEngineClient(args.remote or args.decode) as client:
         prompt = args.prompt
@@ -102,9 +104,11 @@ def _remote_events(args: argparse.Namespace, guided: GuidedSpec | None) -> int:
 
             prompt = chat_prompt(args.model_name or client.server_info().supported_models[0], prompt)
         prefill_client = OpenEngineClient(args.prefill) if args.prefill else None
+        encoder_client = OpenEngineClient(args.encoder) if args.encoder else None
         request = _wire_request(args, prompt, guided)
-        events = client.generate(request) if prefill_client is None else generate_disaggregated(
-            prefill_client, client, request)
+        for path in args.image:
+            request.media.add(modality=oe.MODALITY_IMAGE, raw_bytes=Path(path).read_bytes())
+        events = _events(client, prefill_client, encoder_client, request)
         try:
             for event in events:
                 kind = event.WhichOneof("event")
@@ -119,14 +123,31 @@ def _remote_events(args: argparse.Namespace, guided: GuidedSpec | None) -> int:
             print(f"\nrefengine generate: {exc}", file=sys.stderr)
             return 1
         finally:
-            if prefill_client is not None:
-                prefill_client.close()
+            for hop in (prefill_client, encoder_client):
+                if hop is not None:
+                    hop.close()
     print()
     return 0
 
 
+def _events(client: OpenEngineClient, prefill_client: OpenEngineClient | None,
+            encoder_client: OpenEngineClient | None, request: oe.GenerateRequest) -> Iterator[oe.GenerateResponse]:
+    """The hops: [encode →] (aggregated on ``client`` | prefill → decode on ``client``)."""
+    from refengine.client import generate_disaggregated
+
+    if encoder_client is not None:
+        from refengine.encoder_client import MediaClient, generate_epd
+
+        if prefill_client is None:
+            return generate_epd(MediaClient(encoder_client), client, None, request)
+        return generate_epd(MediaClient(encoder_client), prefill_client, client, request)
+    if prefill_client is None:
+        return client.generate(request)
+    return generate_disaggregated(prefill_client, client, request)
+
+
 def _generate(args: argparse.Namespace) -> int:
-    from refengine.types import GenerationRequest, RequestError, SamplingParams, StoppingParams
+    from refengine.types import GenerationRequest, MediaInput, RequestError, SamplingParams, StoppingParams
 
     try:
         guided = guided_spec(args)
@@ -136,7 +157,11 @@ def _generate(args: argparse.Namespace) -> int:
     if bool(args.prefill) != bool(args.decode) or (args.prefill and args.remote):
         print("refengine generate: error: --prefill and --decode go together, without --remote", file=sys.stderr)
         return USAGE_ERROR
-    if args.prefill or (args.remote and guided is not None):
+    if args.encoder and not (args.remote or args.prefill):
+        print("refengine generate: error: --encoder needs --remote (aggregated) or --prefill/--decode",
+              file=sys.stderr)
+        return USAGE_ERROR
+    if args.prefill or (args.remote and (guided is not None or args.image)):
         return _remote_events(args, guided)
     if args.remote:
         from refengine.client import stream_text
@@ -167,6 +192,7 @@ def _generate(args: argparse.Namespace) -> int:
         sampling=SamplingParams(temperature=args.temperature, seed=args.sampling_seed),
         stopping=StoppingParams(max_tokens=args.max_tokens),
         guided=guided,
+        media=tuple(MediaInput("image", raw_bytes=Path(path).read_bytes()) for path in args.image),
     )
     try:
         stream = engine.add_request(request)
@@ -214,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill", metavar="HOST:PORT",
                      help="disaggregated: prefill on this server (--role prefill) ...")
     gen.add_argument("--decode", metavar="HOST:PORT", help="... and decode on this one (--role decode)")
+    gen.add_argument("--encoder", metavar="HOST:PORT",
+                     help="encode the --image files on this server (--role encoder) and send embedding handles "
+                     "to --remote or --prefill/--decode (draft profile encoder)")
+    gen.add_argument("--image", action="append", default=[], metavar="FILE",
+                     help="an image filling the prompt's next image placeholder (the model's marker, e.g. "
+                     "<image>), repeatable")
     guide = gen.add_argument_group("guided decoding (at most one guide; also through --remote)")
     guide.add_argument("--json-schema", metavar="FILE|JSON", default=None,
                        help="the output is JSON valid against this schema (a file path, or inline JSON text)")

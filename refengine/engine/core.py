@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from refengine.config import EngineConfig
 from refengine.engine.admission import make_outputs
-from refengine.engine.disagg import Disaggregation, first_sampled_token, transfer_fault
+from refengine.engine.core_inflow import CoreInflowMixin
+from refengine.engine.disagg import Disaggregation
 from refengine.engine.engine_lora import StepLora
 from refengine.engine.input_builder import build_model_input
 from refengine.engine.media import step_embeds
@@ -76,7 +77,7 @@ class StepOutcome:
     prefills: dict[str, KvSessionSpec] = field(default_factory=dict)  # prefill role: the sessions made
 
 
-class EngineCore:
+class EngineCore(CoreInflowMixin):
     def __init__(
         self,
         config: EngineConfig,
@@ -117,19 +118,14 @@ class EngineCore:
         if request.wants_prompt_logprobs:
             self._prompt_logprobs_pending.add(request.request_id)
         if request.awaits_media:
-            assert self.media_pulls is not None, "handles are refused before acceptance without a pull backend"
-            self._awaiting_media.add(request.request_id)
-            self.media_pulls.start(request.request_id, [run.handle for run in request.media if run.handle])
+            self._start_media(request)
             return
         self.scheduler.add(request.outputs[0].seq)
 
     def _cancel(self, request: Request, finish: FinishInfo) -> list[SequenceDelta]:
         """End every unfinished output with ``finish``; frees their KV."""
         if request.request_id in self._awaiting_media:  # never scheduled: only its pull to stop
-            assert self.media_pulls is not None
-            self._awaiting_media.discard(request.request_id)
-            self.media_pulls.cancel(request.request_id)
-            request.outputs[0].seq.status = SequenceStatus.FINISHED
+            self._stop_media(request)
         deltas = []
         for out in request.outputs:
             if out.status is not OutputStatus.FINISHED:
@@ -226,50 +222,6 @@ class EngineCore:
         if delta.finish is not None:
             self._finish_output(out, delta.finish)
         outcome.deltas.setdefault(request.request_id, []).append(delta)
-
-    def _attach_received_kv(self, outcome: StepOutcome) -> None:
-        """Decode role: apply the pulls that ended since the last step (see ``disagg.py``)."""
-        assert self.disagg is not None
-        for request_id, failure in self.disagg.take_finished_loads():
-            request = self.requests.get(request_id)
-            if request is None:  # ended (fault) after its pull finished
-                continue
-            out = request.outputs[0]
-            if failure is not None:
-                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=str(failure)))
-                outcome.faults[request_id] = transfer_fault(failure)
-                continue
-            self.scheduler.finish_receiving(out.seq)
-            token = first_sampled_token(request.params.kv.session)
-            if out.generator is not None:  # the prefill engine made this output's first draw
-                torch.rand(1, dtype=torch.float64, generator=out.generator)
-            self._append(request, out, token, outcome)
-
-    def _attach_pulled_media(self, outcome: StepOutcome) -> None:
-        """Requests whose handles were pulled since the last step: scheduled now, or failed."""
-        assert self.media_pulls is not None
-        for request_id, pulled, fault in self.media_pulls.take_finished():
-            request = self.requests.get(request_id)
-            if request is None or request_id not in self._awaiting_media:  # cancelled while pulling
-                continue
-            self._awaiting_media.discard(request_id)
-            if pulled is None:
-                assert fault is not None
-                request.outputs[0].seq.status = SequenceStatus.FINISHED
-                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=fault.message))
-                outcome.faults[request_id] = fault
-                continue
-            request.media = tuple(run if run.handle is None else replace(run, embeds=pulled[run.handle.handle_id])
-                                  for run in request.media)
-            self.scheduler.add(request.outputs[0].seq)
-
-    def _end_lost(self, request: Request, outcome: StepOutcome) -> None:
-        """A preempted sequence that cannot recompute its prompt here (a decode engine has no
-        media rows): the request ends, retryable (ENC14)."""
-        self._cancel(request, FinishInfo(FinishReason.CANCELLED, message="preempted"))
-        outcome.faults[request.request_id] = EngineFault(
-            "overloaded", "preempted for KV memory, and a decode engine cannot recompute a prompt with media: "
-            "retry the request (prefill again)", retryable=True)
 
     # -- emission ----------------------------------------------------------------
     def _emit(self, outcome: StepOutcome) -> list[RequestOutput]:

@@ -23,7 +23,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -31,9 +31,9 @@ from PIL import Image
 
 from refengine.config import EngineConfig
 from refengine.engine.info import engine_info
-from refengine.engine.interface import EngineInfo, OutputSink
-from refengine.engine.kv_events import KvEventSubscription
+from refengine.engine.interface import EngineInfo
 from refengine.engine.media import MediaInputs
+from refengine.engine.no_generate import NoGenerate
 from refengine.kv.transfer.base import KvTransferBackend
 from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
 from refengine.kv.transfer.sessions import KvSession, KvSessionStore
@@ -45,21 +45,16 @@ from refengine.types import (
     EmbeddingHandleSpec,
     EmbeddingTransferSpec,
     EngineStats,
-    GenerationRequest,
     InvalidRequestError,
-    LoraAdapterSpec,
-    LoraDisabledError,
     MediaInput,
     MediaStats,
     OverloadedError,
 )
 
 logger = logging.getLogger(__name__)
-ROLE_MISMATCH = ("role mismatch: this is an encoder server; send media to refengine.v1alpha1.Media/Encode and "
-                 "Generate to an aggregated, prefill or decode server")
 
 
-class EncoderEngine:
+class EncoderEngine(NoGenerate):
     def __init__(self, config: EngineConfig, media: MediaInputs, info: EngineInfo,
                  transfer_backends: Sequence[KvTransferBackend] = ()) -> None:
         self.config = config
@@ -226,29 +221,9 @@ class EncoderEngine:
                               total_rows=self.arena.num_rows, cached_entries=self.entries.num_cached,
                               cache_hits=self.entries.hits, cache_misses=self.entries.misses)
 
-    # -- EngineClient: handles as KV sessions; no requests, KV cache or LoRA here ----------
-    def add_request(self, params: GenerationRequest, sink: OutputSink) -> None:
-        raise InvalidRequestError(ROLE_MISMATCH)
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-    def abort_all(self) -> list[str]:
-        return []
-
-    def was_finished(self, request_id: str) -> bool:
-        return False
-
-    @property
-    def has_unfinished_requests(self) -> bool:
-        return False
-
+    # -- EngineClient: handles as KV sessions (the rest: ``NoGenerate``) ----------------
     def stats(self) -> EngineStats:
         return EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, active_kv_sessions=0, media=self.media_stats())
-
-    def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,
-                            start_sequence_number: int = 0) -> KvEventSubscription:
-        raise InvalidRequestError("an encoder server has no KV cache, so no KV events")
 
     def reset_prefix_cache(self) -> int:
         """Forget the encoder cache: entries no handle holds are freed. Returns their rows."""
@@ -290,15 +265,6 @@ class EncoderEngine:
         released = self.handles.release_all("drain")
         self._free_due()
         return released
-
-    def load_lora(self, spec: LoraAdapterSpec) -> tuple[LoraAdapterSpec, bool]:
-        raise LoraDisabledError("an encoder server has no language model: LoRA is disabled")
-
-    def unload_lora(self, name: str) -> LoraAdapterSpec:
-        raise LoraDisabledError("an encoder server has no language model: LoRA is disabled")
-
-    def list_loras(self) -> list[LoraAdapterSpec]:
-        raise LoraDisabledError("an encoder server has no language model: LoRA is disabled")
 
     def start(self) -> None:
         if self._sweeper is None:

@@ -34,14 +34,12 @@ from refengine.engine.request import Request
 from refengine.engine.role_check import RoleCheck
 from refengine.engine.stream import Completion, RequestStream
 from refengine.engine.validation import Limits
-from refengine.kernels.attention import make_attention_backend
 from refengine.kv.transfer.base import KvTransferBackend
 from refengine.kv.transfer.sessions import KvSessionStore
 from refengine.lora.registry import LoraRegistry
 from refengine.model.dtypes import DTYPES
 from refengine.model.kv_io import KvBlockIO
-from refengine.model.llama import LoraSlotShape
-from refengine.model.runner import ModelRunner
+from refengine.model.runner import make_runner
 from refengine.sampling.guided import GuideCompiler
 from refengine.types import (
     DuplicateRequestError,
@@ -58,15 +56,6 @@ logger = logging.getLogger(__name__)
 
 FINISHED_ID_WINDOW = 4096  # finished request ids remembered for abort's ALREADY_FINISHED
 STALLED_POLL_SECONDS = 0.05  # a loop with requests but nothing to run looks again this often
-
-
-def _make_runner(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
-                 max_model_len: int) -> ModelRunner:
-    dtype, lora = DTYPES[config.dtype], config.lora
-    attention = make_attention_backend(config.attention_backend, dtype, config.device, config.kernels)
-    return ModelRunner(model_config, weights, config.cache, max_model_len, dtype=dtype, device=config.device,
-                       attention=attention, kernels=config.kernels,
-                       lora=LoraSlotShape(lora.max_loras, lora.max_lora_rank) if lora.enabled else None)
 
 
 class Engine(EngineKvMixin, EngineLoraMixin):
@@ -89,7 +78,7 @@ class Engine(EngineKvMixin, EngineLoraMixin):
         self.tokenizer = tokenizer
         max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                             model_config.max_position_embeddings)
-        runner = _make_runner(config, model_config, weights, max_model_len)
+        runner = make_runner(config, model_config, weights, max_model_len)
         lora = config.lora
         self.loras = LoraRegistry(lora, model_config)
         self.kv_events = KvEventHub(config.kv_events.retained_batches, config.kv_events.subscriber_buffer)

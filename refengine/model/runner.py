@@ -12,12 +12,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from refengine.config import CacheConfig, KernelConfig, ModelConfig
-from refengine.kernels.attention import AttentionMetadata, TorchReferenceBackend
+from refengine.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
+from refengine.kernels.attention import AttentionMetadata, TorchReferenceBackend, make_attention_backend
 from refengine.kernels.attention.base import AttentionBackend
 from refengine.kernels.forward_context import ForwardContext
 from refengine.kernels.lora import LoraBatch
 from refengine.kernels.lora_linear import ProjectionDeltas
+from refengine.model.dtypes import DTYPES
 from refengine.model.input import ModelInput
 from refengine.model.llama import LlamaModel, LoraSlotShape
 
@@ -25,6 +26,16 @@ from refengine.model.llama import LlamaModel, LoraSlotShape
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
+
+
+def make_runner(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
+                max_model_len: int) -> ModelRunner:
+    """The runner ``config`` asks for: its dtype, device, attention backend and LoRA slots."""
+    dtype, lora = DTYPES[config.dtype], config.lora
+    attention = make_attention_backend(config.attention_backend, dtype, config.device, config.kernels)
+    return ModelRunner(model_config, weights, config.cache, max_model_len, dtype=dtype, device=config.device,
+                       attention=attention, kernels=config.kernels,
+                       lora=LoraSlotShape(lora.max_loras, lora.max_lora_rank) if lora.enabled else None)
 
 
 class ModelRunner:

@@ -92,6 +92,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key at each step
         self.receiving: list[Sequence] = []  # admitted, their prompt's KV being pulled (never preempted)
         self._scheduled: list[Sequence] = []  # the sequences of the last schedule(), in order
+        self._lost: list[tuple[str, int]] = []  # this schedule()'s preempted non-recomputable sequences
 
     # -- membership ----------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -129,6 +130,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._scheduled = []
+        out.lost = self._lost = []
         preempted = False
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: s.sort_key)
@@ -140,7 +142,7 @@ class Scheduler:
             copies = self.kv.allocate(seq, num_new)
             while copies is None:
                 victim = self.running[-1]
-                self._preempt(victim, out)
+                self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
@@ -227,7 +229,7 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_preemptions += 1
@@ -235,7 +237,7 @@ class Scheduler:
             self.add(seq)
         else:
             seq.status = SequenceStatus.FINISHED
-            out.lost.append((seq.request_id, seq.index))
+            self._lost.append((seq.request_id, seq.index))
 
     def update_from_output(self, out: SchedulerOutput) -> None:
         """The step ``out`` (the last ``schedule()``) ran: its tokens' KV is in the cache.

@@ -18,6 +18,7 @@ from refengine.args import FIELD_FLAGS, add_engine_args, engine_config_from_args
 from refengine.config import (
     ATTENTION_BACKENDS,
     CacheConfig,
+    EncoderConfig,
     EngineConfig,
     GuidedConfig,
     KernelConfig,
@@ -33,7 +34,7 @@ from refengine.kernels.attention.cpu_paged import native_kernel_unavailable_reas
 from refengine.runtime import apply_process_settings
 
 CONFIG_CLASSES = (EngineConfig, CacheConfig, SchedulerConfig, KernelConfig, GuidedConfig, KvEventsConfig,
-                  KvTransferConfig, LoraConfig, MediaConfig)
+                  KvTransferConfig, LoraConfig, MediaConfig, EncoderConfig)
 MODEL = dict(architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -145,7 +146,8 @@ def get(config: EngineConfig, field: str) -> Any:
     owner, name = field.split(".")
     part = {"EngineConfig": config, "CacheConfig": config.cache, "SchedulerConfig": config.scheduler,
             "KernelConfig": config.kernels, "GuidedConfig": config.guided, "KvEventsConfig": config.kv_events,
-            "KvTransferConfig": config.kv_transfer, "LoraConfig": config.lora, "MediaConfig": config.media}[owner]
+            "KvTransferConfig": config.kv_transfer, "LoraConfig": config.lora, "MediaConfig": config.media,
+            "EncoderConfig": config.encoder}[owner]
     return getattr(part, name)
 
 
@@ -200,6 +202,13 @@ FLAG_SETTINGS = [
     (["--media-url-allow-private"], "MediaConfig.url_allow_private", True),
     (["--media-url-timeout", "3"], "MediaConfig.url_timeout_seconds", 3.0),
     (["--media-url-max-redirects", "0"], "MediaConfig.url_max_redirects", 0),
+    (["--encoder-memory-mib", "3"], "EncoderConfig.memory_mib", 3),
+    (["--encoder-cache-entries", "0"], "EncoderConfig.max_cached_entries", 0),
+    (["--embedding-lease", "5"], "EncoderConfig.lease_seconds", 5.0),
+    (["--embedding-max-lease", "900"], "EncoderConfig.max_lease_seconds", 900.0),
+    (["--embedding-staging-mib", "8"], "EncoderConfig.staging_mib", 8),
+    (["--embedding-pull-threads", "3"], "EncoderConfig.pull_threads", 3),
+    (["--embedding-pull-timeout", "7"], "EncoderConfig.pull_timeout_seconds", 7.0),
 ]
 
 
@@ -207,7 +216,7 @@ def test_every_config_field_has_a_flag() -> None:
     fields = {f"{kind.__name__}.{f.name}" for kind in CONFIG_CLASSES for f in dataclasses.fields(kind)
               if not dataclasses.is_dataclass(f.type)
               and f.name not in ("cache", "scheduler", "kernels", "guided", "kv_events", "kv_transfer", "lora",
-                                 "media")}
+                                 "media", "encoder")}
     assert set(FIELD_FLAGS) == fields
     assert {field for _, field, _ in FLAG_SETTINGS} == fields
     assert all(FIELD_FLAGS[field] == flags[0] for flags, field, _ in FLAG_SETTINGS)

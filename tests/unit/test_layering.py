@@ -23,7 +23,8 @@ CORE = ("engine", "scheduler", "kv", "lora", "multimodal", "model", "kernels", "
 BOTTOM = ("types", "config", "package", "keys", "transfer_api")
 #: Modules that form a component of their own, below the package they sit in: the block-key
 #: functions a router (or an edge) may call without touching the KV cache's state.
-MODULE_COMPONENTS = {"refengine.config_checks": "config", "refengine.config_features": "config",
+MODULE_COMPONENTS = {"refengine.encoder_client": "client",
+                     "refengine.config_checks": "config", "refengine.config_features": "config",
                      "refengine.kv.keys": "keys", "refengine.kv.prefix_hash": "keys", "refengine.kv": "keys",
                      "refengine.kv.transfer": "transfer_api", "refengine.kv.transfer.base": "transfer_api",
                      "refengine.kv.transfer.attributes": "transfer_api"}

@@ -1,0 +1,79 @@
+"""What enters a request from outside the step: a decode engine's pulled KV, a consumer's pulled
+media rows, and the end of a sequence that cannot be recomputed here. A mixin of
+``EngineCore`` (it uses the core's requests, scheduler and output helpers), kept apart so
+``core.py`` reads as the step alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from refengine.engine.disagg import first_sampled_token, transfer_fault
+from refengine.scheduler.sequence import SequenceStatus
+from refengine.types import EngineFault, FinishInfo, FinishReason
+
+if TYPE_CHECKING:
+    from refengine.engine.core import EngineCore, StepOutcome
+    from refengine.engine.request import Request
+
+
+class CoreInflowMixin:
+    def _start_media(self: EngineCore, request: Request) -> None:
+        """An accepted request with embedding handles: pull them; it is scheduled once they are here."""
+        assert self.media_pulls is not None, "handles are refused before acceptance without a pull backend"
+        self._awaiting_media.add(request.request_id)
+        self.media_pulls.start(request.request_id, [run.handle for run in request.media if run.handle])
+
+    def _stop_media(self: EngineCore, request: Request) -> None:
+        """A request ends while its handles are pulled: the pull stops, its result is dropped."""
+        assert self.media_pulls is not None
+        self._awaiting_media.discard(request.request_id)
+        self.media_pulls.cancel(request.request_id)
+        request.outputs[0].seq.status = SequenceStatus.FINISHED
+
+    def _attach_received_kv(self: EngineCore, outcome: StepOutcome) -> None:
+        """Decode role: apply the pulls that ended since the last step (see ``disagg.py``)."""
+        assert self.disagg is not None
+        for request_id, failure in self.disagg.take_finished_loads():
+            request = self.requests.get(request_id)
+            if request is None:  # ended (fault) after its pull finished
+                continue
+            out = request.outputs[0]
+            if failure is not None:
+                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=str(failure)))
+                outcome.faults[request_id] = transfer_fault(failure)
+                continue
+            self.scheduler.finish_receiving(out.seq)
+            token = first_sampled_token(request.params.kv.session)
+            if out.generator is not None:  # the prefill engine made this output's first draw
+                torch.rand(1, dtype=torch.float64, generator=out.generator)
+            self._append(request, out, token, outcome)
+
+    def _attach_pulled_media(self: EngineCore, outcome: StepOutcome) -> None:
+        """Requests whose handles were pulled since the last step: scheduled now, or failed."""
+        assert self.media_pulls is not None
+        for request_id, pulled, fault in self.media_pulls.take_finished():
+            request = self.requests.get(request_id)
+            if request is None or request_id not in self._awaiting_media:  # cancelled while pulling
+                continue
+            self._awaiting_media.discard(request_id)
+            if pulled is None:
+                assert fault is not None
+                request.outputs[0].seq.status = SequenceStatus.FINISHED
+                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=fault.message))
+                outcome.faults[request_id] = fault
+                continue
+            request.media = tuple(run if run.handle is None else replace(run, embeds=pulled[run.handle.handle_id])
+                                  for run in request.media)
+            self.scheduler.add(request.outputs[0].seq)
+
+    def _end_lost(self: EngineCore, request: Request, outcome: StepOutcome) -> None:
+        """A preempted sequence that cannot recompute its prompt here (a decode engine has no
+        media rows): the request ends, retryable (ENC14)."""
+        self._cancel(request, FinishInfo(FinishReason.CANCELLED, message="preempted"))
+        outcome.faults[request.request_id] = EngineFault(
+            "overloaded", "preempted for KV memory, and a decode engine cannot recompute a prompt with media: "
+            "retry the request (prefill again)", retryable=True)
