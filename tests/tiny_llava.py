@@ -5,8 +5,9 @@ patches → 16 image positions once the CLS is dropped, then a 2-layer Llama LM;
 random weights) and saves it into a directory with its ``CLIPImageProcessor`` and a fast
 tokenizer (``tests/unit/tokenizer_fixture.byte_fallback_tokenizer``), so both
 ``MediaInputs.from_model`` and ``refengine serve --model DIR`` load it like any checkpoint.
-The image placeholder is the last vocabulary id (:data:`IMAGE_TOKEN`); a prompt carries it
-once per image and the engine expands it to :data:`NUM_IMAGE_TOKENS` positions.
+The image placeholder is the last vocabulary id (:data:`IMAGE_TOKEN`), the tokenizer's
+``<image>`` marker; a prompt carries it once per image and the engine expands it to
+:data:`NUM_IMAGE_TOKENS` positions.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from refengine.model.loader import load_model_config, load_weights
 from tests.unit.tokenizer_fixture import byte_fallback_tokenizer
 
 TOKENIZER = byte_fallback_tokenizer()
+TOKENIZER.add_special_tokens({"additional_special_tokens": ["<image>"]})  # the text marker of the placeholder
 VOCAB = len(TOKENIZER)
 IMAGE_TOKEN = VOCAB - 1
 NUM_IMAGE_TOKENS = 16

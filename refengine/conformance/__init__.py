@@ -12,6 +12,14 @@ advertised). Usage::
 
     python -m refengine.conformance 127.0.0.1:50051 [--rules G1,G14,L] [--json out.json]
 
+Draft profiles (docs/profiles/) have checks too, in sections of their own: ``ENC`` for the
+encoder profile (ENC1–ENC15), which need an encoder server (``--encoder HOST:PORT``, or the
+target itself) and, for the consumer side, ``--media-placeholder-token-id N``; against servers
+that do not list the profile in ``ServerInfo.extra["refengine.profiles"]`` they skip as "not
+claimed"::
+
+    python -m refengine.conformance AGG:PORT --rules ENC --encoder ENC:PORT --media-placeholder-token-id N
+
 or from Python::
 
     from refengine.conformance import run

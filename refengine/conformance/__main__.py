@@ -1,4 +1,4 @@
-"""``python -m refengine.conformance HOST:PORT [--rules G1,G2] [--json out.json]``."""
+"""``python -m refengine.conformance HOST:PORT [--rules G1,G2,ENC] [--json out.json]``."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from refengine.conformance.target import Options
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m refengine.conformance",
-                                     description=f"Check an {RELEASE} server against contract/RULES.md.")
+                                     description=f"Check an {RELEASE} server against contract/RULES.md "
+                                     "and the draft profiles of docs/profiles/.")
     parser.add_argument("address", help="HOST:PORT of the server")
-    parser.add_argument("--rules", default="", help="comma-separated rule ids or sections (e.g. G1,G14,L)")
+    parser.add_argument("--rules", default="", help="comma-separated rule ids or sections (e.g. G1,G14,L,ENC)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--model", default="", help="model to test (default: the first supported model)")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of one Generate stream, s")
@@ -39,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--media-placeholder-token-id", type=int, default=None, metavar="N",
                         help="D9/G19: the model's image placeholder token id; prompts with real images are then "
                         "sent as token ids holding N once per image (default: those media checks skip)")
+    parser.add_argument("--encoder", default="", metavar="HOST:PORT",
+                        help="ENC1-ENC15 (draft profile encoder): an encoder server (refengine: serve --role encoder) "
+                        "whose embedding handles the target consumes; with --media-placeholder-token-id the "
+                        "consumer checks run too (default: the target itself when it is an encoder; the checks "
+                        "needing one skip)")
     parser.add_argument("--quiet", action="store_true", help="no per-check progress lines")
     args = parser.parse_args(argv)
 
@@ -52,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                       known_extra_keys=json.loads(args.known_extra_keys), prefill_address=args.prefill,
                       decode_address=args.decode, lora_dir=args.lora_dir,
                       lora_model_config=args.lora_model_config,
-                      media_placeholder_token_id=args.media_placeholder_token_id)
+                      media_placeholder_token_id=args.media_placeholder_token_id,
+                      encoder_address=args.encoder)
     rules = [r for r in args.rules.split(",") if r.strip()] or None
     try:
         results = run(args.address, rules, options, on_result=progress)

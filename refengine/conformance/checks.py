@@ -1,10 +1,11 @@
-"""Imports every section module so that their checks register (order = RULES.md)."""
+"""Imports every section module so that their checks register (order = RULES.md, then the draft profiles)."""
 
 from refengine.conformance import (  # noqa: F401
     checks_abort,
     checks_determinism,
     checks_disagg,
     checks_discovery,
+    checks_encoder,
     checks_errors,
     checks_generate,
     checks_guided,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from refengine.conformance.target import Target
 
-#: Sections of RULES.md, in document order.
+#: Sections of RULES.md, in document order, then those of the draft profiles (docs/profiles/).
 SECTIONS: dict[str, str] = {
     "D": "discovery",
     "M": "request metadata",
@@ -37,9 +37,14 @@ SECTIONS: dict[str, str] = {
     "R": "LoRA lifecycle",
     "E": "KV events",
     "X": "errors",
+    "ENC": "draft profile encoder",
 }
+#: Sections that are draft profiles (docs/profiles/README.md), not RULES.md: each names its page,
+#: where its rules are written ``- **ENC1** ...``. Their checks skip as "not claimed" against a
+#: server that does not list the profile in ServerInfo.extra["refengine.profiles"].
+PROFILE_PAGES: dict[str, str] = {"ENC": "docs/profiles/encoder.md"}
 
-_RULE_ID = re.compile(r"^([A-Z])(\d+)$")
+_RULE_ID = re.compile(r"^([A-Z]+)(\d+)$")
 
 
 class Status(enum.Enum):
@@ -88,9 +93,9 @@ class Check:
 
     @property
     def key(self) -> tuple[str, int, str]:
-        """Sort key: section in RULES.md order, rule number, check name."""
-        section = self.section
-        return (f"{list(SECTIONS).index(section):02d}", int(self.rule[1:]), self.name)
+        """Sort key: section in :data:`SECTIONS` order, rule number, check name."""
+        section, number = rule_key(self.rule)
+        return (f"{section:02d}", number, self.name)
 
 
 _REGISTRY: dict[str, Check] = {}
@@ -103,8 +108,14 @@ def rule_section(rule: str) -> str:
     return match.group(1)
 
 
+def rule_key(rule: str) -> tuple[int, int]:
+    """(index of the rule's section in :data:`SECTIONS`, its number): ``ENC3`` sorts after ``X4``."""
+    section = rule_section(rule)
+    return list(SECTIONS).index(section), int(rule[len(section):])
+
+
 def check(rule: str, title: str) -> Callable[[CheckFn], CheckFn]:
-    """Register ``fn`` as a check of ``rule`` (e.g. ``"G14"``) with a one-line title."""
+    """Register ``fn`` as a check of ``rule`` (e.g. ``"G14"``, ``"ENC3"``) with a one-line title."""
     rule_section(rule)
 
     def register(fn: CheckFn) -> CheckFn:
@@ -125,7 +136,7 @@ def all_checks() -> list[Check]:
 
 
 def select(rules: list[str] | None = None) -> list[Check]:
-    """Checks whose rule id (``G14``) or section (``G``) is in ``rules``; all when None."""
+    """Checks whose rule id (``G14``) or section (``G``, ``ENC``) is in ``rules``; all when None."""
     checks = all_checks()
     if not rules:
         return checks
@@ -140,3 +151,8 @@ def rules_in(markdown: str, sections: str) -> list[str]:
     """Rule ids defined in a RULES.md text (lines ``- G14 ...``) for the given sections."""
     found = re.findall(r"^- ([A-Z]\d+)\b", markdown, flags=re.MULTILINE)
     return [r for r in found if r[0] in sections]
+
+
+def profile_rules_in(markdown: str, section: str) -> list[str]:
+    """Rule ids a draft profile's page defines (lines ``- **ENC3** ...``) for ``section`` (``ENC``)."""
+    return re.findall(rf"^- \*\*({re.escape(section)}\d+)\*\*", markdown, flags=re.MULTILINE)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
-from refengine.conformance.registry import Check, CheckFailed, CheckSkipped, Status, select
+from refengine.conformance.registry import Check, CheckFailed, CheckSkipped, Status, rule_key, select
 from refengine.conformance.target import Options, Target
 
 
@@ -75,7 +75,7 @@ def format_matrix(results: list[Result], width: int = 110) -> str:
         rows.append(f"| {r.rule} | {r.section} | {r.title} | {r.status.value} | {message} |")
     counts = {s: sum(1 for r in results if r.status is s) for s in Status}
     rules = {r.rule for r in results}
-    failed_rules = sorted({r.rule for r in results if r.status is Status.FAIL}, key=lambda x: (x[0], int(x[1:])))
+    failed_rules = sorted({r.rule for r in results if r.status is Status.FAIL}, key=rule_key)
     rows.append("")
     rows.append(f"{len(results)} checks over {len(rules)} rules: {counts[Status.PASS]} PASS, "
                 f"{counts[Status.FAIL]} FAIL, {counts[Status.SKIP]} SKIP"

@@ -59,6 +59,11 @@ class Options:
     # checked: accepted and completed, and a mismatched or undecodable item refused before
     # acceptance. Without it those checks skip (no model's placeholder is known to the suite).
     media_placeholder_token_id: int | None = None
+    # ENC1–ENC15 (draft profile "encoder", docs/profiles/encoder.md): HOST:PORT of an encoder
+    # server (refengine: ``serve --role encoder``) whose embedding handles the target consumes.
+    # Empty: the target itself when it lists side "encoder"; else the checks that need an
+    # encoder skip. The consumer checks also need media_placeholder_token_id.
+    encoder_address: str = ""
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIB = 1 << 20
-ROLES = ("aggregated", "prefill", "decode")
+ROLES = ("aggregated", "prefill", "decode", "encoder")
 
 
 @dataclass(frozen=True)

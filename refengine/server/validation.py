@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from refengine.engine.no_generate import ROLE_MISMATCH
 from refengine.protocol import oe
 from refengine.server.capabilities import Capabilities
 from refengine.server.errors import Rejection, invalid
@@ -67,7 +68,9 @@ def _check_session(session: oe.KvSessionRef, backends: tuple[str, ...]) -> None:
 
 def check_role(request: oe.GenerateRequest, role: str, meta: RequestMetadata,
                backends: tuple[str, ...] = ()) -> None:
-    """D7, K5, K6, M3: role/request compatibility, before acceptance."""
+    """D7, K5, K6, M3, ENC2: role/request compatibility, before acceptance."""
+    if role == "encoder":
+        raise Rejection(grpc.StatusCode.FAILED_PRECONDITION, ROLE_MISMATCH)
     has_session = request.HasField("kv") and request.kv.HasField("session")
     if has_session and meta.target_dp_rank is not None and meta.target_dp_rank != request.kv.session.dp_rank:
         raise invalid(f"openengine-target-dp-rank {meta.target_dp_rank} disagrees with "

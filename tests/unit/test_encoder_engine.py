@@ -1,0 +1,345 @@
+"""The encoder role and its consumers in one process (docs/profiles/encoder.md).
+
+``EncoderEngine`` on the tiny LLaVA checkpoint, and consumer ``Engine``s whose embedding
+backend reads the encoder directly (``Loopback``: the pull contract of
+``KvTransferBackend`` without a network; the real backends run in
+``tests/integration/test_encoder_grpc.py``). The oracle for outputs is the aggregated engine
+given the images themselves.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from refengine.config import CacheConfig, EncoderConfig, EngineConfig, SchedulerConfig
+from refengine.engine.encoder import EncoderEngine
+from refengine.engine.engine import Engine
+from refengine.engine.info import engine_info
+from refengine.engine.media import MediaInputs
+from refengine.kv.keys import block_keys
+from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder, TransferFailure
+from refengine.model.loader import load_model_config, load_weights
+from refengine.model.vision import VISION_PREFIXES
+from refengine.multimodal.embedding_rows import EmbeddingEntries, RowPool
+from refengine.types import (
+    EmbeddingTransferSpec,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    KvEndpointSpec,
+    KvParams,
+    KvSessionNotFound,
+    MediaInput,
+    OverloadedError,
+    SamplingParams,
+    StoppingParams,
+)
+from tests import tiny_llava
+from tests.tiny_llava import NUM_IMAGE_TOKENS, TinyLlava, png, prompt_with
+from tests.unit.test_disagg_engine import InProcessPull
+
+IMAGES = [png(1, (56, 56)), png(2, (80, 64)), png(3, (64, 64))]
+ENDPOINT = (KvEndpointSpec("loopback", 1, "grpc"),)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> TinyLlava:
+    return tiny_llava.build_tiny_llava(tmp_path_factory.mktemp("tiny-llava-encoder"))
+
+
+def config(role: str, **encoder: object) -> EngineConfig:
+    return EngineConfig(max_model_len=512, max_sequences_per_request=4, role=role,
+                        cache=CacheConfig(block_size=4, num_blocks=256),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8),
+                        encoder=EncoderConfig(**encoder))
+
+
+def make_encoder(directory: Path, **encoder: object) -> EncoderEngine:
+    cfg = config("encoder", **encoder)
+    model_config = load_model_config(directory)
+    weights = load_weights(directory, prefixes=VISION_PREFIXES)
+    assert weights and all(name.startswith(VISION_PREFIXES) for name in weights)  # ENC2: no LM weights
+    media = MediaInputs.from_model(directory, model_config, weights, torch.float32, "cpu", cfg.media)
+    assert media is not None
+    engine = EncoderEngine(cfg, media, engine_info(cfg, model_config, "tiny", 512, 0, multimodal=True))
+    engine.start()
+    return engine
+
+
+class Loopback(KvTransferBackend):
+    """Reads the encoder's rows in-process, then confirms (as the gRPC pull does); ``delay``
+    per pull, checking ``cancelled`` meanwhile."""
+
+    name = protocol = "grpc"
+
+    def __init__(self, source: EncoderEngine, delay: float = 0.0) -> None:
+        self.source, self.delay = source, delay
+        self.store: BlockStore | None = None
+
+    def bind(self, store: BlockStore, on_confirmed: object) -> None:
+        self.store = store
+
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        if cancelled.wait(self.delay):
+            raise TransferFailure("failed", "cancelled")
+        try:
+            data = self.source.read_kv_session(order.session.session_id, 0, len(order.dest_block_ids))
+        except KvSessionNotFound as exc:
+            raise TransferFailure("not_found", str(exc)) from None
+        assert self.store is not None
+        self.store.write(order.dest_block_ids, data)
+        self.source.confirm_kv_session(order.session.session_id)
+
+    def close(self) -> None:
+        pass
+
+
+def consumer(directory: Path, encoder: EncoderEngine, role: str = "aggregated", delay: float = 0.0,
+             num_blocks: int = 256, kv_pull: KvTransferBackend | None = None) -> Engine:
+    cfg = replace(config(role), cache=CacheConfig(block_size=4, num_blocks=num_blocks))
+    model_config, weights = load_model_config(directory), load_weights(directory)
+    media = MediaInputs.from_model(directory, model_config, weights, torch.float32, "cpu", cfg.media)
+    return Engine(cfg, model_config, weights, tiny_llava.TOKENIZER, model_fingerprint="tiny-llava", media=media,
+                  embedding_backends=[Loopback(encoder, delay)],
+                  transfer_backends=[kv_pull or InProcessPull()] if role != "aggregated" else ())
+
+
+def items(*indices: int) -> tuple[MediaInput, ...]:
+    return tuple(MediaInput("image", raw_bytes=IMAGES[i]) for i in indices)
+
+
+def reachable(handles):  # noqa: ANN001, ANN201 - what a server adds: its endpoint on each transfer
+    return tuple(replace(h, transfers=(EmbeddingTransferSpec("grpc", ENDPOINT, {}),)) for h in handles)
+
+
+def request(rid: str, count: int, seed: int = 0, max_tokens: int = 6, **fields: object) -> GenerationRequest:
+    return GenerationRequest(rid, prompt_token_ids=prompt_with(count, seed), sampling=SamplingParams(temperature=0.0),
+                             stopping=StoppingParams(max_tokens=max_tokens, ignore_eos=True), **fields)
+
+
+def tokens(completion) -> list[int]:  # noqa: ANN001
+    return [t.token_id for t in completion.outputs[0].tokens]
+
+
+def idle(encoder: EncoderEngine) -> None:
+    deadline = time.monotonic() + 5
+    while encoder.media_stats().held_handles and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = encoder.media_stats()
+    assert stats.held_handles == 0 and stats.held_rows == 0, stats
+    encoder.check_integrity()
+
+
+def test_row_pool_and_entries_keep_their_invariant() -> None:
+    """free + cached + held = total under random acquire/add/drop, with eviction (ENC4, ENC15)."""
+    entries = EmbeddingEntries(RowPool(64), max_cached_entries=3)
+    holders: list[str] = []
+    rng = random.Random(0)
+    for step in range(3000):
+        identity = f"sha256:{rng.randrange(12)}"
+        if holders and rng.random() < 0.45:
+            entries.drop(holders.pop(rng.randrange(len(holders))))
+        elif entries.acquire(identity) is not None or entries.add(identity, rng.randrange(1, 12)) is not None:
+            holders.append(identity)
+        entries.check()
+        assert entries.num_cached <= 3, step
+    assert entries.add("sha256:big", 65) is None  # more than the whole pool: refused, nothing changed
+    entries.check()
+
+
+def test_encode_cache_release_expiry_and_integrity(llava: TinyLlava) -> None:
+    """ENC3–ENC7: handles per item with well-formed fields; the same image again is a cache hit
+    with equal rows; releases are idempotent; a lease ends by itself; renewing a gone handle fails."""
+    encoder = make_encoder(llava.directory)
+    first = encoder.encode(items(0, 1))
+    assert [h.cached for h in first] == [False, False]
+    assert all(h.shape == (NUM_IMAGE_TOKENS, 64) and h.num_tokens == NUM_IMAGE_TOKENS for h in first)
+    assert first[0].fingerprint == encoder.expectation.fingerprint and first[0].layout.endswith(":64:float32")
+    again = encoder.encode(items(1, 1))  # one image twice in one request, and cached
+    assert [h.cached for h in again] == [True, True] and {h.mm_hash for h in again} == {first[1].mm_hash}
+    rows = [encoder.read_kv_session(h.handle_id, 0, NUM_IMAGE_TOKENS) for h in (first[1], *again)]
+    assert rows[0] == rows[1] == rows[2]
+    assert encoder.media_stats().held_handles == 4 and encoder.media_stats().cache_hits == 2
+    assert encoder.release_handles([h.handle_id for h in first + again]) == 4
+    assert encoder.release_handles([first[0].handle_id, "unknown"]) == 0
+    idle(encoder)
+    assert encoder.media_stats().cached_entries == 2  # kept for reuse
+    short, = encoder.encode(items(2), lease_seconds=0.2)
+    assert encoder.renew_handle(short.handle_id, 0.4) > short.lease_expires_unix_nanos
+    time.sleep(0.6)
+    idle(encoder)
+    with pytest.raises(KvSessionNotFound):
+        encoder.renew_handle(short.handle_id, 5)
+    with pytest.raises(InvalidRequestError, match="lease_seconds"):
+        encoder.encode(items(2), lease_seconds=float("inf"))
+    with pytest.raises(InvalidRequestError, match="at least one"):
+        encoder.encode(())
+    assert encoder.reset_prefix_cache() > 0 and encoder.media_stats().cached_entries == 0
+    encoder.shutdown()
+
+
+def test_encode_is_all_or_nothing(llava: TinyLlava) -> None:
+    """ENC3, ENC4: a bad item among good ones, or no room, leaves nothing held."""
+    encoder = make_encoder(llava.directory, memory_mib=1)  # 1 MiB / 256 bytes a row = 4096 rows
+    with pytest.raises(InvalidRequestError, match="not an image"):
+        encoder.encode((*items(0), MediaInput("image", raw_bytes=b"\x89PNG broken")))
+    idle(encoder)
+    held = [encoder.encode(items(0)) for _ in range(4095 // NUM_IMAGE_TOKENS)]  # one entry, many handles
+    assert encoder.media_stats().held_rows == NUM_IMAGE_TOKENS  # shared rows
+    fill = [encoder.encode((MediaInput("image", raw_bytes=png(100 + i, (56, 56))),))
+            for i in range(4096 // NUM_IMAGE_TOKENS - 1)]
+    with pytest.raises(OverloadedError, match="full"):
+        encoder.encode(items(1, 2))
+    assert encoder.media_stats().held_rows == 4096 - 4096 % NUM_IMAGE_TOKENS
+    encoder.release_handles([h.handle_id for group in held + fill for h in group])
+    idle(encoder)
+    encoder.shutdown()
+
+
+def test_handles_give_the_aggregated_output_and_prefix_keys(llava: TinyLlava) -> None:
+    """ENC8, ENC10, ENC12: one and three images by handle = by item, token for token; the handle's
+    blocks carry the item's media key; the consumer released every handle it pulled."""
+    encoder = make_encoder(llava.directory)
+    oracle = tiny_llava.make_engine(llava.directory)
+    engine = consumer(llava.directory, encoder)
+    for count in (1, 3):
+        want = oracle.run_until_done([request(f"raw-{count}", count, media=items(*range(count)))])[0]
+        handles = reachable(encoder.encode(items(*range(count))))
+        got = engine.run_until_done([request(f"handle-{count}", count, media_handles=handles)])[0]
+        assert got.error is None and tokens(got) == tokens(want)
+        expanded, runs = engine.media.prepare(prompt_with(count), (), handles, pull_backends=("grpc",))
+        raw_expanded, raw_runs = oracle.media.prepare(prompt_with(count), items(*range(count)))
+        spans = [(r.start, r.end, r.identity) for r in runs]
+        assert expanded == raw_expanded and spans == [(r.start, r.end, r.identity) for r in raw_runs]
+        assert block_keys(expanded, 4, (), spans) == block_keys(raw_expanded, 4, (), spans)
+    idle(encoder)
+    engine.shutdown()
+    encoder.shutdown()
+
+
+def test_gone_handle_and_cancel_while_pulling(llava: TinyLlava) -> None:
+    """ENC13: a released handle ends the accepted request with one non-retryable
+    kv_transfer_failed fault; an abort while pulling stops the pull; nothing is held after."""
+    encoder = make_encoder(llava.directory)
+    engine = consumer(llava.directory, encoder, delay=0.3)
+    handles = reachable(encoder.encode(items(0, 1)))
+    encoder.release_handles([handles[1].handle_id])
+    done = engine.run_until_done([request("gone", 2, media_handles=handles)])[0]
+    assert done.error is not None and done.error.code == "kv_transfer_failed" and not done.error.retryable
+    assert "embedding handle" in done.error.message
+    encoder.release_handles([handles[0].handle_id])
+    live = reachable(encoder.encode(items(2)))
+    stream = engine.add_request(request("cancel", 1, media_handles=live))
+    engine.abort("cancel")
+    while not stream.finished:
+        engine.step()
+        time.sleep(0.01)
+    assert stream.result().outputs[0].finish.reason is FinishReason.CANCELLED
+    time.sleep(0.4)  # the pull saw the cancel and ended; its staging rows are free again
+    engine.step()
+    pulls = engine.core.media_pulls
+    assert pulls is not None and pulls._rows.num_free == pulls.staging.num_rows
+    assert engine.stats().used_kv_blocks == 0
+    encoder.release_handles([live[0].handle_id])
+    idle(encoder)
+    engine.shutdown()
+    encoder.shutdown()
+
+
+def test_incompatible_handles_are_refused_before_acceptance(llava: TinyLlava) -> None:
+    """ENC11: each mismatch is an InvalidRequestError naming the field; nothing is pulled."""
+    encoder = make_encoder(llava.directory)
+    engine = consumer(llava.directory, encoder)
+    good, = reachable(encoder.encode(items(0)))
+    cases = {
+        "fingerprint": replace(good, fingerprint="f" * 64),
+        "shape": replace(good, shape=(NUM_IMAGE_TOKENS, 32)),
+        "dtype/layout": replace(good, dtype="bfloat16"),
+        "mm_hash_algorithm": replace(good, mm_hash_algorithm="md5"),
+        "mm_hash must": replace(good, mm_hash="XYZ"),
+        "handle_id": replace(good, handle_id=""),
+        "modality": replace(good, modality="audio"),
+        "offers no transfer": replace(good, transfers=()),
+    }
+    for field, bad in cases.items():
+        with pytest.raises(InvalidRequestError, match=field):
+            engine.add_request(request(field, 1, media_handles=(bad,)))
+    with pytest.raises(InvalidRequestError, match="not both"):
+        engine.add_request(request("both", 1, media=items(0), media_handles=(good,)))
+    with pytest.raises(InvalidRequestError, match="placeholder"):
+        engine.add_request(request("count", 2, media_handles=(good,)))
+    assert encoder.media_stats().held_handles == 1  # nothing was pulled or released
+    encoder.release_handles([good.handle_id])
+    engine.shutdown()
+    encoder.shutdown()
+
+
+def test_decode_role_takes_identities_and_cannot_recompute(llava: TinyLlava) -> None:
+    """ENC12, ENC14: a decode engine's media runs have identities and no rows, and its media
+    sequences are not recomputable; an engine without a pull backend refuses handles."""
+    encoder = make_encoder(llava.directory)
+    model_config, weights = load_model_config(llava.directory), load_weights(llava.directory)
+    media = MediaInputs.from_model(llava.directory, model_config, weights, torch.float32, "cpu", EngineConfig().media)
+    assert media is not None
+    handles = reachable(encoder.encode(items(0, 1)))
+    _, runs = media.prepare(prompt_with(2), (), handles, need_rows=False, pull_backends=None)
+    assert [r.embeds for r in runs] == [None, None] and [r.handle for r in runs] == [None, None]
+    assert [r.identity for r in runs] == [h.identity for h in handles]
+    _, raw = media.prepare(prompt_with(2), items(0, 1), need_rows=False)
+    assert [r.identity for r in raw] == [h.identity for h in handles] and raw[0].embeds is None
+    no_pull = tiny_llava.make_engine(llava.directory)  # an in-process engine with no embedding backend
+    with pytest.raises(InvalidRequestError, match="offers no transfer"):
+        no_pull.add_request(request("np", 2, media_handles=handles))
+    encoder.release_handles([h.handle_id for h in handles])
+    idle(encoder)
+    encoder.shutdown()
+
+
+def test_epd_in_process_and_decode_preemption(llava: TinyLlava) -> None:
+    """E → P → D equals aggregated (ENC12); a decode request naming other media than its prefill
+    is refused (the session's prompt hash covers identities); a decode engine out of KV memory
+    ends a media request it would have to recompute with a retryable overloaded fault (ENC14)."""
+    encoder = make_encoder(llava.directory)
+    oracle = tiny_llava.make_engine(llava.directory)
+    prefill = consumer(llava.directory, encoder, role="prefill")
+    decode = consumer(llava.directory, encoder, role="decode", kv_pull=InProcessPull(prefill), num_blocks=14)
+    for engine in (prefill, decode):
+        engine.start()
+    params = [request(f"pd-{i}", 1, seed=i, max_tokens=12, media=items(i)) for i in range(2)]
+    want = [tokens(oracle.run_until_done([p])[0]) for p in params]
+    handed = []
+    for p in params:
+        handles = reachable(encoder.encode(p.media))
+        with_handles = replace(p, media=(), media_handles=handles)
+        handoff = prefill.add_request(with_handles).result(60)
+        assert handoff.prefill is not None, handoff
+        handed.append(replace(with_handles, kv=KvParams(session=handoff.prefill)))
+    with pytest.raises(InvalidRequestError, match="prompt_hash"):
+        decode.add_request(replace(handed[0], media=items(2), media_handles=()))
+    alone = decode.add_request(handed[0]).result(60)
+    assert tokens(alone) == want[0]
+    assert prefill.abort_kv_session(handed[1].kv.session.session_id)
+    both = []
+    for p in params:  # both at once on a 14-block decode engine: one of them must be preempted
+        with_handles = replace(p, media=(), media_handles=reachable(encoder.encode(p.media)))
+        handoff = prefill.add_request(with_handles).result(60)
+        both.append(decode.add_request(replace(with_handles, kv=KvParams(session=handoff.prefill))))
+    results = [stream.result(60) for stream in both]
+    lost = [r for r in results if r.error is not None]
+    assert lost and all(r.error.code == "overloaded" and r.error.retryable for r in lost), results
+    assert all(tokens(r) == want[i] for i, r in enumerate(results) if r.error is None)
+    for engine in (prefill, decode):
+        deadline = time.monotonic() + 10
+        while engine.stats().used_kv_blocks or engine.stats().active_kv_sessions:
+            assert time.monotonic() < deadline, engine.stats()
+            time.sleep(0.01)
+        engine.shutdown()
+    idle(encoder)
+    encoder.shutdown()
