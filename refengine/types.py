@@ -357,6 +357,8 @@ class EngineStats:
     kv_pulled_bytes: int = 0  # decode role: KV received by successful pulls, in total
     kv_pull_seconds: float = 0.0  # ... and the time those pulls took
     media: MediaStats | None = None  # encoder role: its handles and rows
+    embedding_pulled_bytes: int = 0  # consumers: embedding rows received from encoders, in total
+    embedding_pull_seconds: float = 0.0  # ... and the time those pulls took
 
 
 @dataclass(frozen=True)

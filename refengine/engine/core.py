@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -289,6 +289,9 @@ class EngineCore(CoreInflowMixin):
     def stats(self) -> EngineStats:
         """Load figures after the last step."""
         stats = engine_stats(self.requests.values(), self.pool, self._last_batch)
+        if self.media_pulls is not None:
+            stats = replace(stats, embedding_pulled_bytes=self.media_pulls.pulled_bytes,
+                            embedding_pull_seconds=self.media_pulls.pull_seconds)
         return stats if self.disagg is None else self.disagg.add_stats(stats)
 
     def check_idle(self) -> None:

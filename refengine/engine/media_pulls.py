@@ -88,11 +88,12 @@ class MediaPulls:
 
     def _run(self, request_id: str, handles: list[EmbeddingHandleSpec], cancelled: threading.Event) -> None:
         pulled: Pulled | None = {}
-        fault = None
-        started = time.perf_counter()
+        fault, seconds = None, 0.0
         try:
             for handle in handles:
+                started = time.perf_counter()
                 pulled[handle.handle_id] = self._pull(request_id, handle, cancelled)
+                seconds += time.perf_counter() - started
         except TransferFailure as failure:
             pulled, fault = None, EngineFault("kv_transfer_failed", f"embedding handle: {failure}", failure.retryable)
         except Exception as exc:  # a backend bug must still end the request
@@ -101,12 +102,13 @@ class MediaPulls:
         with self._lock:
             if pulled is not None:
                 self.pulled_bytes += sum(t.numel() * t.element_size() for t in pulled.values())
-                self.pull_seconds += time.perf_counter() - started
+                self.pull_seconds += seconds
             del self._cancel[request_id]
             self._finished.append((request_id, pulled, fault))
         self._on_done()
 
     def _pull(self, request_id: str, handle: EmbeddingHandleSpec, cancelled: threading.Event) -> torch.Tensor:
+        """One handle's rows, on the LM's device (the time counted: rows taken to rows copied out)."""
         rows = self._take_rows(handle.num_tokens, cancelled)
         keep_rows = False
         try:

@@ -170,6 +170,8 @@ class ControlServicer(oe.ControlServicer):
                                     "open_streams": len(self.state.streams),
                                     "kv_pulled_bytes": stats.kv_pulled_bytes,
                                     "kv_pull_seconds": stats.kv_pull_seconds,
+                                    "embedding_pulled_bytes": stats.embedding_pulled_bytes,
+                                    "embedding_pull_seconds": stats.embedding_pull_seconds,
                                     **media_attributes(stats)}),
             )
             if request.include_per_rank:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from refengine.conformance import Options, Status, Target, all_checks, run_check
-from refengine.conformance.registry import Check, rules_in
+from refengine.conformance.registry import PROFILE_PAGES, Check, rules_in
 from refengine.server.convert import EXTRA_STALL_TIMEOUT, EXTRA_STREAM_BUFFER
 from tests.integration.conftest import ServerProcess
 
@@ -86,7 +86,7 @@ def test_rule_lora_disabled(chk: Check, lora_off_target: Target) -> None:
 def test_every_rule_has_a_check() -> None:
     rules = rules_in(rules_markdown(), COVERED_SECTIONS)
     assert len(rules) >= 40, f"parsed only {len(rules)} rules from RULES.md"
-    covered = {c.rule for c in CHECKS}
+    covered = {c.rule for c in CHECKS if c.section not in PROFILE_PAGES}  # draft profiles: their own pages
     missing = [r for r in rules if r not in covered]
     assert not missing, f"rules without a conformance check: {missing}"
     unknown = sorted(covered - set(rules_in(rules_markdown(), "DMGLKAHREX")))

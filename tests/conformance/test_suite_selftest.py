@@ -11,14 +11,17 @@ from collections.abc import Iterator
 import pytest
 
 from refengine.conformance import Options, Result, Status, run, select
+from refengine.conformance.checks_encoder import _handle_problems, profile_problems, tampered
 from refengine.conformance.checks_errors import retryable_problem
 from refengine.conformance.guides import CASES
 from refengine.conformance.json_prefix import json_prefix_problem
-from refengine.conformance.registry import rule_section, rules_in
+from refengine.conformance.registry import PROFILE_PAGES, profile_rules_in, rule_key, rule_section, rules_in
 from refengine.conformance.release import RELEASE_BSR_COMMIT, RELEASE_GIT_COMMIT, schema_release_problem
 from refengine.protocol import oe
+from refengine.protocol.v1alpha1 import media_pb2 as media
 from tests.conformance.fake_server import Faults, serve
 from tests.conformance.test_conformance import COVERED_SECTIONS, REPO, rules_markdown
+from tests.integration.conftest import free_port
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +233,114 @@ def test_registry_selection() -> None:
         select(["Z9"])
     with pytest.raises(ValueError):
         rule_section("G")
+
+
+# -- draft profile "encoder" (section ENC, docs/profiles/encoder.md) -----------------------------
+ENC_CHECKS = select(["ENC"])
+
+
+def test_enc_checks_are_registered_for_the_profile_page() -> None:
+    page = (REPO / PROFILE_PAGES["ENC"]).read_text()
+    defined = profile_rules_in(page, "ENC")
+    assert defined == [f"ENC{i}" for i in range(1, 16)], defined
+    assert ENC_CHECKS and {c.section for c in ENC_CHECKS} == {"ENC"}
+    assert {c.rule for c in ENC_CHECKS} <= set(defined)
+    assert {c.rule for c in ENC_CHECKS} >= {"ENC1", "ENC2", "ENC3", "ENC4", "ENC5", "ENC6", "ENC7", "ENC10",
+                                            "ENC11", "ENC13", "ENC15"}
+    assert rule_section("ENC13") == "ENC" and rule_key("ENC2") < rule_key("ENC10")
+    assert all(rule_key("X4") < rule_key(c.rule) for c in ENC_CHECKS)  # after RULES.md's sections
+    assert [c.name for c in select(["ENC11"])] == ["ENC11:incompatible_handle_refused"]
+    assert not {c.section for c in select(["E"])} & {"ENC"}
+
+
+def test_enc_checks_skip_as_not_claimed(toy_address: str) -> None:
+    """Against servers that do not list the profile (the toy server as target and as --encoder),
+    every ENC check skips as "not claimed"; without --encoder the reason says how to name one."""
+    other, other_address, other_engine = serve()
+    try:
+        for options in (Options(), Options(encoder_address=other_address, media_placeholder_token_id=5),
+                        Options(encoder_address=toy_address)):
+            results = run(toy_address, ["ENC"], options)
+            assert [r.name for r in results] == [c.name for c in ENC_CHECKS]
+            wrong = [f"{r.name}: {r.status.value} {r.message}" for r in results
+                     if r.status is not Status.SKIP or "not claimed" not in r.message]
+            assert not wrong, (options, wrong)
+            hint = options.encoder_address or "--encoder HOST:PORT"  # the --encoder server, or how to name one
+            assert hint in results[0].message, results[0].message
+    finally:
+        other.stop(0)
+        other_engine.running = False
+
+
+def test_enc_checks_fail_when_the_encoder_is_unreachable(toy_address: str) -> None:
+    options = Options(encoder_address=f"127.0.0.1:{free_port()}", rpc_timeout_s=0.5)
+    results = run(toy_address, ["ENC1", "ENC4"], options)
+    assert results and all(r.status is Status.FAIL and "cannot connect" in r.message for r in results), results
+
+
+def test_cli_encoder_flag(toy_address: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "refengine.conformance", toy_address, "--rules", "ENC",
+                           "--encoder", toy_address, "--media-placeholder-token-id", "7", "--quiet"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| ENC1 | ENC |" in proc.stdout and "not claimed" in proc.stdout
+    assert f"0 FAIL, {len(ENC_CHECKS)} SKIP" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ({"name": "encoder"}, "not a list"),
+        (["encoder"], "not an object"),
+        ([{"name": "encoder", "version": "v1alpha1", "status": "draft", "sides": "encoder"}], "sides"),
+        ([{"name": "encoder", "version": 1, "status": "draft", "sides": ["encoder"]}], "version"),
+        ([{"name": "encoder", "version": "v1alpha1", "sides": ["encoder"]}], "status"),
+        ([{"name": "encoder", "version": "v1alpha1", "status": "stable", "sides": ["encoder"]}], "not 'draft'"),
+        ([{"name": "encoder", "version": "v1alpha1", "status": "draft", "sides": ["producer"]}], "each is one of"),
+        ([{"name": "encoder", "version": "v1alpha1", "status": "draft", "sides": []}], "at least one"),
+        ([{"name": "encoder", "version": "v1alpha1", "status": "draft", "sides": ["encoder", "consumer"]}],
+         "both sides"),
+        ([{"name": "encoder", "version": "v1alpha1", "status": "draft", "sides": ["consumer"]}] * 2, "twice"),
+    ],
+    ids=["not-a-list", "entry-not-object", "sides-string", "version-number", "no-status", "not-draft",
+         "unknown-side", "no-side", "both-sides", "twice"],
+)
+def test_enc1_profile_problems(value: object, words: str) -> None:
+    problems = profile_problems(value)
+    assert any(words in p for p in problems), problems
+
+
+def test_enc1_profile_fine() -> None:
+    assert profile_problems([]) == []
+    assert profile_problems([{"name": "encoder", "version": "v1alpha1", "status": "draft", "sides": ["consumer"]},
+                             {"name": "other", "version": "v9", "status": "experimental", "sides": []}]) == []
+
+
+def _good_handle() -> media.EmbeddingHandle:
+    return media.EmbeddingHandle(
+        handle_id="h-1", mm_hash="ab" * 32, mm_hash_algorithm="refengine-rgb8-sha256", modality=oe.MODALITY_IMAGE,
+        shape=[16, 64], dtype="float32", num_tokens=16, layout="refengine-embeddings/1:row-major:64:float32",
+        fingerprint="cd" * 32, lease_expires_unix_nanos=2_000,
+        transfers=[media.EmbeddingTransfer(backend="grpc", endpoints=[oe.KvEndpoint(host="10.0.0.1", port=5000)])])
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"handle_id": ""}, "handle_id"),
+        ({"mm_hash_algorithm": "md5"}, "mm_hash_algorithm"),
+        ({"mm_hash": "xyz"}, "64 lowercase hex"),
+        ({"num_tokens": 15}, "num_tokens"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"layout": "rows"}, "layout"),
+        ({"fingerprint": ""}, "fingerprint"),
+        ({"lease_expires_unix_nanos": 1_000}, "not in the future"),
+        ({"modality": oe.MODALITY_AUDIO}, "modality"),
+    ],
+)
+def test_enc5_handle_problems(fields: dict, words: str) -> None:
+    assert _handle_problems(_good_handle(), 1_500) == []
+    assert any(words in p for p in _handle_problems(tampered(_good_handle(), **fields), 1_500))
+    no_route = tampered(_good_handle(), transfers=[media.EmbeddingTransfer(
+        backend="grpc", endpoints=[oe.KvEndpoint(host="0.0.0.0", port=5000)])])
+    assert any("routable" in p for p in _handle_problems(no_route, 1_500))
