@@ -3,7 +3,8 @@
 ``pull`` runs on one of the engine's transfer threads with a blocking gRPC channel (one
 per prefill endpoint, reused): it streams the blocks, checks each chunk (order, size,
 CRC-32) before writing it into the destination blocks, checks ``cancelled`` between
-chunks, and finally asks the prefill server to ``Release`` the session. The bytes go
+chunks, and finally asks the prefill server to ``Release`` the session (without waiting for
+the answer: the blocks are already here). The bytes go
 straight into the engine's ``BlockStore``: this module never sees a tensor.
 
 Failures (``TransferFailure``; ``retryable`` = the prefill server may still hold it):
@@ -14,6 +15,7 @@ retryable. ``start_pin`` serves the NIXL backend (``SessionPinner``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -29,6 +31,11 @@ from refengine.types import KvSessionSpec
 
 logger = logging.getLogger(__name__)
 CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 80 << 20),)  # above the largest chunk (64 MiB)
+
+
+def _log_failed_release(session_id: str, call: grpc.Future) -> None:
+    if not call.cancelled() and call.exception() is not None:
+        logger.warning("KV session %s pulled, but its release failed: %s", session_id, call.exception())
 
 
 class GrpcKvTransfer(KvTransferBackend):
@@ -67,12 +74,10 @@ class GrpcKvTransfer(KvTransferBackend):
             raise self._failure(err, order) from None
         finally:
             call.cancel()
-        try:
-            stub.Release(pb.SessionRequest(session_id=order.session.session_id),
-                         timeout=max(1.0, deadline - time.monotonic()))
-        except grpc.RpcError as err:  # the KV is here; the lease frees the source's copy
-            logger.warning("KV session %s pulled, but its release failed: %s", order.session.session_id,
-                           err.details())
+        # Not waited for: the blocks are here, and a lost release only leaves the source's copy to its lease.
+        release = stub.Release.future(pb.SessionRequest(session_id=order.session.session_id),
+                                      timeout=max(1.0, deadline - time.monotonic()))
+        release.add_done_callback(functools.partial(_log_failed_release, order.session.session_id))
 
     def _receive(self, order: PullOrder, call: grpc.Call, cancelled: threading.Event) -> None:
         assert self._store is not None
@@ -102,7 +107,7 @@ class GrpcKvTransfer(KvTransferBackend):
         if code == grpc.StatusCode.NOT_FOUND:
             return TransferFailure("not_found", where)
         if code == grpc.StatusCode.UNAVAILABLE:
-            return TransferFailure("failed", f"prefill server unreachable, {where}", retryable=False)
+            return TransferFailure("failed", f"source server (prefill or encoder) unreachable, {where}", retryable=False)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return TransferFailure("failed", where, retryable=False)
         return TransferFailure("failed", where, retryable=True)
