@@ -6,6 +6,7 @@ from refengine.conformance import (  # noqa: F401
     checks_disagg,
     checks_discovery,
     checks_encoder,
+    checks_encoder_consumer,
     checks_errors,
     checks_generate,
     checks_guided,

@@ -107,7 +107,8 @@ class GrpcKvTransfer(KvTransferBackend):
         if code == grpc.StatusCode.NOT_FOUND:
             return TransferFailure("not_found", where)
         if code == grpc.StatusCode.UNAVAILABLE:
-            return TransferFailure("failed", f"source server (prefill or encoder) unreachable, {where}", retryable=False)
+            return TransferFailure("failed", f"source server (prefill or encoder) unreachable, {where}",
+                                   retryable=False)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return TransferFailure("failed", where, retryable=False)
         return TransferFailure("failed", where, retryable=True)

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from refengine.conformance import Options, Result, Status, run, select
-from refengine.conformance.checks_encoder import _handle_problems, profile_problems, tampered
 from refengine.conformance.checks_errors import retryable_problem
+from refengine.conformance.encoder_support import handle_problems, profile_problems, tampered
 from refengine.conformance.guides import CASES
 from refengine.conformance.json_prefix import json_prefix_problem
 from refengine.conformance.registry import PROFILE_PAGES, profile_rules_in, rule_key, rule_section, rules_in
@@ -339,8 +339,8 @@ def _good_handle() -> media.EmbeddingHandle:
     ],
 )
 def test_enc5_handle_problems(fields: dict, words: str) -> None:
-    assert _handle_problems(_good_handle(), 1_500) == []
-    assert any(words in p for p in _handle_problems(tampered(_good_handle(), **fields), 1_500))
+    assert handle_problems(_good_handle(), 1_500) == []
+    assert any(words in p for p in handle_problems(tampered(_good_handle(), **fields), 1_500))
     no_route = tampered(_good_handle(), transfers=[media.EmbeddingTransfer(
         backend="grpc", endpoints=[oe.KvEndpoint(host="0.0.0.0", port=5000)])])
-    assert any("routable" in p for p in _handle_problems(no_route, 1_500))
+    assert any("routable" in p for p in handle_problems(no_route, 1_500))
