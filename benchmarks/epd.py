@@ -39,10 +39,9 @@ from google.protobuf import json_format  # noqa: E402
 import benchmarks.serving as serving  # noqa: E402
 from benchmarks.multimodal import IMAGE_TOKEN, build_llava, png  # noqa: E402
 from refengine.client import OpenEngineClient, generate_disaggregated  # noqa: E402
-from refengine.encoder_client import MediaClient, with_handles  # noqa: E402
+from refengine.encoder_client import MediaClient, over_backend, with_handles  # noqa: E402
 from refengine.model.loader import load_tokenizer, resolve_model  # noqa: E402
 from refengine.protocol import oe  # noqa: E402
-from refengine.protocol.v1alpha1 import media_pb2 as media  # noqa: E402
 
 IMAGE_COUNTS = (1, 4)
 BACKENDS = ("grpc", "nixl")
@@ -78,17 +77,6 @@ def first_token(events, started: float) -> float:  # noqa: ANN001 - a response i
     raise RuntimeError("the stream ended without a token")
 
 
-def only(handles: list[media.EmbeddingHandle], backend: str) -> list[media.EmbeddingHandle]:
-    kept = []
-    for handle in handles:
-        copy = media.EmbeddingHandle()
-        copy.CopyFrom(handle)
-        del copy.transfers[:]
-        copy.transfers.extend(t for t in handle.transfers if t.backend == backend)
-        kept.append(copy)
-    return kept
-
-
 def pulled(client: OpenEngineClient) -> tuple[float, float]:
     attributes = json_format.MessageToDict(client.load().attributes)
     return attributes.get("embedding_pulled_bytes", 0.0), attributes.get("embedding_pull_seconds", 0.0)
@@ -107,7 +95,7 @@ def one_round(clients: dict[str, OpenEngineClient], encoder: MediaClient, ids: l
             consumers = [clients["aggregated"]] if route == "e_agg" else [clients["prefill"]]
             before = [pulled(c) for c in consumers]
             started = time.perf_counter()
-            consumer_req = with_handles(req, only(encoder.encode(list(req.media)), backend))
+            consumer_req = with_handles(req, over_backend(encoder.encode(list(req.media)), backend))
             events = (clients["aggregated"].generate(consumer_req) if route == "e_agg" else
                       generate_disaggregated(clients["prefill"], clients["decode"], consumer_req))
             times[f"{route}_{backend}"] = first_token(events, started)

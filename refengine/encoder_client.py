@@ -6,7 +6,8 @@
 
 ``MediaClient`` wraps ``refengine.v1alpha1.Media`` on an encoder server's channel.
 ``with_handles`` turns a request with media items into the same request with embedding
-handles instead (``extra["refengine.v1alpha1.media_handles"]``, the items removed).
+handles instead (``extra["refengine.v1alpha1.media_handles"]``, the items removed);
+``over_backend`` keeps only one transfer backend in handles.
 ``generate_epd`` encodes a request's media, then runs it aggregated (``decode`` None) or
 through prefill and decode, and finally releases its handles (idempotent: a consumer that
 pulled them has released them already). ``supports_profile`` reads discovery (ENC1).
@@ -66,6 +67,18 @@ def with_handles(request: oe.GenerateRequest, handles: Sequence[media.EmbeddingH
     del out.media[:]
     out.extra.update({EXTRA_MEDIA_HANDLES: [json_format.MessageToDict(h) for h in handles]})
     return out
+
+
+def over_backend(handles: Sequence[media.EmbeddingHandle], backend: str) -> list[media.EmbeddingHandle]:
+    """Copies of ``handles`` offering only ``backend``'s transfer: the client chooses how the rows move."""
+    kept = []
+    for handle in handles:
+        copy = media.EmbeddingHandle()
+        copy.CopyFrom(handle)
+        del copy.transfers[:]
+        copy.transfers.extend(t for t in handle.transfers if t.backend == backend)
+        kept.append(copy)
+    return kept
 
 
 def generate_epd(encoder: MediaClient, prefill_client: OpenEngineClient, decode_client: OpenEngineClient | None,

@@ -19,7 +19,7 @@ import pytest
 from google.protobuf import json_format
 
 from refengine.client import OpenEngineClient, generate_disaggregated
-from refengine.encoder_client import MediaClient, generate_epd, supports_profile, with_handles
+from refengine.encoder_client import MediaClient, generate_epd, over_backend, supports_profile, with_handles
 from refengine.kv.transfer.nixl_backend import nixl_available
 from refengine.protocol import oe
 from refengine.protocol.v1alpha1 import media_pb2 as media
@@ -99,18 +99,6 @@ def collect(events: Iterator[oe.GenerateResponse]) -> Stream:
     return stream
 
 
-def only_backend(handles: list[media.EmbeddingHandle], backend: str) -> list[media.EmbeddingHandle]:
-    """The handles with only ``backend``'s transfer: the client chooses how the rows move."""
-    kept = []
-    for handle in handles:
-        copy = media.EmbeddingHandle()
-        copy.CopyFrom(handle)
-        del copy.transfers[:]
-        copy.transfers.extend(t for t in handle.transfers if t.backend == backend)
-        kept.append(copy)
-    return kept
-
-
 def logprobs(stream: Stream) -> list[float]:
     return [t.logprob for out in stream.of("token") for t in out.tokens]
 
@@ -179,7 +167,7 @@ def test_epd_and_e_aggregated_equal_aggregated(clients, encoder: MediaClient, ba
         want = collect(clients["aggregated"].generate(req, timeout=120))
         assert want.code == grpc.StatusCode.OK and len(want.tokens()) == 8, want.details
         for route in ("aggregated", "pd"):
-            handles = only_backend(encoder.encode(list(req.media)), backend)
+            handles = over_backend(encoder.encode(list(req.media)), backend)
             assert all(h.transfers[0].backend == backend for h in handles)
             consumer_req = with_handles(req, handles)
             consumer_req.request_id = f"{req.request_id}-{route}"
@@ -272,7 +260,7 @@ def test_incompatible_handles_are_refused_before_acceptance(clients, encoder: Me
                           num_tokens=tiny_llava.NUM_IMAGE_TOKENS + 1),
         "dtype": tampered(handle, dtype="bfloat16"),
         "algorithm": tampered(handle, mm_hash_algorithm="md5"),
-        "no transfer": only_backend([handle], "tcp")[0],
+        "no transfer": over_backend([handle], "tcp")[0],
     }
     for name, bad in cases.items():
         for target in ("aggregated", "prefill"):
