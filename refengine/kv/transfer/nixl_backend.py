@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 RELEASE_PREFIX = b"refengine-release:"  # + session id: the notification that confirms a pull
 NOTIF_POLL_SECONDS = 0.002  # also how often the source side progresses UCX (TCP's reads need it)
 XFER_POLL_SECONDS = 0.0005
+XFER_SPIN_SECONDS = 0.005  # a READ still running after transfer() is first polled without sleeping
 #: How long a stopped pull (cancelled, timed out, closed) keeps polling its READ. NIXL cannot
 #: abort one: release_xfer_handle on a running READ calls UCX's ucp_request_cancel, a no-op for
 #: RMA, then ucp_request_free, which only detaches it: its bytes keep landing afterwards.
@@ -316,11 +317,15 @@ class NixlKvTransfer(KvTransferBackend):
 
     def _wait(self, handle: Any, cancelled: threading.Event, deadline: float) -> None:
         state = _nixl("post the READ", self._agent.transfer, handle)  # over CMA, the whole copy is here
+        spin_until = time.monotonic() + XFER_SPIN_SECONDS
         while state == "PROC":
             stopped = cancelled.is_set() or self._closed.is_set()
             if stopped or time.monotonic() > deadline:
                 self._stop(handle, stopped)
-            cancelled.wait(XFER_POLL_SECONDS)
+            if time.monotonic() < spin_until:
+                time.sleep(0)  # a short READ ends within microseconds: poll at once (GIL released)
+            else:
+                cancelled.wait(XFER_POLL_SECONDS)
             state = _nixl("check the READ", self._agent.check_xfer_state, handle)
         if state != "DONE":
             raise _fail("the NIXL READ failed")
