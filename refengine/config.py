@@ -39,7 +39,7 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # "auto" plus the registered backends, in preference order. The registry in
 # ``refengine.kernels.attention`` defines the backends; this copy exists because this
 # module may not import torch, and ``tests/unit/test_config.py`` checks the two agree.
-ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 UINT64_MAX = (1 << 64) - 1
 
 
@@ -180,8 +180,9 @@ class EngineConfig:
     max_logprobs: int = 20  # largest top-N candidate count
     seed: int = 0  # seeds the sampler's shared generator (requests without their own seed)
     num_threads: int | None = None  # torch intra-op threads; None = torch's default (all cores)
-    # "auto": the first available backend in ATTENTION_BACKENDS order (the native paged kernel
-    # for float32 on CPU when it builds, else the torch reference); a name: that backend or an error.
+    # "auto": the first available backend in ATTENTION_BACKENDS order (the Triton kernels on CUDA,
+    # the native paged kernel for float32 on CPU when it builds, else the torch reference); a name:
+    # that backend or an error.
     attention_backend: str = "auto"
     # Run the KV pool's integrity check (free + cached + referenced = all blocks) each time the
     # engine becomes idle; costs a pass over the pool, so off by default.

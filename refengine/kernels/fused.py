@@ -1,10 +1,12 @@
 """Fused elementwise steps of a decoder layer, with torch fallbacks.
 
 float32 tensors on CPU go through ``kernels/cpu/fused_ops.c`` (one pass, one call);
-anything else, a machine without a C compiler, or ``FusedOps(native=False)``
-(``KernelConfig.native_cpu_kernels`` off) takes the torch expressions below, which
-define the semantics. Both are checked against each other in
-``tests/unit/test_fused_ops.py``.
+CUDA tensors (fp32, fp16, bf16) through the Triton kernels of ``kernels/triton_ops.py``
+when Triton imports; anything else, a machine without a C compiler (or, on CUDA, without
+Triton), or ``FusedOps(native=False)`` takes the torch expressions below, which define
+the semantics. ``KernelConfig.native_cpu_kernels`` is that one switch for both: off, no
+C library is built and no Triton kernel launched. The kernels are checked against the
+torch forms in ``tests/unit/test_fused_ops.py`` and ``tests/unit/test_triton_ops.py``.
 
 The model holds one ``FusedOps``; the module-level functions are the methods of
 ``FusedOps(native=True)``, kept for callers that have no config at hand.
@@ -18,7 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from refengine.kernels import cpu
+from refengine.kernels import cpu, triton_ops
 
 
 @functools.cache
@@ -43,11 +45,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class FusedOps:
-    """The fused steps, on the native kernels when ``native`` and the tensors fit
-    (float32 on CPU, the layouts below) and the library builds; else the torch forms."""
+    """The fused steps, on the native kernels when ``native`` and the tensors fit (the
+    Triton kernels for CUDA tensors; the C library, when it builds, for float32 on CPU in
+    the layouts below); else the torch forms."""
 
     def __init__(self, native: bool = True) -> None:
         self.native = native
+
+    def _triton(self, *tensors: torch.Tensor) -> bool:
+        """Whether these tensors take the Triton kernels (CUDA, Triton there, ``native`` on)."""
+        return self.native and triton_ops.handles(*tensors)
 
     def _kernel(self, *tensors: torch.Tensor) -> ctypes.CDLL | None:
         if self.native and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
@@ -63,8 +70,11 @@ class FusedOps:
     ) -> torch.Tensor:
         """``residual += delta`` in place (the residual stream), then return
         ``rms_norm(residual) * weight``. ``residual`` must be contiguous ``[T, hidden]``
-        for the kernel (otherwise the torch form runs)."""
-        library = self._kernel(residual, weight) if delta is None else self._kernel(residual, delta, weight)
+        for the C kernel (otherwise the torch form runs); Triton takes any layout."""
+        operands = (residual, weight) if delta is None else (residual, delta, weight)
+        if self._triton(*operands):
+            return triton_ops.add_rms_norm(residual, delta, weight, eps)
+        library = self._kernel(*operands)
         if library is None or not residual.is_contiguous():
             if delta is not None:
                 residual.add_(delta)
@@ -77,6 +87,8 @@ class FusedOps:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[T, 2 * inter]``."""
+        if self._triton(gate_up):
+            return triton_ops.silu_and_mul(gate_up)
         library = self._kernel(gate_up)
         if library is None or not gate_up.is_contiguous():
             gate, up = gate_up.chunk(2, dim=-1)
@@ -90,7 +102,11 @@ class FusedOps:
         """Rotate ``x`` ``[T, heads, D]`` in place (rotate-half layout). ``cos`` and
         ``signed_sin`` ``[max_positions, D]`` hold ``cos`` and ``[-sin_low, sin_high]``, so
         the rotation is ``x * cos + roll(x, D / 2) * signed_sin``. Rows of ``x`` may be
-        strided (a view into the fused QKV output); heads within a row are contiguous."""
+        strided (a view into the fused QKV output); heads within a row are contiguous
+        (for the C kernel; Triton takes any strides)."""
+        if self._triton(x, cos, signed_sin):
+            triton_ops.rotary_(x, positions, cos, signed_sin)
+            return
         library = self._kernel(x, cos, signed_sin)
         rows, heads, head_dim = x.shape
         if library is None or x.stride(2) != 1 or x.stride(1) != head_dim or positions.dtype != torch.int64:

@@ -1,6 +1,7 @@
 """Dense projections, ``x @ weight.T + bias``, with the weight prepared once.
 
-On CPU in float32 the weight is reordered once into oneDNN's blocked layout and
+On CPU in float32 (and in bfloat16 where the CPU has native bf16 dot products,
+``cpu_features.native_bf16``) the weight is reordered once into oneDNN's blocked layout and
 every call runs oneDNN's GEMM on it (``torch.ops.mkldnn._linear_pointwise``, the
 op torch's own compiler emits for frozen CPU linears). ``F.linear`` instead hands
 the row-major weight to the BLAS, which re-packs it on every call; on the skinny
@@ -22,24 +23,33 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from refengine.kernels.cpu_features import native_bf16
 from refengine.kernels.forward_context import ForwardContext
+
+#: Dtypes whose weights may be prepacked: float32 always, bfloat16 where the CPU has native bf16
+#: dot products (elsewhere oneDNN emulates them, slower than ``F.linear``'s own path).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 @functools.cache
-def onednn_available() -> bool:
-    """Whether this torch has the packed oneDNN linear ops and they agree with ``F.linear``."""
-    if not torch.backends.mkldnn.is_available():
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch has the packed oneDNN linear ops for ``dtype`` and they agree with
+    ``F.linear`` (in ``dtype``'s precision)."""
+    if dtype not in TOLERANCE or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not native_bf16():
         return False
     try:
         generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(24, 40, generator=generator)
-        bias = torch.randn(24, generator=generator)
-        x = torch.randn(3, 40, generator=generator)
+        weight = torch.randn(24, 40, generator=generator).to(dtype)
+        bias = torch.randn(24, generator=generator).to(dtype)
+        x = torch.randn(3, 40, generator=generator).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     except (AttributeError, RuntimeError):
         return False
-    return bool(torch.allclose(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4))
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    return bool(torch.allclose(out.float(), expected, atol=TOLERANCE[dtype] * 10, rtol=TOLERANCE[dtype]))
 
 
 class Linear:
@@ -50,9 +60,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = (
-            prepack and weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available()
-        )
+        self.packed = prepack and weight.device.type == "cpu" and onednn_available(weight.dtype)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:

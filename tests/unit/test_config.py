@@ -55,7 +55,8 @@ BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
     ("native_kernels", lambda: KernelConfig(native_cpu_kernels="no"), r"KernelConfig\.native_cpu_kernels"),
     ("onednn", lambda: KernelConfig(onednn_linear=None), r"KernelConfig\.onednn_linear must be True or False"),
     ("dtype", lambda: EngineConfig(dtype="float64"), r"EngineConfig\.dtype must be one of float32, float16, bfloat16"),
-    ("backend", lambda: EngineConfig(attention_backend="flash"), r"attention_backend must be one of auto, cpu, torch"),
+    ("backend", lambda: EngineConfig(attention_backend="flash"),
+     r"attention_backend must be one of auto, triton, cpu, torch"),
     ("max_model_len", lambda: EngineConfig(max_model_len=1), r"EngineConfig\.max_model_len .*>= 2 or None, got 1"),
     ("max_logprobs", lambda: EngineConfig(max_logprobs=-1), r"EngineConfig\.max_logprobs .*>= 0, got -1"),
     ("seed_negative", lambda: EngineConfig(seed=-1), r"EngineConfig\.seed .* in \[0, 18446744073709551615\], got -1"),
@@ -323,13 +324,13 @@ def test_config_names_match_the_registry() -> None:
 
 
 def test_unknown_backend_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'; choose one of auto, cpu, torch"):
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'; choose one of auto, triton, cpu, torch"):
         registry.make_attention_backend("flash", torch.float32, "cpu", KernelConfig())
 
 
 def test_unavailable_backend_raises_with_its_reason() -> None:
-    with pytest.raises(ValueError, match=r"attention backend 'cpu' is unavailable: it needs float32 on CPU"):
-        registry.make_attention_backend("cpu", torch.bfloat16, "cpu", KernelConfig())
+    with pytest.raises(ValueError, match=r"attention backend 'cpu' is unavailable: it needs float32 \(or bfloat16"):
+        registry.make_attention_backend("cpu", torch.float16, "cpu", KernelConfig())
     off = KernelConfig(native_cpu_kernels=False)
     assert "--no-native-kernels" in registry.unavailable_reason("cpu", torch.float32, "cpu", off)
     with pytest.raises(ValueError, match=r"'cpu' is unavailable: disabled by --no-native-kernels"):

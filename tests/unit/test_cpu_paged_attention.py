@@ -19,13 +19,14 @@ import torch
 
 from refengine.config import KernelConfig
 from refengine.kernels import cpu
-from refengine.kernels.attention import TorchReferenceBackend, make_attention_backend
+from refengine.kernels.attention import TorchReferenceBackend, make_attention_backend, registry
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
 from refengine.kernels.attention.cpu_paged import (
     SDPA_MIN_QUERY_TOKENS,
     CpuPagedBackend,
     native_kernel_unavailable_reason,
 )
+from refengine.kernels.cpu_features import native_bf16
 
 _REASON = native_kernel_unavailable_reason()
 pytestmark = pytest.mark.skipif(bool(_REASON), reason=f"native CPU attention kernel unavailable: {_REASON}")
@@ -125,7 +126,7 @@ class StepResults:
 
 def run_steps(
     backend: AttentionBackend, seqs: list[SeqData], block_size: int, *, seed: int = 0, spare_blocks: int = 3,
-    fill: float | None = None,
+    fill: float | None = None, dtype: torch.dtype = torch.float32,
 ) -> StepResults:
     """Drives ``backend`` through two steps using only ``kv_cache_shapes``, ``prepare`` and ``forward``:
     a prefill of every sequence's cached context, then every sequence's new tokens in one batch.
@@ -141,6 +142,7 @@ def run_steps(
         v_cache = torch.randn(v_shape, generator=gen) * GARBAGE
     else:
         k_cache, v_cache = torch.full(k_shape, fill), torch.full(v_shape, fill)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
 
     context_out: list[torch.Tensor | None] = [None] * len(seqs)
     cached = [i for i, s in enumerate(seqs) if s.context]
@@ -149,9 +151,9 @@ def run_steps(
                          [seqs[i].context for i in cached], block_size)
         backend.prepare(meta)
         out = backend.forward(
-            torch.cat([seqs[i].q_context for i in cached]),
-            torch.cat([seqs[i].k[: seqs[i].context] for i in cached]),
-            torch.cat([seqs[i].v[: seqs[i].context] for i in cached]),
+            torch.cat([seqs[i].q_context for i in cached]).to(dtype),
+            torch.cat([seqs[i].k[: seqs[i].context] for i in cached]).to(dtype),
+            torch.cat([seqs[i].v[: seqs[i].context] for i in cached]).to(dtype),
             k_cache, v_cache, scale,
         )
         for j, i in enumerate(cached):
@@ -160,9 +162,9 @@ def run_steps(
     meta = make_meta(tables, [s.new for s in seqs], [s.total for s in seqs], block_size)
     backend.prepare(meta)
     out = backend.forward(
-        torch.cat([s.q_new for s in seqs]),
-        torch.cat([s.k[s.context :] for s in seqs]),
-        torch.cat([s.v[s.context :] for s in seqs]),
+        torch.cat([s.q_new for s in seqs]).to(dtype),
+        torch.cat([s.k[s.context :] for s in seqs]).to(dtype),
+        torch.cat([s.v[s.context :] for s in seqs]).to(dtype),
         k_cache, v_cache, scale,
     )
     new_out = [out[meta.query_start_loc[i] : meta.query_start_loc[i + 1]] for i in range(len(seqs))]
@@ -223,6 +225,21 @@ def test_matches_dense_oracle_and_reference(batch, group, head_dim, block_size) 
     assert max_error_vs_oracle(seqs, reference) <= TOLERANCE
     for a, b in zip(native.new_out, reference.new_out, strict=True):
         torch.testing.assert_close(a, b, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.skipif(not native_bf16(), reason="this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_bfloat16_cache_matches_the_oracle(head_dim, block_size) -> None:
+    """bf16 keys and values read by the kernel with float32 accumulation: within bf16's rounding
+    of the inputs (and the output) of the float64 oracle, and of the torch reference in bf16."""
+    seqs = make_seqs(MIXED, NUM_KV_HEADS * 3, head_dim, seed=head_dim + block_size)
+    native = run_steps(CpuPagedBackend(), seqs, block_size, seed=block_size, dtype=torch.bfloat16)
+    assert all(out.dtype == torch.bfloat16 for out in native.new_out)
+    assert max_error_vs_oracle(seqs, native) <= 0.05
+    reference = run_steps(TorchReferenceBackend(), seqs, block_size, seed=block_size, dtype=torch.bfloat16)
+    for a, b in zip(native.new_out, reference.new_out, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=0.04, rtol=0)
 
 
 @pytest.mark.parametrize("block_size", [16, 8])
@@ -356,9 +373,19 @@ def test_make_attention_backend_choices() -> None:
     assert type(make_attention_backend("torch", torch.float32, "cpu")) is TorchReferenceBackend
     assert type(make_attention_backend("auto", torch.float32, "cpu")) is CpuPagedBackend
     assert type(make_attention_backend("cpu", torch.float32, "cpu")) is CpuPagedBackend
-    assert type(make_attention_backend("auto", torch.bfloat16, "cpu")) is TorchReferenceBackend
+    bf16 = CpuPagedBackend if native_bf16() else TorchReferenceBackend
+    assert type(make_attention_backend("auto", torch.bfloat16, "cpu")) is bf16
+    assert type(make_attention_backend("auto", torch.float16, "cpu")) is TorchReferenceBackend
     assert type(make_attention_backend("auto", torch.float32, "cuda")) is TorchReferenceBackend
     with pytest.raises(ValueError, match="float32"):
+        make_attention_backend("cpu", torch.float16, "cpu")
+
+
+def test_bfloat16_needs_native_bf16(monkeypatch) -> None:
+    """Where the CPU lacks bf16 dot products the native kernel is not chosen for bfloat16."""
+    monkeypatch.setattr(registry, "native_bf16", lambda: False)
+    assert type(make_attention_backend("auto", torch.bfloat16, "cpu")) is TorchReferenceBackend
+    with pytest.raises(ValueError, match="native bf16"):
         make_attention_backend("cpu", torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="unknown attention backend"):
         make_attention_backend("flash", torch.float32, "cpu")

@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from refengine.kernels import linear
+from refengine.kernels.cpu_features import native_bf16
 from refengine.kernels.linear import Linear, onednn_available
 
 SHAPES = [(960, 576), (576, 1536)]  # (out_features, in_features)
@@ -57,10 +59,18 @@ def test_non_contiguous_input(view) -> None:
     torch.testing.assert_close(layer(x), F.linear(x.contiguous(), weight, bias), atol=1e-4, rtol=0)
 
 
-def test_bfloat16_is_unpacked_and_correct() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_packed_only_with_native_bf16(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 weights are prepacked where the CPU has native bf16 dot products (and the packed op
+    agrees with F.linear); elsewhere they stay for F.linear. Both are correct."""
+    if native and not native_bf16():
+        pytest.skip("this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
+    monkeypatch.setattr(linear, "native_bf16", lambda: native)
+    onednn_available.cache_clear()
     weight, bias = _weights(*SHAPES[1], dtype=torch.bfloat16)
     layer = Linear(weight, bias)
-    assert not layer.packed
+    onednn_available.cache_clear()
+    assert layer.packed == (native and torch.backends.mkldnn.is_available())
     assert (layer.out_features, layer.in_features) == SHAPES[1]
     x = torch.randn(7, SHAPES[1][1]).to(torch.bfloat16)
     out = layer(x)

@@ -7,8 +7,9 @@ of at least ``SDPA_MIN_QUERY_TOKENS`` query tokens goes to SDPA's fused flash ke
 (blocked, GEMM-like), which beats a row-at-a-time kernel there: a fresh prompt
 attends causally to its own new keys straight from the step's ``k``/``v``; a chunk
 that continues a cached context gathers its blocks first and masks by position.
-float32 only; the backend registry (``registry.py``) picks the torch reference for
-other dtypes and devices.
+float32, or bfloat16 caches on CPUs with native bf16 (``cpu_features``): the kernel reads
+the 16-bit keys and values and accumulates in float32 (queries widened to float32 per step).
+The backend registry (``registry.py``) picks the torch reference for other dtypes and devices.
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ class CpuPagedBackend(AttentionBackend):
         library = cpu.load("paged_attention").library
         if library is None:
             raise RuntimeError(f"native CPU attention unavailable: {native_kernel_unavailable_reason()}")
-        self._kernel = library.paged_attention
-        self._kernel.restype = ctypes.c_int
-        self._kernel.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int64]
-        self._store_kv = library.store_kv
-        self._store_kv.restype = None
-        self._store_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2
+        self._kernels = {torch.float32: library.paged_attention, torch.bfloat16: library.paged_attention_bf16}
+        self._stores = {torch.float32: library.store_kv, torch.bfloat16: library.store_kv_bf16}
+        for kernel in self._kernels.values():
+            kernel.restype = ctypes.c_int
+            kernel.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int64]
+        for store in self._stores.values():
+            store.restype = None
+            store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2
         self._meta: AttentionMetadata | None = None
         self._sdpa_chunks: list[_SdpaChunk] = []
 
@@ -75,6 +78,9 @@ class CpuPagedBackend(AttentionBackend):
             self._sdpa_chunks.append(_SdpaChunk(rows, block_ids, mask))
         # int32 copies the kernel reads; kept alive on self until the next prepare().
         self._native_seq_ids = torch.tensor(native, dtype=torch.int32)
+        self._native_rows = torch.tensor([r for i in native for r in range(meta.query_start_loc[i],
+                                                                            meta.query_start_loc[i + 1])],
+                                         dtype=torch.long)
         self._query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32)
         self._seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
         self._block_tables = meta.block_tables.to(torch.int32).contiguous()
@@ -85,26 +91,33 @@ class CpuPagedBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta = self._meta
         assert meta is not None, "prepare() must run before forward()"
-        assert q.dtype == torch.float32 and q.device.type == "cpu", "the native kernel is float32 on CPU"
+        dtype = k_cache.dtype
+        assert dtype in self._kernels and q.dtype == k.dtype == dtype and q.device.type == "cpu", \
+            "the native kernel takes float32 or bfloat16 on CPU, q/k/v in the cache's dtype"
         num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
         # Rows may be strided (views into the fused QKV output); each row must be contiguous.
         q, k, v = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (q, k, v))
-        self._store_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
-                       meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim, meta.block_size,
-                       k.stride(0), v.stride(0))
+        self._stores[dtype](k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                            meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim, meta.block_size,
+                            k.stride(0), v.stride(0))
         out = torch.empty(q.shape, dtype=q.dtype)
         for chunk in self._sdpa_chunks:
             out[chunk.rows] = self._sdpa(chunk, q, k, v, k_cache, v_cache, scale)
         num_native = len(self._native_seq_ids)
-        if num_native:
-            status = self._kernel(
-                out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        if num_native:  # the kernel's queries and outputs are float32, whatever the cache holds
+            q32 = q if dtype == torch.float32 else q.float()
+            out32 = out if dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32)
+            status = self._kernels[dtype](
+                out32.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 self._block_tables.data_ptr(), self._query_start_loc.data_ptr(), self._seq_lens.data_ptr(),
                 self._native_seq_ids.data_ptr(), num_native, q.shape[1], num_kv_heads, head_dim,
-                meta.block_size, self._block_tables.shape[1], scale, q.stride(0),
+                meta.block_size, self._block_tables.shape[1], scale, q32.stride(0),
             )
             if status != 0:
                 raise MemoryError("paged_attention: could not allocate scratch memory")
+            if out32 is not out:
+                rows = self._native_rows
+                out[rows] = out32[rows].to(dtype)
         return out
 
     @staticmethod

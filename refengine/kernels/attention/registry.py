@@ -22,6 +22,7 @@ from refengine.config import KernelConfig
 from refengine.kernels.attention.base import AttentionBackend
 from refengine.kernels.attention.cpu_paged import CpuPagedBackend, native_kernel_unavailable_reason
 from refengine.kernels.attention.torch_ref import TorchReferenceBackend
+from refengine.kernels.cpu_features import native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,25 @@ def _make_auto(dtype: torch.dtype, device: str, kernels: KernelConfig) -> Attent
 # ----------------------------------------------------------------------------- built-in backends
 
 
+def _triton_unavailable(dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
+    if torch.device(device).type != "cuda":  # checked before importing Triton: CPU runs never import it
+        return f"it needs CUDA, not {device} (Triton kernels run on the CPU only under TRITON_INTERPRET=1, for tests)"
+    from refengine.kernels.attention.triton_paged import unavailable_reason as triton_unavailable_reason
+
+    return triton_unavailable_reason(dtype, device)
+
+
+def _make_triton(dtype: torch.dtype, device: str, kernels: KernelConfig) -> AttentionBackend:
+    from refengine.kernels.attention.triton_paged import TritonPagedBackend
+
+    return TritonPagedBackend()
+
+
 def _cpu_unavailable(dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
-    if dtype != torch.float32 or torch.device(device).type != "cpu":
-        return f"it needs float32 on CPU, not {dtype} on {device}"
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return f"it needs float32 (or bfloat16 with native bf16) on CPU, not {dtype} on {device}"
+    if dtype == torch.bfloat16 and not native_bf16():
+        return "bfloat16 needs a CPU with native bf16 dot products (avx512_bf16 or amx_bf16)"
     return native_kernel_unavailable_reason(kernels.native_cpu_kernels)
 
 
@@ -108,5 +125,6 @@ def _always_available(dtype: torch.dtype, device: str, kernels: KernelConfig) ->
     return ""
 
 
+register_backend("triton", _make_triton, _triton_unavailable)  # CUDA only: first, so auto prefers it there
 register_backend("cpu", lambda dtype, device, kernels: CpuPagedBackend(), _cpu_unavailable)
 register_backend("torch", lambda dtype, device, kernels: TorchReferenceBackend(), _always_available)

@@ -77,7 +77,8 @@ def _load(name: str) -> KernelLibrary:
     compiler = _compiler()
     if compiler is None:
         return KernelLibrary(None, "no C compiler found (set CC, or install gcc)")
-    source = (SOURCE_DIR / f"{name}.c").read_bytes()
+    # The source and every header beside it (``#include "x.h"``): a changed header rebuilds.
+    source = (SOURCE_DIR / f"{name}.c").read_bytes() + b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.h")))
     key = hashlib.sha256(
         b"\0".join([source, " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _compiler_version(compiler).encode(),
                     _cpu_signature().encode()])

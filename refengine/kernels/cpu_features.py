@@ -1,0 +1,44 @@
+"""What this CPU computes natively, read once at run time (never assumed: machines differ).
+
+``native_bf16()``: the CPU has bf16 dot products (AVX512-BF16 or AMX-BF16), so oneDNN's
+bf16 GEMMs run at about twice the fp32 rate (7x with AMX at large batches) and a bf16 KV
+cache halves the bytes a decode step reads. Without them bf16 is emulated and slower than
+fp32: ``bf16_path`` says so, and the engine warns at start-up.
+
+The bf16 path is not batch-invariant (RULES G18 holds in float32, the CPU default): oneDNN's
+bf16 GEMMs choose kernels (AMX tiles) and reduction splits by the number of rows, so a row's
+result can differ in its last bit with what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The ``flags`` of /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def native_bf16() -> bool:
+    return any(flag in cpu_flags() for flag in BF16_FLAGS)
+
+
+def bf16_path() -> str:
+    """One line for start-up logs and ServerInfo: which bf16 path runs on this CPU, and why."""
+    found = [flag for flag in BF16_FLAGS if flag in cpu_flags()]
+    if found:
+        return f"native bf16 ({', '.join(found)}): oneDNN bf16 GEMMs on prepacked weights, bf16 KV in the native " \
+               "attention kernel (fp32 accumulation)"
+    return "no native bf16 on this CPU (no avx512_bf16 or amx_bf16): bf16 is emulated and slower than float32"

@@ -1,0 +1,260 @@
+"""The Triton attention backend (kernels/attention/triton_paged.py) against the torch
+reference backend, and its place in the registry.
+
+Both backends see identical inputs and identical caches (cached context already written,
+never-written slots full of garbage) and run a whole step each (``prepare`` + ``forward``,
+the cache write included); outputs and the caches after the write must agree.
+
+Where the kernels run: on CUDA when there is a GPU (compiled, in this process); otherwise
+on the CPU under Triton's interpreter, in fp32 and fp16 (its bf16 arithmetic is wrong).
+As in ``test_lora_triton.py``, ``TRITON_INTERPRET`` must be set before anything imports
+Triton, so ``test_kernels_on_the_interpreter`` runs this file again in a subprocess with
+``TRITON_INTERPRET=1``. The interpreter runs programs one after another (a launch takes
+0.1-1 s), so the shapes are small and each case packs several situations into one step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from refengine.config import KernelConfig
+from refengine.kernels.attention import registry, triton_paged
+from refengine.kernels.attention.base import AttentionMetadata
+from refengine.kernels.attention.torch_ref import TorchReferenceBackend
+
+pytestmark = pytest.mark.triton
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = None if not HAS_TRITON else "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
+requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the CUDA kernels' dependency)")
+kernel_test = pytest.mark.skipif(
+    DEVICE is None, reason="no Triton device here: test_kernels_on_the_interpreter runs these in a subprocess")
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3}
+GARBAGE = 50.0  # scale of never-written cache slots: reading one would show
+
+
+@requires_triton
+@pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
+def test_kernels_on_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", __file__]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"interpreter run failed\n{result.stdout[-8000:]}\n{result.stderr[-2000:]}"
+    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-4000:]
+
+
+@kernel_test
+def test_kernels_are_interpreted_or_compiled() -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert triton_paged.triton_available()
+    for kernel in (triton_paged.store_kv, triton_paged.paged_attention, triton_paged.combine_splits):
+        assert isinstance(kernel, InterpretedFunction) == INTERPRET
+
+
+# ----------------------------------------------------------------------------- a step, run by both backends
+
+
+def make_step(shape: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+              dtype: torch.dtype, seed: int):
+    """Sequences ``(context, new)``: ``context`` tokens already cached, ``new`` in this step.
+    Block ids are shuffled (non-contiguous tables, spare blocks in between). Returns the
+    metadata, q/k/v, the caches (context written, garbage elsewhere) and the scale."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    needed = [math.ceil((c + n) / block_size) for c, n in shape]
+    num_blocks = sum(needed) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables = [ids[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(shape))]
+    kv_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(kv_shape, generator=gen) * GARBAGE
+    v_cache = torch.randn(kv_shape, generator=gen) * GARBAGE
+
+    def slot(table: list[int], p: int) -> int:
+        return table[p // block_size] * block_size + p % block_size
+
+    for (context, _), table in zip(shape, tables, strict=True):  # the cached context, as earlier steps left it
+        context_slots = torch.tensor([slot(table, p) for p in range(context)], dtype=torch.int64)
+        for cache in (k_cache, v_cache):
+            cache.view(-1, num_kv_heads, head_dim)[context_slots] = torch.randn(context, num_kv_heads, head_dim,
+                                                                                generator=gen)
+    block_tables = torch.zeros(len(shape), max(needed), dtype=torch.int64)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = torch.tensor(table)
+    slots = [slot(table, p) for (c, n), table in zip(shape, tables, strict=True) for p in range(c, c + n)]
+    query_start_loc = [0]
+    for _, n in shape:
+        query_start_loc.append(query_start_loc[-1] + n)
+    # q, k and v are views into one fused [T, heads + 2 * kv_heads, D] tensor, as the model passes them.
+    qkv = torch.randn(query_start_loc[-1], num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    meta = AttentionMetadata(query_start_loc, [c + n for c, n in shape], block_tables.to(DEVICE),
+                             torch.tensor(slots, dtype=torch.int64, device=DEVICE), block_size)
+    return meta, q, k, v, k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), 1.0 / math.sqrt(head_dim)
+
+
+def check_against_reference(shape: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+                            block_size: int, dtype: torch.dtype, seed: int = 0,
+                            backend: triton_paged.TritonPagedBackend | None = None) -> triton_paged.TritonPagedBackend:
+    meta, q, k, v, k_cache, v_cache, scale = make_step(shape, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                                       seed)
+    reference = TorchReferenceBackend()
+    reference.prepare(meta)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    expected = reference.forward(q, k, v, ref_k, ref_v, scale)
+    backend = backend or triton_paged.TritonPagedBackend()
+    backend.prepare(meta)
+    got = backend.forward(q, k, v, k_cache, v_cache, scale)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "the cache write differs"
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    return backend
+
+
+# A fresh prefill crossing a block boundary, a chunk continuing a cached context that
+# crosses blocks, decode rows at a block's last row, its first row and mid-block.
+RAGGED = [(0, 21), (19, 14), (15, 1), (16, 1), (40, 1)]
+
+
+@kernel_test
+@pytest.mark.parametrize(("dtype", "num_heads", "num_kv_heads", "head_dim", "block_size"), [
+    (torch.float32, 2, 2, 64, 16),  # MHA (group 1)
+    (torch.float16, 3, 1, 128, 32),  # group 3: padded to 4 heads per tile
+    (torch.float32, 8, 1, 128, 16),  # group 8
+    (torch.float16, 16, 2, 64, 32),  # group 8, two KV heads
+    (torch.float32, 4, 2, 80, 16),  # head_dim 80, padded to 128 and masked
+], ids=["fp32-g1-d64-b16", "fp16-g3-d128-b32", "fp32-g8-d128-b16", "fp16-g8-d64-b32", "fp32-g2-d80-b16"])
+def test_ragged_step_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                                       block_size: int) -> None:
+    backend = check_against_reference(RAGGED, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=num_heads)
+    assert backend.num_splits == 1  # a mixed step never splits on its own
+
+
+@kernel_test
+@pytest.mark.parametrize(("dtype", "num_heads", "num_kv_heads", "head_dim", "block_size"), [
+    (torch.float32, 3, 1, 64, 16),
+    (torch.float16, 8, 1, 128, 32),
+], ids=["fp32-g3-d64-b16", "fp16-g8-d128-b32"])
+def test_split_kv_decode_matches_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                                           block_size: int) -> None:
+    """Forced split-KV with 64-position partitions: a 300-position context takes 5 splits,
+    the short sequence leaves the later splits empty (they must weigh nothing)."""
+    backend = triton_paged.TritonPagedBackend(split_kv=True, partition_tokens=64)
+    check_against_reference([(299, 1), (37, 1), (130, 1)], num_heads, num_kv_heads, head_dim, block_size, dtype,
+                            seed=5, backend=backend)
+    assert backend.num_splits == 5
+
+
+@kernel_test
+def test_forced_split_on_a_mixed_step_matches_reference() -> None:
+    backend = triton_paged.TritonPagedBackend(split_kv=True, partition_tokens=64)
+    check_against_reference([(0, 21), (70, 9), (100, 1)], 4, 2, 64, 16, torch.float32, seed=6, backend=backend)
+    assert backend.num_splits == 2
+
+
+@kernel_test
+def test_the_heuristic_splits_a_long_decode_context() -> None:
+    """A decode-only step past ``SPLIT_KV_MIN_BLOCKS`` blocks splits on its own (and matches)."""
+    block_size = 16
+    long = triton_paged.SPLIT_KV_MIN_BLOCKS * block_size + 5
+    backend = check_against_reference([(long - 1, 1), (20, 1)], 2, 1, 64, block_size, torch.float32, seed=7)
+    assert backend.num_splits == math.ceil(long / triton_paged.PARTITION_TOKENS) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (the interpreter's bf16 is wrong)")
+def test_bf16_and_a_larger_step_on_cuda() -> None:
+    """bf16, model-like heads (SmolLM2: 9 heads / 3 KV heads, head_dim 64), a long prefill
+    chunk over several query tiles, and a long decode context on the split heuristic."""
+    shape = [(0, 300), (700, 130), *[(n, 1) for n in (5, 511, 512, 2000)]]
+    meta, q, k, v, k_cache, v_cache, scale = make_step(shape, 9, 3, 64, 16, torch.bfloat16, seed=8)
+    reference = TorchReferenceBackend()
+    reference.prepare(meta)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    expected = reference.forward(q.float(), k.float(), v.float(), ref_k.float(), ref_v.float(), scale)
+    backend = triton_paged.TritonPagedBackend()
+    backend.prepare(meta)
+    got = backend.forward(q, k, v, k_cache, v_cache, scale)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+    check_against_reference([(2000, 1), (3000, 1)], 9, 3, 64, 16, torch.float32, seed=9)
+
+
+def meta_for(shape: list[tuple[int, int]], block_size: int) -> AttentionMetadata:
+    starts = [0]
+    for _, n in shape:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(starts, [c + n for c, n in shape], torch.zeros(len(shape), 1, dtype=torch.int64),
+                             torch.zeros(starts[-1], dtype=torch.int64), block_size)
+
+
+@pytest.mark.parametrize(("shape", "block_size", "splits"), [
+    ([(1024, 1)], 16, 3),  # 1025 positions = 65 blocks of 16 > 64: ceil(1025 / 512) = 3 splits
+    ([(1023, 1), (5, 1)], 16, 1),  # exactly 64 blocks: no split
+    ([(1030, 1), (5, 1)], 16, 3),  # 65 blocks: ceil(1031 / 512) = 3 splits
+    ([(2047, 1)], 32, 1),  # 64 blocks of 32
+    ([(4000, 1)], 32, 8),  # 126 blocks of 32: 8 splits of 512
+    ([(20000, 1)], 16, triton_paged.MAX_KV_SPLITS),  # capped
+    ([(1030, 2)], 16, 1),  # not decode-only: never splits on its own
+    ([(1030, 1), (0, 7)], 16, 1),
+])
+def test_split_kv_heuristic(shape: list[tuple[int, int]], block_size: int, splits: int) -> None:
+    num_splits, partition = triton_paged.split_kv_plan(meta_for(shape, block_size))
+    assert num_splits == splits
+    if splits > 1:
+        longest = max(c + n for c, n in shape)
+        assert partition % 64 == 0 and (num_splits - 1) * partition < longest <= num_splits * partition
+    assert triton_paged.split_kv_plan(meta_for(shape, block_size), force=False) == (1, 0)
+
+
+# ----------------------------------------------------------------------------- registry and imports
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_without_cuda_triton_is_unavailable_and_auto_unchanged(dtype: torch.dtype) -> None:
+    kernels = KernelConfig()
+    assert registry.backend_names()[0] == "triton"  # first: auto prefers it where it can run
+    for device in ("cpu", "cuda"):
+        reason = registry.unavailable_reason("triton", dtype, device, kernels)
+        assert reason and ("needs CUDA" in reason or "CUDA is not available" in reason or "not installed" in reason)
+        with pytest.raises(ValueError, match="attention backend 'triton' is unavailable"):
+            registry.make_attention_backend("triton", dtype, device, kernels)
+    assert "TRITON_INTERPRET" in registry.unavailable_reason("triton", dtype, "cpu", kernels)
+    available = registry.available_backends(dtype, "cpu", kernels)
+    assert "triton" not in available
+    chosen = registry.make_attention_backend("auto", dtype, "cpu", kernels)
+    assert type(chosen) is type(registry.make_attention_backend(available[0], dtype, "cpu", kernels))
+
+
+def test_availability_needs_a_supported_dtype() -> None:
+    reason = triton_paged.unavailable_reason(torch.float64, "cuda")
+    assert reason  # float64: refused (or no CUDA / no Triton here)
+    if HAS_TRITON and torch.cuda.is_available():
+        assert "float16, bfloat16 or float32" in reason
+        assert triton_paged.unavailable_reason(torch.bfloat16, "cuda") == ""
+
+
+def test_without_triton_the_module_imports_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A private copy of the module loaded with ``import triton`` failing (a CPU-only install)."""
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("_triton_paged_without_triton", triton_paged.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    assert not module.triton_available()
+    assert module.unavailable_reason(torch.float16, "cuda") == "triton is not installed"
+    with pytest.raises(RuntimeError, match="needs Triton"):
+        module.TritonPagedBackend()
