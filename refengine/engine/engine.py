@@ -24,7 +24,7 @@ from refengine.engine.core import EngineCore, KvEventSink
 from refengine.engine.disagg import Disaggregation
 from refengine.engine.engine_kv import EngineKvMixin
 from refengine.engine.engine_lora import EngineLoraMixin, StepLora
-from refengine.engine.info import engine_info
+from refengine.engine.info import engine_info, kernel_paths
 from refengine.engine.input_processor import InputProcessor
 from refengine.engine.interface import OutputSink
 from refengine.engine.kv_events import KvEventHub
@@ -96,7 +96,7 @@ class Engine(EngineKvMixin, EngineLoraMixin):
         name = served_model_name or config.served_model_name or config.model
         self.media = media  # the model's vision path (None: text only)
         self.info = engine_info(config, model_config, name, max_model_len, runner.num_blocks, tuple(backends),
-                                multimodal=media is not None)
+                                multimodal=media is not None, kernels=kernel_paths(config))
         self.guides = GuideCompiler(tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids),
                                     config.guided)
         self.input_processor = InputProcessor(tokenizer, Limits(

@@ -1,14 +1,43 @@
-"""The frozen ``EngineInfo`` of a loaded engine, from its configuration and model."""
+"""The frozen ``EngineInfo`` of a loaded engine, from its configuration and model; and the
+kernel paths it runs (attention backend and why, the CPU bf16 path), logged at start-up."""
 
 from __future__ import annotations
 
+import logging
+
 from refengine.config import EngineConfig, ModelConfig
 from refengine.engine.interface import EngineInfo
+from refengine.model.dtypes import DTYPES
 from refengine.sampling.guided import backend_modes
+
+logger = logging.getLogger(__name__)
+
+
+def kernel_paths(config: EngineConfig) -> tuple[str, str, str]:
+    """(attention backend, why it was chosen, the CPU bf16 path or ""), as ServerInfo.extra
+    reports them; logs them, warning when bf16 runs on a CPU that emulates it."""
+    from refengine.kernels.attention import registry
+    from refengine.kernels.cpu_features import bf16_path, native_bf16
+
+    dtype, kernels = DTYPES[config.dtype], config.kernels
+    if config.attention_backend == registry.AUTO:
+        chosen = registry.available_backends(dtype, config.device, kernels)[0]
+        skipped = [f"{name}: {registry.unavailable_reason(name, dtype, config.device, kernels)}"
+                   for name in registry.backend_names()[:registry.backend_names().index(chosen)]]
+        why = "auto: the first available" + (f" ({'; '.join(skipped)})" if skipped else "")
+    else:
+        chosen, why = config.attention_backend, "named by --attention-backend"
+    bf16 = bf16_path() if config.dtype == "bfloat16" and config.device == "cpu" else ""
+    logger.info("attention backend %s (%s)", chosen, why)
+    if bf16:
+        (logger.info if native_bf16() else logger.warning)("--dtype bfloat16 on CPU: %s", bf16)
+    return chosen, why, bf16
 
 
 def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_name: str, max_model_len: int,
-                num_blocks: int, kv_transfer_backends: tuple[str, ...] = (), multimodal: bool = False) -> EngineInfo:
+                num_blocks: int, kv_transfer_backends: tuple[str, ...] = (), multimodal: bool = False,
+                kernels: tuple[str, str, str] = ("", "", "")) -> EngineInfo:
+    """``kernels``: what ``kernel_paths`` returned (the engine's attention backend and bf16 path)."""
     return EngineInfo(
         served_model_name=served_model_name,
         served_model_aliases=tuple(a for a in config.served_model_aliases if a != served_model_name),
@@ -32,4 +61,7 @@ def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_na
         kv_session_ttl_seconds=config.kv_transfer.session_ttl_seconds,
         max_loras=config.lora.max_loras if config.lora.enabled else 0,
         supports_multimodal=multimodal,
+        attention_backend=kernels[0],
+        attention_backend_reason=kernels[1],
+        cpu_bf16_path=kernels[2],
     )

@@ -42,6 +42,9 @@ class EngineInfo:
     kv_session_ttl_seconds: float = 0.0
     max_loras: int = 0  # LoRA adapter slots (DeploymentCapacity.max_loras); 0: LoRA disabled
     supports_multimodal: bool = False  # D9: image media accepted (a vision model)
+    attention_backend: str = ""  # the registry name of the backend that runs, and why (info.kernel_paths)
+    attention_backend_reason: str = ""
+    cpu_bf16_path: str = ""  # --dtype bfloat16 on CPU: which path runs, and whether the CPU computes bf16 natively
 
 
 class EngineClient(Protocol):

@@ -115,7 +115,11 @@ class ControlServicer(oe.ControlServicer):
                 max_batched_tokens=info.max_num_batched_tokens,
                 max_loras=info.max_loras,
             ),
-            extra=_struct({"device": info.device, "dtype": info.dtype, PROFILES_KEY: profiles_of(info)}),
+            extra=_struct({"device": info.device, "dtype": info.dtype, PROFILES_KEY: profiles_of(info),
+                           **({"attention_backend": info.attention_backend,
+                               "attention_backend_reason": info.attention_backend_reason} if info.attention_backend
+                              else {}),
+                           **({"cpu_bf16_path": info.cpu_bf16_path} if info.cpu_bf16_path else {})}),
         )
 
     def kv_connector(self, info: EngineInfo) -> oe.KvConnectorInfo:

@@ -1,0 +1,29 @@
+"""Which kernels run, and why, as the engine reports them at start-up and in ServerInfo.extra."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from refengine.config import EngineConfig
+from refengine.engine.info import kernel_paths
+from refengine.kernels import cpu_features
+
+
+def test_auto_names_the_backend_and_the_ones_skipped() -> None:
+    backend, why, bf16 = kernel_paths(EngineConfig())
+    assert backend in ("cpu", "torch") and why.startswith("auto") and "needs CUDA" in why and bf16 == ""
+    backend, why, _ = kernel_paths(EngineConfig(attention_backend="torch"))
+    assert (backend, why) == ("torch", "named by --attention-backend")
+
+
+@pytest.mark.parametrize("flags", [frozenset({"avx512f", "amx_bf16"}), frozenset({"avx2", "fma"})])
+def test_bf16_on_cpu_says_which_path_and_warns_without_native_bf16(flags, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: flags)
+    native = "amx_bf16" in flags
+    with caplog.at_level(logging.INFO, logger="refengine.engine.info"):
+        _, _, bf16 = kernel_paths(EngineConfig(dtype="bfloat16"))
+    assert bf16.startswith("native bf16 (amx_bf16)" if native else "no native bf16")
+    record = next(r for r in caplog.records if "bfloat16 on CPU" in r.getMessage())
+    assert record.levelno == (logging.INFO if native else logging.WARNING)
