@@ -1,0 +1,174 @@
+"""The CPU bf16 path against float32, each next to its roofline measured in the same run.
+
+SmolLM2-135M-Instruct on this CPU, ``--threads`` torch threads (default 2). Two engines (float32,
+bfloat16: bf16 weights on oneDNN's prepacked GEMMs and a bf16 KV cache read by the native
+attention kernel), the same mixed workload as ``throughput.py`` (64 requests, prompts 32–512,
+outputs 16–256, EOS ignored, greedy).
+
+- **Throughput**: output tok/s per dtype, and the ratio bf16 / fp32 (target ≥ 1.6 on a CPU
+  with native bf16). The **roof**: the workload's matmul FLOPs (2 × the projection parameters
+  × every token position computed: prompts once, each output token once) ÷ the prepacked GEMM
+  rate of that dtype measured here at the workload's typical step shape (2048 × 576 × 1536),
+  and a memory roof: every step reads the weights once and each sequence's KV (counted over the
+  run's steps) at the read bandwidth measured here. The run cannot beat the larger of the two;
+  the table gives the fraction of that achieved (target ≥ 60 % for bf16). Attention FLOPs are
+  left out (about 2 % at these lengths).
+- **Decode step**: one decode step (build + execute) at batch 1/32/64 and context 128 and 1,024,
+  next to its memory roof: (weight bytes + the batch's KV bytes) ÷ the memory read bandwidth
+  measured here (a large ``sum`` over a 1 GiB tensor).
+
+    python benchmarks/cpu_bf16.py [--threads 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from benchmarks.throughput import make_workload  # noqa: E402
+from refengine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from refengine.engine.engine import Engine  # noqa: E402
+from refengine.engine.input_builder import build_model_input  # noqa: E402
+from refengine.kernels.cpu_features import bf16_path  # noqa: E402
+from refengine.kernels.linear import Linear  # noqa: E402
+from refengine.model.loader import (  # noqa: E402
+    load_model_config,
+    load_tokenizer,
+    load_weights,
+    model_fingerprint,
+    resolve_model,  # noqa: E402
+)
+from refengine.scheduler.scheduler import ScheduledSequence, SchedulerOutput  # noqa: E402
+from refengine.scheduler.sequence import Sequence  # noqa: E402
+from refengine.types import GenerationRequest, SamplingParams, StoppingParams  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def gemm_rate(dtype: torch.dtype, rows: int = 2048, k: int = 576, n: int = 1536, repeats: int = 10) -> float:
+    """FLOP/s of one prepacked projection of this shape (the engine's own ``Linear``)."""
+    layer = Linear(torch.randn(n, k).to(dtype))
+    x = torch.randn(rows, k).to(dtype)
+    layer(x)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        layer(x)
+        best = min(best, time.perf_counter() - started)
+    return 2 * rows * k * n / best
+
+
+def read_bandwidth(gib: float = 1.0) -> float:
+    data = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    data.sum()
+    best = min(_timed(data.sum) for _ in range(5))
+    return data.numel() * 4 / best
+
+
+def _timed(fn) -> float:  # noqa: ANN001
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def engine(parts, dtype: str, num_blocks: int = 4096, max_num_seqs: int = 64) -> Engine:
+    config, weights, tokenizer, fingerprint = parts
+    cast = {name: w.to(DTYPES[dtype]) for name, w in weights.items()}
+    return Engine(EngineConfig(dtype=dtype, cache=CacheConfig(num_blocks=num_blocks),
+                               max_sequences_per_request=16,
+                               scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max_num_seqs)),
+                  config, cast, tokenizer, model_fingerprint=fingerprint)
+
+
+def throughput(parts, dtype: str, workload) -> tuple[float, int, int, int]:
+    """(seconds, output tokens, steps, KV positions read over all steps) of the workload."""
+    eng = engine(parts, dtype)
+    requests = [GenerationRequest(f"r{i}", prompt_token_ids=ids, sampling=SamplingParams(temperature=0.0),
+                                  stopping=StoppingParams(max_tokens=n, ignore_eos=True))
+                for i, (ids, n) in enumerate(workload)]
+    eng.run_until_done(requests[:2])  # warm-up (kernels built, weights touched)
+    counts = [0, 0]
+    execute = eng.core.runner.execute
+
+    def counted(model_input):  # noqa: ANN001, ANN202
+        counts[0] += 1
+        counts[1] += sum(model_input.seq_lens)
+        return execute(model_input)
+
+    eng.core.runner.execute = counted
+    started = time.perf_counter()
+    results = eng.run_until_done(requests)
+    return time.perf_counter() - started, sum(len(r.outputs[0].tokens) for r in results), counts[0], counts[1]
+
+
+def decode_step(parts, dtype: str, batch: int, context: int, repeats: int = 5) -> float:
+    eng = engine(parts, dtype, num_blocks=batch * (context // 16 + 2) + 8)
+    runner, kv = eng.core.runner, eng.core.kv
+    seqs = []
+    for b in range(batch):
+        seq = Sequence(f"d{b}", 0, list(range(100, 100 + context)), context)
+        kv.allocate(seq, context + 1)
+        seq.num_computed_tokens = context - 1
+        seqs.append(seq)
+    sched = SchedulerOutput([ScheduledSequence.of(s, 1) for s in seqs])
+    step = lambda: runner.execute(build_model_input(sched, runner.block_size, [1] * batch))  # noqa: E731
+    step()
+    return min(_timed(step) for _ in range(repeats))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="8 short requests, one decode shape")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model("smollm2-135m-instruct").path
+    config = load_model_config(path)
+    parts = (config, load_weights(path), load_tokenizer(path), model_fingerprint(path))
+    print(f"bf16 path: {bf16_path()}")
+    params = sum(w.numel() for name, w in parts[1].items() if name.endswith("proj.weight"))
+    params += config.vocab_size * config.hidden_size  # the LM head (tied to the embeddings)
+    workload = make_workload(8 if args.quick else 64, 0, config.vocab_size, 128 if args.quick else 512,
+                             32 if args.quick else 256)
+    positions = sum(len(ids) + n for ids, n in workload)
+    bandwidth = read_bandwidth()
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    rows = {}
+    for dtype in DTYPES:
+        rate, size = gemm_rate(DTYPES[dtype]), DTYPES[dtype].itemsize
+        seconds, tokens, steps, kv_positions = throughput(parts, dtype, workload)
+        compute = 2 * params * positions / rate
+        memory = (steps * params + kv_positions * kv_per_token) * size / bandwidth
+        rows[dtype] = (tokens / seconds, rate, compute, memory, max(compute, memory) / seconds)
+        print(f"{dtype}: {tokens / seconds:.1f} tok/s in {seconds:.1f} s, {steps} steps", flush=True)
+    print(f"\nmemory read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print("| dtype | output tok/s | × float32 | prepacked GEMM GFLOP/s | compute roof s | memory roof s "
+          "| fraction of the roof (max of both) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for dtype, (tok_s, rate, compute, memory, fraction) in rows.items():
+        print(f"| {dtype} | {tok_s:.1f} | {tok_s / rows['float32'][0]:.2f} | {rate / 1e9:.0f} | {compute:.1f} "
+              f"| {memory:.1f} | {fraction:.2f} |")
+    weight_bytes = {dtype: params * DTYPES[dtype].itemsize for dtype in DTYPES}
+    print("\n| dtype | batch | context | decode step ms | roof ms (weights + KV ÷ bandwidth) | roof / step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    shapes = [(1, 128)] if args.quick else [(1, 128), (32, 128), (64, 128), (1, 1024), (32, 1024), (64, 1024)]
+    for dtype in DTYPES:
+        for batch, context in shapes:
+            step = decode_step(parts, dtype, batch, context)
+            roof = (weight_bytes[dtype] + batch * context * kv_per_token * DTYPES[dtype].itemsize) / bandwidth
+            print(f"| {dtype} | {batch} | {context} | {step * 1e3:.1f} | {roof * 1e3:.1f} | {roof / step:.2f} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

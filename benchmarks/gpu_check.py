@@ -1,0 +1,263 @@
+"""The GPU check: kernel tests on CUDA, attention bandwidth and FLOP/s, and an 8B-shaped decode.
+
+One script for a lent GPU machine (no network; budget: under 6 minutes on one H200), writing one
+JSON file and printing a table:
+
+1. **kernel tests**: the Triton, FlashInfer, CUDA-graph and LoRA kernel tests on CUDA
+   (``pytest -m "triton or gpu"`` over their files), pass/fail counts;
+2. **decode attention bandwidth**: bytes of KV read ÷ time of one decode step's attention
+   (batch 64, context 4,096, 32 query / 8 KV heads of 128, bf16) per backend available, next to
+   the device's measured copy bandwidth (a large ``copy_``), and the fraction (target ≥ 0.7);
+3. **prefill attention TFLOP/s**: one 8 × 2,048-token causal prefill per backend;
+4. **end-to-end decode** of a Llama-3-8B-shaped model with random bf16 weights (real weights cannot
+   be fetched) at batch 1 / 32 / 256 (context 512): step time next to the weight-read bound (the
+   weights' bytes ÷ the copy bandwidth) and the ratio (target at batch 256: ≤ 1.5×), with CUDA
+   graphs on and off where the backend supports them.
+
+``--dry-run`` runs the same code on the CPU on tiny shapes (a 2-layer model, the torch and CPU
+backends), so the script is tested before GPU time is spent on it.
+
+    python benchmarks/gpu_check.py --out gpu_check.json            # on the GPU machine
+    python benchmarks/gpu_check.py --dry-run --out /tmp/dry.json   # here
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from refengine.config import CacheConfig, KernelConfig, ModelConfig  # noqa: E402
+from refengine.engine.input_builder import build_model_input  # noqa: E402
+from refengine.kernels.attention import AttentionMetadata, registry  # noqa: E402
+from refengine.kv.block_pool import BlockPool  # noqa: E402
+from refengine.kv.kv_manager import KvCacheManager  # noqa: E402
+from refengine.model.runner import ModelRunner  # noqa: E402
+from refengine.scheduler.scheduler import ScheduledSequence, SchedulerOutput  # noqa: E402
+from refengine.scheduler.sequence import Sequence  # noqa: E402
+
+KERNEL_TESTS = ["tests/unit/test_triton_attention.py", "tests/unit/test_triton_ops.py",
+                "tests/unit/test_lora_triton.py", "tests/unit/test_flashinfer_backend.py",
+                "tests/unit/test_cuda_graphs.py"]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Everything the check sizes: the GPU run's, or the dry run's tiny ones."""
+
+    device: str
+    dtype: torch.dtype
+    model: ModelConfig
+    decode_batch: int
+    decode_context: int
+    prefill_seqs: int
+    prefill_len: int
+    e2e_batches: tuple[int, ...]
+    e2e_context: int
+    block_size: int = 16
+
+
+def llama3_8b() -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0)
+
+
+def tiny() -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0)
+
+
+def shapes(dry_run: bool) -> Shapes:
+    if dry_run:
+        return Shapes("cpu", torch.float32, tiny(), 4, 64, 2, 64, (1, 4), 32)
+    return Shapes("cuda", torch.bfloat16, llama3_8b(), 64, 4096, 8, 2048, (1, 32, 256), 512)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def best_of(fn: Callable[[], object], device: str, repeats: int = 5) -> float:
+    fn()
+    sync(device)
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    """Bytes read per second by a device-to-device copy (read + write counted once: the read)."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    return nbytes / best_of(lambda: dst.copy_(src), device)
+
+
+def kernel_tests(dry_run: bool) -> dict:
+    files = [f for f in KERNEL_TESTS if (REPO / f).is_file()]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton or gpu", *files]
+    if dry_run:
+        return {"command": " ".join(command), "skipped": "dry run (the kernel tests run in the normal suite here)"}
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-500:]
+    return {"command": " ".join(command), "returncode": result.returncode, "summary": summary}
+
+
+def attention_inputs(s: Shapes, num_seqs: int, query_len: int, context: int, backend) -> tuple:  # noqa: ANN001
+    m = s.model
+    blocks_per_seq = -(-context // s.block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    k_shape, v_shape = backend.kv_cache_shapes(num_blocks, s.block_size, m.num_key_value_heads, m.head_dim)
+    k_cache = torch.randn(k_shape, dtype=s.dtype, device=s.device)
+    v_cache = torch.randn(v_shape, dtype=s.dtype, device=s.device)
+    tables = torch.arange(num_blocks, device="cpu").view(num_seqs, blocks_per_seq)
+    slots = [tables[i, p // s.block_size].item() * s.block_size + p % s.block_size
+             for i in range(num_seqs) for p in range(context - query_len, context)]
+    meta = AttentionMetadata([i * query_len for i in range(num_seqs + 1)], [context] * num_seqs, tables,
+                             torch.tensor(slots, dtype=torch.int64), s.block_size)
+    rows = num_seqs * query_len
+    q = torch.randn(rows, m.num_attention_heads, m.head_dim, dtype=s.dtype, device=s.device)
+    k = torch.randn(rows, m.num_key_value_heads, m.head_dim, dtype=s.dtype, device=s.device)
+    v = torch.randn_like(k)
+    return meta, q, k, v, k_cache, v_cache
+
+
+def attention_rates(s: Shapes, bandwidth: float) -> list[dict]:
+    rows = []
+    kernels = KernelConfig()
+    for name in registry.available_backends(s.dtype, s.device, kernels):
+        backend = registry.make_attention_backend(name, s.dtype, s.device, kernels)
+        m = s.model
+        meta, q, k, v, kc, vc = attention_inputs(s, s.decode_batch, 1, s.decode_context, backend)
+        backend.prepare(meta)
+        decode = best_of(functools.partial(backend.forward, q, k, v, kc, vc, m.head_dim ** -0.5), s.device)
+        kv_bytes = 2 * s.decode_batch * s.decode_context * m.num_key_value_heads * m.head_dim * s.dtype.itemsize
+        meta, q, k, v, kc, vc = attention_inputs(s, s.prefill_seqs, s.prefill_len, s.prefill_len, backend)
+        backend.prepare(meta)
+        prefill = best_of(functools.partial(backend.forward, q, k, v, kc, vc, m.head_dim ** -0.5), s.device)
+        flops = 2 * 2 * s.prefill_seqs * m.num_attention_heads * m.head_dim * s.prefill_len ** 2 / 2  # causal
+        rows.append({"backend": name, "decode_ms": decode * 1e3, "decode_kv_gb_per_s": kv_bytes / decode / 1e9,
+                     "decode_fraction_of_copy": kv_bytes / decode / bandwidth,
+                     "prefill_ms": prefill * 1e3, "prefill_tflops": flops / prefill / 1e12})
+        del kc, vc
+    return rows
+
+
+def random_weights(m: ModelConfig, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=dtype, device=device) * 0.02
+
+    weights = {"model.embed_tokens.weight": w(m.vocab_size, m.hidden_size), "lm_head.weight": w(m.vocab_size,
+                                                                                                m.hidden_size),
+               "model.norm.weight": torch.ones(m.hidden_size, dtype=dtype, device=device)}
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    for i in range(m.num_hidden_layers):
+        p = f"model.layers.{i}."
+        weights |= {p + "self_attn.q_proj.weight": w(q, m.hidden_size),
+                    p + "self_attn.k_proj.weight": w(kv, m.hidden_size),
+                    p + "self_attn.v_proj.weight": w(kv, m.hidden_size),
+                    p + "self_attn.o_proj.weight": w(m.hidden_size, q),
+                    p + "mlp.gate_proj.weight": w(m.intermediate_size, m.hidden_size),
+                    p + "mlp.up_proj.weight": w(m.intermediate_size, m.hidden_size),
+                    p + "mlp.down_proj.weight": w(m.hidden_size, m.intermediate_size),
+                    p + "input_layernorm.weight": torch.ones(m.hidden_size, dtype=dtype, device=device),
+                    p + "post_attention_layernorm.weight": torch.ones(m.hidden_size, dtype=dtype, device=device)}
+    return weights
+
+
+def decode_steps(s: Shapes, bandwidth: float) -> list[dict]:
+    m = s.model
+    weights = random_weights(m, s.dtype, s.device)
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    largest = max(s.e2e_batches)
+    num_blocks = largest * (-(-(s.e2e_context + 2) // s.block_size)) + 8
+    rows = []
+    for graphs in ((True, False) if s.device == "cuda" else (False,)):
+        runner = ModelRunner(m, weights, CacheConfig(block_size=s.block_size, num_blocks=num_blocks),
+                             s.e2e_context + 8, dtype=s.dtype, device=s.device,
+                             kernels=KernelConfig(**({"cuda_graphs": graphs} if _has_graph_switch() else {})))
+        kv = KvCacheManager(BlockPool(num_blocks, False), s.block_size)
+        for batch in s.e2e_batches:
+            seqs = []
+            for b in range(batch):
+                seq = Sequence(f"d{b}", 0, list(range(1, 1 + s.e2e_context)), s.e2e_context)
+                kv.allocate(seq, s.e2e_context + 1)
+                seq.num_computed_tokens = s.e2e_context - 1
+                seqs.append(seq)
+            sched = SchedulerOutput([ScheduledSequence.of(seq, 1) for seq in seqs])
+            step = best_of(functools.partial(_step, runner, sched, s.block_size, batch), s.device)
+            bound = weight_bytes / bandwidth
+            rows.append({"cuda_graphs": graphs, "batch": batch, "step_ms": step * 1e3,
+                         "weight_read_bound_ms": bound * 1e3, "ratio": step / bound})
+            for seq in seqs:
+                kv.free(seq)
+        del runner
+        if not _has_graph_switch():
+            break  # no switch to turn them off: one pass
+    return rows
+
+
+def _step(runner: ModelRunner, sched: SchedulerOutput, block_size: int, batch: int) -> None:
+    runner.execute(build_model_input(sched, block_size, [1] * batch))
+
+
+def _has_graph_switch() -> bool:
+    return "cuda_graphs" in KernelConfig.__dataclass_fields__
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (tests the script)")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    args = parser.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run, or on a GPU machine", file=sys.stderr)
+        return 2
+    s = shapes(args.dry_run)
+    started = time.perf_counter()
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "dry_run": args.dry_run,
+                    "device": torch.cuda.get_device_name() if s.device == "cuda" else "cpu",
+                    "shapes": {k: str(v) for k, v in asdict(s).items() if k != "model"}}
+    report["kernel_tests"] = kernel_tests(args.dry_run)
+    bandwidth = copy_bandwidth(s.device, (1 << 30) if s.device == "cuda" else (64 << 20))
+    report["copy_bandwidth_gb_per_s"] = bandwidth / 1e9
+    report["attention"] = attention_rates(s, bandwidth)
+    report["decode"] = decode_steps(s, bandwidth)
+    report["seconds"] = time.perf_counter() - started
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"device {report['device']}, copy bandwidth {bandwidth / 1e9:.0f} GB/s, kernel tests: "
+          f"{report['kernel_tests'].get('summary', report['kernel_tests'].get('skipped'))}")
+    print("| backend | decode attention ms | KV GB/s | × copy bandwidth | prefill ms | prefill TFLOP/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for row in report["attention"]:
+        print(f"| {row['backend']} | {row['decode_ms']:.2f} | {row['decode_kv_gb_per_s']:.0f} | "
+              f"{row['decode_fraction_of_copy']:.2f} | {row['prefill_ms']:.2f} | {row['prefill_tflops']:.1f} |")
+    print("| CUDA graphs | batch | step ms | weight-read bound ms | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for row in report["decode"]:
+        print(f"| {row['cuda_graphs']} | {row['batch']} | {row['step_ms']:.2f} | {row['weight_read_bound_ms']:.2f} "
+              f"| {row['ratio']:.2f} |")
+    print(f"({report['seconds']:.0f} s; JSON in {args.out})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
