@@ -55,6 +55,7 @@ FIELD_FLAGS = {
     "SchedulerConfig.max_active_requests": "--max-active-requests",
     "KernelConfig.native_cpu_kernels": "--no-native-kernels",
     "KernelConfig.onednn_linear": "--no-onednn",
+    "KernelConfig.cuda_graphs": "--no-cuda-graphs",
     "GuidedConfig.default_backend": "--guided-default-backend",
     "GuidedConfig.compile_timeout_seconds": "--guided-compile-timeout",
     "GuidedConfig.compile_threads": "--guided-compile-threads",
@@ -223,13 +224,16 @@ def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
 
 
 def _add_kernel_args(g: argparse._ArgumentGroup) -> None:
-    # Both KernelConfig switches default to on, so the flags turn them off.
+    # Every KernelConfig switch defaults to on, so the flags turn them off.
     g.add_argument("--no-native-kernels", action="store_true",
                    help="never build or use the C kernels (attention, fused norm/rope/activation); the torch "
                    "paths run instead (default: used where they fit)")
     g.add_argument("--no-onednn", action="store_true",
                    help="run projections with F.linear instead of oneDNN on prepacked weights (default: oneDNN "
                    "for float32 on CPU when available)")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every decode step eagerly instead of replaying CUDA graphs captured per padded batch "
+                   "size (default: graphs on CUDA when the attention backend supports capture; never on CPU)")
 
 
 def _add_guided_args(g: argparse._ArgumentGroup) -> None:
@@ -335,7 +339,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_memory_bytes=args.kv_memory_mib << MIB_SHIFT,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=scheduler,
-        kernels=KernelConfig(native_cpu_kernels=not args.no_native_kernels, onednn_linear=not args.no_onednn),
+        kernels=KernelConfig(native_cpu_kernels=not args.no_native_kernels, onednn_linear=not args.no_onednn,
+                             cuda_graphs=not args.no_cuda_graphs),
         guided=GuidedConfig(default_backend=args.guided_default_backend,
                             compile_timeout_seconds=args.guided_compile_timeout,
                             compile_threads=args.guided_compile_threads, cache_size=args.guided_cache_size,

@@ -39,7 +39,7 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # "auto" plus the registered backends, in preference order. The registry in
 # ``refengine.kernels.attention`` defines the backends; this copy exists because this
 # module may not import torch, and ``tests/unit/test_config.py`` checks the two agree.
-ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
+ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "cpu", "torch")
 UINT64_MAX = (1 << 64) - 1
 
 
@@ -148,14 +148,19 @@ class KernelConfig:
     ``native_cpu_kernels``: build (with the machine's C compiler, on first use) and use
     the C kernels in ``refengine/kernels/cpu`` (paged attention, fused elementwise ops).
     ``onednn_linear``: run float32 CPU projections on weights prepacked for oneDNN.
+    ``cuda_graphs``: on CUDA, with an attention backend that supports capture, replay decode
+    steps from CUDA graphs captured per padded batch size (``refengine/model/cuda_graphs.py``);
+    no effect on CPU.
     """
 
     native_cpu_kernels: bool = True
     onednn_linear: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         check_bool(self, "native_cpu_kernels")
         check_bool(self, "onednn_linear")
+        check_bool(self, "cuda_graphs")
 
 
 @dataclass(frozen=True)
@@ -180,9 +185,9 @@ class EngineConfig:
     max_logprobs: int = 20  # largest top-N candidate count
     seed: int = 0  # seeds the sampler's shared generator (requests without their own seed)
     num_threads: int | None = None  # torch intra-op threads; None = torch's default (all cores)
-    # "auto": the first available backend in ATTENTION_BACKENDS order (the Triton kernels on CUDA,
-    # the native paged kernel for float32 on CPU when it builds, else the torch reference); a name:
-    # that backend or an error.
+    # "auto": the first available backend in ATTENTION_BACKENDS order (FlashInfer on CUDA when it is
+    # installed and the dtype is fp16/bf16, else the Triton kernels on CUDA; the native paged kernel
+    # for float32 on CPU when it builds, else the torch reference); a name: that backend or an error.
     attention_backend: str = "auto"
     # Run the KV pool's integrity check (free + cached + referenced = all blocks) each time the
     # engine becomes idle; costs a pass over the pool, so off by default.

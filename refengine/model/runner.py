@@ -4,6 +4,15 @@ Stateless over requests: it owns the weights and the KV cache tensors, runs the
 model on the step's flat tensors (token ids, positions, slot mapping, block tables)
 with one ``ForwardContext``, and returns logits only for the rows the engine needs.
 It never sees a scheduler or request object.
+
+CUDA graphs (``model/cuda_graphs.py``): when the run allows them (``graphs_unavailable``
+is "": ``KernelConfig.cuda_graphs``, a CUDA device, a backend that supports capture) the
+runner holds a ``DecodeGraphs`` and allocates one scratch KV block past the pool for its
+padding rows (``kv_caches`` stay views of exactly ``num_blocks`` blocks). The graphs are
+captured lazily, on the first graph-eligible decode step, not at construction: a run that
+never decodes (a prefill-role engine, a test) pays nothing, and capture sees the same
+allocator state as serving. Eligible steps then replay; every other step runs eagerly,
+as before. On CPU ``graphs`` is None and nothing of this runs.
 """
 
 from __future__ import annotations
@@ -12,12 +21,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from refengine.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig
+from refengine.config import CacheConfig, EngineConfig, KernelConfig, ModelConfig, SchedulerConfig
 from refengine.kernels.attention import AttentionMetadata, TorchReferenceBackend, make_attention_backend
 from refengine.kernels.attention.base import AttentionBackend
 from refengine.kernels.forward_context import ForwardContext
 from refengine.kernels.lora import LoraBatch
 from refengine.kernels.lora_linear import ProjectionDeltas
+from refengine.model.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
 from refengine.model.dtypes import DTYPES
 from refengine.model.input import ModelInput
 from refengine.model.llama import LlamaModel, LoraSlotShape
@@ -30,12 +40,14 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 def make_runner(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                 max_model_len: int) -> ModelRunner:
-    """The runner ``config`` asks for: its dtype, device, attention backend and LoRA slots."""
+    """The runner ``config`` asks for: its dtype, device, attention backend, LoRA slots and
+    (``kernels.cuda_graphs``, up to ``scheduler.max_num_seqs``) decode graphs."""
     dtype, lora = DTYPES[config.dtype], config.lora
     attention = make_attention_backend(config.attention_backend, dtype, config.device, config.kernels)
     return ModelRunner(model_config, weights, config.cache, max_model_len, dtype=dtype, device=config.device,
                        attention=attention, kernels=config.kernels,
-                       lora=LoraSlotShape(lora.max_loras, lora.max_lora_rank) if lora.enabled else None)
+                       lora=LoraSlotShape(lora.max_loras, lora.max_lora_rank) if lora.enabled else None,
+                       max_num_seqs=config.scheduler.max_num_seqs)
 
 
 class ModelRunner:
@@ -50,8 +62,10 @@ class ModelRunner:
         attention: AttentionBackend | None = None,
         kernels: KernelConfig | None = None,
         lora: LoraSlotShape | None = None,
+        max_num_seqs: int = SchedulerConfig().max_num_seqs,
     ) -> None:
         weights = {name: w.to(dtype=dtype, device=device) for name, w in weights.items()}
+        kernels = kernels or KernelConfig()
         self.config = config
         self.device = device
         self.block_size = cache.block_size
@@ -59,12 +73,23 @@ class ModelRunner:
         self.num_blocks = cache.num_blocks or max(1, cache.kv_memory_bytes // kv_bytes_per_block(
             config, cache.block_size, dtype))
         self.attention = attention or TorchReferenceBackend()
+        # Why this run has no decode graphs ("" = it has them; see the module docstring).
+        self.graphs_unavailable = graphs_unavailable_reason(kernels.cuda_graphs, device, self.attention)
+        scratch = 0 if self.graphs_unavailable else 1  # the graphs' padding block, past the pool
         k_shape, v_shape = self.attention.kv_cache_shapes(
-            self.num_blocks, cache.block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [
+            self.num_blocks + scratch, cache.block_size, config.num_key_value_heads, config.head_dim)
+        full_caches = [
             (torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
             for _ in range(config.num_hidden_layers)
         ]
+        self.kv_caches = full_caches if not scratch else [(k[: self.num_blocks], v[: self.num_blocks])
+                                                         for k, v in full_caches]
+        self.graphs: DecodeGraphs | None = None
+        if not self.graphs_unavailable:
+            self.graphs = DecodeGraphs(self.model, self.attention, full_caches, device=device,
+                                       max_num_seqs=max_num_seqs,
+                                       max_num_blocks_per_seq=-(-max_model_len // cache.block_size),
+                                       block_size=cache.block_size, scratch_block=self.num_blocks)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks before a step writes into them."""
@@ -86,11 +111,24 @@ class ModelRunner:
                     projection.set_slot(slot, deltas.get(name))
 
     @torch.inference_mode()
-    def execute(self, model_input: ModelInput) -> torch.Tensor | None:
-        """Run one step: copy-on-write block copies, the forward pass, then the vocabulary
-        projection of only ``model_input.logit_row_indices``. Returns those logits,
-        ``[rows, vocab]`` float32 on the CPU, or None when no row needs them."""
+    def execute(self, model_input: ModelInput, *, logits_on_device: bool = False) -> torch.Tensor | None:
+        """Run one step: copy-on-write block copies, the forward pass (a decode graph's replay
+        when the step is eligible), then the vocabulary projection of only
+        ``model_input.logit_row_indices``. Returns those logits, ``[rows, vocab]`` float32 on
+        the CPU (``logits_on_device``: left on the runner's device, for a sampler that runs
+        there), or None when no row needs them."""
         self.copy_blocks(model_input.block_copies)
+        if self.graphs is not None and not self.graphs.ineligible_reason(model_input):
+            hidden = self.graphs.run(model_input)  # [padded batch, hidden]: the step's rows first
+        else:
+            hidden = self._forward(model_input)
+        if model_input.logit_row_indices.numel() == 0:
+            return None
+        logits = self.model.compute_logits(hidden[model_input.logit_row_indices.to(self.device)])
+        return logits if logits_on_device else logits.cpu()
+
+    def _forward(self, model_input: ModelInput) -> torch.Tensor:
+        """The eager forward pass: hidden states ``[num_tokens, hidden]``."""
         device = self.device
         meta = AttentionMetadata(
             query_start_loc=model_input.query_start_loc,
@@ -106,7 +144,4 @@ class ModelRunner:
         embeds = model_input.input_embeds
         if embeds is not None:
             embeds = (embeds[0].to(device), embeds[1].to(device))
-        hidden = self.model.forward(model_input.input_ids.to(device), model_input.positions.to(device), ctx, embeds)
-        if model_input.logit_row_indices.numel() == 0:
-            return None
-        return self.model.compute_logits(hidden[model_input.logit_row_indices.to(device)]).cpu()
+        return self.model.forward(model_input.input_ids.to(device), model_input.positions.to(device), ctx, embeds)

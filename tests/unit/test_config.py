@@ -29,7 +29,7 @@ from refengine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from refengine.kernels.attention import AttentionMetadata, TorchReferenceBackend, registry
+from refengine.kernels.attention import AttentionBackend, AttentionMetadata, TorchReferenceBackend, registry
 from refengine.kernels.attention.cpu_paged import native_kernel_unavailable_reason
 from refengine.runtime import apply_process_settings
 
@@ -56,7 +56,7 @@ BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
     ("onednn", lambda: KernelConfig(onednn_linear=None), r"KernelConfig\.onednn_linear must be True or False"),
     ("dtype", lambda: EngineConfig(dtype="float64"), r"EngineConfig\.dtype must be one of float32, float16, bfloat16"),
     ("backend", lambda: EngineConfig(attention_backend="flash"),
-     r"attention_backend must be one of auto, triton, cpu, torch"),
+     r"attention_backend must be one of auto, flashinfer, triton, cpu, torch"),
     ("max_model_len", lambda: EngineConfig(max_model_len=1), r"EngineConfig\.max_model_len .*>= 2 or None, got 1"),
     ("max_logprobs", lambda: EngineConfig(max_logprobs=-1), r"EngineConfig\.max_logprobs .*>= 0, got -1"),
     ("seed_negative", lambda: EngineConfig(seed=-1), r"EngineConfig\.seed .* in \[0, 18446744073709551615\], got -1"),
@@ -175,6 +175,7 @@ FLAG_SETTINGS = [
     (["--max-active-requests", "10"], "SchedulerConfig.max_active_requests", 10),
     (["--no-native-kernels"], "KernelConfig.native_cpu_kernels", False),
     (["--no-onednn"], "KernelConfig.onednn_linear", False),
+    (["--no-cuda-graphs"], "KernelConfig.cuda_graphs", False),
     (["--guided-default-backend", "llguidance"], "GuidedConfig.default_backend", "llguidance"),
     (["--guided-compile-timeout", "0.5"], "GuidedConfig.compile_timeout_seconds", 0.5),
     (["--guided-compile-threads", "3"], "GuidedConfig.compile_threads", 3),
@@ -324,7 +325,8 @@ def test_config_names_match_the_registry() -> None:
 
 
 def test_unknown_backend_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'; choose one of auto, triton, cpu, torch"):
+    choices = "auto, flashinfer, triton, cpu, torch"
+    with pytest.raises(ValueError, match=rf"unknown attention backend 'flash'; choose one of {choices}"):
         registry.make_attention_backend("flash", torch.float32, "cpu", KernelConfig())
 
 
@@ -373,10 +375,19 @@ def test_registration_order_is_auto_preference(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_cuda_graph_hooks_default_to_no_ops() -> None:
-    backend = TorchReferenceBackend()
+    """A backend that does not override the hooks (the torch reference does: see
+    tests/unit/test_cuda_graphs.py) cannot be captured, and its hooks set nothing up."""
+    class Plain(AttentionBackend):
+        def prepare(self, meta: AttentionMetadata) -> None:
+            pass
+
+        def forward(self, q, k, v, k_cache, v_cache, scale):  # noqa: ANN001, ANN202
+            return q
+
+    backend = Plain()
     assert backend.supports_cuda_graphs is False
     backend.init_cuda_graph_state(max_num_seqs=4, max_num_blocks_per_seq=8)
     backend.prepare_for_capture(4)
     meta = AttentionMetadata([0, 1], [3], torch.zeros(1, 1, dtype=torch.int64), torch.tensor([2]), block_size=4)
     backend.prepare_for_replay(meta)
-    assert backend.__dict__ == TorchReferenceBackend().__dict__  # nothing was set up
+    assert backend.__dict__ == {}  # nothing was set up

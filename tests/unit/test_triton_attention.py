@@ -224,7 +224,7 @@ def test_split_kv_heuristic(shape: list[tuple[int, int]], block_size: int, split
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_without_cuda_triton_is_unavailable_and_auto_unchanged(dtype: torch.dtype) -> None:
     kernels = KernelConfig()
-    assert registry.backend_names()[0] == "triton"  # first: auto prefers it where it can run
+    assert registry.backend_names()[:2] == ("flashinfer", "triton")  # CUDA backends first: auto prefers them
     for device in ("cpu", "cuda"):
         reason = registry.unavailable_reason("triton", dtype, device, kernels)
         assert reason and ("needs CUDA" in reason or "CUDA is not available" in reason or "not installed" in reason)

@@ -99,6 +99,19 @@ def _make_auto(dtype: torch.dtype, device: str, kernels: KernelConfig) -> Attent
 # ----------------------------------------------------------------------------- built-in backends
 
 
+def _flashinfer_unavailable(dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
+    # the module imports without FlashInfer; its check only asks importlib.util.find_spec
+    from refengine.kernels.attention.flashinfer_backend import flashinfer_unavailable_reason
+
+    return flashinfer_unavailable_reason(dtype, device)
+
+
+def _make_flashinfer(dtype: torch.dtype, device: str, kernels: KernelConfig) -> AttentionBackend:
+    from refengine.kernels.attention.flashinfer_backend import FlashInferBackend
+
+    return FlashInferBackend(device)
+
+
 def _triton_unavailable(dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
     if torch.device(device).type != "cuda":  # checked before importing Triton: CPU runs never import it
         return f"it needs CUDA, not {device} (Triton kernels run on the CPU only under TRITON_INTERPRET=1, for tests)"
@@ -125,6 +138,8 @@ def _always_available(dtype: torch.dtype, device: str, kernels: KernelConfig) ->
     return ""
 
 
-register_backend("triton", _make_triton, _triton_unavailable)  # CUDA only: first, so auto prefers it there
+# CUDA only, fastest first: FlashInfer where it is installed (fp16/bf16), else the Triton kernels.
+register_backend("flashinfer", _make_flashinfer, _flashinfer_unavailable)
+register_backend("triton", _make_triton, _triton_unavailable)
 register_backend("cpu", lambda dtype, device, kernels: CpuPagedBackend(), _cpu_unavailable)
 register_backend("torch", lambda dtype, device, kernels: TorchReferenceBackend(), _always_available)

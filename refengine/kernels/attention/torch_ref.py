@@ -6,6 +6,22 @@ run one call each with a causal mask offset by their cached context. Keys and
 values are gathered from the paged cache whole blocks at a time (one contiguous
 copy per block, about twice as fast as gathering slot by slot); positions past a
 sequence's length are masked.
+
+CUDA graphs (``supports_cuda_graphs`` True; the runner captures, ``model/cuda_graphs.py``).
+``init_cuda_graph_state`` allocates, once, the buffers a captured decode step reads: block
+tables ``[max_num_seqs, max_num_blocks_per_seq]``, sequence lengths and slot mapping.
+``prepare_for_capture(n)`` switches ``forward`` to graph mode over their first ``n`` rows:
+it then reads nothing but those buffers and the cache (no Python lists, no per-step
+tensors), so every shape is fixed by ``n`` and the buffers' width: each row gathers its
+whole block-table row (``max_num_blocks_per_seq`` blocks) and masks positions at or past
+its length. ``prepare_for_replay(meta)`` copies a step (already padded by the runner to
+the captured size) into the buffers in place; ``prepare`` (an eager step) leaves graph
+mode. The cost of fixed shapes: a graphed decode reads ``max_model_len`` positions per
+row and layer whatever the real lengths, where the eager path reads the batch's longest.
+That is right for a reference (and for short contexts) but not fast at long ones; a
+backend whose kernel reads only ``seq_len`` positions from the same kind of buffers
+(Triton's decode grid is one work item per sequence; FlashInfer's wrappers with
+``use_cuda_graph=True``) is where graphs should pay off.
 """
 
 from __future__ import annotations
@@ -52,13 +68,61 @@ def _length_groups(meta: AttentionMetadata, seqs: list[int], max_padding: float 
     return groups
 
 
+@dataclass(frozen=True)
+class _GraphBuffers:
+    """What a captured decode step reads, at fixed addresses (``init_cuda_graph_state``)."""
+
+    block_tables: torch.Tensor  # [max_num_seqs, max_num_blocks_per_seq] int64
+    seq_lens: torch.Tensor  # [max_num_seqs] int64
+    slot_mapping: torch.Tensor  # [max_num_seqs] int64
+
+
 class TorchReferenceBackend(AttentionBackend):
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
         self._decodes: list[_DecodePlan] = []
         self._prefills: list[_PrefillPlan] = []
+        self._graph: _GraphBuffers | None = None
+        self._graph_rows: int | None = None  # graph mode: forward reads the first rows of ``_graph``
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return True
+
+    def init_cuda_graph_state(self, max_num_seqs: int, max_num_blocks_per_seq: int,
+                              device: torch.device | str | None = None) -> None:
+        """The graph buffers, on ``device`` (None: the current CUDA device; the CPU only in
+        tests, which run graph mode eagerly). Safe placeholder values: block 0, length 1."""
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._graph = _GraphBuffers(
+            block_tables=torch.zeros(max_num_seqs, max_num_blocks_per_seq, dtype=torch.int64, device=device),
+            seq_lens=torch.ones(max_num_seqs, dtype=torch.int64, device=device),
+            slot_mapping=torch.zeros(max_num_seqs, dtype=torch.int64, device=device))
+
+    def prepare_for_capture(self, num_seqs: int) -> None:
+        """Graph mode over the buffers' first ``num_seqs`` rows, which keep their values (the
+        runner fills them with its scratch-slot placeholder through ``prepare_for_replay``)."""
+        assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_capture()"
+        assert 1 <= num_seqs <= self._graph.seq_lens.numel(), f"{num_seqs} rows do not fit the graph buffers"
+        self._graph_rows = num_seqs
+
+    def prepare_for_replay(self, meta: AttentionMetadata) -> None:
+        """Copy a decode step (padded to a captured size by the caller) into the buffers'
+        first rows in place; block-table columns past ``meta``'s width become block 0 (masked)."""
+        graph = self._graph
+        assert graph is not None, "init_cuda_graph_state() must run before prepare_for_replay()"
+        n, width = meta.block_tables.shape
+        assert meta.query_start_loc == list(range(n + 1)), "graph replay takes decode-only steps"
+        assert n <= graph.seq_lens.numel() and width <= graph.block_tables.shape[1], "the step outgrows the buffers"
+        graph.block_tables[:n, :width].copy_(meta.block_tables)
+        if width < graph.block_tables.shape[1]:
+            graph.block_tables[:n, width:].zero_()
+        graph.seq_lens[:n].copy_(torch.tensor(meta.seq_lens, dtype=torch.int64))
+        graph.slot_mapping[:n].copy_(meta.slot_mapping)
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        self._graph_rows = None
         self._meta = meta
         self._prefills = []
         decode_seqs = []
@@ -89,6 +153,8 @@ class TorchReferenceBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
+        if self._graph_rows is not None:
+            return self._graph_forward(q, k, v, k_cache, v_cache, scale)
         assert self._meta is not None, "prepare() must run before forward()"
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
@@ -107,6 +173,22 @@ class TorchReferenceBackend(AttentionBackend):
         for decode in self._decodes:
             out[decode.query_rows] = self._decode_attention(q[decode.query_rows], k_cache, v_cache, decode, scale)
         return out
+
+    def _graph_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Graph mode: the first ``_graph_rows`` rows of the buffers, one query token each;
+        every shape fixed, every index read from the buffers."""
+        graph, n = self._graph, self._graph_rows
+        assert graph is not None and n is not None and q.shape[0] == n, "graph mode takes the captured batch"
+        block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        slots = graph.slot_mapping[:n]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        width = graph.block_tables.shape[1] * block_size
+        positions = torch.arange(width, device=q.device)
+        mask = (positions.unsqueeze(0) < graph.seq_lens[:n].unsqueeze(1))[:, None, None, :]
+        plan = _DecodePlan(None, graph.block_tables[:n].reshape(-1), mask)
+        return self._decode_attention(q, k_cache, v_cache, plan, scale)
 
     @staticmethod
     def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale: float) -> torch.Tensor:
