@@ -258,3 +258,14 @@ def test_without_triton_the_module_imports_and_says_so(monkeypatch: pytest.Monke
     assert module.unavailable_reason(torch.float16, "cuda") == "triton is not installed"
     with pytest.raises(RuntimeError, match="needs Triton"):
         module.TritonPagedBackend()
+
+
+def test_versions_older_than_the_gpu_image_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels target the GPU machines' torch 2.11 / Triton 3.6 and newer; older ones are named."""
+    from refengine.kernels.attention import triton_paged
+
+    assert triton_paged._version("2.13.0+cpu") == (2, 13) and triton_paged._version("3.6.0") == (3, 6)
+    monkeypatch.setattr(triton_paged.torch, "__version__", "2.10.1")
+    assert "torch 2.10.1 (needs >= 2.11)" in triton_paged.stack_too_old()
+    monkeypatch.setattr(triton_paged.torch, "__version__", "2.11.0")
+    assert triton_paged.stack_too_old() == "" or "triton" in triton_paged.stack_too_old()

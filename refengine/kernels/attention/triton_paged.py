@@ -84,12 +84,30 @@ def triton_available() -> bool:
     return triton is not None
 
 
+#: The oldest torch and Triton these kernels are written for (the GPU machines' image: torch 2.11, Triton 3.6).
+MIN_VERSIONS = {"torch": (2, 11), "triton": (3, 6)}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def stack_too_old() -> str:
+    """What is too old in this torch/Triton pair for the kernels; "" when both are new enough."""
+    found = {"torch": torch.__version__, "triton": triton.__version__ if triton is not None else "0"}
+    old = [f"{name} {found[name]} (needs >= {'.'.join(map(str, need))})" for name, need in MIN_VERSIONS.items()
+           if _version(found[name]) < need]
+    return f"too old: {', '.join(old)}" if old else ""
+
+
 def unavailable_reason(dtype: torch.dtype, device: str) -> str:
     """Why this backend cannot run for ``dtype`` on ``device``; "" when it can."""
     if torch.device(device).type != "cuda":
         return f"it needs CUDA, not {device} (Triton kernels run on the CPU only under TRITON_INTERPRET=1, for tests)"
     if not triton_available():
         return "triton is not installed"
+    if old := stack_too_old():
+        return old
     if not torch.cuda.is_available():
         return "CUDA is not available on this machine"
     if dtype not in DTYPES:
