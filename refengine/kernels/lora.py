@@ -19,6 +19,7 @@ back into ``y``. Per-step Python work is per segment, never per token. The Trito
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,12 @@ class LoraBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.token_indices.numel())
+
+    @functools.cached_property
+    def token_slots(self) -> torch.Tensor:
+        """``[num_lora_tokens]`` int32: the slot of each token of ``token_indices`` (native kernel)."""
+        return torch.repeat_interleave(torch.tensor(self.seg_slots, dtype=torch.int32),
+                                       torch.tensor(self.seg_lens)).to(self.token_indices.device)
 
     @property
     def batched(self) -> bool:

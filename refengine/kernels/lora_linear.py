@@ -16,6 +16,11 @@ import torch
 from refengine.kernels.forward_context import ForwardContext
 from refengine.kernels.linear import Linear
 from refengine.kernels.lora import apply_lora_parts
+from refengine.kernels.lora_native import apply_lora_native, fits, native_lora_available
+
+#: Steps with more adapter tokens (long prefill chunks) keep the torch matmuls: there the
+#: per-call cost is paid back and blocked GEMMs beat the kernel's token-at-a-time loops.
+NATIVE_MAX_TOKENS = 256
 
 #: The model's fused projections, and the PEFT modules (``<letter>_proj``) each fuses, in
 #: the order of its output rows.
@@ -47,7 +52,8 @@ class LoraLinear:
     between modules. Invariant: a slot not in ``active_slots`` holds zeros only."""
 
     def __init__(self, base: Linear, part_sizes: tuple[int, ...], num_slots: int, max_rank: int,
-                 dtype: torch.dtype, device: str) -> None:
+                 dtype: torch.dtype, device: str, native: bool = True) -> None:
+        """``native``: ``KernelConfig.native_cpu_kernels`` (float32 on CPU takes ``lora_native``)."""
         assert sum(part_sizes) == base.out_features, (part_sizes, base.out_features)
         self.base = base
         self.max_rank = max_rank
@@ -59,6 +65,10 @@ class LoraLinear:
         self.lora_b = tuple(torch.zeros(num_slots, max_rank, out, dtype=dtype, device=device).transpose(1, 2)
                             for out in part_sizes)
         self.active_slots: frozenset[int] = frozenset()  # slots whose adapter targets any of the modules
+        self._active = torch.zeros(num_slots, dtype=torch.uint8)  # the same, per slot, for the native kernel
+        self._native = native and native_lora_available(native) and fits(
+            torch.empty(1, base.out_features, dtype=dtype, device=device),
+            torch.empty(1, base.in_features, dtype=dtype, device=device), self.lora_a, self.lora_b)
         self._offsets = [sum(part_sizes[:p]) for p in range(len(part_sizes))]
         self._triton = None
         if torch.device(device).type == "cuda":
@@ -92,11 +102,15 @@ class LoraLinear:
                 self.lora_b[p][slot, :, :rank].copy_(pair.lora_b)
         targeted = any(pair is not None for pair in parts)
         self.active_slots = self.active_slots | {slot} if targeted else self.active_slots - {slot}
+        self._active[slot] = int(targeted)
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         y = self.base(x)
         batch = None if ctx is None else ctx.lora
         if batch is None or not self.active_slots:
+            return y
+        if self._native and batch.num_tokens <= NATIVE_MAX_TOKENS and x.stride(1) == 1:
+            apply_lora_native(y, x, batch, self.lora_a, self.lora_b, self._active)
             return y
         if self._triton is None:
             apply_lora_parts(y, x, batch, self.lora_a, self.lora_b, self.active_slots)

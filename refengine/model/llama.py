@@ -24,7 +24,7 @@ from refengine.model.rope import RotaryEmbedding
 
 class LlamaLayer:
     def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: ModelConfig, prepack: bool,
-                 lora: LoraSlotShape | None) -> None:
+                 lora: LoraSlotShape | None, native: bool = True) -> None:
         attn = f"{prefix}.self_attn"
         mlp = f"{prefix}.mlp"
         self.input_norm = weights[f"{prefix}.input_layernorm.weight"]
@@ -44,7 +44,8 @@ class LlamaLayer:
             part_sizes = {"qkv_proj": (q_out, kv_out, kv_out), "o_proj": (config.hidden_size,),
                           "gate_up_proj": (config.intermediate_size,) * 2, "down_proj": (config.hidden_size,)}
             for name, sizes in part_sizes.items():
-                projection = LoraLinear(getattr(self, name), sizes, lora.num_slots, lora.max_rank, dtype, device)
+                projection = LoraLinear(getattr(self, name), sizes, lora.num_slots, lora.max_rank, dtype, device,
+                                        native=native)
                 setattr(self, name, projection)
 
     def lora_projections(self) -> dict[str, LoraLinear]:
@@ -70,7 +71,8 @@ class LlamaModel:
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.layers = [LlamaLayer(weights, f"model.layers.{i}", config, kernels.onednn_linear, lora)
+        self.layers = [LlamaLayer(weights, f"model.layers.{i}", config, kernels.onednn_linear, lora,
+                                  kernels.native_cpu_kernels)
                        for i in range(config.num_hidden_layers)]
         self.norm = weights["model.norm.weight"]
         self.lm_head = Linear(self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"],
