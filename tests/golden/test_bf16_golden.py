@@ -27,7 +27,7 @@ from refengine.engine.engine import Engine
 from refengine.kernels.attention.cpu_paged import CpuPagedBackend
 from refengine.kernels.cpu_features import native_bf16
 from refengine.types import LogprobParams
-from tests.golden.test_engine_golden import NUM_TOKENS, PROMPTS, greedy_request
+from tests.golden.test_engine_golden import NUM_TOKENS, PROMPTS, greedy_request, hf_greedy  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.golden,
               pytest.mark.skipif(not native_bf16(), reason="this CPU has no native bf16 (avx512_bf16 / amx_bf16)")]
@@ -74,26 +74,12 @@ def test_logits_match_transformers_bf16(bf16_parts, smollm2_dir, prompt_ids) -> 
         assert got.token_id == int(reference.argmax()) or reference.max() - reference[got.token_id] <= LOGIT_TOLERANCE
 
 
-def test_greedy_agreement_with_fp32_transformers(alone, hf_greedy_fp32) -> None:
+def test_greedy_agreement_with_fp32_transformers(alone, hf_greedy) -> None:  # noqa: F811 - the imported fixture
     agreement = []
-    for ours, theirs in zip(alone, hf_greedy_fp32, strict=True):
+    for ours, theirs in zip(alone, hf_greedy, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), NUM_TOKENS)
         agreement.append(same)
     print(f"\nbf16 vs fp32 transformers, greedy tokens until the first divergence: {agreement} of {NUM_TOKENS}")
     assert min(agreement) >= 1 and sum(agreement) >= NUM_TOKENS * len(alone) // 4, agreement
 
 
-@pytest.fixture(scope="module")
-def hf_greedy_fp32(hf_smollm2, prompt_ids) -> list[list[int]]:
-    results = []
-    with torch.no_grad():
-        for ids in prompt_ids:
-            out = hf_smollm2(torch.tensor([ids]), use_cache=True)
-            past, generated = out.past_key_values, []
-            for _ in range(NUM_TOKENS):
-                token = int(out.logits[0, -1].argmax())
-                generated.append(token)
-                out = hf_smollm2(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-                past = out.past_key_values
-            results.append(generated)
-    return results

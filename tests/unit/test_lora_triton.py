@@ -15,34 +15,27 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from refengine.kernels import lora_triton
 from refengine.kernels.lora import LoraBatch, apply_lora
-
-REPO = Path(__file__).resolve().parents[2]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = None if not HAS_TRITON else "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
-requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the CUDA kernels' dependency)")
-kernel_test = pytest.mark.skipif(
-    DEVICE is None, reason="no Triton device here: test_kernels_on_the_interpreter runs these in a subprocess")
+from tests.triton_interpreter import (
+    DEVICE,
+    INTERPRET,
+    in_a_subprocess,
+    kernel_test,
+    requires_triton,
+    run_interpreted,
+)
 
 
 @requires_triton
-@pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
+@in_a_subprocess
 def test_kernels_on_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", __file__]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"interpreter run failed\n{result.stdout[-8000:]}\n{result.stderr[-2000:]}"
-    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-4000:]
+    run_interpreted(__file__)
 
 
 @kernel_test

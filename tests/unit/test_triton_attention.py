@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import random
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,28 +27,26 @@ from refengine.config import KernelConfig
 from refengine.kernels.attention import registry, triton_paged
 from refengine.kernels.attention.base import AttentionMetadata
 from refengine.kernels.attention.torch_ref import TorchReferenceBackend
+from tests.triton_interpreter import (
+    DEVICE,
+    HAS_TRITON,
+    INTERPRET,
+    in_a_subprocess,
+    kernel_test,
+    requires_triton,
+    run_interpreted,
+)
 
 pytestmark = pytest.mark.triton
 
-REPO = Path(__file__).resolve().parents[2]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = None if not HAS_TRITON else "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
-requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the CUDA kernels' dependency)")
-kernel_test = pytest.mark.skipif(
-    DEVICE is None, reason="no Triton device here: test_kernels_on_the_interpreter runs these in a subprocess")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3}
 GARBAGE = 50.0  # scale of never-written cache slots: reading one would show
 
 
 @requires_triton
-@pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
+@in_a_subprocess
 def test_kernels_on_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", __file__]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"interpreter run failed\n{result.stdout[-8000:]}\n{result.stderr[-2000:]}"
-    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-4000:]
+    run_interpreted(__file__)
 
 
 @kernel_test

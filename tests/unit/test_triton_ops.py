@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,16 +27,17 @@ import torch
 from refengine.config import ModelConfig
 from refengine.kernels import fused, triton_ops
 from refengine.model.rope import RotaryEmbedding
+from tests.triton_interpreter import (
+    DEVICE,
+    INTERPRET,
+    in_a_subprocess,
+    kernel_test,
+    requires_triton,
+    run_interpreted,
+)
 
 pytestmark = pytest.mark.triton
 
-REPO = Path(__file__).resolve().parents[2]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = None if not HAS_TRITON else "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
-requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the CUDA kernels' dependency)")
-kernel_test = pytest.mark.skipif(
-    DEVICE is None, reason="no Triton device here: test_kernels_on_the_interpreter runs these in a subprocess")
 DTYPES = [torch.float32, torch.float16]
 TORCH = fused.FusedOps(native=False)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -65,13 +63,9 @@ def assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @requires_triton
-@pytest.mark.skipif(DEVICE is not None, reason="the kernel tests run in this process")
+@in_a_subprocess
 def test_kernels_on_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", __file__]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"interpreter run failed\n{result.stdout[-8000:]}\n{result.stderr[-2000:]}"
-    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-4000:]
+    run_interpreted(__file__)
 
 
 @kernel_test
