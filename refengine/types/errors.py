@@ -1,0 +1,38 @@
+"""Refusals before acceptance (``RequestError`` and its kinds; the edge maps each to a
+gRPC status), and ``KvSessionNotFound``.
+"""
+
+from __future__ import annotations
+
+
+class RequestError(Exception):
+    """A request refused before acceptance. Nothing was allocated for it."""
+
+
+class InvalidRequestError(RequestError, ValueError):
+    """The request is malformed or out of range; the message says what is wrong."""
+
+
+class DuplicateRequestError(RequestError):
+    """``request_id`` is already in use by an active request."""
+
+
+class KvSessionNotFound(LookupError):
+    """No such KV session here: never made, released, or its lease expired (K7, A2)."""
+
+
+
+class LoraDisabledError(RequestError):
+    """LoRA is not enabled on this engine (R5)."""
+
+
+class LoraNotFoundError(RequestError, LookupError):
+    """No loaded adapter has that name (R4): unload, or ``lora_name`` in a request."""
+
+
+class LoraConflictError(RequestError):
+    """A load whose id, name or path collides with a different loaded adapter (R3)."""
+
+
+class OverloadedError(RequestError):
+    """The engine cannot take more work now; retrying later may succeed."""
