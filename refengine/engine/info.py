@@ -15,20 +15,14 @@ logger = logging.getLogger(__name__)
 
 def kernel_paths(config: EngineConfig) -> tuple[str, str, str]:
     """(attention backend, why it was chosen, the CPU bf16 path or ""), as ServerInfo.extra
-    reports them; logs them, warning when bf16 runs on a CPU that emulates it."""
+    reports them (the registry logs the choice); logs the bf16 path, warning when the CPU
+    emulates bf16."""
     from refengine.kernels.attention import registry
     from refengine.kernels.cpu_features import bf16_path, native_bf16
 
-    dtype, kernels = DTYPES[config.dtype], config.kernels
-    if config.attention_backend == registry.AUTO:
-        chosen = registry.available_backends(dtype, config.device, kernels)[0]
-        skipped = [f"{name}: {registry.unavailable_reason(name, dtype, config.device, kernels)}"
-                   for name in registry.backend_names()[:registry.backend_names().index(chosen)]]
-        why = "auto: the first available" + (f" ({'; '.join(skipped)})" if skipped else "")
-    else:
-        chosen, why = config.attention_backend, "named by --attention-backend"
+    chosen, why = registry.choose_backend(config.attention_backend, DTYPES[config.dtype], config.device,
+                                          config.kernels)
     bf16 = bf16_path() if config.dtype == "bfloat16" and config.device == "cpu" else ""
-    logger.info("attention backend %s (%s)", chosen, why)
     if bf16:
         (logger.info if native_bf16() else logger.warning)("--dtype bfloat16 on CPU: %s", bf16)
     return chosen, why, bf16

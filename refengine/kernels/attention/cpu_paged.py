@@ -78,9 +78,6 @@ class CpuPagedBackend(AttentionBackend):
             self._sdpa_chunks.append(_SdpaChunk(rows, block_ids, mask))
         # int32 copies the kernel reads; kept alive on self until the next prepare().
         self._native_seq_ids = torch.tensor(native, dtype=torch.int32)
-        self._native_rows = torch.tensor([r for i in native for r in range(meta.query_start_loc[i],
-                                                                            meta.query_start_loc[i + 1])],
-                                         dtype=torch.long)
         self._query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32)
         self._seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
         self._block_tables = meta.block_tables.to(torch.int32).contiguous()
@@ -100,25 +97,23 @@ class CpuPagedBackend(AttentionBackend):
         self._stores[dtype](k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
                             meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim, meta.block_size,
                             k.stride(0), v.stride(0))
-        out = torch.empty(q.shape, dtype=q.dtype)
+        # The kernel's queries and outputs are float32 whatever the cache holds: a bf16 step
+        # collects every row in float32 (SDPA rows round-trip exactly) and rounds once at the end.
+        out = torch.empty(q.shape, dtype=torch.float32)
         for chunk in self._sdpa_chunks:
             out[chunk.rows] = self._sdpa(chunk, q, k, v, k_cache, v_cache, scale)
         num_native = len(self._native_seq_ids)
-        if num_native:  # the kernel's queries and outputs are float32, whatever the cache holds
+        if num_native:
             q32 = q if dtype == torch.float32 else q.float()
-            out32 = out if dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32)
             status = self._kernels[dtype](
-                out32.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                out.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 self._block_tables.data_ptr(), self._query_start_loc.data_ptr(), self._seq_lens.data_ptr(),
                 self._native_seq_ids.data_ptr(), num_native, q.shape[1], num_kv_heads, head_dim,
                 meta.block_size, self._block_tables.shape[1], scale, q32.stride(0),
             )
             if status != 0:
                 raise MemoryError("paged_attention: could not allocate scratch memory")
-            if out32 is not out:
-                rows = self._native_rows
-                out[rows] = out32[rows].to(dtype)
-        return out
+        return out if dtype == torch.float32 else out.to(dtype)
 
     @staticmethod
     def _sdpa(chunk: _SdpaChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -63,18 +63,33 @@ def available_backends(dtype: torch.dtype, device: str, kernels: KernelConfig) -
     return tuple(name for name, entry in _BACKENDS.items() if not entry.unavailable_reason(dtype, device, kernels))
 
 
+def choose_backend(name: str, dtype: torch.dtype, device: str, kernels: KernelConfig) -> tuple[str, str]:
+    """(the backend ``name`` resolves to, why): ``auto`` takes the first available one and says
+    why the ones before it were skipped. Raises ValueError for an unknown or unavailable name."""
+    if name != AUTO:
+        reason = unavailable_reason(name, dtype, device, kernels)
+        if reason:
+            raise ValueError(f"attention backend {name!r} is unavailable: {reason}")
+        return name, "named by --attention-backend"
+    skipped = []
+    for candidate, entry in _BACKENDS.items():
+        reason = entry.unavailable_reason(dtype, device, kernels)
+        if not reason:
+            return candidate, "auto: the first available" + (f" ({'; '.join(skipped)})" if skipped else "")
+        skipped.append(f"{candidate}: {reason}")
+    raise ValueError(f"no attention backend is available: {'; '.join(skipped)}")
+
+
 def make_attention_backend(
     name: str, dtype: torch.dtype, device: str, kernels: KernelConfig | None = None
 ) -> AttentionBackend:
-    """The backend ``name`` (``auto``: the first available one, logging why the ones
-    before it were skipped). Raises ValueError for an unknown or unavailable name."""
+    """The backend ``name`` resolves to (``choose_backend``). Raises ValueError for an unknown
+    or unavailable name."""
     kernels = kernels if kernels is not None else KernelConfig()
+    chosen, why = choose_backend(name, dtype, device, kernels)
     if name == AUTO:
-        return _make_auto(dtype, device, kernels)
-    reason = unavailable_reason(name, dtype, device, kernels)
-    if reason:
-        raise ValueError(f"attention backend {name!r} is unavailable: {reason}")
-    return _BACKENDS[name].factory(dtype, device, kernels)
+        logger.info("attention backend %s (%s)", chosen, why)
+    return _BACKENDS[chosen].factory(dtype, device, kernels)
 
 
 def _entry(name: str) -> _Entry:
@@ -82,18 +97,6 @@ def _entry(name: str) -> _Entry:
         choices = ", ".join((AUTO, *_BACKENDS))
         raise ValueError(f"unknown attention backend {name!r}; choose one of {choices}")
     return _BACKENDS[name]
-
-
-def _make_auto(dtype: torch.dtype, device: str, kernels: KernelConfig) -> AttentionBackend:
-    skipped = []
-    for name, entry in _BACKENDS.items():
-        reason = entry.unavailable_reason(dtype, device, kernels)
-        if not reason:
-            if skipped:
-                logger.info("attention backend auto: %s; using %r", "; ".join(skipped), name)
-            return entry.factory(dtype, device, kernels)
-        skipped.append(f"{name!r} not used ({reason})")
-    raise ValueError(f"no attention backend is available: {'; '.join(skipped)}")
 
 
 # ----------------------------------------------------------------------------- built-in backends
