@@ -46,6 +46,7 @@ from refengine.types import (
     EmbeddingTransferSpec,
     EngineStats,
     InvalidRequestError,
+    KvSessionNotFound,
     MediaInput,
     MediaStats,
     OverloadedError,
@@ -189,7 +190,11 @@ class EncoderEngine(NoGenerate):
     def renew_handle(self, handle_id: str, lease_seconds: float) -> int:
         """A live handle's new lease end (Unix nanoseconds); raises ``KvSessionNotFound``."""
         lease = self._lease(lease_seconds)
-        self.handles.renew(handle_id, lease)
+        try:
+            self.handles.renew(handle_id, lease)
+        except KvSessionNotFound:
+            raise KvSessionNotFound(f"embedding handle {handle_id!r} not found: released, consumed, expired or "
+                                    "never made here") from None
         return time.time_ns() + int(lease * 1e9)
 
     # -- freeing -------------------------------------------------------------------

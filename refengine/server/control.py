@@ -22,7 +22,6 @@ Choices where the contract is silent (ref):
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import asdict
 
@@ -40,19 +39,19 @@ from refengine.server.capabilities import (
     model_info,
 )
 from refengine.server.convert import GENERATE_EXTRA_KEYS
-from refengine.server.errors import Rejection, invalid, rejection_from_engine
+from refengine.server.errors import Rejection, invalid
 from refengine.server.health import ROLES, health_response
 from refengine.server.metadata import read_trace_context
 from refengine.server.profiles import PROFILES_KEY, profiles_of
 from refengine.server.state import ServerState
+from refengine.server.unary import run_unary
 from refengine.server.validation import check_model
-from refengine.types import EngineStats, LoraAdapterSpec, RequestError
+from refengine.types import EngineStats, LoraAdapterSpec
 
 SCHEMA_REVISION = 1
 MINIMUM_CLIENT_REVISION = 1
 #: D1: the immutable Buf registry commit of the release v0.1.0 (Git tag v0.1.0 = b5f2bd9), never a tag.
 SCHEMA_RELEASE = "768a93c7b44e40f28c692ad0b471a8f2"
-logger = logging.getLogger(__name__)
 
 
 def _adapter(spec: LoraAdapterSpec) -> oe.LoraAdapter:
@@ -77,18 +76,7 @@ class ControlServicer(oe.ControlServicer):
         self.state = state
 
     async def _run(self, context: grpc.aio.ServicerContext, build):  # noqa: ANN001, ANN202
-        """Read the trace context (M5), build the reply, map ``Rejection`` to a status."""
-        read_trace_context(context.invocation_metadata())
-        try:
-            return await build()
-        except RequestError as exc:
-            rejection = rejection_from_engine(exc)
-            await context.abort(rejection.code, rejection.message)
-        except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
-        except Exception as exc:  # a bug: report it as INTERNAL, keep serving
-            logger.exception("Control RPC failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return await run_unary(context, build, "Control")
 
     # -- discovery -------------------------------------------------------------
     def server_info(self) -> oe.ServerInfo:

@@ -10,7 +10,6 @@ loading → UNAVAILABLE. Rules ENC2–ENC7 in docs/profiles/encoder.md.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 
 import grpc
@@ -18,14 +17,11 @@ import grpc
 from refengine.protocol.v1alpha1 import media_pb2 as media
 from refengine.protocol.v1alpha1 import media_pb2_grpc as media_grpc
 from refengine.server.convert import media_input
-from refengine.server.errors import Rejection, invalid, rejection_from_engine
+from refengine.server.errors import Rejection, invalid
 from refengine.server.media_wire import handle_to_pb
-from refengine.server.metadata import read_trace_context
 from refengine.server.state import ServerState
+from refengine.server.unary import run_unary
 from refengine.server.validation import check_model
-from refengine.types import KvSessionNotFound, RequestError
-
-logger = logging.getLogger(__name__)
 
 
 class MediaServicer(media_grpc.MediaServicer):
@@ -41,19 +37,7 @@ class MediaServicer(media_grpc.MediaServicer):
         return engine
 
     async def _run(self, context: grpc.aio.ServicerContext, build):  # noqa: ANN001, ANN202
-        read_trace_context(context.invocation_metadata())
-        try:
-            return await build()
-        except RequestError as exc:
-            rejection = rejection_from_engine(exc)
-            await context.abort(rejection.code, rejection.message)
-        except KvSessionNotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc).replace("KV session", "embedding handle"))
-        except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
-        except Exception as exc:  # a bug: INTERNAL, keep serving
-            logger.exception("Media RPC failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return await run_unary(context, build, "Media")
 
     async def Encode(self, request: media.EncodeRequest, context: grpc.aio.ServicerContext):  # noqa: N802, ANN201
         async def build() -> media.EncodeResponse:
