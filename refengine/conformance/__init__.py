@@ -7,10 +7,13 @@ pre-release copy 4def7c5.
 
 Points at any OpenEngine server (``host:port``), runs one or more checks per rule
 of ``contract/RULES.md`` through the generated gRPC stubs only, and reports a
-support matrix: PASS, FAIL (observed vs expected) or SKIP (feature not
-advertised). Usage::
+support matrix: pass, fail (observed vs expected, with the exchanges as evidence),
+not_claimed (the server does not advertise the feature) or skipped (the run lacks a named
+target or an option the check needs). Each check belongs to one profile (:mod:`refengine.conformance.profiles`);
+a profile the server does not claim reports its checks NOT_CLAIMED. Usage::
 
-    python -m refengine.conformance 127.0.0.1:50051 [--rules G1,G14,L] [--json out.json]
+    refengine conformance --target 127.0.0.1:50051 [--profile guided] [--rules G1,G14,L]
+                          [--format text|markdown|json] [--json out.json] [--load 8 --duration 10]
 
 Draft profiles (docs/profiles/) have checks too, in sections of their own: ``ENC`` for the
 encoder profile (ENC1–ENC15), which need an encoder server (``--encoder HOST:PORT``, or the
@@ -18,7 +21,7 @@ target itself) and, for the consumer side, ``--media-placeholder-token-id N``; a
 that do not list the profile in ``ServerInfo.extra["refengine.profiles"]`` they skip as "not
 claimed"::
 
-    python -m refengine.conformance AGG:PORT --rules ENC --encoder ENC:PORT --media-placeholder-token-id N
+    refengine conformance --target AGG:PORT --profile encoder --encoder ENC:PORT --media-placeholder-token-id N
 
 or from Python::
 
@@ -27,8 +30,9 @@ or from Python::
 """
 
 from refengine.conformance.registry import Check, Status, all_checks, check, select
-from refengine.conformance.runner import Result, format_matrix, run, run_check
+from refengine.conformance.report import format_matrix, render
+from refengine.conformance.runner import Report, Result, run, run_check, run_report
 from refengine.conformance.target import Options, Target
 
-__all__ = ["Check", "Options", "Result", "Status", "Target", "all_checks", "check", "format_matrix", "run",
-           "run_check", "select"]
+__all__ = ["Check", "Options", "Report", "Result", "Status", "Target", "all_checks", "check", "format_matrix",
+           "render", "run", "run_check", "run_report", "select"]

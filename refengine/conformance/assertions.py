@@ -1,5 +1,11 @@
 """Assertions shared by the checks: rejection before acceptance, and the structural
-invariants every Generate stream must satisfy (G9, G10, G12, G16, X1)."""
+invariants every Generate stream must satisfy (G9, G10, G12, G16, X1).
+
+Each check owns the rule it names, and only that rule: a structural problem is tagged with
+its rule id (``"G10: ..."``), and a check sees only the problems of its own rule
+(``StreamResult.rule``, set by the runner). So a server that omits ``output_index`` fails
+G10 alone, not every check that happens to read a stream; the G10 check finds it.
+"""
 
 from __future__ import annotations
 
@@ -33,12 +39,20 @@ def expect_rejected(res: StreamResult, codes: Iterable[grpc.StatusCode] = INVALI
 
 
 def stream_violations(res: StreamResult, num_sequences: int = 1, cancelled_ok: bool = False) -> list[str]:
-    """Every way a completed stream breaks the structural rules; empty = fine.
+    """The ways a completed stream breaks the structural rules that ``res.rule`` owns (all of
+    them when ``res.rule`` is empty); empty = fine.
 
     Checks: G9 request_id echoed; G10 output_index present and in range; G12 one
     finish per output, nothing after it, never UNSPECIFIED; G16 usage only on the
     final event and consistent; X1 an EngineError is the last event and the status
     is OK. ``cancelled_ok`` allows a client-cancelled status (the stream was cut)."""
+    problems = _all_violations(res, num_sequences, cancelled_ok)
+    if not res.rule:
+        return problems
+    return [p for p in problems if p.split(":", 1)[0] == res.rule]
+
+
+def _all_violations(res: StreamResult, num_sequences: int, cancelled_ok: bool) -> list[str]:
     problems: list[str] = []
     finished: set[int] = set()
     final = len(res.events) - 1
@@ -47,7 +61,7 @@ def stream_violations(res: StreamResult, num_sequences: int = 1, cancelled_ok: b
         if event.request_id != res.request_id:
             problems.append(f"G9: event {i} ({kind}) has request_id {event.request_id!r}, sent {res.request_id!r}")
         if kind is None:
-            problems.append(f"event {i} has no event set")
+            problems.append(f"G12: event {i} has no event set")
             continue
         if event.HasField("usage") and i != final:
             problems.append(f"G16: usage on event {i} ({kind}), not on the final response (event {final})")
@@ -76,7 +90,7 @@ def stream_violations(res: StreamResult, num_sequences: int = 1, cancelled_ok: b
     if errors and not res.ok:
         problems.append(f"X1: status {res.code.name} after an EngineError (the stream must then end OK)")
     if res.ok and not res.events:
-        problems.append("stream ended OK with no event at all")
+        problems.append("G12: stream ended OK with no event at all")
     if not res.ok and not (cancelled_ok and res.code in TRANSPORT_CODES) and res.events:
         problems.append(f"X1: stream failed with {res.code.name} after {len(res.events)} event(s); after "
                         "acceptance a failure is one EngineError event, then OK")
@@ -100,7 +114,8 @@ def usage_violations(usage: Any) -> list[str]:
 
 
 def expect_valid(res: StreamResult, num_sequences: int = 1, what: str = "") -> StreamResult:
-    """The stream was accepted, ended OK, and satisfies :func:`stream_violations`."""
+    """The stream was accepted, ended OK, and has none of the structural problems of the
+    check's own rule (:func:`stream_violations`)."""
     label = f"{what}: " if what else ""
     if not res.ok:
         raise CheckFailed(f"{label}expected an accepted stream ending OK, got {res.describe()}")

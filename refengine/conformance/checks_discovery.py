@@ -8,7 +8,7 @@ import grpc
 
 from refengine.conformance.assertions import NON_OK, expect_rejected, expect_valid
 from refengine.conformance.guides import CASES
-from refengine.conformance.registry import check, expect, fail, skip
+from refengine.conformance.registry import check, expect, fail, not_claimed
 from refengine.conformance.release import (
     RELEASE_BSR_COMMIT,
     RELEASE_GIT_COMMIT,
@@ -119,7 +119,7 @@ def caps_inputs(t: Target) -> str:
     m = t.model_info
     text, ids = _flag(m, "supports_text_input"), _flag(m, "supports_token_ids_input")
     if text is None and ids is None:
-        skip("neither supports_text_input nor supports_token_ids_input is reported")
+        not_claimed("neither supports_text_input nor supports_token_ids_input is reported")
     if text is True:
         _accepted(t, t.request("d4", prompt="Hello"), "text prompt")
     elif text is False:
@@ -161,7 +161,7 @@ def caps_options(t: Target) -> str:
         expect_rejected(t.generate(req), what=f"num_sequences = {n + 1} > max_num_sequences")
         seen.append(f"max_num_sequences={n}")
     if not seen:
-        skip("no generation option capability is reported")
+        not_claimed("no generation option capability is reported")
     return ", ".join(seen)
 
 
@@ -170,7 +170,7 @@ def caps_guided(t: Target) -> str:
     """D4: GuidedDecodingCapabilities.modes are exactly the accepted guide kinds."""
     caps = t.caps.guided_decoding
     if not t.caps.HasField("guided_decoding") or not caps.HasField("supported"):
-        skip("guided decoding support is not reported")
+        not_claimed("guided decoding support is not reported")
     modes = set(caps.modes) if caps.supported else set()
     for mode, case in CASES.items():  # the same simple specs as checks_guided.py
         req = t.request("d4g", max_tokens=4)
@@ -198,7 +198,7 @@ def caps_media_lora(t: Target) -> str:
         _rejected(t, req, "lora_name")
         done.append("lora_name refused")
     if not done:
-        skip("multimodal and LoRA are advertised (checked by their own sections) or not reported")
+        not_claimed("multimodal and LoRA are advertised (checked by their own sections) or not reported")
     return ", ".join(done)
 
 
@@ -218,7 +218,7 @@ def deployment_capacity(t: Target) -> str:
     """D6: capacity fields are configured values; dynamic use is in LoadInfo."""
     cap = t.server_info.capacity
     if not t.server_info.HasField("capacity"):
-        skip("ServerInfo.capacity is not reported")
+        not_claimed("ServerInfo.capacity is not reported")
     before = cap.SerializeToString(deterministic=True)
     busy = t.generate_async(t.request("d6", max_tokens=24, ignore_eos=True))
     t.wait_until(lambda load: load.running_requests > 0 or load.queued_requests > 0, timeout=5)

@@ -80,7 +80,7 @@ def stalled_stream(t: Target) -> StreamResult:
         elif caps.HasField("max_top_n"):
             req.response.return_output_logprobs = True
             req.response.output_candidates.top_n = caps.max_top_n
-    res = StreamResult(request_id=req.request_id)
+    res = StreamResult(request_id=req.request_id, rule=t.rule)
     call = t.inference.Generate(req, timeout=t.options.stream_timeout_s + wait)
     try:
         res.events.append(next(call))

@@ -9,7 +9,7 @@ import grpc
 from google.protobuf import json_format
 
 from refengine.conformance.assertions import expect_finish, expect_rejected, expect_valid
-from refengine.conformance.registry import check, expect, skip
+from refengine.conformance.registry import check, expect, not_claimed
 from refengine.conformance.target import StreamResult, Target
 from refengine.protocol import oe
 
@@ -153,7 +153,7 @@ def context_limit(t: Target) -> str:
     """G7: requests that cannot fit the context are refused; max_tokens unset = up to the limit (ref)."""
     ctx = t.max_context_length
     if ctx is None:
-        skip("max_context_length is not advertised")
+        not_claimed("max_context_length is not advertised")
     ids = t.known_token_ids()
     long_ids = (ids * (ctx // len(ids) + 2))[: ctx + 1]
     expect_rejected(t.generate(t.request("g7", token_ids=long_ids, max_tokens=1)),

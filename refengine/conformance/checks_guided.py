@@ -25,7 +25,7 @@ from google.protobuf import json_format
 from refengine.conformance.assertions import NON_OK, expect_rejected, expect_valid, is_finite
 from refengine.conformance.checks_determinism import _join_all, _load_in_background
 from refengine.conformance.guides import CASES, FIELD_MODES, WORDS_CASE, GuideCase
-from refengine.conformance.registry import CheckFailed, check, expect, fail, skip
+from refengine.conformance.registry import CheckFailed, check, expect, fail, not_claimed
 from refengine.conformance.target import StreamResult, Target
 from refengine.protocol import oe
 
@@ -41,12 +41,12 @@ def advertised_modes(t: Target) -> set[int]:
     """The advertised guided modes; skip when guided decoding is not advertised."""
     caps = t.caps.guided_decoding
     if not t.caps.HasField("guided_decoding") or not caps.HasField("supported"):
-        skip("guided decoding support is not reported")
+        not_claimed("guided decoding support is not reported")
     if not caps.supported:
-        skip("guided decoding is not supported (generation.guided_decoding.supported = false)")
+        not_claimed("guided decoding is not supported (generation.guided_decoding.supported = false)")
     modes = set(caps.modes) & set(CASES)
     if not modes:
-        skip("guided decoding is supported but no mode is advertised")
+        not_claimed("guided decoding is supported but no mode is advertised")
     return modes
 
 
@@ -134,7 +134,7 @@ def guided_backends_honoured(t: Target) -> str:
     advertised_modes(t)
     backends = listed_backends(t)
     if not backends:
-        skip(f"no backend list in ModelInfo.extra[{BACKENDS_KEY!r}] (the contract advertises no backends)")
+        not_claimed(f"no backend list in ModelInfo.extra[{BACKENDS_KEY!r}] (the contract advertises no backends)")
     cases, refused = [], []
     for name, modes in backends.items():
         for mode, case in CASES.items():
@@ -157,7 +157,7 @@ def guided_backend_without_guide(t: Target) -> str:
     is refused before acceptance (ref: INVALID_ARGUMENT) rather than silently run unguided."""
     caps = t.caps.guided_decoding
     if not t.caps.HasField("guided_decoding") or not caps.HasField("supported"):
-        skip("guided decoding support is not reported")
+        not_claimed("guided decoding support is not reported")
     backends = list(listed_backends(t)) or ["xgrammar"]
     req = t.request("gd4n", max_tokens=2)
     req.guided.backend = backends[0]
@@ -190,7 +190,7 @@ def guided_invalid_spec_refused(t: Target) -> str:
             codes.add(res.code.name)
             sent += 1
     if not sent:
-        skip("no advertised mode has an invalid spec to send (json_object only)")
+        not_claimed("no advertised mode has an invalid spec to send (json_object only)")
     ref = "" if codes == {grpc.StatusCode.INVALID_ARGUMENT.name} else " (ref: INVALID_ARGUMENT)"
     return f"{sent} invalid specs refused before acceptance with {', '.join(sorted(codes))}{ref}"
 
@@ -204,7 +204,7 @@ def guided_finish_stop(t: Target) -> str:
     modes = advertised_modes(t)
     finite = [CASES[m] for m in CASES if m in modes and CASES[m].finite]
     if not finite:
-        skip("no advertised mode with a bounded output (regex, choice, ebnf_grammar)")
+        not_claimed("no advertised mode with a bounded output (regex, choice, ebnf_grammar)")
     cached = t.cache.get("guided_results") or {}
     missing = [c for c in finite if c.name not in cached]
     if missing:
@@ -231,7 +231,7 @@ def _free_case(modes: set[int]) -> GuideCase:
                  oe.GUIDED_DECODING_MODE_CHOICE):
         if mode in modes:
             return CASES[mode]
-    skip("none of json_object, json_schema, regex, choice is advertised")
+    not_claimed("none of json_object, json_schema, regex, choice is advertised")
     raise AssertionError  # unreachable: skip raises
 
 
@@ -277,7 +277,7 @@ def guided_greedy_batch_invariant(t: Target) -> str:
 def _output_logprobs(t: Target) -> Any:
     caps = t.caps.output_logprobs
     if not t.caps.HasField("output_logprobs") or not caps.supported:
-        skip("output_logprobs not advertised as supported")
+        not_claimed("output_logprobs not advertised as supported")
     return caps
 
 
@@ -330,9 +330,9 @@ def guided_logprobs_after_mask(t: Target) -> str:
     modes = advertised_modes(t)
     caps = _output_logprobs(t)
     if oe.GUIDED_DECODING_MODE_CHOICE not in modes:
-        skip("the choice mode is not advertised")
+        not_claimed("the choice mode is not advertised")
     if TOKEN_IDS not in caps.candidate_selection_modes:
-        skip("token_ids candidates are not advertised (needed to read the unconstrained logprob)")
+        not_claimed("token_ids candidates are not advertised (needed to read the unconstrained logprob)")
     choice = CASES[oe.GUIDED_DECODING_MODE_CHOICE]
     guided = _first_token(t, _with_logprobs(guided_request(t, choice, "gl6", max_tokens=4)), "guided choice")
     plain = _with_logprobs(t.request("gl6u", max_tokens=1))

@@ -39,7 +39,7 @@ from refengine.conformance.kv_subscriber import (  # noqa: F401
     subscribe,
     terminal_error,
 )
-from refengine.conformance.registry import check, expect, skip
+from refengine.conformance.registry import check, expect, not_claimed, skip
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
@@ -227,7 +227,7 @@ def kv_event_sources(t: Target) -> str:
     that rank's source or none; an unknown rank and a rank named twice are INVALID_ARGUMENT."""
     code, every = _sources(t, [])
     if code == grpc.StatusCode.UNIMPLEMENTED:
-        skip("GetKvEventSources is UNIMPLEMENTED")
+        not_claimed("GetKvEventSources is UNIMPLEMENTED")
     expect(code == grpc.StatusCode.OK, f"GetKvEventSources() returned {code.name}")
     problems = _source_problems(every.sources)
     expect(not problems, "; ".join(problems))

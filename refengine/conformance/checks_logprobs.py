@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from refengine.conformance.assertions import expect_rejected, expect_valid, is_finite
-from refengine.conformance.registry import check, expect, skip
+from refengine.conformance.registry import check, expect, not_claimed
 from refengine.conformance.target import StreamResult, Target
 from refengine.protocol import oe
 
@@ -21,7 +21,7 @@ def _caps(t: Target, which: str) -> Any:
     """The LogprobCapabilities for 'prompt_logprobs' / 'output_logprobs'; skip when unsupported."""
     caps = getattr(t.caps, which)
     if not t.caps.HasField(which) or not caps.supported:
-        skip(f"{which} not advertised as supported")
+        not_claimed(f"{which} not advertised as supported")
     return caps
 
 
@@ -195,7 +195,7 @@ def logprobs_after_temperature(t: Target) -> str:
     """L6: at temperature T, log p_T(a) - log p_T(b) = (log p_1(a) - log p_1(b)) / T."""
     caps = _caps(t, "output_logprobs")
     if TOP_N not in caps.candidate_selection_modes:
-        skip("top_n candidates not advertised (needed to compare distributions)")
+        not_claimed("top_n candidates not advertised (needed to compare distributions)")
 
     def first_position(temperature: float) -> dict[int, float]:
         req = _lp_request(t, "l6", output_lp=True, max_tokens=1, temperature=temperature)

@@ -25,7 +25,7 @@ import grpc
 
 from refengine.conformance.assertions import NON_OK, expect_rejected, expect_valid
 from refengine.conformance.lora_files import ModelShape, write_random_adapter
-from refengine.conformance.registry import check, expect, fail, skip
+from refengine.conformance.registry import check, expect, fail, not_claimed, skip
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
@@ -41,9 +41,9 @@ def _need_lora(t: Target, files: bool = True) -> None:
     """Skip unless LoRA is advertised and (``files``) adapters can be written for the target."""
     flag = _flag(t)
     if flag is None:
-        skip("ModelInfo.supports_lora is not reported")
+        not_claimed("ModelInfo.supports_lora is not reported")
     if not flag:
-        skip("supports_lora = false (the disabled server is checked by R5 and R6)")
+        not_claimed("supports_lora = false (the disabled server is checked by R5 and R6)")
     if files and not (t.options.lora_dir and t.options.lora_model_config):
         skip("needs adapter files the target can read: run with --lora-dir DIR (inside the target's LoRA root) "
              "and --lora-model-config FILE (the served model's config.json)")
@@ -255,9 +255,9 @@ def disabled_lifecycle(t: Target) -> str:
     FAILED_PRECONDITION (skips where LoRA is supported)."""
     flag = _flag(t)
     if flag is None:
-        skip("ModelInfo.supports_lora is not reported: cannot tell whether LoRA is disabled")
+        not_claimed("ModelInfo.supports_lora is not reported: cannot tell whether LoRA is disabled")
     if flag:
-        skip("LoRA is supported (supports_lora = true): nothing disabled to check")
+        not_claimed("LoRA is supported (supports_lora = true): nothing disabled to check")
     for method, got in _disabled_calls(t):
         expect_code(got, grpc.StatusCode.FAILED_PRECONDITION, f"{method} with LoRA disabled")
     return "LoadLora, UnloadLora, ListLoras → FAILED_PRECONDITION"
@@ -270,7 +270,7 @@ def supports_lora_means_it(t: Target) -> str:
     with lora_name is refused before acceptance."""
     flag = _flag(t)
     if flag is None:
-        skip("ModelInfo.supports_lora is not reported")
+        not_claimed("ModelInfo.supports_lora is not reported")
     cap = t.server_info.capacity
     max_loras = cap.max_loras if cap.HasField("max_loras") else None
     if not flag:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from refengine.conformance.assertions import NON_OK, expect_finish, expect_rejected, expect_valid, stream_violations
-from refengine.conformance.registry import check, expect, fail, skip
+from refengine.conformance.registry import check, expect, fail, not_claimed, skip
 from refengine.conformance.target import StreamResult, Target
 from refengine.protocol import oe
 
@@ -128,7 +128,7 @@ def multimodal_validated(t: Target) -> str:
     accepts a sample or refuses it before acceptance, never after."""
     mm = _multimodal(t)
     if mm is None:
-        skip("supports_multimodal is not reported")
+        not_claimed("supports_multimodal is not reported")
     outcomes: dict[str, list[str]] = {"accepted": [], "refused": []}
     for what, spec in SAMPLES.items():
         res = t.generate(_with_media(t, "d9", spec))
@@ -149,7 +149,7 @@ def media_refused_when_unsupported(t: Target) -> str:
     """G19: media the model cannot take is refused before acceptance with a non-OK status
     (ref: INVALID_ARGUMENT), alone, several at once, or mixed with a valid text prompt."""
     if _multimodal(t) is not False:
-        skip("the model does not say supports_multimodal = false; which modality or source a multimodal model "
+        not_claimed("the model does not say supports_multimodal = false; which modality or source a multimodal model "
              "refuses is not advertised, so an unsupported one cannot be picked (D9 checks validation timing)")
     cases = [(what, (spec,)) for what, spec in SAMPLES.items()]
     cases.append(("two images (url, then bytes)", (SAMPLES["image by url"], SAMPLES["image as inline bytes"])))
@@ -184,7 +184,7 @@ PLACEHOLDER_FLAG = "--media-placeholder-token-id"
 def _placeholder(t: Target) -> int:
     """The model's image placeholder token id; skips unless supports_multimodal = true and it is given."""
     if not _multimodal(t):
-        skip("the model does not say supports_multimodal = true")
+        not_claimed("the model does not say supports_multimodal = true")
     token = t.options.media_placeholder_token_id
     if token is None:
         skip(f"the model's image placeholder token id is not known: pass {PLACEHOLDER_FLAG} N "

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from refengine.conformance.assertions import expect_rejected, expect_valid
-from refengine.conformance.registry import check, expect, skip
+from refengine.conformance.registry import check, expect, not_claimed
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
@@ -75,7 +75,7 @@ def model_aliases(t: Target) -> str:
     describes it and Generate(model=alias) gives the primary name's greedy output."""
     primary, aliases = t.model_info.served_model_name, list(t.model_info.served_model_aliases)
     if not aliases:
-        skip("ModelInfo.served_model_aliases is empty: no alias to check")
+        not_claimed("ModelInfo.served_model_aliases is empty: no alias to check")
     _alias_shape(primary, aliases)
     base = _greedy(t, primary)
     for alias in aliases:

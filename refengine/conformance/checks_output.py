@@ -106,8 +106,14 @@ def request_id_echo(t: Target) -> str:
 
 @check("G10", "TokenOutput and GenerationFinished always carry output_index (also 0), within range")
 def output_index(t: Target) -> str:
-    """G10: output_index presence (proto3 optional) and range."""
+    """G10 for one output: output_index present (proto3 optional, also 0) on every token and finish."""
     expect_valid(t.generate(t.request("g10", max_tokens=3)))  # presence for index 0 via stream_violations
+    return "index 0 present"
+
+
+@check("G10", "num_sequences 3: every output_index present and within 0..2")
+def output_index_multi(t: Target) -> str:
+    """G10 for several outputs: indices present and in range (profile multi-sequence)."""
     t.need_sequences(3)
     req = t.request("g10", max_tokens=3, temperature=1.0, ignore_eos=True)
     req.sampling.num_sequences, req.sampling.seed = 3, 11
@@ -138,9 +144,18 @@ def token_deltas(t: Target) -> str:
     return f"{len(ref.token_events())} deltas for {len(ref.tokens())} tokens"
 
 
+@check("G12", "one GenerationFinished for a single output, nothing after it, never UNSPECIFIED")
+def one_finish(t: Target) -> str:
+    """G12 for one output: a successful stream ends with exactly one finish."""
+    res = expect_valid(t.generate(t.request("g12", max_tokens=4)))
+    count = len(res.of("finished"))
+    expect(count == 1, f"{count} GenerationFinished events for one output, expected one")
+    return "one finish"
+
+
 @check("G12", "one GenerationFinished per output (num_sequences > 1), nothing after it, never UNSPECIFIED")
 def one_finish_per_output(t: Target) -> str:
-    """G12: exactly one finish per output index."""
+    """G12: exactly one finish per output index (profile multi-sequence)."""
     t.need_sequences(3)
     req = t.request("g12", max_tokens=6, temperature=1.0)
     req.sampling.num_sequences, req.sampling.seed = 3, 5

@@ -17,7 +17,7 @@ from google.protobuf import json_format
 
 from refengine.conformance.assertions import expect_valid
 from refengine.conformance.checks_media import _png
-from refengine.conformance.registry import expect, fail, skip
+from refengine.conformance.registry import expect, fail, not_claimed, skip
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 from refengine.protocol.v1alpha1 import media_pb2 as media
@@ -125,9 +125,9 @@ def discover(t: Target) -> Setup:
     if not setup.target_sides and not setup.encoder_sides:
         listed = f"ServerInfo.extra[{PROFILES_KEY!r}]"
         if t.options.encoder_address:
-            skip(f"profile {PROFILE!r} {VERSION} not claimed: neither the target {t.address} nor the --encoder "
+            not_claimed(f"profile {PROFILE!r} {VERSION} not claimed: neither the target {t.address} nor the --encoder "
                  f"server {t.options.encoder_address} lists it in {listed}")
-        skip(f"profile {PROFILE!r} {VERSION} not claimed: the target {t.address} does not list it in {listed} "
+        not_claimed(f"profile {PROFILE!r} {VERSION} not claimed: the target {t.address} does not list it in {listed} "
              f"(an encoder server is named with {ENCODER_FLAG})")
     return setup
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from refengine.conformance.registry import expect, fail, skip
+from refengine.conformance.registry import expect, fail, not_claimed, skip
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
@@ -165,7 +165,7 @@ def subscribe(t: Target, include_snapshot: bool = False, start: int = 0, ranks: 
     else:
         sub.wait_end(SETTLE_S)
     if sub.code == grpc.StatusCode.UNIMPLEMENTED:
-        skip(f"SubscribeKvEvents is UNIMPLEMENTED ({sub.details!r}): no KV events")
+        not_claimed(f"SubscribeKvEvents is UNIMPLEMENTED ({sub.details!r}): no KV events")
     return sub
 
 
@@ -195,7 +195,7 @@ def generate(t: Target, prompt: str, salt: str = "") -> None:
 
 def _need_text(t: Target) -> None:
     if not t.supports_text():
-        skip("the model takes no text prompt; the KV event checks send fresh text prompts")
+        not_claimed("the model takes no text prompt; the KV event checks send fresh text prompts")
 
 
 def live_batches(t: Target, tag: str, wanted: int = 2, max_requests: int = 4) -> tuple[KvSubscriber, list[Any]]:

@@ -7,8 +7,10 @@ stubs on one channel) and ends in one of three ways:
 - returns (``None`` or a note) -> PASS,
 - raises :class:`CheckFailed` (``fail(...)``) -> FAIL, with what was observed
   versus what the rule expects,
-- raises :class:`CheckSkipped` (``skip(...)``) -> SKIP, when the server does not
-  advertise the feature the check needs (the reason says which).
+- raises :class:`CheckNotClaimed` (``not_claimed(...)``) -> NOT_CLAIMED, when the server
+  does not advertise the feature the check needs (the reason says which capability),
+- raises :class:`CheckSkipped` (``skip(...)``) -> SKIPPED, when the feature is claimed but the
+  run cannot observe it (a named target or an option is missing; the reason says which).
 
 Any other exception is reported as FAIL too (an unexpected gRPC status, a
 timeout): a conformance check never crashes the run.
@@ -48,9 +50,12 @@ _RULE_ID = re.compile(r"^([A-Z]+)(\d+)$")
 
 
 class Status(enum.Enum):
-    PASS = "PASS"
-    FAIL = "FAIL"
-    SKIP = "SKIP"
+    """A check's outcome; the values are the stable strings of the JSON report."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    NOT_CLAIMED = "not_claimed"
+    SKIP = "skipped"
 
 
 class CheckFailed(AssertionError):
@@ -58,7 +63,11 @@ class CheckFailed(AssertionError):
 
 
 class CheckSkipped(Exception):
-    """The check cannot run against this server (feature not advertised)."""
+    """The check cannot run in this run (a named target or an option is missing)."""
+
+
+class CheckNotClaimed(CheckSkipped):
+    """The server does not advertise what the check needs: nothing to hold it to."""
 
 
 def fail(message: str) -> None:
@@ -67,6 +76,10 @@ def fail(message: str) -> None:
 
 def skip(reason: str) -> None:
     raise CheckSkipped(reason)
+
+
+def not_claimed(reason: str) -> None:
+    raise CheckNotClaimed(reason)
 
 
 def expect(condition: bool, message: str) -> None:

@@ -1,22 +1,24 @@
-"""Runs checks against one server and renders the support matrix."""
+"""Runs checks against one server: discovery, claims, each check, evidence of each failure."""
 
 from __future__ import annotations
 
-import json
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
-from refengine.conformance.registry import Check, CheckFailed, CheckSkipped, Status, rule_key, select
+from refengine.conformance.profiles import PROFILES, claims, profile_of
+from refengine.conformance.registry import Check, CheckFailed, CheckNotClaimed, CheckSkipped, Status, select
 from refengine.conformance.target import Options, Target
+from refengine.protocol import oe
 
 
 @dataclass(frozen=True)
 class Result:
-    """The outcome of one check."""
+    """The outcome of one check. ``evidence``: the last exchanges of a failed check (else empty)."""
 
     rule: str
     section: str
@@ -25,63 +27,111 @@ class Result:
     status: Status
     message: str
     seconds: float
+    profile: str = ""
+    evidence: list[dict[str, Any]] = field(default_factory=list)
 
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["status"] = self.status.value
-        return d
+
+@dataclass(frozen=True)
+class ProfileClaim:
+    name: str
+    title: str
+    draft: bool
+    claimed: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """A whole run: the target, what it said about itself, its claims and every result."""
+
+    target: str
+    server: dict[str, Any]
+    profiles: list[ProfileClaim]
+    results: list[Result]
+    load: dict[str, Any] | None = None  # the load mode's counts (outcomes by kind), when it ran
+
+    def profile_status(self, name: str) -> Status:
+        """fail if any of its checks failed, else not_claimed when unclaimed, else pass."""
+        mine = [r for r in self.results if r.profile == name]
+        if any(r.status is Status.FAIL for r in mine):
+            return Status.FAIL
+        claim = next(p for p in self.profiles if p.name == name)
+        return Status.PASS if claim.claimed else Status.NOT_CLAIMED
+
+    @property
+    def failed(self) -> bool:
+        return any(r.status is Status.FAIL for r in self.results)
+
+
+def _outcome(check: Check, target: Target) -> tuple[Status, str]:
+    try:
+        note = check.fn(target)
+        return Status.PASS, note or ""
+    except CheckNotClaimed as exc:
+        return Status.NOT_CLAIMED, str(exc)
+    except CheckSkipped as exc:
+        return Status.SKIP, str(exc)
+    except CheckFailed as exc:
+        return Status.FAIL, str(exc)
+    except grpc.RpcError as exc:
+        return Status.FAIL, f"unexpected gRPC status {exc.code().name}: {exc.details()}"
+    except Exception as exc:  # noqa: BLE001 - a broken check or server must not stop the run
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return Status.FAIL, f"{type(exc).__name__}: {exc} (at {where.name}:{where.lineno})"
 
 
 def run_check(check: Check, target: Target) -> Result:
-    """Run one check; every exception becomes FAIL with its message, never a crash."""
+    """Run one check; every exception becomes FAIL with its message, never a crash. A check
+    of a profile the target does not claim is NOT_CLAIMED without running."""
+    profile = profile_of(check)
+    claimed, why = claims(target)[profile.name]
     start = time.perf_counter()
-    try:
-        note = check.fn(target)
-        status, message = Status.PASS, note or ""
-    except CheckSkipped as exc:
-        status, message = Status.SKIP, str(exc)
-    except CheckFailed as exc:
-        status, message = Status.FAIL, str(exc)
-    except grpc.RpcError as exc:
-        status, message = Status.FAIL, f"unexpected gRPC status {exc.code().name}: {exc.details()}"
-    except Exception as exc:  # noqa: BLE001 - a broken check or server must not stop the run
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        status, message = Status.FAIL, f"{type(exc).__name__}: {exc} (at {where.name}:{where.lineno})"
+    evidence: list[dict[str, Any]] = []
+    if not claimed:
+        status, message = Status.NOT_CLAIMED, f"profile {profile.name} not claimed: {why}"
+    else:
+        target.rule = check.rule
+        target.exchanges.clear()
+        try:
+            status, message = _outcome(check, target)
+        finally:
+            target.rule = ""
+        if status is Status.FAIL:
+            evidence = target.exchanges.render()
     return Result(check.rule, check.section, check.title, check.name, status, message,
-                  time.perf_counter() - start)
+                  time.perf_counter() - start, profile.name, evidence)
 
 
-def run(address: str, rules: Iterable[str] | None = None, options: Options | None = None,
-        on_result: Callable[[Result], None] | None = None) -> list[Result]:
-    """Connect to ``address``, run the selected checks in RULES.md order, return results."""
-    checks = select(list(rules) if rules else None)
-    results = []
+def server_facts(target: Target) -> dict[str, Any]:
+    """The discovery facts a report states: who answered, what it serves, its revision."""
+    info, model = target.server_info, target.model_info
+    return {"engine_name": info.engine_name, "engine_version": info.engine_version,
+            "engine_role": _role_name(info.engine_role),
+            "schema_revision": info.schema_revision, "schema_release": info.schema_release,
+            "supported_models": list(info.supported_models), "model": target.model,
+            "model_id": model.model_id}
+
+
+def _role_name(role: int) -> str:
+    return oe.EngineRole.Name(role) if role in oe.EngineRole.values() else str(role)
+
+
+def run_report(address: str, checks: Iterable[Check], options: Options | None = None,
+               on_result: Callable[[Result], None] | None = None) -> Report:
+    """Connect to ``address``, discover its claims, run ``checks`` in order."""
     with Target(address, options) as target:
+        claimed = claims(target)
+        profiles = [ProfileClaim(p.name, p.title, p.draft, *claimed[p.name]) for p in PROFILES]
+        results = []
         for chk in checks:
             result = run_check(chk, target)
             results.append(result)
             if on_result is not None:
                 on_result(result)
-    return results
+        return Report(address, server_facts(target), profiles, results)
 
 
-def format_matrix(results: list[Result], width: int = 110) -> str:
-    """A markdown table: rule, section, title, status, message (truncated to ``width``)."""
-    rows = ["| rule | section | check | status | message |", "|---|---|---|---|---|"]
-    for r in results:
-        message = r.message.replace("|", "\\|").replace("\n", " ")
-        if len(message) > width:
-            message = message[: width - 1] + "…"
-        rows.append(f"| {r.rule} | {r.section} | {r.title} | {r.status.value} | {message} |")
-    counts = {s: sum(1 for r in results if r.status is s) for s in Status}
-    rules = {r.rule for r in results}
-    failed_rules = sorted({r.rule for r in results if r.status is Status.FAIL}, key=rule_key)
-    rows.append("")
-    rows.append(f"{len(results)} checks over {len(rules)} rules: {counts[Status.PASS]} PASS, "
-                f"{counts[Status.FAIL]} FAIL, {counts[Status.SKIP]} SKIP"
-                + (f"; failing rules: {', '.join(failed_rules)}" if failed_rules else ""))
-    return "\n".join(rows)
-
-
-def to_json(results: list[Result], address: str) -> str:
-    return json.dumps({"target": address, "results": [r.as_dict() for r in results]}, indent=2)
+def run(address: str, rules: Iterable[str] | None = None, options: Options | None = None,
+        on_result: Callable[[Result], None] | None = None) -> list[Result]:
+    """Connect to ``address``, run the selected checks in RULES.md order, return results."""
+    return run_report(address, select(list(rules) if rules else None), options, on_result).results

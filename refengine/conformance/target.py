@@ -22,7 +22,8 @@ from typing import Any
 import grpc
 
 from refengine.conformance.enums import EnumLog
-from refengine.conformance.registry import CheckFailed, skip
+from refengine.conformance.evidence import ExchangeLog
+from refengine.conformance.registry import CheckFailed, not_claimed
 from refengine.protocol import oe
 
 Metadata = Sequence[tuple[str, str]]
@@ -71,6 +72,7 @@ class StreamResult:
     """Everything one Generate call produced: the events in order and the final status."""
 
     request_id: str
+    rule: str = ""  # the rule of the check that sent it: the structural rule it is judged by
     events: list[Any] = field(default_factory=list)  # oe.GenerateResponse
     times: list[float] = field(default_factory=list)  # perf_counter() of each event
     code: grpc.StatusCode = grpc.StatusCode.OK
@@ -130,6 +132,8 @@ class Target:
         self.idle_used_kv_blocks: int | None = None
         self.enums = EnumLog()  # X4: every enum value received, whichever check caused it
         self.engine_errors: list[Any] = []  # X3: every EngineError event received (append is thread-safe)
+        self.rule = ""  # the rule of the check running now (set by the runner): streams are judged by it
+        self.exchanges = ExchangeLog()  # the latest RPCs of the running check: a failure's evidence
 
     # -- lifecycle -------------------------------------------------------------
     def connect(self) -> Target:
@@ -169,9 +173,9 @@ class Target:
     def need_sequences(self, n: int) -> None:
         """Skip unless num_sequences = n is advertised."""
         if self.max_num_sequences is None:
-            skip("max_num_sequences is not advertised")
+            not_claimed("max_num_sequences is not advertised")
         if self.max_num_sequences < n:
-            skip(f"needs num_sequences={n}, max_num_sequences is {self.max_num_sequences}")
+            not_claimed(f"needs num_sequences={n}, max_num_sequences is {self.max_num_sequences}")
 
     def supports_text(self) -> bool:
         return not (self.model_info.HasField("supports_text_input") and not self.model_info.supports_text_input)
@@ -229,7 +233,7 @@ class Target:
 
         ``on_event(result, event, call)`` runs after each event; returning True cancels
         the call (the status is then CANCELLED, as the client sees it)."""
-        result = StreamResult(request_id=req.request_id, started=time.perf_counter())
+        result = StreamResult(request_id=req.request_id, rule=self.rule, started=time.perf_counter())
         call = self.inference.Generate(req, metadata=metadata, timeout=timeout or self.options.stream_timeout_s)
         try:
             for event in call:
@@ -241,9 +245,10 @@ class Target:
                     break
         except grpc.RpcError as err:
             result.code, result.details = err.code(), err.details() or ""
-            return result
-        result.code = call.code() or grpc.StatusCode.OK
-        result.details = call.details() or ""
+        else:
+            result.code = call.code() or grpc.StatusCode.OK
+            result.details = call.details() or ""
+        self.exchanges.record("Generate", req, result)
         return result
 
     def generate_async(self, req: Any, metadata: Metadata | None = None, timeout: float | None = None,
@@ -260,7 +265,12 @@ class Target:
 
     def unary(self, method: str, request: Any, metadata: Metadata | None = None) -> Any:
         """Call a Control RPC by name with the run's deadline."""
-        response = getattr(self.control, method)(request, metadata=metadata, timeout=self.options.rpc_timeout_s)
+        try:
+            response = getattr(self.control, method)(request, metadata=metadata, timeout=self.options.rpc_timeout_s)
+        except grpc.RpcError as err:
+            self.exchanges.record(method, request, err.code(), err.details() or "")
+            raise
+        self.exchanges.record(method, request, response)
         self.enums.observe(response)
         return response
 

@@ -63,7 +63,7 @@ def test_guided_checks_skip_without_guided_decoding() -> None:
         engine.running = False
     assert results["D4:caps_guided"].status is Status.PASS, results["D4:caps_guided"]
     assert results["D4:guided_backend_without_guide"].status is Status.PASS
-    skipped = {n for n, r in results.items() if r.status is Status.SKIP and "not supported" in r.message}
+    skipped = {n for n, r in results.items() if r.status is Status.NOT_CLAIMED and "not supported" in r.message}
     assert skipped == set(GUIDED_CHECKS) - {"D4:caps_guided", "D4:guided_backend_without_guide"}, results
 
 
@@ -206,24 +206,26 @@ def test_retryable_fine(err: object) -> None:
 def test_cli_matrix_json_and_exit_code(toy_address: str, tmp_path) -> None:  # noqa: ANN001
     out = tmp_path / "matrix.json"
     proc = subprocess.run([sys.executable, "-m", "refengine.conformance", toy_address, "--rules", "D1,G1,A",
-                           "--json", str(out), "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                           "--json", str(out), "--format", "markdown", "--quiet"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| D1 | D |" in proc.stdout and "| A5 | A |" in proc.stdout
+    assert "| D1 | pass |" in proc.stdout and "| A5 | pass |" in proc.stdout
     data = json.loads(out.read_text())
     assert {r["rule"] for r in data["results"]} == {"D1", "G1", "A1", "A2", "A3", "A4", "A5"}
-    assert all(r["status"] == "PASS" for r in data["results"])
+    assert all(r["status"] == "pass" and r["evidence"] == [] for r in data["results"])
 
 
 def test_cli_exits_nonzero_on_failure(tmp_path) -> None:  # noqa: ANN001
     server, address, engine = serve(Faults(leak_stop=True))
     try:
-        proc = subprocess.run([sys.executable, "-m", "refengine.conformance", address, "--rules", "G14", "--quiet"],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-m", "refengine.cli", "conformance", "--target", address,
+                               "--rules", "G14", "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=120)
     finally:
         server.stop(0)
         engine.running = False
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "| G14 | G |" in proc.stdout and "FAIL" in proc.stdout
+    assert "[fail] profile core" in proc.stdout and "fail        G14:stop_string_held_back" in proc.stdout
+    assert "evidence: {\"rpc\": \"Generate\"" in proc.stdout, proc.stdout  # what was sent, what came back
 
 
 def test_registry_selection() -> None:
@@ -263,7 +265,7 @@ def test_enc_checks_skip_as_not_claimed(toy_address: str) -> None:
             results = run(toy_address, ["ENC"], options)
             assert [r.name for r in results] == [c.name for c in ENC_CHECKS]
             wrong = [f"{r.name}: {r.status.value} {r.message}" for r in results
-                     if r.status is not Status.SKIP or "not claimed" not in r.message]
+                     if r.status is not Status.NOT_CLAIMED or "not claimed" not in r.message]
             assert not wrong, (options, wrong)
             hint = options.encoder_address or "--encoder HOST:PORT"  # the --encoder server, or how to name one
             assert hint in results[0].message, results[0].message
@@ -283,8 +285,8 @@ def test_cli_encoder_flag(toy_address: str) -> None:
                            "--encoder", toy_address, "--media-placeholder-token-id", "7", "--quiet"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| ENC1 | ENC |" in proc.stdout and "not claimed" in proc.stdout
-    assert f"0 FAIL, {len(ENC_CHECKS)} SKIP" in proc.stdout, proc.stdout
+    assert "ENC1:profile_listed" in proc.stdout and "not claimed" in proc.stdout
+    assert f"0 fail, {len(ENC_CHECKS)} not claimed" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,8 @@ import pytest
 
 from refengine.client import OpenEngineClient, generate_disaggregated, prefill
 from refengine.conformance.registry import Status
-from refengine.conformance.runner import format_matrix, run
+from refengine.conformance.report import format_matrix
+from refengine.conformance.runner import run
 from refengine.conformance.target import Options
 from refengine.kv.transfer.nixl_backend import nixl_available
 from refengine.protocol import oe

@@ -1,0 +1,123 @@
+"""The conformance command line, shared by ``refengine conformance`` and
+``python -m refengine.conformance``.
+
+    refengine conformance --target HOST:PORT [--profile P ...] [--rules G1,L] [--format text|markdown|json]
+                          [--prefill HOST:PORT --decode HOST:PORT] [--encoder HOST:PORT] [--load N --duration S]
+
+Exit status: 0 when nothing failed, 1 when a check (or the load run) failed, 2 on a bad
+command line or when the target cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+from refengine.conformance.load import LoadOptions, run_load
+from refengine.conformance.profiles import BY_NAME, checks_of
+from refengine.conformance.registry import select
+from refengine.conformance.release import RELEASE
+from refengine.conformance.report import FORMATS, render
+from refengine.conformance.runner import Result, run_report
+from refengine.conformance.target import Options
+
+DESCRIPTION = (f"Check an {RELEASE} server against contract/RULES.md and the draft profiles of docs/profiles/; "
+               "print a support matrix per profile and per rule.")
+
+
+def add_arguments(parser: argparse.ArgumentParser, positional: bool = False) -> None:
+    if positional:  # python -m refengine.conformance HOST:PORT (the older form)
+        parser.add_argument("address", nargs="?", default="", help="HOST:PORT of the server (or --target)")
+    parser.add_argument("--target", default="", metavar="HOST:PORT", help="the server under test")
+    parser.add_argument("--profile", action="append", default=[], choices=list(BY_NAME),
+                        help="run only this profile's checks (repeatable; default: every profile)")
+    parser.add_argument("--rules", default="", help="comma-separated rule ids or sections (e.g. G1,G14,L,ENC)")
+    parser.add_argument("--format", choices=FORMATS, default="text", help="report format on stdout")
+    parser.add_argument("--json", metavar="PATH", help="also write the JSON report to PATH")
+    parser.add_argument("--model", default="", help="model to test (default: the first supported model)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="deadline of one Generate stream, s")
+    parser.add_argument("--rpc-timeout", type=float, default=10.0, help="deadline of one unary RPC, s")
+    _add_target_arguments(parser)
+    load = parser.add_argument_group("load mode (off unless --load is given)")
+    load.add_argument("--load", type=int, default=0, metavar="N",
+                      help="after the checks, N concurrent streams with random cancellations and malformed "
+                      "requests; then the target must be idle with no used KV block")
+    load.add_argument("--duration", type=float, default=10.0, metavar="S", help="how long the load runs, s")
+    load.add_argument("--seed", type=int, default=0, help="seed of the load's random choices")
+    parser.add_argument("--quiet", action="store_true", help="no per-check progress lines on stderr")
+
+
+def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    named = parser.add_argument_group("named targets and knobs of particular checks")
+    named.add_argument("--prefill", default="", metavar="HOST:PORT",
+                       help="profiles prefill/decode (K4-K10): a PREFILL server, with --decode")
+    named.add_argument("--decode", default="", metavar="HOST:PORT", help="a DECODE server (with --prefill)")
+    named.add_argument("--encoder", default="", metavar="HOST:PORT",
+                       help="profile encoder (ENC1-ENC15): an encoder server whose embedding handles the target "
+                       "consumes (default: the target itself when it is an encoder)")
+    named.add_argument("--lora-dir", default="", metavar="DIR",
+                       help="profile lora: a directory inside the target's LoRA root where the checks write small "
+                       "PEFT adapters")
+    named.add_argument("--lora-model-config", default="", metavar="FILE",
+                       help="profile lora: the served model's Hugging Face config.json (the adapters' shapes)")
+    named.add_argument("--media-placeholder-token-id", type=int, default=None, metavar="N",
+                       help="profiles multimodal/encoder: the model's image placeholder token id")
+    named.add_argument("--slow-reader-seconds", type=float, default=0.0,
+                       help="X1/X3: stall one stream this long (above the server's stall timeout) to provoke a "
+                       "failure after acceptance (default 0: not tried)")
+    named.add_argument("--slow-reader-extra", default="{}", metavar="JSON",
+                       help="GenerateRequest.extra (a JSON object) of the stalled stream")
+    named.add_argument("--known-extra-keys", default="{}", metavar="JSON",
+                       help='G8: known extra keys and their JSON types, e.g. {"my.knob": "number"}')
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    return Options(model=args.model, stream_timeout_s=args.timeout, rpc_timeout_s=args.rpc_timeout,
+                   slow_reader_s=args.slow_reader_seconds, slow_reader_extra=json.loads(args.slow_reader_extra),
+                   known_extra_keys=json.loads(args.known_extra_keys), prefill_address=args.prefill,
+                   decode_address=args.decode, lora_dir=args.lora_dir, lora_model_config=args.lora_model_config,
+                   media_placeholder_token_id=args.media_placeholder_token_id, encoder_address=args.encoder)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    address = args.target or getattr(args, "address", "")
+    if not address:
+        print("conformance: error: name the server with --target HOST:PORT", file=sys.stderr)
+        return 2
+    try:
+        rules = [r for r in args.rules.split(",") if r.strip()]
+        checks = select(rules or None)
+        if args.profile:
+            wanted = {c.name for c in checks_of(args.profile)}
+            checks = [c for c in checks if c.name in wanted]
+    except ValueError as err:
+        print(f"conformance: error: {err}", file=sys.stderr)
+        return 2
+
+    def progress(r: Result) -> None:
+        if not args.quiet:
+            print(f"{r.status.value:11} {r.name:45} {r.seconds:6.2f}s  {r.message[:90]}", file=sys.stderr, flush=True)
+
+    options = options_from_args(args)
+    try:
+        report = run_report(address, checks, options, on_result=progress)
+    except grpc.FutureTimeoutError:
+        print(f"conformance: error: cannot connect to {address} within {options.rpc_timeout_s:.0f} s",
+              file=sys.stderr)
+        return 2
+    if args.load:
+        report = run_load(report, address, options, LoadOptions(args.load, args.duration, args.seed))
+    print(render(report, args.format))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(render(report, "json") + "\n")
+    return 1 if report.failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m refengine.conformance", description=DESCRIPTION)
+    add_arguments(parser, positional=True)
+    return run_command(parser.parse_args(argv))
