@@ -41,6 +41,7 @@ class Profile:
     title: str
     members: tuple[str, ...]
     claim: Callable[[Target], Claim]
+    claimed_when: str  # what ``claim`` asks, in words (the docs' table)
     draft: bool = False  # a draft profile of docs/profiles/ (its own proto package and rule ids)
 
 
@@ -132,23 +133,29 @@ GUIDED_CHECKS = ("D4:guided_backends_honoured", "D4:guided_modes_honoured", "G13
 PROFILES: tuple[Profile, ...] = (
     Profile("core", "discovery, request metadata, Generate, abort, health, errors; refusal of what is not "
             "advertised", ("D", "M", "G", "A", "H", "X", "R5:disabled_lifecycle", "R6:supports_lora_means_it"),
-            _always),
-    Profile("load", "GetLoad: counts, presence, back to idle", ("H4",), _load),
-    Profile("logprobs", "prompt and output logprobs, candidates", ("L",), _logprobs),
+            _always, "always"),
+    Profile("load", "GetLoad: counts, presence, back to idle", ("H4",), _load, "GetLoad answers OK"),
+    Profile("logprobs", "prompt and output logprobs, candidates", ("L",), _logprobs,
+            "output_logprobs or prompt_logprobs supported"),
     Profile("multi-sequence", "num_sequences > 1", ("G10:output_index_multi", "G12:one_finish_per_output"),
-            _multi_sequence),
-    Profile("guided", "guided decoding: advertised modes and backends honoured", GUIDED_CHECKS, _guided),
-    Profile("lora", "LoRA lifecycle and per-request adapters", ("R",), _flag("supports_lora")),
-    Profile("kv-events", "KV events: SubscribeKvEvents, GetKvEventSources", ("E",), _kv_events),
+            _multi_sequence, "max_num_sequences >= 2"),
+    Profile("guided", "guided decoding: advertised modes and backends honoured", GUIDED_CHECKS, _guided,
+            "guided_decoding supported with at least one mode"),
+    Profile("lora", "LoRA lifecycle and per-request adapters", ("R",), _flag("supports_lora"),
+            "supports_lora = true"),
+    Profile("kv-events", "KV events: SubscribeKvEvents, GetKvEventSources", ("E",), _kv_events,
+            "GetKvEventSources or SubscribeKvEvents implemented"),
     Profile("prefill", "PREFILL role: PrefillReady, sessions held and released", ("K4", "K6", "K7"),
-            _role(oe.ENGINE_ROLE_PREFILL, "prefill_address", "--prefill")),
+            _role(oe.ENGINE_ROLE_PREFILL, "prefill_address", "--prefill"),
+            "the target is PREFILL, or a --prefill server is named"),
     Profile("decode", "DECODE role: sessions validated and decoded, equal to aggregated",
-            ("K5", "K8", "K9", "K10"), _role(oe.ENGINE_ROLE_DECODE, "decode_address", "--decode")),
+            ("K5", "K8", "K9", "K10"), _role(oe.ENGINE_ROLE_DECODE, "decode_address", "--decode"),
+            "the target is DECODE, or a --decode server is named"),
     Profile("multimodal", "media input: images accepted and validated",
             ("D9:multimodal_image_accepted", "G19:media_malformed_image_refused",
-             "G19:media_placeholder_mismatch_refused"), _flag("supports_multimodal")),
+             "G19:media_placeholder_mismatch_refused"), _flag("supports_multimodal"), "supports_multimodal = true"),
     Profile("encoder", "draft profile encoder v1alpha1 (docs/profiles/encoder.md)", ("ENC",), _encoder,
-            draft=True),
+            "the target or the --encoder server lists it in ServerInfo.extra['refengine.profiles']", draft=True),
 )
 BY_NAME = {p.name: p for p in PROFILES}
 

@@ -20,6 +20,7 @@ from refengine.conformance import Options, Status, Target, all_checks, run_check
 from refengine.conformance.registry import PROFILE_PAGES, Check, rules_in
 from refengine.server.convert import EXTRA_STALL_TIMEOUT, EXTRA_STREAM_BUFFER
 from tests.integration.conftest import ServerProcess
+from tests.support_matrix import observe
 
 REPO = Path(__file__).resolve().parents[2]
 RULES_PATHS = [Path("/work/shared/contract/RULES.md"), REPO / "contract" / "RULES.md",
@@ -53,6 +54,8 @@ def target(conformance_address: str, conformance_lora: dict[str, str]) -> Iterat
 @pytest.mark.parametrize("chk", CHECKS, ids=[c.name for c in CHECKS])
 def test_rule(chk: Check, target: Target) -> None:
     result = run_check(chk, target)
+    if not os.environ.get("OECONF_TARGET"):
+        observe("aggregated", result)
     if result.status in (Status.SKIP, Status.NOT_CLAIMED):
         pytest.skip(f"{chk.rule}: {result.status.value}: {result.message}")
     assert result.status is Status.PASS, f"{chk.rule} ({chk.title}): {result.message}"
@@ -77,6 +80,7 @@ def lora_off_target(request: pytest.FixtureRequest, conformance_lora: dict[str, 
 def test_rule_lora_disabled(chk: Check, lora_off_target: Target) -> None:
     assert lora_off_target.model_info.supports_lora is False, "the shared server is expected to run without LoRA"
     result = run_check(chk, lora_off_target)
+    observe("lora-off", result)
     want = Status.PASS if chk.name in LORA_OFF_PASS else Status.NOT_CLAIMED
     assert result.status is want, f"{chk.rule} ({chk.title}) with LoRA disabled: {result.status.value} {result.message}"
     if want is Status.NOT_CLAIMED:

@@ -31,6 +31,7 @@ from refengine.kv.transfer.nixl_backend import nixl_available
 from refengine.protocol import oe
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
 from tests.integration.conftest import ServerProcess, Stream, free_port, start_server, wait_ready
+from tests.support_matrix import observe
 
 pytestmark = pytest.mark.timeout(900)
 SESSION_TTL_S = 6.0
@@ -352,6 +353,8 @@ def test_conformance_section_k_passes_on_the_pair(servers, server_address: str) 
     options = Options(prefill_address=servers["prefill"].address, decode_address=servers["decode"].address)
     results = run(server_address, ["K4", "K5", "K6", "K7", "K8", "K9", "K10"], options)
     print("\n" + format_matrix(results))
+    for result in results:
+        observe("prefill+decode", result)
     assert len(results) == 7 and all(r.status is Status.PASS for r in results), format_matrix(results)
 
 

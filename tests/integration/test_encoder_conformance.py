@@ -14,6 +14,7 @@ import pytest
 from refengine.conformance import Options, Status, format_matrix, run, select
 from tests import tiny_llava
 from tests.integration.conftest import ServerProcess, start_server, wait_ready
+from tests.support_matrix import observe
 from tests.tiny_llava import TinyLlava
 
 pytestmark = pytest.mark.timeout(600)
@@ -51,6 +52,8 @@ def test_enc_checks_pass_against_a_consumer(servers: dict[str, ServerProcess]) -
     results = run(servers["aggregated"].address, ["ENC"], options)
     matrix = format_matrix(results)
     print("\n" + matrix)
+    for result in results:
+        observe("encoder+consumer", result)
     assert {r.name for r in results} == ENC_CHECKS
     assert all(r.status is Status.PASS for r in results), matrix
 
@@ -62,6 +65,8 @@ def test_enc_checks_against_the_encoder_itself(servers: dict[str, ServerProcess]
     results = run(servers["encoder"].address, ["ENC"], options)
     matrix = format_matrix(results)
     print("\n" + matrix)
+    for result in results:
+        observe("encoder", result)
     by_name = {r.name: r for r in results}
     assert set(by_name) == ENC_CHECKS
     passed = {n for n, r in by_name.items() if r.status is Status.PASS}

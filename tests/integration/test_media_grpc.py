@@ -26,6 +26,7 @@ from refengine.protocol import oe
 from refengine.types import GenerationRequest, MediaInput, SamplingParams, StoppingParams
 from tests import tiny_llava
 from tests.integration.conftest import ServerProcess, check_stream, collect, running_server
+from tests.support_matrix import observe
 from tests.tiny_llava import IMAGE_TOKEN, NUM_IMAGE_TOKENS, TinyLlava, png, prompt_with
 
 IMAGES = [png(1, (56, 56)), png(2, (80, 64))]
@@ -206,6 +207,7 @@ def test_conformance_media_checks_pass(target: Target, name: str) -> None:
     """The suite's media checks against this server, given its placeholder: PASS, not SKIP."""
     (chk,) = [c for c in all_checks() if c.name == name]
     result = run_check(chk, target)
+    observe("multimodal", result)
     assert result.status is Status.PASS, f"{chk.name}: {result.status.value} {result.message}"
 
 
