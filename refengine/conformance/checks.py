@@ -18,5 +18,6 @@ from refengine.conformance import (  # noqa: F401
     checks_metadata,
     checks_models,
     checks_output,
+    checks_prefix_cache,
     checks_stopping,
 )

@@ -100,6 +100,15 @@ def _kv_events(t: Target) -> Claim:
     return True, "SubscribeKvEvents is implemented"
 
 
+def _prefix_cache(t: Target) -> Claim:
+    res = t.generate(t.request("claim", max_tokens=1))
+    usage = res.usage()
+    if not res.ok or usage is None:
+        return False, f"a one-token Generate gave no usage ({res.describe()})"
+    reported = usage.HasField("cached_prompt_tokens")
+    return reported, f"Usage.cached_prompt_tokens is {'' if reported else 'not '}reported"
+
+
 def _role(role: int, option: str, flag: str) -> Callable[[Target], Claim]:
     name = oe.EngineRole.Name(role).removeprefix("ENGINE_ROLE_")
 
@@ -145,6 +154,8 @@ PROFILES: tuple[Profile, ...] = (
             "supports_lora = true"),
     Profile("kv-events", "KV events: SubscribeKvEvents, GetKvEventSources", ("E",), _kv_events,
             "GetKvEventSources or SubscribeKvEvents implemented"),
+    Profile("prefix-cache", "prefix-cache reuse reported, bypassed, namespaced by salt", ("K1", "K2", "K3"),
+            _prefix_cache, "Usage.cached_prompt_tokens is reported"),
     Profile("prefill", "PREFILL role: PrefillReady, sessions held and released", ("K4", "K6", "K7"),
             _role(oe.ENGINE_ROLE_PREFILL, "prefill_address", "--prefill"),
             "the target is PREFILL, or a --prefill server is named"),

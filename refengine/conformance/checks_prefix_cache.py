@@ -1,0 +1,82 @@
+"""Section K, the prefix cache (K1–K3): reuse is reported, can be bypassed, and is namespaced by salt.
+
+What a client can see of a prefix cache is ``Usage.cached_prompt_tokens``. Every check sends
+a prompt no earlier request began with (its first block is unique) so that its first run
+cannot be a hit, then repeats it. A server may have no prefix cache, or evict between two
+requests: a repeat served from nothing is then not a violation, and the parts that need a hit
+are skipped, saying so. What is always a violation: a hit on a prompt never seen (K3), a hit
+through ``bypass_prefix_cache`` (K1), a hit across different salts (K2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refengine.conformance.assertions import expect_valid
+from refengine.conformance.kv_subscriber import fresh_prompt
+from refengine.conformance.registry import check, expect, not_claimed, skip
+from refengine.conformance.target import Target
+
+
+def _cached(t: Target, prompt: str, what: str, salt: str = "", bypass: bool = False) -> int:
+    """Send ``prompt`` (greedy, 2 tokens); its ``cached_prompt_tokens`` (checked ≤ prompt_tokens)."""
+    req = t.request("k", prompt=prompt, max_tokens=2)
+    if salt:
+        req.kv.cache_salt = salt
+    if bypass:
+        req.kv.bypass_prefix_cache = True
+    usage: Any = expect_valid(t.generate(req), what=what).usage()
+    if usage is None or not usage.HasField("cached_prompt_tokens"):
+        not_claimed("Usage.cached_prompt_tokens is not reported: prefix-cache reuse cannot be observed")
+    expect(0 <= usage.cached_prompt_tokens <= usage.prompt_tokens,
+           f"{what}: cached_prompt_tokens {usage.cached_prompt_tokens} outside 0..prompt_tokens {usage.prompt_tokens}")
+    return usage.cached_prompt_tokens
+
+
+def _need_text(t: Target) -> None:
+    if not t.supports_text():
+        not_claimed("the model takes no text prompt; the prefix-cache checks send fresh text prompts")
+
+
+@check("K3", "cached_prompt_tokens: 0 for a prompt never seen, the reused prefix for its repeat")
+def cached_prompt_tokens(t: Target) -> str:
+    """K3: a fresh prompt is served from nothing; its repeat reports the cached prefix."""
+    _need_text(t)
+    prompt = fresh_prompt(t, "k3")
+    first = _cached(t, prompt, "a prompt never seen")
+    expect(first == 0, f"a prompt no request began with reported cached_prompt_tokens {first}; expected 0")
+    again = _cached(t, prompt, "the same prompt again")
+    if again == 0:
+        skip("the repeat was not served from cache (no prefix cache, or evicted): nothing more to observe")
+    return f"fresh 0, repeat {again} cached"
+
+
+@check("K1", "bypass_prefix_cache: no reuse for that request; the prompt can still be reused after")
+def bypass_skips_reuse(t: Target) -> str:
+    """K1: a bypassing repeat reports 0 cached tokens; a later plain repeat may hit."""
+    _need_text(t)
+    if not t.caps.supports_prefix_cache_bypass:
+        not_claimed("supports_prefix_cache_bypass is not advertised")
+    prompt = fresh_prompt(t, "k1")
+    _cached(t, prompt, "the prompt, first time")
+    bypassed = _cached(t, prompt, "the prompt again with bypass_prefix_cache", bypass=True)
+    expect(bypassed == 0, f"bypass_prefix_cache = true reported cached_prompt_tokens {bypassed}; expected 0")
+    plain = _cached(t, prompt, "the prompt again without bypass")
+    return f"bypass 0 cached; a plain repeat {plain} cached"
+
+
+@check("K2", "cache_salt: equal prompts with different salts share no cached block")
+def salt_namespaces(t: Target) -> str:
+    """K2: salt A caches; salt B and no salt see nothing of it; salt A again may hit."""
+    _need_text(t)
+    if not t.caps.supports_cache_salt:
+        not_claimed("supports_cache_salt is not advertised")
+    prompt = fresh_prompt(t, "k2")
+    salt_a, salt_b = f"{t.new_id('salt-a')}", f"{t.new_id('salt-b')}"
+    _cached(t, prompt, "salt A, first time", salt=salt_a)
+    for what, salt in (("salt B", salt_b), ("no salt", "")):
+        other = _cached(t, prompt, f"the prompt with {what}", salt=salt)
+        expect(other == 0, f"the prompt cached under salt A, sent with {what}, reported cached_prompt_tokens "
+                           f"{other}; different salts share no blocks")
+    same = _cached(t, prompt, "salt A again", salt=salt_a)
+    return f"salt B and no salt 0 cached; salt A again {same} cached"
