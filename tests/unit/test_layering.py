@@ -32,8 +32,9 @@ MODULE_COMPONENTS = {"refengine.encoder_client": "client",
 #: component -> the components it may import, highest layer first. ``protocol`` is the
 #: generated gRPC bindings; ``args``/``runtime`` are the entry points' config helpers.
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
-    "cli": ("server", "client", "conformance", "engine", "model", "args", "runtime", *BOTTOM),
+    "cli": ("server", "client", "conformance", "bench", "engine", "model", "args", "runtime", *BOTTOM),
     "conformance": ("protocol",),  # checks any server: never this engine's internals
+    "bench": ("client", "protocol"),
     "client": ("protocol",),  # a client for any server: no torch, no engine
     "server": ("engine", "protocol", "args", "runtime", *BOTTOM),
     "engine": ("scheduler", "kv", "lora", "multimodal", "model", "kernels", "sampling", *BOTTOM),
@@ -61,6 +62,7 @@ FORBIDDEN_EXTERNAL: dict[str, tuple[tuple[str, ...], str]] = {
     "server": (("torch",), "the server never touches tensors"),
     "client": (("torch",), "the client is for any server and needs no tensors"),
     "conformance": (("torch",), "the conformance suite checks any server over gRPC"),
+    "bench": (("torch",), "the load generator is for any server"),
     "config": (("torch",), "the server imports config and must not load torch"),
     "args": (("torch",), "the server imports args and must not load torch"),
     "types": (("torch",), "shared plain data"),

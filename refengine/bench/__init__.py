@@ -1,0 +1,8 @@
+"""``refengine bench``: a load generator for any OpenEngine v0.1.0 server, with the flags
+and metrics of vllm's ``bench serve``, so that engines can be compared through one contract.
+
+``workload`` builds the requests (random or a JSONL dataset) and their arrival times,
+``target`` asks the server what to send, ``runner`` sends them and records what each saw,
+``report`` turns the records into the metrics (the JSON keys are listed there). It talks to
+the server only through the generated stubs and ``refengine.client``.
+"""

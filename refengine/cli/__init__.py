@@ -1,0 +1,50 @@
+"""Command line: ``refengine serve``, ``generate``, ``conformance`` and ``bench``.
+
+Each subcommand lives in its own module with an ``add_*_parser`` and a ``run_*``; this
+module only assembles the parser and dispatches. Nothing imports the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from refengine.args import DefaultsHelpFormatter, add_engine_args
+from refengine.cli.bench import add_bench_parser, run_bench
+from refengine.cli.conformance import add_conformance_parser, run_conformance
+from refengine.cli.generate import add_generate_parser, run_generate
+
+__all__ = ["build_parser", "main"]  # an entry point only: import the engine flags from refengine.args
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="serve OpenEngine v0.1.0 over gRPC", formatter_class=DefaultsHelpFormatter)
+    add_engine_args(serve)
+    try:
+        from refengine.server.app import add_server_args
+    except ImportError:  # the server package is optional for a core-only checkout
+        return
+    add_server_args(serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``refengine`` with its subcommands."""
+    parser = argparse.ArgumentParser(prog="refengine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(sub)
+    add_generate_parser(sub)
+    add_bench_parser(sub)
+    add_conformance_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return run_generate(args)
+    if args.command == "bench":
+        return run_bench(args)
+    if args.command == "conformance":
+        return run_conformance(args)
+    from refengine.server.app import serve_from_args
+
+    return serve_from_args(args)

@@ -1,0 +1,146 @@
+"""``refengine bench``: load any OpenEngine server and report vllm-style serving metrics.
+
+The flags are those of ``vllm bench serve`` where it has them, so that a run reads the
+same against refengine, a vllm adapter or any other OpenEngine server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from refengine.args import DefaultsHelpFormatter
+
+__all__ = ["add_bench_parser", "run_bench"]
+
+USAGE_ERROR, UNREACHABLE = 2, 1  # 2: argparse's own status for a bad command line
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _json_text(value: str) -> str:
+    """``--guided-json``: a path to a schema file, else the schema as inline JSON."""
+    path = Path(value)
+    text = path.read_text(encoding="utf-8") if path.is_file() else value
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"neither a readable file nor JSON text ({exc})") from None
+    return text
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark any OpenEngine server (vllm bench serve's metrics)",
+                       description="Load any OpenEngine server and report vllm-style serving metrics.",
+                       formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--target", required=True, default=argparse.SUPPRESS, metavar="HOST:PORT",
+                   help="the OpenEngine server")
+    p.add_argument("--model", default="", help="model to name (default: the server's first supported model)")
+    p.add_argument("--num-prompts", type=_positive_int, default=100, help="requests to send")
+    p.add_argument("--input-len", type=_positive_int, default=256, help="random prompts: tokens per prompt")
+    p.add_argument("--output-len", type=_positive_int, default=128,
+                   help="max_tokens of each request (a dataset line may set its own)")
+    p.add_argument("--range-ratio", type=_ratio, default=0.0,
+                   help="random lengths uniform in [len*(1-R), len*(1+R)]")
+    p.add_argument("--max-concurrency", type=_positive_int, default=None,
+                   help="requests in flight at most (default: unlimited)")
+    p.add_argument("--request-rate", type=_positive_float, default=math.inf,
+                   help="Poisson arrivals, requests/s; inf sends all at once")
+    p.add_argument("--dataset", type=Path, default=None, metavar="FILE.jsonl",
+                   help='one object a line: "prompt" (text) or "token_ids", optionally "output_len"/"max_tokens" '
+                        "(default: random token ids)")
+    p.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    guide = p.add_mutually_exclusive_group()
+    guide.add_argument("--guided-regex", default=None, help="constrain outputs to a regex (default: unguided)")
+    guide.add_argument("--guided-json", type=_json_text, default=None, metavar="FILE|JSON",
+                       help="constrain outputs to a JSON schema (default: unguided)")
+    guide.add_argument("--guided-choice", action="append", default=None, metavar="TEXT",
+                       help="one allowed output; repeat for each (default: unguided)")
+    p.add_argument("--logprobs", type=_count, default=None, metavar="N",
+                   help="ask for output logprobs with the top N candidates (default: none)")
+    p.add_argument("--lora-name", default="", help="LoRA adapter to name in every request (default: none)")
+    p.add_argument("--timeout", type=_positive_float, default=None,
+                   help="deadline of each request, s (default: none)")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the results as JSON to PATH; without PATH, print JSON instead of the table "
+                        "(default: table only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """0 when the run completed (whatever its requests' outcomes), 2 on a bad workload,
+    1 when the target cannot be benchmarked."""
+    from refengine.bench import report, runner, target, workload
+    from refengine.bench.progress import Progress
+    from refengine.client import OpenEngineClient
+
+    try:  # a dataset needs no server: check it before connecting
+        requests = (workload.dataset_requests(args.dataset, args.num_prompts, args.output_len)
+                    if args.dataset is not None else None)
+    except workload.WorkloadError as exc:
+        print(f"refengine bench: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    with OpenEngineClient(args.target) as client:
+        try:
+            found = target.discover(client, args.model)
+        except target.TargetError as exc:
+            print(f"refengine bench: {exc}", file=sys.stderr)
+            return UNREACHABLE
+        if found.note and requests is None:
+            print(f"refengine bench: {found.note}", file=sys.stderr)
+        if requests is None:
+            try:
+                requests = workload.random_requests(args.num_prompts, args.input_len, args.output_len,
+                                                    args.range_ratio, args.seed, found.vocab_size,
+                                                    text=not found.token_ids_input)
+            except workload.WorkloadError as exc:  # the server's vocabulary is too small for random ids
+                print(f"refengine bench: {exc}", file=sys.stderr)
+                return UNREACHABLE
+        options = workload.RequestOptions(
+            model=found.model, seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos,
+            guided_regex=args.guided_regex, guided_json=args.guided_json,
+            guided_choice=tuple(args.guided_choice or ()), logprobs=args.logprobs, lora_name=args.lora_name)
+        progress = Progress(len(requests)) if not args.no_progress and sys.stderr.isatty() else None
+        result = runner.run(requests, workload.arrival_times(len(requests), args.request_rate, args.seed),
+                            runner.grpc_sender(client, options, args.timeout), args.max_concurrency, progress)
+    summary = report.summarize(result, {"target": args.target, "model": found.model, "num_prompts": len(requests),
+                                        "seed": args.seed, "max_concurrency": args.max_concurrency,
+                                        "request_rate": args.request_rate})
+    if args.json == "-":
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(report.format_table(summary))
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return 0

@@ -1,0 +1,19 @@
+"""``refengine conformance --target HOST:PORT``: the conformance suite (refengine.conformance.command)."""
+
+from __future__ import annotations
+
+import argparse
+
+from refengine.conformance.command import DESCRIPTION, add_arguments, run_command
+
+__all__ = ["add_conformance_parser", "run_conformance"]
+
+
+def add_conformance_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("conformance", help="check any OpenEngine server against the contract",
+                            description=DESCRIPTION)
+    add_arguments(parser)
+
+
+def run_conformance(args: argparse.Namespace) -> int:
+    return run_command(args)
