@@ -39,7 +39,7 @@ def test_claims_of_the_toy(toy_address: str) -> None:
     report = run_report(toy_address, select(["D1"]))
     claimed = {p.name: p.claimed for p in report.profiles}
     assert claimed == {"core": True, "load": True, "logprobs": True, "multi-sequence": True, "guided": True,
-                       "lora": False, "kv-events": False, "prefill": False, "decode": False, "multimodal": False,
+                       "lora": False, "kv-events": False, "prefix-cache": True, "prefill": False, "decode": False, "multimodal": False,
                        "encoder": False}
     why = {p.name: p.why for p in report.profiles}
     assert why["lora"] == "supports_lora = false" and "UNIMPLEMENTED" in why["kv-events"]
