@@ -7,15 +7,20 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
 
+import grpc
 import pytest
 
 from refengine.conformance import Options, Status, render, run_report, select
 from refengine.conformance.load import LoadOptions, run_load
 from refengine.conformance.profiles import BY_NAME, checks_of
 from refengine.conformance.report import to_dict
-from tests.conformance.fake_server import Faults, serve
+from refengine.protocol import oe
+from tests.conformance.fake_server import Control, Faults, Inference, serve
 from tests.conformance.test_conformance import REPO
+from tests.conformance.toy_engine import ToyEngine
 
 RESULT_KEYS = {"rule", "check", "title", "profile", "status", "message", "evidence"}
 
@@ -39,8 +44,8 @@ def test_claims_of_the_toy(toy_address: str) -> None:
     report = run_report(toy_address, select(["D1"]))
     claimed = {p.name: p.claimed for p in report.profiles}
     assert claimed == {"core": True, "load": True, "logprobs": True, "multi-sequence": True, "guided": True,
-                       "lora": False, "kv-events": False, "prefix-cache": True, "prefill": False, "decode": False, "multimodal": False,
-                       "encoder": False}
+                       "lora": False, "kv-events": False, "prefix-cache": True, "prefill": False, "decode": False,
+                       "multimodal": False, "encoder": False}
     why = {p.name: p.why for p in report.profiles}
     assert why["lora"] == "supports_lora = false" and "UNIMPLEMENTED" in why["kv-events"]
     assert "--prefill" in why["prefill"] and "max_num_sequences = 4" == why["multi-sequence"]
@@ -125,3 +130,30 @@ def test_load_mode_from_the_cli(toy_address: str) -> None:
     data = json.loads(proc.stdout)
     assert data["load"]["streams"] == 3 and data["load"]["requests"] > 0
     assert {r["check"] for r in data["results"] if r["profile"] == "load"} >= {"H4:load_idle_after"}
+
+
+class _StuckLoad(Control):
+    """A toy whose GetLoad always counts one running request: it never reports idle."""
+
+    def GetLoad(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        load = super().GetLoad(request, context)
+        load.running_requests += 1
+        return load
+
+
+def test_load_mode_catches_a_server_that_never_gets_idle() -> None:
+    engine = ToyEngine(Faults())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    oe.add_InferenceServicer_to_server(Inference(engine), server)
+    oe.add_ControlServicer_to_server(_StuckLoad(engine), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        report = run_load(run_report(address, []), address, Options(idle_timeout_s=1.0), LoadOptions(2, 1.0))
+    finally:
+        server.stop(0)
+        engine.running = False
+    by_name = {r.name: r for r in report.results}
+    assert by_name["H4:load_idle_after"].status is Status.FAIL
+    assert "running=1" in by_name["H4:load_idle_after"].message
+    assert by_name["X1:load_malformed_refused"].status is Status.PASS
