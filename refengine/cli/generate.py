@@ -1,4 +1,4 @@
-"""Command line: ``refengine serve`` and ``refengine generate``."""
+"""``refengine generate``: one prompt, in-process or through running servers."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from refengine.client import OpenEngineClient, oe
     from refengine.types import GuidedSpec
 
-__all__ = ["build_parser", "main"]  # an entry point only: import the engine flags from refengine.args
+__all__ = ["add_generate_parser", "run_generate"]
 
 GUIDE_FLAGS = ("json_schema", "regex", "choice", "grammar")  # argparse dests; at most one per run
 USAGE_ERROR = 2  # argparse's own exit status for a bad command line
@@ -146,7 +146,7 @@ def _events(client: OpenEngineClient, prefill_client: OpenEngineClient | None,
     return generate_disaggregated(prefill_client, client, request)
 
 
-def _generate(args: argparse.Namespace) -> int:
+def run_generate(args: argparse.Namespace) -> int:
     from refengine.types import GenerationRequest, MediaInput, RequestError, SamplingParams, StoppingParams
 
     try:
@@ -213,21 +213,8 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """``refengine`` with its ``serve`` and ``generate`` subcommands."""
-    parser = argparse.ArgumentParser(prog="refengine", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="serve OpenEngine v0.1.0 over gRPC",
-                           formatter_class=DefaultsHelpFormatter)
-    add_engine_args(serve)
-    try:
-        from refengine.server.app import add_server_args
-    except ImportError:  # the server package is optional for a core-only checkout
-        add_server_args = None
-    if add_server_args is not None:
-        add_server_args(serve)
-
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``generate`` subcommand and its flags."""
     gen = sub.add_parser("generate", help="generate text for one prompt",
                          formatter_class=DefaultsHelpFormatter)
     gen.add_argument("prompt")
@@ -257,17 +244,3 @@ def build_parser() -> argparse.ArgumentParser:
     guide.add_argument("--guided-backend", metavar="NAME", default=None,
                        help="grammar backend for the guide (xgrammar, llguidance; default: the engine's)")
     add_engine_args(gen)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        return _generate(args)
-    from refengine.server.app import serve_from_args
-
-    return serve_from_args(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
