@@ -1,246 +1,182 @@
-"""``refengine generate``: one prompt, in-process or through running servers."""
+"""``refengine generate``: one prompt, in-process or through running servers.
+
+Every ``GenerateRequest`` option has a flag named as the contract names it; the same
+flags reach both paths (``generate_options`` reads them once, ``generate_request`` maps
+them to the engine's or the wire's request). How the stream is shown: ``generate_output``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from refengine.args import DefaultsHelpFormatter, add_engine_args, engine_config_from_args
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
-
-    from refengine.client import OpenEngineClient, oe
-    from refengine.types import GuidedSpec
+from refengine.args import DefaultsHelpFormatter, _DeprecatedAlias, add_engine_args
+from refengine.cli.generate_options import USAGE_ERROR, UsageError, options_from_args
+from refengine.cli.generate_run import run_local, run_remote
+from refengine.config import EngineConfig
 
 __all__ = ["add_generate_parser", "run_generate"]
 
-GUIDE_FLAGS = ("json_schema", "regex", "choice", "grammar")  # argparse dests; at most one per run
-USAGE_ERROR = 2  # argparse's own exit status for a bad command line
+UINT32_MAX, UINT64_MAX, INT32_MIN, INT32_MAX = (1 << 32) - 1, (1 << 64) - 1, -(1 << 31), (1 << 31) - 1
+EPILOG = ("The flags from the 'engine' group on configure the in-process engine; through servers "
+          "they are not used. Exit status: 2 for a bad command line, 1 when a server or the engine refused "
+          "or failed the request.")
 
 
-class UsageError(ValueError):
-    """A bad combination or value of ``generate`` flags (exit status 2)."""
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type for an integer the wire field can hold (a protobuf setter would
+    raise on anything else): a bad value is a usage error, exit status 2."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse's message: "invalid integer value: 'x'"
+    return parse
 
 
-def _schema_text(value: str) -> str:
-    """``--json-schema``: a path to a file, else inline JSON text; either must parse as JSON."""
-    path = Path(value)
-    text = path.read_text() if value and path.is_file() else value
-    try:
-        json.loads(text)
-    except ValueError as exc:
-        raise UsageError(f"--json-schema {value!r} is neither a readable file nor JSON text ({exc})") from None
-    return text
-
-
-def _grammar_text(value: str) -> str:
-    try:
-        return Path(value).read_text()
-    except OSError as exc:
-        raise UsageError(f"--grammar {value!r}: cannot read the grammar file ({exc.strerror})") from None
-
-
-def guided_spec(args: argparse.Namespace) -> GuidedSpec | None:
-    """The ``GuidedSpec`` the guide flags describe (None: unguided); raises ``UsageError``."""
-    from refengine.types import GuidedSpec
-
-    given = [name for name in GUIDE_FLAGS if getattr(args, name) is not None]
-    if len(given) > 1:
-        raise UsageError("at most one of --json-schema, --regex, --choice, --grammar (got "
-                         + ", ".join("--" + n.replace("_", "-") for n in given) + ")")
-    if not given:
-        if args.guided_backend is not None:
-            raise UsageError("--guided-backend needs a guide: --json-schema, --regex, --choice or --grammar")
-        return None
-    backend = args.guided_backend or ""
-    if args.json_schema is not None:
-        return GuidedSpec("json_schema", spec=_schema_text(args.json_schema), backend=backend)
-    if args.regex is not None:
-        return GuidedSpec("regex", spec=args.regex, backend=backend)
-    if args.choice is not None:
-        return GuidedSpec("choice", choices=tuple(args.choice), backend=backend)
-    return GuidedSpec("ebnf_grammar", spec=_grammar_text(args.grammar), backend=backend)
-
-
-def _wire_request(args: argparse.Namespace, prompt: str, guided: GuidedSpec | None) -> oe.GenerateRequest:
-    """``oe.GenerateRequest`` for ``--remote`` with a guide, or for ``--prefill``/``--decode``.
-    The wire types come through the client module: the cli reaches the protocol only through it."""
-    import uuid
-
-    from refengine.client import oe
-
-    request = oe.GenerateRequest(request_id=f"cli-{uuid.uuid4().hex}", model=args.model_name or "", prompt=prompt)
-    request.stopping.max_tokens = args.max_tokens
-    request.sampling.temperature = args.temperature
-    if args.sampling_seed is not None:
-        request.sampling.seed = args.sampling_seed
-    if guided is None:
-        return request
-    if guided.mode == "choice":
-        request.guided.choice.choices.extend(guided.choices)
-    else:
-        setattr(request.guided, guided.mode, guided.spec)
-    if guided.backend:
-        request.guided.backend = guided.backend
-    return request
-
-
-def _remote_events(args: argparse.Namespace, guided: GuidedSpec | None) -> int:
-    """Through ``--remote``, or prefill on ``--prefill`` then decode on ``--decode`` (the
-    two-hop flow of ``refengine.client.generate_disaggregated``)."""
-    import grpc
-
-    from refengine.client import GenerationError, OpenEngineClient, PrefillFailed, oe
-
-    with OpenEngineClient(args.remote or args.decode) as client:
-        prompt = args.prompt
-        if args.chat:
-            from refengine.model.chat import chat_prompt
-
-            prompt = chat_prompt(args.model_name or client.server_info().supported_models[0], prompt)
-        prefill_client = OpenEngineClient(args.prefill) if args.prefill else None
-        encoder_client = OpenEngineClient(args.encoder) if args.encoder else None
-        request = _wire_request(args, prompt, guided)
-        for path in args.image:
-            request.media.add(modality=oe.MODALITY_IMAGE, raw_bytes=Path(path).read_bytes())
-        events = _events(client, prefill_client, encoder_client, request)
-        try:
-            for event in events:
-                kind = event.WhichOneof("event")
-                if kind == "token" and event.token.output_index == 0:
-                    print(event.token.text, end="", flush=True)
-                elif kind == "error":
-                    raise GenerationError(event.error)
-        except grpc.RpcError as exc:  # refused before acceptance, e.g. INVALID_ARGUMENT for a bad regex
-            print(f"refengine generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-        except (GenerationError, PrefillFailed) as exc:
-            print(f"\nrefengine generate: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            for hop in (prefill_client, encoder_client):
-                if hop is not None:
-                    hop.close()
-    print()
-    return 0
-
-
-def _events(client: OpenEngineClient, prefill_client: OpenEngineClient | None,
-            encoder_client: OpenEngineClient | None, request: oe.GenerateRequest) -> Iterator[oe.GenerateResponse]:
-    """The hops: [encode →] (aggregated on ``client`` | prefill → decode on ``client``)."""
-    from refengine.client import generate_disaggregated
-
-    if encoder_client is not None:
-        from refengine.encoder_client import MediaClient, generate_epd
-
-        if prefill_client is None:
-            return generate_epd(MediaClient(encoder_client), client, None, request)
-        return generate_epd(MediaClient(encoder_client), prefill_client, client, request)
-    if prefill_client is None:
-        return client.generate(request)
-    return generate_disaggregated(prefill_client, client, request)
+def _check_route(args: argparse.Namespace) -> None:
+    if bool(args.prefill) != bool(args.decode) or (args.prefill and args.remote):
+        raise UsageError("--prefill and --decode go together, without --remote")
+    if args.encoder and not (args.remote or args.prefill):
+        raise UsageError("--encoder needs --remote (aggregated) or --prefill/--decode")
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from refengine.types import GenerationRequest, MediaInput, RequestError, SamplingParams, StoppingParams
-
     try:
-        guided = guided_spec(args)
+        _check_route(args)
+        options = options_from_args(args)
     except UsageError as exc:
         print(f"refengine generate: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    if bool(args.prefill) != bool(args.decode) or (args.prefill and args.remote):
-        print("refengine generate: error: --prefill and --decode go together, without --remote", file=sys.stderr)
-        return USAGE_ERROR
-    if args.encoder and not (args.remote or args.prefill):
-        print("refengine generate: error: --encoder needs --remote (aggregated) or --prefill/--decode",
-              file=sys.stderr)
-        return USAGE_ERROR
-    if args.prefill or (args.remote and (guided is not None or args.image)):
-        return _remote_events(args, guided)
-    if args.remote:
-        from refengine.client import stream_text
-        from refengine.model.chat import chat_prompt
+    if args.remote or args.prefill:
+        return run_remote(args, options)
+    return run_local(args, options)
 
-        for piece in stream_text(args.remote, args.prompt, model=args.model_name or "", max_tokens=args.max_tokens,
-                                 temperature=args.temperature, chat=chat_prompt if args.chat else None):
-            print(piece, end="", flush=True)
-        print()
-        return 0
-    from refengine.engine.engine import Engine
-    from refengine.runtime import apply_process_settings
 
-    try:
-        config = engine_config_from_args(args)
-    except ValueError as exc:
-        print(f"refengine generate: {exc}", file=sys.stderr)
-        return 2
-    apply_process_settings(config)
-    engine = Engine.from_config(config)
-    prompt = args.prompt
-    if args.chat:
-        prompt = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    request = GenerationRequest(
-        request_id="cli",
-        prompt=prompt,
-        sampling=SamplingParams(temperature=args.temperature, seed=args.sampling_seed),
-        stopping=StoppingParams(max_tokens=args.max_tokens),
-        guided=guided,
-        media=tuple(MediaInput("image", raw_bytes=Path(path).read_bytes()) for path in args.image),
-    )
-    try:
-        stream = engine.add_request(request)
-    except RequestError as exc:  # refused before acceptance, e.g. a regex that does not compile
-        print(f"refengine generate: {exc}", file=sys.stderr)
-        return 1
-    start = time.perf_counter()
-    while not stream.finished:
-        engine.step()
-        for out in stream.drain():
-            for delta in out.deltas:
-                print(delta.text, end="", flush=True)
-    print(flush=True)
-    usage = stream.result().usage
-    elapsed = time.perf_counter() - start
-    print(f"[{usage.completion_tokens} tokens in {elapsed:.2f} s, "
-          f"{usage.completion_tokens / elapsed:.1f} tok/s]", file=sys.stderr)
-    return 0
+def _add_route_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--remote", metavar="HOST:PORT", help="generate through a running server (default: in-process)")
+    g.add_argument("--prefill", metavar="HOST:PORT",
+                   help="disaggregated: prefill on this server (--role prefill) ... (default: none)")
+    g.add_argument("--decode", metavar="HOST:PORT", help="... and decode on this one (--role decode) (default: none)")
+    g.add_argument("--encoder", metavar="HOST:PORT",
+                   help="encode the --image files on this server (--role encoder) and send embedding handles "
+                   "to --remote or --prefill/--decode (draft profile encoder) (default: none)")
+
+
+def _add_sampling_flags(g: argparse._ArgumentGroup) -> None:
+    unset = "(default: unset = %s)"
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
+    g.add_argument("--top-p", type=float, metavar="P", help="keep the most likely tokens up to this total probability, "
+                   "0 < P <= 1 " + unset % "1.0, off")
+    g.add_argument("--top-k", type=_int_in(INT32_MIN, INT32_MAX), metavar="K",
+                   help="keep the K most likely tokens " + unset % "0, off; -1 is off too")
+    g.add_argument("--min-p", type=float, metavar="P", help="drop tokens less likely than P times the most likely one "
+                   + unset % "0.0, off")
+    g.add_argument("--presence-penalty", type=float, metavar="X",
+                   help="subtracted from the logit of every token already generated " + unset % "0.0")
+    g.add_argument("--frequency-penalty", type=float, metavar="X", help="subtracted per occurrence of a token already "
+                   "generated " + unset % "0.0")
+    g.add_argument("--repetition-penalty", type=float, metavar="X",
+                   help="divides the positive (multiplies the negative) logits of prompt and generated tokens, "
+                   "> 0 " + unset % "1.0, off")
+    g.add_argument("--num-sequences", type=_int_in(1, UINT32_MAX), metavar="N",
+                   help="outputs for the prompt; in text, output 0 streams after a '[0] ' label and each other "
+                   "output prints as '[i] text' once the stream ended " + unset % "1")
+
+
+def _add_seed_flags(g: argparse._ArgumentGroup) -> None:
+    # generate runs one request, so its --seed is that request's sampling.seed (G17); it replaces
+    # (conflict_handler "resolve") the engine's --seed of the shared generator, which only
+    # requests without a seed draw from, and which keeps its default (set_defaults below).
+    g.add_argument("--seed", type=_int_in(0, UINT64_MAX), dest="sampling_seed", metavar="SEED",
+                   help="a per-request generator: the same output whatever else is batched "
+                   "(default: unset, the engine's shared generator)")
+    g.add_argument("--sampling-seed", type=_int_in(0, UINT64_MAX), dest="sampling_seed",
+                   action=_DeprecatedAlias, replacement="--seed")
+
+
+def _add_stopping_flags(g: argparse._ArgumentGroup) -> None:
+    count = _int_in(0, UINT32_MAX)
+    g.add_argument("--max-tokens", type=count, default=128, metavar="N", help="most tokens per output")
+    g.add_argument("--min-tokens", type=count, metavar="N", help="EOS and stop tokens cannot end an output before this "
+                   "many tokens, at most --max-tokens (default: unset = 0)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end an output at this text, repeatable (stopping.conditions stop_text) (default: none)")
+    g.add_argument("--stop-token-id", action="append", default=[], type=count, dest="stop_token_ids",
+                   metavar="ID", help="end an output at this token, repeatable (stopping.conditions "
+                   "stop_token_id) (default: none)")
+    g.add_argument("--ignore-eos", action="store_true", help="never stop at the model's EOS token (default: off)")
+    g.add_argument("--include-stop", action="store_true",
+                   help="keep the matched stop text or token in the output (include_stop_in_output) "
+                   "(default: off, left out)")
+
+
+def _add_logprob_flags(g: argparse._ArgumentGroup) -> None:
+    count = _int_in(0, UINT32_MAX)
+    g.add_argument("--logprobs", type=count, metavar="N",
+                   help="each output token's logprob and rank, with its N most likely candidates (0: none); "
+                   "in text a per-token table follows on stderr, in --json the events carry them "
+                   "(default: off)")
+    g.add_argument("--prompt-logprobs", type=count, metavar="N",
+                   help="the same for the prompt's positions; in text a table on stderr (default: off)")
+    g.add_argument("--prompt-logprob-start", type=count, metavar="POS",
+                   help="prompt positions before POS get no logprob; needs --prompt-logprobs "
+                   "(default: unset = 0)")
+
+
+def _add_request_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--priority", type=_int_in(INT32_MIN, INT32_MAX), metavar="P",
+                   help="higher runs sooner: the openengine-priority metadata key through servers (M1), "
+                   "GenerationRequest.priority in-process (default: unset, 0)")
+    g.add_argument("--cache-salt", metavar="TEXT", help="namespace this request's prefix-cache blocks: only "
+                   "requests with the same salt share them (kv.cache_salt) (default: unset, no salt)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="this request reuses no cached prefix (kv.bypass_prefix_cache); unlike the engine's "
+                   "--no-prefix-caching the cache stays on (default: off, cached blocks reused)")
+    g.add_argument("--lora-name", metavar="NAME",
+                   help="generate with this loaded LoRA adapter (lora_name) (default: unset, the base model)")
+    g.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image filling the prompt's next image placeholder (the model's marker, e.g. "
+                   "<image>), repeatable (default: none)")
+
+
+def _add_guide_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--json-schema", metavar="FILE|JSON",
+                   help="the output is JSON valid against this schema (a file path, or inline JSON text) "
+                   "(default: none)")
+    g.add_argument("--regex", help="the output matches this regular expression (default: none)")
+    g.add_argument("--choice", action="append", metavar="TEXT",
+                   help="the output is exactly one of these strings (repeat: --choice A --choice B) (default: none)")
+    g.add_argument("--grammar", metavar="FILE",
+                   help="the output follows the EBNF grammar in FILE (xgrammar GBNF: root ::= ...) (default: none)")
+    g.add_argument("--guided-backend", metavar="NAME",
+                   help="grammar backend for the guide (xgrammar, llguidance) (default: the engine's)")
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    """The ``generate`` subcommand and its flags."""
-    gen = sub.add_parser("generate", help="generate text for one prompt",
+    """The ``generate`` subcommand and its flags: the request's, then the in-process engine's."""
+    gen = sub.add_parser("generate", help="generate text for one prompt", epilog=EPILOG,
                          formatter_class=DefaultsHelpFormatter)
-    gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--remote", metavar="HOST:PORT", help="generate through a running server")
-    gen.add_argument("--model-name", default=None, help="model to ask a remote server for")
-    gen.add_argument("--prefill", metavar="HOST:PORT",
-                     help="disaggregated: prefill on this server (--role prefill) ...")
-    gen.add_argument("--decode", metavar="HOST:PORT", help="... and decode on this one (--role decode)")
-    gen.add_argument("--encoder", metavar="HOST:PORT",
-                     help="encode the --image files on this server (--role encoder) and send embedding handles "
-                     "to --remote or --prefill/--decode (draft profile encoder)")
-    gen.add_argument("--image", action="append", default=[], metavar="FILE",
-                     help="an image filling the prompt's next image placeholder (the model's marker, e.g. "
-                     "<image>), repeatable")
-    guide = gen.add_argument_group("guided decoding (at most one guide; also through --remote)")
-    guide.add_argument("--json-schema", metavar="FILE|JSON", default=None,
-                       help="the output is JSON valid against this schema (a file path, or inline JSON text)")
-    guide.add_argument("--regex", default=None, help="the output matches this regular expression")
-    guide.add_argument("--choice", action="append", default=None, metavar="TEXT",
-                       help="the output is exactly one of these strings (repeat: --choice A --choice B)")
-    guide.add_argument("--grammar", metavar="FILE", default=None,
-                       help="the output follows the EBNF grammar in FILE (xgrammar GBNF: root ::= ...)")
-    guide.add_argument("--guided-backend", metavar="NAME", default=None,
-                       help="grammar backend for the guide (xgrammar, llguidance; default: the engine's)")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the model's chat template (through servers: applied here, for a "
+                     "model this machine can resolve by name) (default: off)")
+    gen.add_argument("--json", action="store_true",
+                     help="print the events, one JSON object per line, instead of the text: a server's "
+                     "GenerateResponse in proto3 JSON, in-process each engine RequestOutput (refengine.types "
+                     "field names, unset fields left out) (default: off)")
+    gen.add_argument("--model-name", help="model to ask a server for (default: the server's default model)")
+    _add_route_flags(gen.add_argument_group("servers (without them: in-process)"))
+    sampling = gen.add_argument_group("sampling (GenerateRequest.sampling)", conflict_handler="resolve")
+    _add_sampling_flags(sampling)
+    _add_stopping_flags(gen.add_argument_group("stopping (GenerateRequest.stopping)"))
+    _add_logprob_flags(gen.add_argument_group("logprobs (GenerateRequest.response)"))
+    _add_request_flags(gen.add_argument_group("priority, prefix cache, LoRA, media"))
+    _add_guide_flags(gen.add_argument_group("guided decoding (GenerateRequest.guided, at most one guide)"))
     add_engine_args(gen)
+    _add_seed_flags(sampling)
+    gen.set_defaults(seed=EngineConfig().seed)

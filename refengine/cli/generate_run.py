@@ -1,0 +1,127 @@
+"""The two ways ``refengine generate`` runs one request: through servers or in-process.
+
+Both take the same ``GenerateOptions`` (``generate_options``) and a printer
+(``generate_output``); only the request adapter and the event source differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+from typing import TYPE_CHECKING
+
+from refengine.cli.generate_options import USAGE_ERROR, GenerateOptions
+from refengine.cli.generate_output import JsonPrinter, Printer, TextPrinter
+from refengine.cli.generate_request import engine_request, wire_metadata, wire_request
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from refengine.client import Metadata, OpenEngineClient, oe
+
+__all__ = ["run_local", "run_remote"]
+
+REFUSED = 1  # a server or the engine refused or failed the request
+
+
+def _printer(args: argparse.Namespace, options: GenerateOptions) -> Printer:
+    if args.json:
+        return JsonPrinter()
+    tables = options.logprobs is not None or options.prompt_logprobs is not None
+    return TextPrinter(options.num_sequences or 1, tables)
+
+
+def run_remote(args: argparse.Namespace, options: GenerateOptions) -> int:
+    """Through ``--remote``, or prefill on ``--prefill`` then decode on ``--decode`` (the
+    two-hop flow of ``refengine.client.generate_disaggregated``), ``--encoder`` first if given."""
+    import grpc
+
+    from refengine.client import GenerationError, OpenEngineClient, PrefillFailed
+
+    prefill_client = OpenEngineClient(args.prefill) if args.prefill else None
+    encoder_client = OpenEngineClient(args.encoder) if args.encoder else None
+    try:
+        with OpenEngineClient(args.remote or args.decode) as client:
+            try:
+                prompt = _chat(client, options, args.prompt) if args.chat else args.prompt
+            except ValueError as exc:  # a model whose chat template this machine lacks
+                print(f"refengine generate: error: {exc}", file=sys.stderr)
+                return USAGE_ERROR
+            request = wire_request(options, prompt, f"cli-{uuid.uuid4().hex}")
+            printer = _printer(args, options)
+            for event in _events(client, prefill_client, encoder_client, request, wire_metadata(options)):
+                printer.wire(event)
+                if event.WhichOneof("event") == "error":
+                    raise GenerationError(event.error)
+            printer.close()
+    except grpc.RpcError as exc:  # refused before acceptance, e.g. INVALID_ARGUMENT for a bad regex
+        print(f"refengine generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return REFUSED
+    except (GenerationError, PrefillFailed) as exc:
+        print(f"\nrefengine generate: {exc}", file=sys.stderr)
+        return REFUSED
+    finally:
+        for hop in (prefill_client, encoder_client):
+            if hop is not None:
+                hop.close()
+    return 0
+
+
+def _chat(client: OpenEngineClient, options: GenerateOptions, prompt: str) -> str:
+    """The prompt in the model's chat template, applied here: OpenEngine v0.1.0 has no chat API."""
+    from refengine.model.chat import chat_prompt
+
+    return chat_prompt(options.model or client.server_info().supported_models[0], prompt)
+
+
+def _events(client: OpenEngineClient, prefill_client: OpenEngineClient | None,
+            encoder_client: OpenEngineClient | None, request: oe.GenerateRequest,
+            metadata: Metadata) -> Iterator[oe.GenerateResponse]:
+    """The hops: [encode →] (aggregated on ``client`` | prefill → decode on ``client``)."""
+    from refengine.client import generate_disaggregated
+
+    if encoder_client is not None:
+        from refengine.encoder_client import MediaClient, generate_epd
+
+        if prefill_client is None:
+            return generate_epd(MediaClient(encoder_client), client, None, request, metadata=metadata)
+        return generate_epd(MediaClient(encoder_client), prefill_client, client, request, metadata=metadata)
+    if prefill_client is None:
+        return client.generate(request, metadata=metadata)
+    return generate_disaggregated(prefill_client, client, request, metadata=metadata)
+
+
+def run_local(args: argparse.Namespace, options: GenerateOptions) -> int:
+    """In this process, on an engine built from the engine flags."""
+    from refengine.args import engine_config_from_args
+    from refengine.engine.engine import Engine
+    from refengine.runtime import apply_process_settings
+    from refengine.types import RequestError
+
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        print(f"refengine generate: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    apply_process_settings(config)
+    engine = Engine.from_config(config)
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    try:
+        stream = engine.add_request(engine_request(options, prompt, "cli"))
+    except RequestError as exc:  # refused before acceptance, e.g. a regex that does not compile
+        print(f"refengine generate: {exc}", file=sys.stderr)
+        return REFUSED
+    printer = _printer(args, options)
+    while not stream.finished:
+        engine.step()
+        for out in stream.drain():
+            printer.engine(out)
+            if out.error is not None:
+                print(f"\nrefengine generate: {out.error.code.upper()}: {out.error.message}", file=sys.stderr)
+                return REFUSED
+    printer.close()
+    return 0
