@@ -1,5 +1,6 @@
-"""Assertions shared by the checks: rejection before acceptance, and the structural
-invariants every Generate stream must satisfy (G9, G10, G12, G16, X1).
+"""Assertions shared by the checks: rejection before acceptance, the structural invariants
+every Generate stream must satisfy (G9, G10, G11, G12, G16, X1), and the idle baseline of
+the checks that judge a release of work (A4, A5, H4).
 
 Each check owns the rule it names, and only that rule: a structural problem is tagged with
 its rule id (``"G10: ..."``), and a check sees only the problems of its own rule
@@ -15,8 +16,8 @@ from typing import Any
 
 import grpc
 
-from refengine.conformance.registry import CheckFailed, CheckSkipped
-from refengine.conformance.target import StreamResult
+from refengine.conformance.registry import CheckFailed, CheckSkipped, skip
+from refengine.conformance.target import StreamResult, Target
 from refengine.protocol import oe
 
 INVALID = (grpc.StatusCode.INVALID_ARGUMENT,)
@@ -42,10 +43,10 @@ def stream_violations(res: StreamResult, num_sequences: int = 1, cancelled_ok: b
     """The ways a completed stream breaks the structural rules that ``res.rule`` owns (all of
     them when ``res.rule`` is empty); empty = fine.
 
-    Checks: G9 request_id echoed; G10 output_index present and in range; G12 one
-    finish per output, nothing after it, never UNSPECIFIED; G16 usage only on the
-    final event and consistent; X1 an EngineError is the last event and the status
-    is OK. ``cancelled_ok`` allows a client-cancelled status (the stream was cut)."""
+    Checks: G9 request_id echoed; G10 output_index present and in range; G11 text deltas
+    not cumulative; G12 one finish per output, nothing after it, never UNSPECIFIED; G16
+    usage only on the final event and consistent; X1 an EngineError is the last event and
+    the status is OK. ``cancelled_ok`` allows a client-cancelled status (the stream was cut)."""
     problems = _all_violations(res, num_sequences, cancelled_ok)
     if not res.rule:
         return problems
@@ -83,6 +84,8 @@ def _all_violations(res: StreamResult, num_sequences: int, cancelled_ok: bool) -
                     problems.append(f"G12: GenerationFinished for output {index} has reason UNSPECIFIED")
         if kind == "error" and i != final:
             problems.append(f"X1: EngineError at event {i} is followed by {final - i} more event(s)")
+    problems.extend(f"G11: output {index}: each TokenOutput.text repeats all the text before it (cumulative, "
+                    "not a delta)" for index in cumulative_outputs(res))
     errors = res.of("error")
     if res.ok and not errors and res.events:
         missing = set(range(num_sequences)) - finished
@@ -101,6 +104,21 @@ def _all_violations(res: StreamResult, num_sequences: int, cancelled_ok: bool) -
     if usage is not None:
         problems.extend(usage_violations(usage))
     return problems
+
+
+def cumulative_outputs(res: StreamResult) -> list[int]:
+    """G11: the outputs whose text deltas are cumulative: every non-empty delta extends the one
+    before it and the texts are longer in total than the tokens' own texts (a real delta stream
+    is at most as long, so a repeated character is no false alarm)."""
+    found = []
+    for index in sorted({t.output_index for t in res.of("token")}):
+        events = res.token_events(index)
+        texts = [e.text for e in events if e.text]
+        pieces = sum(len(info.token) for e in events for info in e.tokens)
+        if len(texts) >= 2 and pieces and sum(map(len, texts)) > pieces and \
+                all(b.startswith(a) and len(b) > len(a) for a, b in zip(texts, texts[1:], strict=False)):
+            found.append(index)
+    return found
 
 
 def usage_violations(usage: Any) -> list[str]:
@@ -128,6 +146,9 @@ def expect_valid(res: StreamResult, num_sequences: int = 1, what: str = "") -> S
     problems = stream_violations(res, num_sequences)
     if problems:
         raise CheckFailed(f"{label}" + "; ".join(problems[:4]))
+    if res.rule != "G11" and cumulative_outputs(res):
+        raise CheckSkipped(f"{label}the output cannot be read: its TokenOutput texts are cumulative, not deltas "
+                           "(G11 fails for it)")
     if num_sequences > 1 and res.rule != "G10" and unindexed_events(res):
         raise CheckSkipped(f"{label}{num_sequences} outputs cannot be told apart: {unindexed_events(res)} event(s) "
                            "carry no output_index (G10 fails for it)")
@@ -149,6 +170,18 @@ def expect_finish(res: StreamResult, reason: int, index: int = 0, what: str = ""
         raise CheckFailed(f"{label}output {index} finished {oe.FinishReason.Name(fin.reason)}, expected "
                           f"{oe.FinishReason.Name(reason)} (stop_match {fin.stop_match.WhichOneof('match')})")
     return fin
+
+
+def settled(t: Target, what: str) -> Any:
+    """Wait until no request runs or waits; returns that LoadInfo: the baseline to which a check
+    of an idleness rule (A4, A5, H4) expects its own work to return (``t.wait_idle(what,
+    baseline=load.used_kv_blocks)``). KV blocks an earlier check left behind are that check's
+    finding; earlier work still running after the idle timeout leaves nothing to judge (skip)."""
+    load = t.wait_until(lambda lo: lo.running_requests == 0 and lo.queued_requests == 0)
+    if load.running_requests or load.queued_requests:
+        skip(f"{what}: earlier work still runs after {t.options.idle_timeout_s:.0f} s (running="
+             f"{load.running_requests} queued={load.queued_requests}): this check's own release cannot be judged")
+    return load
 
 
 def is_finite(x: float) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from refengine.conformance.assertions import expect_finish, expect_valid, stream_violations
+from refengine.conformance.assertions import expect_finish, expect_valid, settled, stream_violations
 from refengine.conformance.registry import check, expect
 from refengine.conformance.target import Background, StreamResult, Target
 from refengine.protocol import oe
@@ -89,7 +89,9 @@ def abort_all(t: Target) -> str:
 
 @check("A4", "Abort(request_id) ends every unfinished output with CANCELLED and frees its KV")
 def abort_running(t: Target) -> str:
-    """A4: one GenerationFinished(CANCELLED) per unfinished output (ref), KV freed."""
+    """A4: one GenerationFinished(CANCELLED) per unfinished output (ref), KV freed (back to what
+    was used before it started: blocks an earlier check left are that check's finding)."""
+    base = settled(t, "A4 before")
     n = 2 if (t.max_num_sequences or 1) >= 2 else 1
     req = _long(t, "a4", n)
     call, _ = _start(t, req)
@@ -103,7 +105,7 @@ def abort_running(t: Target) -> str:
     for i in range(n):
         expect_finish(res, oe.FINISH_REASON_CANCELLED, index=i, what="aborted output")
     expect(len(res.tokens()) < req.stopping.max_tokens, "the aborted request ran to max_tokens")
-    load = t.wait_idle("A4: after Abort")
+    load = t.wait_idle("A4: after Abort", baseline=base.used_kv_blocks)
     code, resp = t.unary_code("Abort", oe.AbortRequest(request_id=req.request_id))
     expect(code == grpc.StatusCode.OK and resp.status == oe.ABORT_STATUS_ALREADY_FINISHED,
            f"second Abort of the same request: {code.name} {oe.AbortStatus.Name(resp.status) if resp else ''}")
@@ -112,13 +114,14 @@ def abort_running(t: Target) -> str:
 
 @check("A5", "cancelling the call (client cancel) aborts the engine work: GetLoad returns to idle")
 def client_cancel(t: Target) -> str:
-    """A5: a client cancel frees the request (running count and KV back to idle)."""
+    """A5: a client cancel frees the request (running count and KV back to where they were)."""
+    base = settled(t, "A5 before")
     req = _long(t, "a5")
     res = t.generate(req, on_event=t.canceller(after_events=2))
     expect(res.code == grpc.StatusCode.CANCELLED or len(res.events) == 2,
            f"the client cancel did not end the call: {res.describe()}")
     start = time.monotonic()
-    load = t.wait_idle("A5: after the client cancelled the call")
+    load = t.wait_idle("A5: after the client cancelled the call", baseline=base.used_kv_blocks)
     waited = time.monotonic() - start
     code, resp = t.unary_code("Abort", oe.AbortRequest(request_id=req.request_id))
     expect(not (code == grpc.StatusCode.OK and resp.status == oe.ABORT_STATUS_ABORTED),
@@ -129,6 +132,7 @@ def client_cancel(t: Target) -> str:
 @check("A5", "closing the channel (client disconnect) aborts the engine work")
 def client_disconnect(t: Target) -> str:
     """A5: a client that goes away (its channel closed) frees the request."""
+    base = settled(t, "A5 before")
     req = _long(t, "a5d")
     channel = grpc.insecure_channel(t.address)
     stub = oe.InferenceStub(channel)
@@ -136,7 +140,7 @@ def client_disconnect(t: Target) -> str:
     first = next(iter(call))
     expect(first.request_id == req.request_id, "first event carries the wrong request_id")
     channel.close()
-    load = t.wait_idle("A5: after the client closed its channel")
+    load = t.wait_idle("A5: after the client closed its channel", baseline=base.used_kv_blocks)
     return f"idle after disconnect (used_kv_blocks {load.used_kv_blocks})"
 
 
@@ -144,6 +148,7 @@ def client_disconnect(t: Target) -> str:
 def client_deadline(t: Target) -> str:
     """A5 (with X1): a deadline ends the call with DEADLINE_EXCEEDED (no synthesized
     EngineError) and the engine stops the request."""
+    base = settled(t, "A5 before")
     req = t.long_request("a5t", cap=4000)
     res = t.generate(req, timeout=1.5)
     expect(res.code == grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -152,5 +157,5 @@ def client_deadline(t: Target) -> str:
     expect(not res.of("error"), "a client deadline produced an EngineError event (transport failures are a "
                                 "status only)")
     expect(not problems, "; ".join(problems))
-    t.wait_idle("A5: after the deadline expired")
+    t.wait_idle("A5: after the deadline expired", baseline=base.used_kv_blocks)
     return f"DEADLINE_EXCEEDED after {len(res.events)} events; idle again"

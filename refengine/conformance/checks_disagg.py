@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import grpc
 
+from refengine.conformance.assertions import settled
 from refengine.conformance.registry import check, expect, skip
 from refengine.conformance.target import StreamResult, Target
 from refengine.protocol import oe
@@ -116,14 +117,17 @@ def prefill_refuses_a_session(t: Target) -> str:
 
 @check("K7", "Abort(kv_session) releases the session; it is unknown afterwards (A2)")
 def abort_releases_the_session(t: Target) -> str:
+    """K7: the prefill server's KV returns to what it held before this check's session (a
+    session an earlier check left held is that check's finding)."""
     pre, _ = _pair(t)
+    base = settled(pre, "K7 before")
     _, stream = _prefill(pre, "k7")
     session = _session(stream)
     response = pre.unary("Abort", oe.AbortRequest(kv_session=session))
     expect(response.status == oe.ABORT_STATUS_ABORTED, f"Abort(kv_session) status {response.status}")
     code, _ = pre.unary_code("Abort", oe.AbortRequest(kv_session=session))
     expect(code == grpc.StatusCode.NOT_FOUND, f"a released session aborted again: {code.name}, want NOT_FOUND")
-    pre.wait_idle()
+    pre.wait_idle("K7: after Abort(kv_session)", baseline=base.used_kv_blocks)
     return "released, then NOT_FOUND"
 
 

@@ -49,11 +49,12 @@ def _present_values(msg: Any, prefix: str) -> list[tuple[str, Any]]:
 
 
 # Reported values that cannot be 0: a present 0 means "defaulted", not "reported".
+# (decode_context_parallel_size is not here: that it is >= 1 when present is D5's rule.)
 POSITIVE_WHEN_PRESENT = {
     "capacity.kv_block_size", "capacity.total_kv_blocks", "capacity.max_running_requests",
     "capacity.max_batched_tokens", "parallelism.tensor_parallel_size", "parallelism.pipeline_parallel_size",
-    "parallelism.data_parallel_size", "parallelism.decode_context_parallel_size",
-    "model.max_context_length", "model.max_output_tokens", "generation.max_num_sequences",
+    "parallelism.data_parallel_size", "model.max_context_length", "model.max_output_tokens",
+    "generation.max_num_sequences",
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from refengine.conformance.assertions import expect_valid
+from refengine.conformance.assertions import expect_valid, settled
 from refengine.conformance.registry import check, expect
 from refengine.conformance.release import PRE_RELEASE_VALUES, RELEASE
 from refengine.conformance.target import Background, Target
@@ -120,8 +120,9 @@ def _load_sane(load: Any, what: str) -> None:
 
 @check("H4", "GetLoad: counts rise while requests run, used ≤ total, per-rank rows, back to idle after")
 def load_counts(t: Target) -> str:
-    """H4: running/queued counts and KV blocks follow the work, then return to idle."""
-    idle = t.wait_idle("H4 before")
+    """H4: running/queued counts and KV blocks follow the work, then return to where they were
+    before it (blocks an earlier check left behind are that check's finding)."""
+    idle = settled(t, "H4 before")
     expect(idle.HasField("running_requests") and idle.HasField("queued_requests"),
            "GetLoad does not report running_requests / queued_requests")
     _load_sane(idle, "idle")
@@ -143,12 +144,12 @@ def load_counts(t: Target) -> str:
     _load_sane(busy, "busy")
     _load_sane(busy_rank, "busy per rank")
     if busy.HasField("used_kv_blocks"):
-        expect(busy.used_kv_blocks > (t.idle_used_kv_blocks or 0),
-               f"3 running requests but used_kv_blocks {busy.used_kv_blocks} (idle {t.idle_used_kv_blocks})")
+        expect(busy.used_kv_blocks > idle.used_kv_blocks,
+               f"3 running requests but used_kv_blocks {busy.used_kv_blocks} (idle {idle.used_kv_blocks})")
     if busy_rank.ranks and busy_rank.ranks[0].HasField("running_requests"):
         total = sum(r.running_requests + r.queued_requests for r in busy_rank.ranks)
         expect(total >= 1, f"per-rank rows show no work while 3 requests run: {busy_rank.ranks}")
-    after = t.wait_idle("H4: after all requests ended")
+    after = t.wait_idle("H4: after all requests ended", baseline=idle.used_kv_blocks)
     _load_sane(after, "after")
     return (f"idle run/queue/used {idle.running_requests}/{idle.queued_requests}/{idle.used_kv_blocks}, busy "
             f"{busy.running_requests}/{busy.queued_requests}/{busy.used_kv_blocks}, back to idle")
@@ -203,6 +204,7 @@ def _load_problems(load: Any, what: str) -> list[str]:
 def load_presence(t: Target) -> str:
     """H4: sampled before, while a request runs and after, with per-rank rows; reports which load
     scalars the server measures (present) and which it cannot (absent)."""
+    base = settled(t, "H4 presence before")
     before = t.load(per_rank=True)
     req = t.long_request("h4p")
     busy_call = t.generate_async(req)
@@ -210,7 +212,7 @@ def load_presence(t: Target) -> str:
     busy = t.load(per_rank=True) if busy.running_requests > 0 else busy
     t.abort(req.request_id)
     busy_call.join()
-    after = t.wait_idle("H4 presence")
+    after = t.wait_idle("H4 presence", baseline=base.used_kv_blocks)
     problems = _load_problems(before, "before") + _load_problems(busy, "busy") + _load_problems(after, "after")
     expect(not problems, "; ".join(problems[:4]))
     present, absent = _scalars(busy)

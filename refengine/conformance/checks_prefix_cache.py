@@ -67,13 +67,18 @@ def bypass_skips_reuse(t: Target) -> str:
 
 @check("K2", "cache_salt: equal prompts with different salts share no cached block")
 def salt_namespaces(t: Target) -> str:
-    """K2: salt A caches; salt B and no salt see nothing of it; salt A again may hit."""
+    """K2: salt A caches; salt B and no salt see nothing of it; salt A again may hit. When the
+    prompt's first run already reports a hit, the server counts hits on prompts never seen
+    (K3's finding) and a hit across salts could be that: nothing to judge (skip)."""
     _need_text(t)
     if not t.caps.supports_cache_salt:
         not_claimed("supports_cache_salt is not advertised")
     prompt = fresh_prompt(t, "k2")
     salt_a, salt_b = f"{t.new_id('salt-a')}", f"{t.new_id('salt-b')}"
-    _cached(t, prompt, "salt A, first time", salt=salt_a)
+    first = _cached(t, prompt, "salt A, first time", salt=salt_a)
+    if first:
+        skip(f"a prompt never seen reported cached_prompt_tokens {first} (K3 fails for it): salt isolation "
+             "cannot be told from that")
     for what, salt in (("salt B", salt_b), ("no salt", "")):
         other = _cached(t, prompt, f"the prompt with {what}", salt=salt)
         expect(other == 0, f"the prompt cached under salt A, sent with {what}, reported cached_prompt_tokens "

@@ -1,143 +1,22 @@
 """The section-E conformance checks against a toy KV-event server: they pass one that
 follows the rules, skip one without SubscribeKvEvents, and fail each deliberate violation.
 
-The toy server is tests/conformance/fake_server.py (untouched) plus, here, a Control that
-serves KV events from refengine's own ``KvEventHub``: each Generate stores its prompt's
-full blocks (4 ASCII tokens each) that are not cached yet, as one batch.
+The toy server is tests/conformance/toy_kv_events.py: tests/conformance/fake_server.py plus a
+Control that serves KV events from refengine's own ``KvEventHub``.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from concurrent import futures
-from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import pytest
 
 from refengine.conformance import Options, Status, run
-from refengine.engine.kv_events import KvEventHub
-from refengine.kv.keys import block_keys
-from refengine.protocol import oe
-from refengine.server.kv_events_wire import batch_response
-from refengine.types import BlockStored
-from tests.conformance.fake_server import Control, Inference
-from tests.conformance.toy_engine import BLOCK, Faults, ToyEngine
+from tests.conformance.toy_kv_events import KvFaults, serve_kv
 
 E_CHECKS = ["E1:replay_expired", "E1:replay_retained", "E1:sequence_numbers_increase", "E2:snapshot_then_live",
             "E4:stored_events_chain", "E5:failure_is_error_then_ok", "E6:kv_event_sources"]
-
-
-@dataclass(frozen=True)
-class KvFaults:
-    """Deliberate violations of section E (all off = a conforming server)."""
-
-    retained: int = 1000  # batches kept for replay
-    repeat_numbers: bool = False  # E1: every batch carries the previous batch's number
-    gap: bool = False  # E2: a number is skipped before every batch
-    empty_snapshot: bool = False  # E2: include_snapshot sends an empty first batch
-    salt_ignored: bool = False  # E4: the cache salt is not in the block hash
-    orphans: bool = False  # E4: a prompt's first block is never stored, its children are
-    status_on_failure: bool = False  # E5: a replay that cannot be served ends with a status, no error event
-    silent_expired: bool = False  # E1: an expired replay starts at the oldest retained batch, no error
-    wildcard_host: bool = False  # E6: a source advertises 0.0.0.0
-    accept_bad_ranks: bool = False  # E6: unknown and repeated ranks are accepted
-
-
-class ToyKvCache:
-    """The toy's prefix cache: published blocks (no eviction) and the hub that numbers batches."""
-
-    def __init__(self, faults: KvFaults) -> None:
-        self.faults = faults
-        self.hub = KvEventHub(faults.retained, subscriber_buffer=1024)
-        self.lock = threading.Lock()
-        self.published: dict[bytes, BlockStored] = {}
-
-    def store_prompt(self, token_ids: list[int], salt: str) -> None:
-        extra = ("toy",) + ((f"salt:{salt}",) if salt and not self.faults.salt_ignored else ())
-        keys = block_keys(token_ids, BLOCK, extra)
-        with self.lock:
-            events, parent = [], None
-            for i, key in enumerate(keys):
-                if key not in self.published and not (self.faults.orphans and i == 0):
-                    event = BlockStored(key, parent, tuple(token_ids[i * BLOCK:(i + 1) * BLOCK]), BLOCK, extra)
-                    events.append(event)
-                    self.published[key] = event
-                parent = key
-            if events:
-                if self.faults.gap:
-                    self.hub._last_sequence_number += 1
-                self.hub.publish(events)
-                if self.faults.repeat_numbers:
-                    self.hub._last_sequence_number -= 1
-
-    def oldest(self) -> int:
-        return self.hub._retained[0].sequence_number if self.hub._retained else self.hub.last_sequence_number + 1
-
-
-class KvInference(Inference):
-    def __init__(self, engine: ToyEngine, cache: ToyKvCache) -> None:
-        super().__init__(engine)
-        self.cache = cache
-
-    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        tokens = [ord(c) % 128 for c in request.prompt] or list(request.token_ids.ids)
-        self.cache.store_prompt(tokens, request.kv.cache_salt)
-        yield from super().Generate(request, context)
-
-
-class KvControl(Control):
-    def __init__(self, engine: ToyEngine, cache: ToyKvCache) -> None:
-        super().__init__(engine)
-        self.cache = cache
-
-    def _check_ranks(self, ranks: list[int], context: grpc.ServicerContext) -> None:
-        if not self.cache.faults.accept_bad_ranks and (set(ranks) - {0} or len(set(ranks)) != len(ranks)):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad ranks {ranks}")
-
-    def GetKvEventSources(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        self._check_ranks(list(request.data_parallel_ranks), context)
-        host = "0.0.0.0" if self.cache.faults.wildcard_host else "127.0.0.1"
-        return oe.GetKvEventSourcesResponse(sources=[oe.KvEventSource(
-            transport="zmq", endpoint_addr=oe.KvEndpoint(host=host, port=5557, protocol="tcp"),
-            data_parallel_rank=0)])
-
-    def SubscribeKvEvents(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        self._check_ranks(list(request.data_parallel_ranks), context)
-        cache, faults, ready = self.cache, self.cache.faults, threading.Event()
-        start = request.start_sequence_number
-        with cache.lock:
-            if faults.silent_expired and 0 < start < cache.oldest():
-                start = cache.oldest()
-            snapshot = [] if faults.empty_snapshot else list(cache.published.values())
-            sub = cache.hub.subscribe(ready.set, snapshot if request.include_snapshot else None, start)
-        try:
-            if faults.status_on_failure and sub.failure:
-                context.abort(grpc.StatusCode.OUT_OF_RANGE, sub.failure)
-            while context.is_active():
-                ready.wait(0.05)
-                ready.clear()
-                batches, failure = sub.take()
-                for batch in batches:
-                    yield batch_response(batch, oe.STORAGE_MEDIUM_UNSPECIFIED)
-                if failure:
-                    yield oe.SubscribeKvEventsResponse(error=oe.EngineError(
-                        code=oe.ERROR_CODE_INVALID_ARGUMENT, message=failure))
-                    return
-        finally:
-            sub.close()
-
-
-def serve_kv(faults: KvFaults) -> tuple[grpc.Server, str, ToyEngine]:
-    engine, cache = ToyEngine(Faults()), ToyKvCache(faults)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
-    oe.add_InferenceServicer_to_server(KvInference(engine, cache), server)
-    oe.add_ControlServicer_to_server(KvControl(engine, cache), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, f"127.0.0.1:{port}", engine
 
 
 def run_e(faults: KvFaults, rules: list[str]) -> dict[str, Any]:

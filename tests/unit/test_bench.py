@@ -32,6 +32,7 @@ from refengine.client import OpenEngineClient
 from refengine.protocol import oe
 from tests.conformance.fake_server import Control, Inference
 from tests.conformance.toy_engine import VOCAB, Faults, ToyEngine
+from tests.conformance.toy_requests import CTX
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -179,7 +180,8 @@ def test_max_concurrency_bounds_the_requests_in_flight(toy: Toy, tmp_path: Path)
 
 
 def test_failures_are_counted_by_kind(toy: Toy, tmp_path: Path) -> None:
-    beyond = bench(toy, tmp_path, "--num-prompts", "3", "--input-len", "250", "--output-len", "10")
+    # prompt + max_tokens beyond the toy's context: refused before acceptance
+    beyond = bench(toy, tmp_path, "--num-prompts", "3", "--input-len", str(CTX - 6), "--output-len", "10")
     assert (beyond["completed"], beyond["failed"], beyond["errors"]) == (0, 3, {"INVALID_ARGUMENT": 3})
     assert beyond["mean_ttft_ms"] is None and beyond["input_tokens"] == 0
     unknown = bench(toy, tmp_path, "--num-prompts", "2", "--input-len", "4", "--output-len", "2", "--model", "nope")

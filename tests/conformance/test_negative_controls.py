@@ -1,0 +1,231 @@
+"""Negative controls: every check is shown able to fail, and each fails only for its own rule.
+
+Each control is the toy server (tests/conformance/fake_server.py, with KV events, LoRA and a
+PREFILL/DECODE pair) broken in exactly one way; the WHOLE suite runs against it and must
+fail exactly that control's rule: its checks catch the violation, and no other check fails
+for a violation that is not its rule's. The unbroken toy must fail nothing. A rule with a
+check but no control must be listed in NO_CONTROL, saying why.
+
+The controls run at once (about 25 s each alone, mostly waiting on the toy's paced streams):
+PROCESSES worker processes (forkserver: no gRPC state inherited from this one) take them from
+one queue, THREADS at a time each, every control with servers of its own; the module fixture
+runs them all, the tests assert on the results.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import tempfile
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from refengine.conformance import Options, Status, run
+from refengine.conformance.registry import PROFILE_PAGES, all_checks, profile_rules_in, rules_in
+from tests.conformance.test_conformance import REPO, rules_markdown
+from tests.conformance.toy_engine import Faults
+from tests.conformance.toy_kv_events import KvFaults, serve_kv
+from tests.conformance.toy_roles import serve_pair
+
+PROCESSES, THREADS = 8, 5
+#: The served model's config.json for the R checks' adapters: tiny shapes (the toy reads no weights).
+MODEL_CONFIG = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "head_dim": 4, "num_hidden_layers": 1}
+#: A post-acceptance failure on demand: the toy sheds a request after 3 tokens (X1, X3).
+SHED_AFTER = {"toy_fail_after": 3}
+
+
+def broken(**fields: object) -> Faults:
+    """The base toy (LoRA on) with ``fields`` set."""
+    return Faults(**{"lora": True, **fields})
+
+
+def events(**fields: object) -> KvFaults:
+    """The base toy's KV events with ``fields`` set: 8 batches retained, so that E1 sees a
+    replay point expire."""
+    return KvFaults(**{"retained": 8, **fields})
+
+
+@dataclass(frozen=True)
+class Control:
+    """One deliberately broken toy and the one rule the suite must find broken ("" = none)."""
+
+    id: str
+    rule: str
+    faults: Faults = field(default_factory=broken)
+    kv: KvFaults = field(default_factory=events)
+
+
+CONTROLS = [
+    Control("unbroken", ""),
+    Control("schema-release-a-tag", "D1", broken(schema_release="v0.1.0")),
+    Control("pipeline-size-zero", "D2", broken(zero_pipeline_size=True)),
+    Control("unknown-model-info-invalid", "D3", broken(model_info_unknown_invalid=True)),
+    Control("advertised-mode-refused", "D4", broken(refuse_advertised_mode="choice")),
+    Control("dcp-size-zero", "D5", broken(dcp_zero=True)),
+    Control("capacity-shrinks", "D6", broken(capacity_shrinks=True)),
+    Control("role-unspecified", "D7", broken(role_unspecified=True)),
+    Control("model-id-empty", "D8", broken(empty_model_id=True)),
+    Control("alias-refused", "D8", broken(refuse_alias=True)),
+    Control("media-validated-late", "D9", broken(multimodal=True, late_media_validation=True)),
+    Control("routing-key-strict", "M1", broken(strict_routing_key=True)),
+    Control("lenient-numbers", "M2", broken(lenient_metadata=True)),
+    Control("header-rank-over-session", "M3", broken(header_rank_over_session=True)),
+    Control("priority-ignored", "M4", broken(ignore_priority=True)),
+    Control("trace-refused-on-getload", "M5", broken(refuse_trace_on_load=True)),
+    Control("no-input-accepted", "G1", broken(accept_no_input=True)),
+    Control("id-not-reusable", "G2", broken(ids_not_reusable=True)),
+    Control("unknown-model-served", "G3", broken(accept_unknown_model=True)),
+    Control("zero-sequences-as-one", "G4", broken(zero_sequences_is_one=True)),
+    Control("top-k-unchecked", "G5", broken(top_k_unchecked=True)),
+    Control("empty-stop-accepted", "G6", broken(accept_empty_stop=True)),
+    Control("context-off-by-one", "G7", broken(context_off_by_one=True)),
+    Control("extra-untyped", "G8", broken(extra_untyped=True)),
+    Control("finish-without-request-id", "G9", broken(finish_without_request_id=True)),
+    Control("no-output-index", "G10", broken(omit_output_index=True)),
+    Control("cumulative-text", "G11", broken(cumulative_text=True)),
+    Control("double-finish", "G12", broken(double_finish=True)),
+    Control("stop-text-without-match", "G13", broken(stop_text_without_match=True)),
+    Control("stop-string-leaks", "G14", broken(leak_stop=True)),
+    Control("min-tokens-ignored", "G15", broken(min_tokens_ignored=True)),
+    Control("usage-on-every-event", "G16", broken(usage_every_event=True)),
+    Control("seed-drifts", "G17", broken(seed_drifts=True)),
+    Control("greedy-shifts-beside-sampling", "G18", broken(greedy_shifts_beside_sampling=True)),
+    Control("sourceless-media-dropped", "G19", broken(accept_sourceless_media=True)),
+    Control("prompt-output-unasked", "L1", broken(prompt_output_always=True)),
+    Control("first-prompt-logprob", "L2", broken(first_prompt_logprob=True)),
+    Control("token-info-without-text", "L3", broken(token_info_without_text=True)),
+    Control("all-candidates-truncated", "L4", broken(all_candidates_truncated=True)),
+    Control("zero-based-rank", "L5", broken(zero_based_rank=True)),
+    Control("logprobs-before-temperature", "L6", broken(logprobs_before_temperature=True)),
+    Control("bypass-ignored", "K1", broken(bypass_ignored=True)),
+    Control("salt-not-in-cache-key", "K2", broken(prefix_salt_ignored=True)),
+    Control("own-blocks-counted-cached", "K3", broken(count_own_blocks=True)),
+    Control("prefill-leaks-tokens", "K4", broken(prefill_leaks_tokens=True)),
+    Control("decode-accepts-bad-backend", "K5", broken(decode_accepts_bad_backend=True)),
+    Control("prefill-accepts-session", "K6", broken(prefill_accepts_session=True)),
+    Control("session-abort-leaks-blocks", "K7", broken(session_abort_leaks_blocks=True)),
+    Control("gone-session-refused-by-status", "K8", broken(missing_session_status=True)),
+    Control("decode-omits-finish", "K9", broken(decode_omits_finish=True)),
+    Control("decode-differs", "K10", broken(decode_differs=True)),
+    Control("abort-no-target-not-found", "A1", broken(abort_no_target_not_found=True)),
+    Control("unknown-abort-already-finished", "A2", broken(unknown_abort_finished=True)),
+    Control("abort-all-wrong-status", "A3", broken(abort_all_wrong_status=True)),
+    Control("abort-finishes-first-output-only", "A4", broken(abort_first_output_only=True)),
+    Control("kv-block-leaked-after-cancel", "A5", broken(leak_on_cancel=True)),
+    Control("ready-with-degraded-check", "H1", broken(health_check_degraded=True)),
+    Control("probe-adds-no-check", "H2", broken(probe_adds_no_check=True)),
+    Control("starting-while-serving", "H3", broken(starting_unprobed=True)),
+    Control("no-per-rank-rows", "H4", broken(no_rank_rows=True)),
+    Control("lora-path-unchecked", "R1", broken(lora_path_unchecked=True)),
+    Control("already-loaded-false", "R2", broken(already_loaded_false=True)),
+    Control("conflicting-load-replaces", "R3", broken(conflict_replaces=True)),
+    Control("unknown-adapter-invalid", "R4", broken(unknown_lora_invalid=True)),
+    Control("lora-disabled-invalid-argument", "R5", Faults(lora_disabled_invalid=True)),
+    Control("max-loras-zero", "R6", broken(max_loras_zero=True)),
+    Control("adapter-bleeds-across-batch", "R7", broken(lora_batch_bleed=True)),
+    Control("expired-replay-skipped-silently", "E1", kv=events(silent_expired=True)),
+    Control("empty-snapshot", "E2", kv=events(empty_snapshot=True)),
+    Control("salt-not-in-block-hash", "E4", kv=events(salt_ignored=True)),
+    Control("replay-failure-as-status", "E5", kv=events(status_on_failure=True)),
+    Control("wildcard-event-host", "E6", kv=events(wildcard_host=True)),
+    Control("event-after-engine-error", "X1", broken(event_after_error=True)),
+    Control("failure-as-empty-ok", "X2", broken(empty_ok_for_invalid_load=True)),
+    Control("overload-not-retryable", "X3", broken(overload_not_retryable=True)),
+    Control("unknown-role-rejected", "X4", broken(reject_unknown_role=True)),
+]
+
+#: Rules with a check but no negative control, and why.
+NO_CONTROL = {rule: "draft profile encoder: needs an encoder server (refengine serve --role encoder, a real "
+                    "vision model); the toy has none" for rule in
+              ("ENC1", "ENC2", "ENC3", "ENC4", "ENC5", "ENC6", "ENC7", "ENC9", "ENC10", "ENC11", "ENC13", "ENC15")}
+
+Failure = tuple[str, str, str]  # check name, rule, message
+#: Controls that take longest (their fault makes later checks wait out the idle timeout, or
+#: runs a long request to its end): started first.
+SLOW = ("kv-block-leaked-after-cancel", "context-off-by-one")
+
+
+def run_control(control: Control) -> list[Failure]:
+    """The whole suite against ``control``'s servers; every failed check."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config, lora_dir = os.path.join(tmp, "config.json"), os.path.join(tmp, "lora")
+        os.mkdir(lora_dir)
+        with open(config, "w") as f:
+            json.dump(MODEL_CONFIG, f)
+        server, address, engine = serve_kv(control.kv, control.faults)
+        pair, prefill, decode, pair_engines = serve_pair(control.faults)
+        options = Options(idle_timeout_s=3.0, prefill_address=prefill, decode_address=decode, lora_dir=lora_dir,
+                          lora_model_config=config, slow_reader_s=0.2, slow_reader_extra=SHED_AFTER)
+        try:
+            results = run(address, None, options)
+        finally:
+            for s in (server, *pair):
+                s.stop(0)
+            for e in (engine, *pair_engines):
+                e.running = False
+    return [(r.name, r.rule, r.message) for r in results if r.status is Status.FAIL]
+
+
+_work: Any = None  # a worker process's queue of controls to run (None: no more)
+
+
+def _take_work(queue: Any) -> None:
+    global _work
+    _work = queue
+
+
+def run_queued() -> dict[str, list[Failure]]:
+    """One worker process's share: THREADS threads taking controls from the queue until it is empty."""
+    found: dict[str, list[Failure]] = {}
+
+    def drain() -> None:
+        while (control := _work.get()) is not None:
+            found[control.id] = run_control(control)
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        for done in [pool.submit(drain) for _ in range(THREADS)]:
+            done.result()
+    return found
+
+
+def run_all(controls: list[Control]) -> dict[str, list[Failure]]:
+    """Every control's failed checks, run at once: PROCESSES worker processes take them from one
+    queue (the slow ones first, so that none of them starts last)."""
+    context = multiprocessing.get_context("forkserver")
+    queue = context.Queue()
+    for control in sorted(controls, key=lambda c: c.id not in SLOW) + [None] * (PROCESSES * THREADS):
+        queue.put(control)
+    found: dict[str, list[Failure]] = {}
+    with ProcessPoolExecutor(PROCESSES, mp_context=context, initializer=_take_work, initargs=(queue,)) as pool:
+        for part in [pool.submit(run_queued) for _ in range(PROCESSES)]:
+            found.update(part.result())
+    return found
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, list[Failure]]:
+    return run_all(CONTROLS)
+
+
+@pytest.mark.parametrize("control", CONTROLS, ids=[f"{c.rule or 'none'}-{c.id}" for c in CONTROLS])
+def test_the_suite_fails_exactly_the_broken_rule(control: Control, outcomes: dict[str, list[Failure]]) -> None:
+    failed = outcomes[control.id]
+    want = {control.rule} - {""}
+    assert {rule for _, rule, _ in failed} == want, (
+        f"{control.id} breaks {control.rule or 'nothing'}; failed:\n"
+        + ("\n".join(f"  {name}: {message}" for name, _, message in failed) or "  nothing"))
+
+
+def test_every_rule_with_a_check_has_a_negative_control() -> None:
+    defined = set(rules_in(rules_markdown(), "DMGLKAHREX"))
+    defined |= set(profile_rules_in((REPO / PROFILE_PAGES["ENC"]).read_text(), "ENC"))
+    checked = {c.rule for c in all_checks()} & defined
+    uncontrolled = checked - {c.rule for c in CONTROLS}
+    assert sorted(uncontrolled) == sorted(NO_CONTROL), (
+        f"without a control and not in NO_CONTROL: {sorted(uncontrolled - set(NO_CONTROL))}; in NO_CONTROL but "
+        f"controlled or unchecked: {sorted(set(NO_CONTROL) - uncontrolled)}")

@@ -1,0 +1,77 @@
+"""The toy engine's "model" (tests/conformance/toy_engine.py): next-token log-probabilities over
+its ASCII vocabulary, the TokenInfo it reports, and its prefix cache."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from refengine.protocol import oe
+from tests.conformance.toy_requests import EOS, VOCAB
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tests.conformance.toy_engine import Faults
+
+TEXT = "the quick brown fox jumps over the lazy dog, and then it sleeps under a tree. "
+CACHE_BLOCK = 32  # prefix-cache granularity: longer than the suite's "[oeconf-<run>-<tag>-<n>]" prompt prefixes
+
+
+def log_softmax(xs: list[float]) -> list[float]:
+    top = max(xs)
+    z = top + math.log(sum(math.exp(x - top) for x in xs if x != -math.inf))
+    return [x - z for x in xs]
+
+
+def distribution(ctx: list[int], prompt: list[int], temperature: float, masked: set[int],
+                 shift: int = 0) -> list[float]:
+    """Log-probabilities of the next token: peaked at the text's next character (moved by
+    ``shift``: a LoRA adapter, or a fault); EOS likely after 4 tokens of a ``<|`` prompt."""
+    target = min(127, ord(TEXT[len(ctx) % len(TEXT)]) + shift)
+    logits = [-0.5 * abs(j - target) - 0.001 * j for j in range(VOCAB)]
+    eos_prompt = "<|" in "".join(chr(i) for i in prompt if i < 128)
+    logits[EOS] = 5.0 if eos_prompt and len(ctx) - len(prompt) >= 4 else -20.0
+    scale = temperature if temperature > 0 else 1.0
+    logits = [-math.inf if j in masked else x / scale for j, x in enumerate(logits)]
+    return log_softmax(logits)
+
+
+def token_info(tok: int, lp: list[float] | None, spec: Any | None, faults: Faults) -> Any:
+    info = oe.TokenInfo(token_id=tok, token=chr(tok) if tok < 128 else "</s>")
+    if lp is None:
+        return info
+    if faults.token_info_without_text:
+        info.token = ""
+    info.logprob = lp[tok]
+    info.rank = sum(1 for x in lp if x > lp[tok]) + (0 if faults.zero_based_rank else 1)
+    order = sorted(range(VOCAB), key=lambda j: -lp[j])
+    kind = spec.WhichOneof("selection") if spec is not None else None
+    everything = order[:100] if faults.all_candidates_truncated else order
+    chosen = {"top_n": lambda: order[: spec.top_n], "all": lambda: everything,
+              "token_ids": lambda: list(spec.token_ids.ids)}.get(kind, lambda: [])()
+    for j in chosen:
+        info.candidates.add(token_id=j, logprob=lp[j] if lp[j] != -math.inf else -1e30,
+                            token=chr(j) if j < 128 else "</s>", rank=1 + sum(1 for x in lp if x > lp[j]))
+    return info
+
+
+class PrefixCache:
+    """Full CACHE_BLOCK-token blocks, each keyed by its whole prefix and the cache salt."""
+
+    def __init__(self, faults: Faults) -> None:
+        self.faults = faults
+        self.blocks: set[int] = set()
+
+    def serve(self, prompt: list[int], salt: str, bypass: bool) -> int:
+        """K1-K3: store the prompt's blocks; returns the prompt tokens served from cache."""
+        salt = "" if self.faults.prefix_salt_ignored else salt
+        keys, key = [], hash(salt)
+        for end in range(CACHE_BLOCK, len(prompt) + 1, CACHE_BLOCK):
+            key = hash((key, tuple(prompt[end - CACHE_BLOCK:end])))
+            keys.append(key)
+        hits = next((i for i, k in enumerate(keys) if k not in self.blocks), len(keys))
+        if bypass and not self.faults.bypass_ignored:
+            hits = 0
+        self.blocks.update(keys)
+        if self.faults.count_own_blocks and not bypass:
+            hits = len(keys)
+        return hits * CACHE_BLOCK

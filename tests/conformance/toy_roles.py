@@ -1,0 +1,147 @@
+"""A disaggregated toy pair (K4-K10): a PREFILL server that answers one ``PrefillReady`` with a
+``KvSessionRef``, and a DECODE server that continues from it.
+
+Both share an in-process :class:`SessionStore`: the prefill server holds each session's
+prompt (and its KV blocks, counted in its GetLoad) until Abort(kv_session) or a decode pulls
+it; the decode server takes the session and runs the toy engine on the held prompt, so its
+greedy output equals an aggregated toy's. ``Faults`` break the K rules on purpose.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from refengine.protocol import oe
+from tests.conformance.fake_server import Control, Inference, start
+from tests.conformance.toy_engine import Faults, ToyEngine
+from tests.conformance.toy_model import distribution, token_info
+from tests.conformance.toy_requests import BLOCK, INVALID, VOCAB, Refused, validate
+
+BACKEND = "toy"
+#: Opaque transfer details, as a real connector sends them (K9: JSON types kept; a 64-bit id as a string).
+ATTRIBUTES = {"block_table_id": "18446744073709551557", "remote_rank": 0, "pinned": True}
+
+
+class SessionStore:
+    """Held sessions: id -> the prompt's token ids; ``leaked`` blocks stay counted (K7's fault)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sessions: dict[str, list[int]] = {}
+        self.leaked = 0
+        self._ids = itertools.count(1)
+
+    def hold(self, prompt: list[int]) -> str:
+        with self.lock:
+            session_id = f"toy-session-{next(self._ids)}"
+            self.sessions[session_id] = prompt
+            return session_id
+
+    def take(self, session_id: str, leak: bool = False) -> list[int] | None:
+        """Remove a session (pulled by a decode, or aborted); None when it is not held."""
+        with self.lock:
+            prompt = self.sessions.pop(session_id, None)
+            if prompt is not None and leak:
+                self.leaked += -(-len(prompt) // BLOCK)
+            return prompt
+
+    def used_blocks(self) -> int:
+        with self.lock:
+            return self.leaked + sum(-(-len(p) // BLOCK) for p in self.sessions.values())
+
+
+class PrefillInference(Inference):
+    def __init__(self, engine: ToyEngine, store: SessionStore) -> None:
+        super().__init__(engine)
+        self.store = store
+        self.port = 0  # set once the server has one: sessions name it as their endpoint
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        f = self.engine.faults
+        if request.kv.HasField("session") and not f.prefill_accepts_session:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "kv.session on a PREFILL engine")
+        try:
+            prompt = validate(request, f)
+        except Refused as err:
+            context.abort(err.code, str(err))
+        if f.prefill_leaks_tokens:
+            first = max(range(VOCAB), key=distribution(prompt, prompt, 0.0, set()).__getitem__)
+            yield oe.GenerateResponse(request_id=request.request_id, token=oe.TokenOutput(
+                output_index=0, tokens=[token_info(first, None, None, f)], text=chr(first)))
+        session = oe.KvSessionRef(session_id=self.store.hold(prompt), transfer_backend=BACKEND,
+                                  endpoints=[oe.KvEndpoint(host="127.0.0.1", port=self.port, protocol="grpc")])
+        json_format.ParseDict(ATTRIBUTES, session.attributes_struct)
+        yield oe.GenerateResponse(request_id=request.request_id, prefill_ready=oe.PrefillReady(kv_session=session),
+                                  usage=oe.Usage(prompt_tokens=len(prompt), completion_tokens=0,
+                                                 total_tokens=len(prompt), cached_prompt_tokens=0))
+
+
+class PrefillControl(Control):
+    role = oe.ENGINE_ROLE_PREFILL
+
+    def __init__(self, engine: ToyEngine, store: SessionStore) -> None:
+        super().__init__(engine)
+        self.store = store
+
+    def GetLoad(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        load = super().GetLoad(request, context)
+        load.used_kv_blocks += self.store.used_blocks()
+        load.active_kv_sessions = len(self.store.sessions)
+        return load
+
+    def abort_session(self, session: Any, context: grpc.ServicerContext) -> Any:
+        """K7: Abort(kv_session) releases a held session (Faults.session_abort_leaks_blocks: not its KV)."""
+        if self.store.take(session.session_id, leak=self.engine.faults.session_abort_leaks_blocks) is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, "unknown session")
+        return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED)
+
+
+class DecodeInference(Inference):
+    def __init__(self, engine: ToyEngine, store: SessionStore) -> None:
+        super().__init__(engine)
+        self.store = store
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        f = self.engine.faults
+        session = request.kv.session
+        if not request.kv.HasField("session"):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a DECODE engine needs kv.session")
+        if not session.session_id or not session.endpoints or \
+                (session.transfer_backend != BACKEND and not f.decode_accepts_bad_backend):
+            context.abort(INVALID, f"malformed kv.session: {session}")
+        prompt = self.store.take(session.session_id)
+        if prompt is None:
+            if f.missing_session_status:
+                context.abort(grpc.StatusCode.NOT_FOUND, "unknown session")
+            yield oe.GenerateResponse(request_id=request.request_id, error=oe.EngineError(
+                code=oe.ERROR_CODE_KV_SESSION_NOT_FOUND, message=f"session {session.session_id} is gone",
+                retryable=False))
+            return
+        decode = oe.GenerateRequest()
+        decode.CopyFrom(request)
+        decode.kv.ClearField("session")
+        decode.ClearField("input")
+        decode.token_ids.ids.extend(prompt[1:] if f.decode_differs else prompt)
+        for event in super().Generate(decode, context):
+            if not (f.decode_omits_finish and event.WhichOneof("event") == "finished"):
+                yield event
+
+
+class DecodeControl(Control):
+    role = oe.ENGINE_ROLE_DECODE
+
+
+def serve_pair(faults: Faults) -> tuple[list[grpc.Server], str, str, list[ToyEngine]]:
+    """A PREFILL and a DECODE toy sharing one session store: (servers, prefill, decode, engines)."""
+    store = SessionStore()
+    prefill_engine, decode_engine = ToyEngine(faults), ToyEngine(faults)
+    prefill = PrefillInference(prefill_engine, store)
+    pre_server, pre_address = start(prefill_engine, prefill, PrefillControl(prefill_engine, store))
+    prefill.port = int(pre_address.rsplit(":", 1)[1])
+    dec_server, dec_address = start(decode_engine, DecodeInference(decode_engine, store), DecodeControl(decode_engine))
+    return [pre_server, dec_server], pre_address, dec_address, [prefill_engine, decode_engine]

@@ -1,0 +1,149 @@
+"""The toy engine's requests and what they stream (tests/conformance/toy_engine.py): the jobs
+it runs, and the GenerateResponse events it sends for them, each deliberate violation of the
+stream rules (G9-G16, L1/L2, A4, X1) switched on by a ``Faults`` field."""
+
+from __future__ import annotations
+
+import queue
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+
+from refengine.protocol import oe
+from tests.conformance.toy_model import distribution, token_info
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tests.conformance.toy_engine import Faults
+
+
+@dataclass
+class Output:
+    index: int
+    rng: random.Random
+    matcher: llguidance.LLMatcher | None = None
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # characters of ``text`` sent
+    pending: list[Any] = field(default_factory=list)  # TokenInfo not sent yet
+    done: bool = False
+
+
+@dataclass
+class Job:
+    req: Any
+    prompt: list[int]
+    max_tokens: int
+    priority: int
+    events: queue.Queue
+    outputs: list[Output]
+    shift: int = 0  # the LoRA adapter's
+    cached: int = 0  # prompt tokens served from the prefix cache
+    fail_after: int | None = None  # extra "toy_fail_after": shed with an EngineError after that many tokens
+    arrival: float = field(default_factory=time.monotonic)
+    started: bool = False  # had its first step (prefill)
+    cancelled: bool = False
+
+    @property
+    def stops(self) -> list[str]:
+        return [c.stop_text for c in self.req.stopping.conditions if c.WhichOneof("condition") == "stop_text"]
+
+    @property
+    def stop_ids(self) -> set[int]:
+        return {c.stop_token_id for c in self.req.stopping.conditions if c.WhichOneof("condition") == "stop_token_id"}
+
+    @property
+    def temperature(self) -> float:
+        s = self.req.sampling
+        return s.temperature if s.HasField("temperature") else 1.0
+
+
+class Streams:
+    """The jobs of an engine and the events of their streams (``ToyEngine`` adds the stepping)."""
+
+    def __init__(self, faults: Faults) -> None:
+        self.faults = faults
+        self.jobs: dict[str, Job] = {}
+        self.finished: set[str] = set()
+        self.ended = 0  # jobs ended in the current step
+
+    # -- events ------------------------------------------------------------------------
+    def event(self, job: Job, **body: Any) -> Any:
+        ev = oe.GenerateResponse(request_id=job.req.request_id, **body)
+        if "finished" in body and self.faults.finish_without_request_id:
+            ev.request_id = ""
+        return ev
+
+    def emit(self, job: Job, out: Output, upto: int) -> None:
+        """A TokenOutput of the tokens not sent yet and their text up to ``upto`` (the rest may
+        still become a stop match: held back)."""
+        upto = max(upto, out.emitted)
+        start = 0 if self.faults.cumulative_text else out.emitted
+        token = oe.TokenOutput(tokens=out.pending, text=out.text[start:upto])
+        out.pending = []
+        if not self.faults.omit_output_index:
+            token.output_index = out.index
+        out.emitted = upto
+        self.put(job, self.event(job, token=token), final=False)
+
+    def finish(self, job: Job, out: Output, reason: int, match: Any = None) -> None:
+        if out.pending or out.emitted < len(out.text):
+            self.emit(job, out, len(out.text))
+        out.done = True
+        fin = oe.GenerationFinished(reason=reason)
+        if not self.faults.omit_output_index:
+            fin.output_index = out.index
+        if match is not None:
+            fin.stop_match.CopyFrom(match)
+        last = all(o.done for o in job.outputs)
+        if self.faults.double_finish:
+            self.put(job, self.event(job, finished=fin), final=False)
+        self.put(job, self.event(job, finished=fin), final=last)
+        if last:
+            self.end(job)
+
+    def cancel(self, job: Job) -> None:
+        """A4: every unfinished output ends CANCELLED (Faults.abort_first_output_only: the first only)."""
+        pending = [o for o in job.outputs if not o.done]
+        if self.faults.abort_first_output_only:
+            for out in pending[1:]:
+                out.done = True
+            pending = pending[:1]
+        for out in pending:
+            self.finish(job, out, self.faults.cancel_reason)
+
+    def fail(self, job: Job, code: int, message: str, retryable: bool) -> None:
+        """X1: a failure after acceptance is one terminal EngineError (then the stream ends OK)."""
+        self.put(job, self.event(job, error=oe.EngineError(code=code, message=message, retryable=retryable)),
+                 final=True)
+        if self.faults.event_after_error:
+            job.events.put(self.event(job, token=oe.TokenOutput(output_index=0, text="!")))
+        self.end(job)
+
+    def end(self, job: Job) -> None:
+        self.ended += 1
+        del self.jobs[job.req.request_id]
+        self.finished.add(job.req.request_id)
+        job.events.put(None)
+
+    def put(self, job: Job, ev: Any, final: bool) -> None:
+        if final or self.faults.usage_every_event:
+            done = sum(len(o.tokens) for o in job.outputs)
+            ev.usage.CopyFrom(oe.Usage(prompt_tokens=len(job.prompt), completion_tokens=done,
+                                       total_tokens=len(job.prompt) + done, cached_prompt_tokens=job.cached))
+        job.events.put(ev)
+
+    def prompt_output(self, job: Job) -> None:
+        """L1/L2: PromptOutput, when asked for, before any token; the first position bare."""
+        r, prompt = job.req.response, job.prompt
+        if not r.return_prompt_logprobs and not self.faults.prompt_output_always:
+            return
+        po = oe.PromptOutput()
+        spec = r.prompt_candidates if r.HasField("prompt_candidates") else None
+        for i in range(r.prompt_logprob_start, len(prompt)):
+            bare = i == 0 and not self.faults.first_prompt_logprob
+            lp = distribution(prompt[:i], prompt, 1.0, set()) if r.return_prompt_logprobs and not bare else None
+            po.tokens.append(token_info(prompt[i], lp, spec, self.faults))
+        job.events.put(self.event(job, prompt=po))
