@@ -13,6 +13,8 @@ import pytest
 
 from refengine.conformance import Options, Status, format_matrix, run, select
 from tests import tiny_llava
+from tests.conformance import encoder_controls
+from tests.conformance.fault_proxy import Fault, FaultProxy
 from tests.integration.conftest import ServerProcess, start_server, wait_ready
 from tests.support_matrix import observe
 from tests.tiny_llava import TinyLlava
@@ -75,3 +77,25 @@ def test_enc_checks_against_the_encoder_itself(servers: dict[str, ServerProcess]
         result = by_name[name]
         assert result.status is Status.SKIP, matrix
         assert "side 'consumer'" in result.message or "the target is the encoder" in result.message, result
+
+
+CONTROLS = encoder_controls.controls()
+
+
+@pytest.mark.parametrize("control", CONTROLS, ids=[f"{c.rule or 'none'}-{c.id}" for c in CONTROLS])
+def test_each_encoder_control_fails_exactly_its_rule(control: encoder_controls.EncoderControl,
+                                                     servers: dict[str, ServerProcess]) -> None:
+    """The negative controls (tests/conformance/encoder_controls.py): the encoder and the consumer
+    behind fault proxies, one ENC rule broken; the ENC checks run as in the first test and exactly
+    that rule fails (the unbroken pair of proxies fails nothing: the proxy itself is transparent)."""
+    encoder = FaultProxy(servers["encoder"].address, Fault(control.encoder))
+    consumer = FaultProxy(servers["aggregated"].address, Fault(control.consumer))
+    try:
+        options = Options(encoder_address=encoder.address, media_placeholder_token_id=tiny_llava.IMAGE_TOKEN)
+        results = run(consumer.address, ["ENC"], options)
+    finally:
+        encoder.close()
+        consumer.close()
+    failed = {r.rule for r in results if r.status is Status.FAIL}
+    assert failed == {control.rule} - {""}, format_matrix(results)
+    assert all(r.status in (Status.PASS, Status.FAIL) for r in results), format_matrix(results)
