@@ -38,6 +38,7 @@ FIELD_FLAGS = {
     "EngineConfig.served_model_name": "--served-model-name",
     "EngineConfig.served_model_aliases": "--served-model-alias",
     "EngineConfig.dtype": "--dtype",
+    "EngineConfig.kv_cache_dtype": "--kv-cache-dtype",
     "EngineConfig.device": "--device",
     "EngineConfig.max_model_len": "--max-model-len",
     "EngineConfig.max_sequences_per_request": "--max-sequences-per-request",
@@ -179,8 +180,13 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--served-model-alias", action="append", default=[], metavar="NAME", dest="served_model_aliases",
                    help="a further name clients may use for the model, repeatable (ModelInfo.served_model_aliases) "
                    "(default: none)")
-    g.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES, help="weight and KV dtype (the native CPU "
-                   "attention and oneDNN projections take float32 only) (default: %(default)s)")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES, help="weight and compute dtype, and the KV "
+                   "cache's unless --kv-cache-dtype says otherwise; bfloat16 on CPU takes the native path where the "
+                   "CPU has bf16 dot products (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("auto", *DTYPE_NAMES),
+                   help="KV cache dtype; auto = --dtype. bfloat16 or float16 under float32 weights: twice the "
+                   "blocks per --kv-memory-mib, half the KV bytes read per step; attention still computes in "
+                   "--dtype (default: %(default)s)")
     g.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="auto: the first available of cpu (the native paged kernel, float32 on CPU, built with "
@@ -327,6 +333,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         served_model_name=args.served_model_name,
         served_model_aliases=tuple(args.served_model_aliases),
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         max_model_len=args.max_model_len,
         max_sequences_per_request=per_request,

@@ -177,6 +177,11 @@ class EngineConfig:
     # directory name a framework uses for the model.
     served_model_aliases: tuple[str, ...] = ()
     dtype: str = "float32"
+    # The KV cache's dtype; "auto" = ``dtype``. A 16-bit cache under float32 weights halves the
+    # bytes per block (twice the blocks in the same --kv-memory-mib, half the KV read per decode
+    # step); attention computes in ``dtype`` and rounds the step's own keys and values to the
+    # cache dtype before using them, so a prompt's result does not depend on its chunking.
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # >= 2: room for a prompt token and one generated token
     # Most outputs one request may ask for (SamplingParams.num_sequences). A request's outputs all
@@ -210,6 +215,7 @@ class EngineConfig:
         check_name(self, "served_model_name", optional=True)
         self.check_aliases()
         check_choice(self, "dtype", DTYPE_NAMES)
+        check_choice(self, "kv_cache_dtype", ("auto", *DTYPE_NAMES))
         check_name(self, "device")
         check_int(self, "max_model_len", 2, optional=True)
         check_int(self, "max_sequences_per_request", 1)
@@ -220,6 +226,11 @@ class EngineConfig:
         check_bool(self, "debug_kv_integrity")
         check_choice(self, "role", ENGINE_ROLES)
         self.check_parts()
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's dtype name: ``kv_cache_dtype``, "auto" resolved to ``dtype``."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def check_aliases(self) -> None:
         aliases = self.served_model_aliases

@@ -21,7 +21,10 @@ def kernel_paths(config: EngineConfig) -> tuple[str, str, str]:
     from refengine.kernels.cpu_features import bf16_path, native_bf16
 
     chosen, why = registry.choose_backend(config.attention_backend, DTYPES[config.dtype], config.device,
-                                          config.kernels)
+                                          config.kernels, DTYPES[config.kv_dtype])
+    if config.kv_dtype != config.dtype:
+        logger.info("KV cache in %s under %s weights (--kv-cache-dtype); attention computes in %s",
+                    config.kv_dtype, config.dtype, config.dtype)
     bf16 = bf16_path() if config.dtype == "bfloat16" and config.device == "cpu" else ""
     if bf16:
         (logger.info if native_bf16() else logger.warning)("--dtype bfloat16 on CPU: %s", bf16)
@@ -48,6 +51,7 @@ def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_na
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         device=config.device,
         dtype=config.dtype,
+        kv_cache_dtype=config.kv_dtype if num_blocks else "",
         guided_modes=backend_modes()[config.guided.default_backend],
         guided_backends=tuple(sorted(backend_modes().items(), key=lambda kv: kv[0] != config.guided.default_backend)),
         role=config.role,

@@ -34,6 +34,7 @@ class EngineInfo:
     max_num_batched_tokens: int
     device: str
     dtype: str
+    kv_cache_dtype: str = ""  # the KV cache's dtype (EngineConfig.kv_dtype); "" = no KV cache (an encoder)
     guided_modes: tuple[str, ...] = ()  # GuidedDecoding modes of the default backend (advertised)
     guided_backends: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (backend name, its modes), default first
     role: str = "aggregated"  # aggregated, prefill or decode (EngineConfig.role)

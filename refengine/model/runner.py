@@ -40,12 +40,12 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 def make_runner(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                 max_model_len: int) -> ModelRunner:
-    """The runner ``config`` asks for: its dtype, device, attention backend, LoRA slots and
-    (``kernels.cuda_graphs``, up to ``scheduler.max_num_seqs``) decode graphs."""
-    dtype, lora = DTYPES[config.dtype], config.lora
-    attention = make_attention_backend(config.attention_backend, dtype, config.device, config.kernels)
+    """The runner ``config`` asks for: its dtype, KV cache dtype, device, attention backend, LoRA
+    slots and (``kernels.cuda_graphs``, up to ``scheduler.max_num_seqs``) decode graphs."""
+    dtype, kv_dtype, lora = DTYPES[config.dtype], DTYPES[config.kv_dtype], config.lora
+    attention = make_attention_backend(config.attention_backend, dtype, config.device, config.kernels, kv_dtype)
     return ModelRunner(model_config, weights, config.cache, max_model_len, dtype=dtype, device=config.device,
-                       attention=attention, kernels=config.kernels,
+                       attention=attention, kernels=config.kernels, kv_dtype=kv_dtype,
                        lora=LoraSlotShape(lora.max_loras, lora.max_lora_rank) if lora.enabled else None,
                        max_num_seqs=config.scheduler.max_num_seqs)
 
@@ -63,7 +63,11 @@ class ModelRunner:
         kernels: KernelConfig | None = None,
         lora: LoraSlotShape | None = None,
         max_num_seqs: int = SchedulerConfig().max_num_seqs,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """``kv_dtype``: the KV cache's dtype (None = ``dtype``); the attention backend computes in
+        ``dtype`` and converts what it stores and reads."""
+        kv_dtype = kv_dtype or dtype
         weights = {name: w.to(dtype=dtype, device=device) for name, w in weights.items()}
         kernels = kernels or KernelConfig()
         self.config = config
@@ -71,7 +75,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.model = LlamaModel(config, weights, max_positions=max_model_len, kernels=kernels, lora=lora)
         self.num_blocks = cache.num_blocks or max(1, cache.kv_memory_bytes // kv_bytes_per_block(
-            config, cache.block_size, dtype))
+            config, cache.block_size, kv_dtype))
         self.attention = attention or TorchReferenceBackend()
         # Why this run has no decode graphs ("" = it has them; see the module docstring).
         self.graphs_unavailable = graphs_unavailable_reason(kernels.cuda_graphs, device, self.attention)
@@ -79,7 +83,7 @@ class ModelRunner:
         k_shape, v_shape = self.attention.kv_cache_shapes(
             self.num_blocks + scratch, cache.block_size, config.num_key_value_heads, config.head_dim)
         full_caches = [
-            (torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
+            (torch.zeros(k_shape, dtype=kv_dtype, device=device), torch.zeros(v_shape, dtype=kv_dtype, device=device))
             for _ in range(config.num_hidden_layers)
         ]
         self.kv_caches = full_caches if not scratch else [(k[: self.num_blocks], v[: self.num_blocks])

@@ -104,6 +104,7 @@ class ControlServicer(oe.ControlServicer):
                 max_loras=info.max_loras,
             ),
             extra=_struct({"device": info.device, "dtype": info.dtype, PROFILES_KEY: profiles_of(info),
+                           **({"kv_cache_dtype": info.kv_cache_dtype} if info.kv_cache_dtype else {}),
                            **({"attention_backend": info.attention_backend,
                                "attention_backend_reason": info.attention_backend_reason} if info.attention_backend
                               else {}),

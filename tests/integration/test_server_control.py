@@ -46,6 +46,8 @@ def test_server_info(client: OpenEngineClient) -> None:
     assert (c.kv_block_size, c.total_kv_blocks, c.max_running_requests) == (16, 128, 16)
     assert c.max_batched_tokens > 0 and c.HasField("max_loras") and c.max_loras == 0
     assert info.kv_connector.HasField("enabled") and not info.kv_connector.enabled
+    extra = json_format.MessageToDict(info.extra)
+    assert (extra["device"], extra["dtype"], extra["kv_cache_dtype"]) == ("cpu", "float32", "float32")
 
 
 def test_model_info(client: OpenEngineClient) -> None:

@@ -158,6 +158,7 @@ FLAG_SETTINGS = [
     (["--served-model-name", "x"], "EngineConfig.served_model_name", "x"),
     (["--served-model-alias", "a", "--served-model-alias", "b"], "EngineConfig.served_model_aliases", ("a", "b")),
     (["--dtype", "bfloat16"], "EngineConfig.dtype", "bfloat16"),
+    (["--kv-cache-dtype", "bfloat16"], "EngineConfig.kv_cache_dtype", "bfloat16"),
     (["--device", "cuda:1"], "EngineConfig.device", "cuda:1"),
     (["--max-model-len", "512"], "EngineConfig.max_model_len", 512),
     (["--max-sequences-per-request", "3"], "EngineConfig.max_sequences_per_request", 3),
@@ -361,8 +362,8 @@ def test_registration_order_is_auto_preference(monkeypatch: pytest.MonkeyPatch) 
     def factory(name: str) -> Callable[..., TorchReferenceBackend]:
         return lambda dtype, device, kernels: made.append(name) or TorchReferenceBackend()
 
-    registry.register_backend("fast", factory("fast"), lambda dtype, device, kernels: "no fast path here")
-    registry.register_backend("slow", factory("slow"), lambda dtype, device, kernels: "")
+    registry.register_backend("fast", factory("fast"), lambda dtype, kv_dtype, device, kernels: "no fast path here")
+    registry.register_backend("slow", factory("slow"), lambda dtype, kv_dtype, device, kernels: "")
     registry.make_attention_backend("auto", torch.float32, "cpu", KernelConfig())
     assert made == ["slow"]
     with pytest.raises(ValueError, match="no fast path here"):
@@ -371,7 +372,7 @@ def test_registration_order_is_auto_preference(monkeypatch: pytest.MonkeyPatch) 
         registry.make_attention_backend("cpu", torch.float32, "cpu", KernelConfig())
     for name in ("slow", "auto"):
         with pytest.raises(ValueError, match="reserved or already registered"):
-            registry.register_backend(name, factory(name), lambda dtype, device, kernels: "")
+            registry.register_backend(name, factory(name), lambda dtype, kv_dtype, device, kernels: "")
 
 
 def test_cuda_graph_hooks_default_to_no_ops() -> None:

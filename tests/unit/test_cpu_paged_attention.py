@@ -126,10 +126,11 @@ class StepResults:
 
 def run_steps(
     backend: AttentionBackend, seqs: list[SeqData], block_size: int, *, seed: int = 0, spare_blocks: int = 3,
-    fill: float | None = None, dtype: torch.dtype = torch.float32,
+    fill: float | None = None, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None,
 ) -> StepResults:
     """Drives ``backend`` through two steps using only ``kv_cache_shapes``, ``prepare`` and ``forward``:
     a prefill of every sequence's cached context, then every sequence's new tokens in one batch.
+    Queries, keys and values are ``dtype``, the cache ``kv_dtype`` (None = ``dtype``).
     Never-written cache slots hold random garbage (or ``fill``)."""
     rng = random.Random(seed)
     tables, num_blocks = assign_blocks(seqs, block_size, spare_blocks, rng)
@@ -142,7 +143,7 @@ def run_steps(
         v_cache = torch.randn(v_shape, generator=gen) * GARBAGE
     else:
         k_cache, v_cache = torch.full(k_shape, fill), torch.full(v_shape, fill)
-    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    k_cache, v_cache = k_cache.to(kv_dtype or dtype), v_cache.to(kv_dtype or dtype)
 
     context_out: list[torch.Tensor | None] = [None] * len(seqs)
     cached = [i for i, s in enumerate(seqs) if s.context]

@@ -27,3 +27,12 @@ def test_bf16_on_cpu_says_which_path_and_warns_without_native_bf16(flags, monkey
     assert bf16.startswith("native bf16 (amx_bf16)" if native else "no native bf16")
     record = next(r for r in caplog.records if "bfloat16 on CPU" in r.getMessage())
     assert record.levelno == (logging.INFO if native else logging.WARNING)
+
+
+def test_a_cache_the_native_kernel_cannot_read_takes_the_reference(caplog) -> None:
+    """--kv-cache-dtype float16 under float32 weights: auto skips the native kernel, saying why,
+    and the start-up log names the cache dtype."""
+    with caplog.at_level(logging.INFO, logger="refengine.engine.info"):
+        backend, why, _ = kernel_paths(EngineConfig(kv_cache_dtype="float16"))
+    assert backend == "torch" and "reads a float32 or bfloat16 KV cache, not torch.float16" in why
+    assert any("KV cache in float16 under float32 weights" in r.getMessage() for r in caplog.records)

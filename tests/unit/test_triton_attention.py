@@ -62,10 +62,11 @@ def test_kernels_are_interpreted_or_compiled() -> None:
 
 
 def make_step(shape: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-              dtype: torch.dtype, seed: int):
+              dtype: torch.dtype, seed: int, kv_dtype: torch.dtype | None = None):
     """Sequences ``(context, new)``: ``context`` tokens already cached, ``new`` in this step.
     Block ids are shuffled (non-contiguous tables, spare blocks in between). Returns the
-    metadata, q/k/v, the caches (context written, garbage elsewhere) and the scale."""
+    metadata, q/k/v (``dtype``), the caches (``kv_dtype``, None = ``dtype``; context written,
+    garbage elsewhere) and the scale."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     needed = [math.ceil((c + n) / block_size) for c, n in shape]
     num_blocks = sum(needed) + 3
@@ -96,14 +97,16 @@ def make_step(shape: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     meta = AttentionMetadata(query_start_loc, [c + n for c, n in shape], block_tables.to(DEVICE),
                              torch.tensor(slots, dtype=torch.int64, device=DEVICE), block_size)
-    return meta, q, k, v, k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), 1.0 / math.sqrt(head_dim)
+    kv_dtype = kv_dtype or dtype
+    return meta, q, k, v, k_cache.to(DEVICE, kv_dtype), v_cache.to(DEVICE, kv_dtype), 1.0 / math.sqrt(head_dim)
 
 
 def check_against_reference(shape: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
                             block_size: int, dtype: torch.dtype, seed: int = 0,
-                            backend: triton_paged.TritonPagedBackend | None = None) -> triton_paged.TritonPagedBackend:
+                            backend: triton_paged.TritonPagedBackend | None = None,
+                            kv_dtype: torch.dtype | None = None) -> triton_paged.TritonPagedBackend:
     meta, q, k, v, k_cache, v_cache, scale = make_step(shape, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                                                       seed)
+                                                       seed, kv_dtype)
     reference = TorchReferenceBackend()
     reference.prepare(meta)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -149,6 +152,18 @@ def test_split_kv_decode_matches_reference(dtype: torch.dtype, num_heads: int, n
     check_against_reference([(299, 1), (37, 1), (130, 1)], num_heads, num_kv_heads, head_dim, block_size, dtype,
                             seed=5, backend=backend)
     assert backend.num_splits == 5
+
+
+@kernel_test
+@pytest.mark.parametrize("split_kv", [False, True], ids=["one-pass", "split-kv"])
+def test_a_cache_in_another_dtype_matches_reference(split_kv: bool) -> None:
+    """--kv-cache-dtype: float32 queries on a float16 cache. The write kernel rounds the step's
+    keys and values into the cache exactly as the reference does (the caches stay equal), and
+    attention reads them back to float32: the fp32 tolerance holds."""
+    backend = triton_paged.TritonPagedBackend(split_kv=split_kv, partition_tokens=64)
+    meta_shape = RAGGED if not split_kv else [(130, 1), (37, 1)]
+    check_against_reference(meta_shape, 4, 2, 64, 16, torch.float32, seed=9, backend=backend, kv_dtype=torch.float16)
+    assert backend.num_splits == (3 if split_kv else 1)
 
 
 @kernel_test

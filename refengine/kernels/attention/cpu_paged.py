@@ -7,9 +7,12 @@ of at least ``SDPA_MIN_QUERY_TOKENS`` query tokens goes to SDPA's fused flash ke
 (blocked, GEMM-like), which beats a row-at-a-time kernel there: a fresh prompt
 attends causally to its own new keys straight from the step's ``k``/``v``; a chunk
 that continues a cached context gathers its blocks first and masks by position.
-float32, or bfloat16 caches on CPUs with native bf16 (``cpu_features``): the kernel reads
-the 16-bit keys and values and accumulates in float32 (queries widened to float32 per step).
-The backend registry (``registry.py``) picks the torch reference for other dtypes and devices.
+float32 or bfloat16 queries (bfloat16 on CPUs with native bf16, ``cpu_features``) on a float32
+or bfloat16 cache (``--kv-cache-dtype``, any pairing): the kernel reads 16-bit keys and values
+and accumulates in float32 (queries widened to float32 per step). The step's keys and values
+are rounded to the cache dtype first, also for the SDPA chunks that read them from the step, so
+that a prompt's result does not depend on how it was chunked. The backend registry
+(``registry.py``) picks the torch reference for other dtypes and devices.
 """
 
 from __future__ import annotations
@@ -88,13 +91,14 @@ class CpuPagedBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta = self._meta
         assert meta is not None, "prepare() must run before forward()"
-        dtype = k_cache.dtype
-        assert dtype in self._kernels and q.dtype == k.dtype == dtype and q.device.type == "cpu", \
-            "the native kernel takes float32 or bfloat16 on CPU, q/k/v in the cache's dtype"
+        kv_dtype = k_cache.dtype
+        assert kv_dtype in self._kernels and q.dtype in self._kernels and q.device.type == "cpu", \
+            "the native kernel takes float32 or bfloat16 queries and caches on CPU"
         num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
+        k, v = k.to(kv_dtype), v.to(kv_dtype)  # rounded to what the cache holds (a no-op when equal)
         # Rows may be strided (views into the fused QKV output); each row must be contiguous.
         q, k, v = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (q, k, v))
-        self._stores[dtype](k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+        self._stores[kv_dtype](k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
                             meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim, meta.block_size,
                             k.stride(0), v.stride(0))
         # The kernel's queries and outputs are float32 whatever the cache holds: a bf16 step
@@ -104,8 +108,8 @@ class CpuPagedBackend(AttentionBackend):
             out[chunk.rows] = self._sdpa(chunk, q, k, v, k_cache, v_cache, scale)
         num_native = len(self._native_seq_ids)
         if num_native:
-            q32 = q if dtype == torch.float32 else q.float()
-            status = self._kernels[dtype](
+            q32 = q if q.dtype == torch.float32 else q.float()
+            status = self._kernels[kv_dtype](
                 out.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 self._block_tables.data_ptr(), self._query_start_loc.data_ptr(), self._seq_lens.data_ptr(),
                 self._native_seq_ids.data_ptr(), num_native, q.shape[1], num_kv_heads, head_dim,
@@ -113,7 +117,7 @@ class CpuPagedBackend(AttentionBackend):
             )
             if status != 0:
                 raise MemoryError("paged_attention: could not allocate scratch memory")
-        return out if dtype == torch.float32 else out.to(dtype)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     @staticmethod
     def _sdpa(chunk: _SdpaChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -124,4 +128,4 @@ class CpuPagedBackend(AttentionBackend):
             num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
             keys = k_cache.index_select(0, chunk.block_ids).permute(1, 0, 3, 2).reshape(num_kv_heads, -1, head_dim)
             values = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim).transpose(0, 1)
-        return chunk_attention(q[chunk.rows], keys, values, chunk.mask, scale)
+        return chunk_attention(q[chunk.rows], keys.to(q.dtype), values.to(q.dtype), chunk.mask, scale)

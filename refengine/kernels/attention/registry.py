@@ -1,7 +1,7 @@
 """Which attention backends exist, and which one a run gets.
 
 Each backend registers a factory and an availability check (``""``, or why it cannot
-run for this dtype, device and ``KernelConfig``). ``auto`` takes the first registered
+run for this compute dtype, KV cache dtype, device and ``KernelConfig``). ``auto`` takes the first registered
 backend that is available, so registration order is preference order: the fastest,
 narrowest backend first, the torch reference (any dtype, any device) last. Naming a
 backend insists on it: unavailable is an error carrying the reason.
@@ -27,9 +27,10 @@ from refengine.kernels.cpu_features import native_bf16
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
-# Both take (dtype, device, kernels); the factory runs only when the check returned "".
+# The factory takes (dtype, device, kernels) and runs only when the check, given (dtype, kv_dtype,
+# device, kernels), returned "".
 BackendFactory = Callable[[torch.dtype, str, KernelConfig], AttentionBackend]
-UnavailableReason = Callable[[torch.dtype, str, KernelConfig], str]
+UnavailableReason = Callable[[torch.dtype, torch.dtype, str, KernelConfig], str]
 
 
 @dataclass(frozen=True)
@@ -53,27 +54,31 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-def unavailable_reason(name: str, dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
-    """Why backend ``name`` cannot run here; "" when it can."""
-    return _entry(name).unavailable_reason(dtype, device, kernels)
+def unavailable_reason(name: str, dtype: torch.dtype, device: str, kernels: KernelConfig,
+                       kv_dtype: torch.dtype | None = None) -> str:
+    """Why backend ``name`` cannot run here; "" when it can. ``kv_dtype`` None = ``dtype``."""
+    return _entry(name).unavailable_reason(dtype, kv_dtype or dtype, device, kernels)
 
 
-def available_backends(dtype: torch.dtype, device: str, kernels: KernelConfig) -> tuple[str, ...]:
-    """The registered backends that can run for this dtype, device and kernel switches."""
-    return tuple(name for name, entry in _BACKENDS.items() if not entry.unavailable_reason(dtype, device, kernels))
+def available_backends(dtype: torch.dtype, device: str, kernels: KernelConfig,
+                       kv_dtype: torch.dtype | None = None) -> tuple[str, ...]:
+    """The registered backends that can run for these dtypes, device and kernel switches."""
+    return tuple(name for name, entry in _BACKENDS.items()
+                 if not entry.unavailable_reason(dtype, kv_dtype or dtype, device, kernels))
 
 
-def choose_backend(name: str, dtype: torch.dtype, device: str, kernels: KernelConfig) -> tuple[str, str]:
+def choose_backend(name: str, dtype: torch.dtype, device: str, kernels: KernelConfig,
+                   kv_dtype: torch.dtype | None = None) -> tuple[str, str]:
     """(the backend ``name`` resolves to, why): ``auto`` takes the first available one and says
     why the ones before it were skipped. Raises ValueError for an unknown or unavailable name."""
     if name != AUTO:
-        reason = unavailable_reason(name, dtype, device, kernels)
+        reason = unavailable_reason(name, dtype, device, kernels, kv_dtype)
         if reason:
             raise ValueError(f"attention backend {name!r} is unavailable: {reason}")
         return name, "named by --attention-backend"
     skipped = []
     for candidate, entry in _BACKENDS.items():
-        reason = entry.unavailable_reason(dtype, device, kernels)
+        reason = entry.unavailable_reason(dtype, kv_dtype or dtype, device, kernels)
         if not reason:
             return candidate, "auto: the first available" + (f" ({'; '.join(skipped)})" if skipped else "")
         skipped.append(f"{candidate}: {reason}")
@@ -81,12 +86,13 @@ def choose_backend(name: str, dtype: torch.dtype, device: str, kernels: KernelCo
 
 
 def make_attention_backend(
-    name: str, dtype: torch.dtype, device: str, kernels: KernelConfig | None = None
+    name: str, dtype: torch.dtype, device: str, kernels: KernelConfig | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """The backend ``name`` resolves to (``choose_backend``). Raises ValueError for an unknown
-    or unavailable name."""
+    """The backend ``name`` resolves to (``choose_backend``) for ``dtype`` queries on a
+    ``kv_dtype`` cache (None = ``dtype``). Raises ValueError for an unknown or unavailable name."""
     kernels = kernels if kernels is not None else KernelConfig()
-    chosen, why = choose_backend(name, dtype, device, kernels)
+    chosen, why = choose_backend(name, dtype, device, kernels, kv_dtype)
     if name == AUTO:
         logger.info("attention backend %s (%s)", chosen, why)
     return _BACKENDS[chosen].factory(dtype, device, kernels)
@@ -102,11 +108,15 @@ def _entry(name: str) -> _Entry:
 # ----------------------------------------------------------------------------- built-in backends
 
 
-def _flashinfer_unavailable(dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
+def _flashinfer_unavailable(dtype: torch.dtype, kv_dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
     # the module imports without FlashInfer; its check only asks importlib.util.find_spec
     from refengine.kernels.attention.flashinfer_backend import flashinfer_unavailable_reason
 
-    return flashinfer_unavailable_reason(dtype, device)
+    if reason := flashinfer_unavailable_reason(dtype, device):
+        return reason
+    if kv_dtype != dtype:  # its paged fp16/bf16 kernels read the cache in the query dtype
+        return f"it needs the KV cache in the query dtype {dtype}, not {kv_dtype}"
+    return ""
 
 
 def _make_flashinfer(dtype: torch.dtype, device: str, kernels: KernelConfig) -> AttentionBackend:
@@ -115,12 +125,12 @@ def _make_flashinfer(dtype: torch.dtype, device: str, kernels: KernelConfig) -> 
     return FlashInferBackend(device)
 
 
-def _triton_unavailable(dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
+def _triton_unavailable(dtype: torch.dtype, kv_dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
     if torch.device(device).type != "cuda":  # checked before importing Triton: CPU runs never import it
         return f"it needs CUDA, not {device} (Triton kernels run on the CPU only under TRITON_INTERPRET=1, for tests)"
     from refengine.kernels.attention.triton_paged import unavailable_reason as triton_unavailable_reason
 
-    return triton_unavailable_reason(dtype, device)
+    return triton_unavailable_reason(dtype, device) or triton_unavailable_reason(kv_dtype, device)
 
 
 def _make_triton(dtype: torch.dtype, device: str, kernels: KernelConfig) -> AttentionBackend:
@@ -129,15 +139,17 @@ def _make_triton(dtype: torch.dtype, device: str, kernels: KernelConfig) -> Atte
     return TritonPagedBackend()
 
 
-def _cpu_unavailable(dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
+def _cpu_unavailable(dtype: torch.dtype, kv_dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return f"it needs float32 (or bfloat16 with native bf16) on CPU, not {dtype} on {device}"
     if dtype == torch.bfloat16 and not native_bf16():
         return "bfloat16 needs a CPU with native bf16 dot products (avx512_bf16 or amx_bf16)"
+    if kv_dtype not in (torch.float32, torch.bfloat16):  # the kernel widens bf16 by a shift: any CPU
+        return f"its kernel reads a float32 or bfloat16 KV cache, not {kv_dtype}"
     return native_kernel_unavailable_reason(kernels.native_cpu_kernels)
 
 
-def _always_available(dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
+def _always_available(dtype: torch.dtype, kv_dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:
     return ""
 
 

@@ -5,7 +5,10 @@ scaled-dot-product call; sequences with several query tokens (prefill chunks)
 run one call each with a causal mask offset by their cached context. Keys and
 values are gathered from the paged cache whole blocks at a time (one contiguous
 copy per block, about twice as fast as gathering slot by slot); positions past a
-sequence's length are masked.
+sequence's length are masked. The cache may hold another dtype than the queries
+(``--kv-cache-dtype``): keys and values are converted on the way in and on the way out,
+and prefill reads the step's own keys back from the cache, so it sees them rounded just
+as a later chunk or decode step will.
 
 CUDA graphs (``supports_cuda_graphs`` True; the runner captures, ``model/cuda_graphs.py``).
 ``init_cuda_graph_state`` allocates, once, the buffers a captured decode step reads: block
@@ -159,14 +162,15 @@ class TorchReferenceBackend(AttentionBackend):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, self._meta.slot_mapping, k)
-        v_flat.index_copy_(0, self._meta.slot_mapping, v)
+        k_flat.index_copy_(0, self._meta.slot_mapping, k.to(k_cache.dtype))
+        v_flat.index_copy_(0, self._meta.slot_mapping, v.to(v_cache.dtype))
         if len(self._decodes) == 1 and self._decodes[0].query_rows is None:  # decode-only: no scatter
             return self._decode_attention(q, k_cache, v_cache, self._decodes[0], scale)
         out = torch.empty_like(q)
         for plan in self._prefills:
-            keys = k_cache.index_select(0, plan.block_ids).view(-1, num_kv_heads, head_dim).transpose(0, 1)
-            values = v_cache.index_select(0, plan.block_ids).view(-1, num_kv_heads, head_dim).transpose(0, 1)
+            keys = k_cache.index_select(0, plan.block_ids).to(q.dtype).view(-1, num_kv_heads, head_dim)
+            values = v_cache.index_select(0, plan.block_ids).to(q.dtype).view(-1, num_kv_heads, head_dim)
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)
             if plan.mask is None:
                 keys, values = keys[:, : plan.seq_len], values[:, : plan.seq_len]
             out[plan.query_rows] = chunk_attention(q[plan.query_rows], keys, values, plan.mask, scale)
@@ -182,8 +186,8 @@ class TorchReferenceBackend(AttentionBackend):
         assert graph is not None and n is not None and q.shape[0] == n, "graph mode takes the captured batch"
         block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         slots = graph.slot_mapping[:n]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
         width = graph.block_tables.shape[1] * block_size
         positions = torch.arange(width, device=q.device)
         mask = (positions.unsqueeze(0) < graph.seq_lens[:n].unsqueeze(1))[:, None, None, :]
@@ -194,8 +198,9 @@ class TorchReferenceBackend(AttentionBackend):
     def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale: float) -> torch.Tensor:
         """One padded SDPA call for all decode rows: q [B, H, D] -> [B, H, D]."""
         batch, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache.index_select(0, plan.block_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_cache.index_select(0, plan.block_ids).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        keys = k_cache.index_select(0, plan.block_ids).to(q.dtype).view(batch, -1, num_kv_heads, head_dim)
+        values = v_cache.index_select(0, plan.block_ids).to(q.dtype).view(batch, -1, num_kv_heads, head_dim)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=True
         )

@@ -35,7 +35,9 @@ Precision: scores, running max/sum and the output accumulate in fp32 (``exp2`` w
 scale folded into ``log2 e``); fp16/bf16 tiles go to the tensor cores as they are (the
 probabilities are rounded to the value dtype for ``P @ V``, as flash attention does), fp32
 tiles use IEEE fp32 dots, so fp32 matches the torch reference to ~1e-6. The output is
-rounded to ``q``'s dtype once. Under ``TRITON_INTERPRET=1`` bf16 is computed wrongly by
+rounded to ``q``'s dtype once. The cache may hold another dtype than ``q``
+(``--kv-cache-dtype``): the write kernel converts into it, the attention kernel converts
+each tile it loads back to ``q``'s dtype. Under ``TRITON_INTERPRET=1`` bf16 is computed wrongly by
 the interpreter (tests use fp32 and fp16).
 
 Invariants relied on: the step's new keys/values are written before any program reads
@@ -137,6 +139,7 @@ def store_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
     mask_d = offs_d < HEAD_DIM
     key = tl.load(k_ptr + token * stride_kt + head * stride_kh + offs_d, mask=mask_d)
     value = tl.load(v_ptr + token * stride_vt + head * stride_vh + offs_d, mask=mask_d)
+    key, value = key.to(k_cache_ptr.dtype.element_ty), value.to(v_cache_ptr.dtype.element_ty)  # the cache's dtype
     tl.store(k_cache_ptr + block * stride_kcb + row * stride_kct + head * stride_kch + offs_d, key, mask=mask_d)
     tl.store(v_cache_ptr + block * stride_vcb + row * stride_vct + head * stride_vch + offs_d, value, mask=mask_d)
 
@@ -190,7 +193,8 @@ def paged_attention(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part
         slot_row = pos % block_size
         k_ptrs = (k_cache_ptr + page[None, :] * stride_kb + slot_row[None, :] * stride_kt + kv_head * stride_kh
                   + offs_d[:, None])
-        keys = tl.load(k_ptrs, mask=mask_d[:, None] & valid_n[None, :], other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
+        # [HEAD_DIM_PAD, BLOCK_N], in q's dtype whatever the cache holds (--kv-cache-dtype)
+        keys = tl.load(k_ptrs, mask=mask_d[:, None] & valid_n[None, :], other=0.0).to(q.dtype)
         scores = tl.dot(q, keys, input_precision=PRECISION) * scale_log2
         attend = valid_n[None, :] & (pos[None, :] <= query_pos[:, None])
         scores = tl.where(attend, scores, float("-inf"))
@@ -200,7 +204,7 @@ def paged_attention(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part
         running_sum = running_sum * alpha + tl.sum(probs, axis=1)
         v_ptrs = (v_cache_ptr + page[:, None] * stride_vb + slot_row[:, None] * stride_vt + kv_head * stride_vh
                   + offs_d[None, :])
-        values = tl.load(v_ptrs, mask=valid_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        values = tl.load(v_ptrs, mask=valid_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, D_PAD]
         acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=PRECISION)
         running_max = new_max
 
