@@ -57,6 +57,7 @@ FIELD_FLAGS = {
     "KernelConfig.native_cpu_kernels": "--no-native-kernels",
     "KernelConfig.onednn_linear": "--no-onednn",
     "KernelConfig.cuda_graphs": "--no-cuda-graphs",
+    "KernelConfig.device_sampling": "--no-device-sampling",
     "GuidedConfig.default_backend": "--guided-default-backend",
     "GuidedConfig.compile_timeout_seconds": "--guided-compile-timeout",
     "GuidedConfig.compile_threads": "--guided-compile-threads",
@@ -240,6 +241,9 @@ def _add_kernel_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every decode step eagerly instead of replaying CUDA graphs captured per padded batch "
                    "size (default: graphs on CUDA when the attention backend supports capture; never on CPU)")
+    g.add_argument("--no-device-sampling", action="store_true",
+                   help="copy each step's logits to the CPU and sample there (default: on a GPU, sample on the "
+                   "GPU: only the chosen token ids come back; no effect on CPU)")
 
 
 def _add_guided_args(g: argparse._ArgumentGroup) -> None:
@@ -347,7 +351,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=scheduler,
         kernels=KernelConfig(native_cpu_kernels=not args.no_native_kernels, onednn_linear=not args.no_onednn,
-                             cuda_graphs=not args.no_cuda_graphs),
+                             cuda_graphs=not args.no_cuda_graphs, device_sampling=not args.no_device_sampling),
         guided=GuidedConfig(default_backend=args.guided_default_backend,
                             compile_timeout_seconds=args.guided_compile_timeout,
                             compile_threads=args.guided_compile_threads, cache_size=args.guided_cache_size,

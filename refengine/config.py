@@ -151,16 +151,21 @@ class KernelConfig:
     ``cuda_graphs``: on CUDA, with an attention backend that supports capture, replay decode
     steps from CUDA graphs captured per padded batch size (``refengine/model/cuda_graphs.py``);
     no effect on CPU.
+    ``device_sampling``: on a GPU, sample where the logits are (the ``[rows, vocab]`` logits
+    never cross to the host; the sampler's per-row uniforms go over and the chosen ids come
+    back); off, the logits are copied to the CPU each step and sampled there. No effect on CPU.
     """
 
     native_cpu_kernels: bool = True
     onednn_linear: bool = True
     cuda_graphs: bool = True
+    device_sampling: bool = True
 
     def __post_init__(self) -> None:
         check_bool(self, "native_cpu_kernels")
         check_bool(self, "onednn_linear")
         check_bool(self, "cuda_graphs")
+        check_bool(self, "device_sampling")
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,8 @@ class EngineCore(CoreInflowMixin):
     ) -> None:
         self.config = config
         self.runner = runner
+        # On a GPU the step's logits stay there and are sampled there (KernelConfig.device_sampling).
+        self.logits_on_device = config.kernels.device_sampling and torch.device(config.device).type != "cpu"
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.model_fingerprint = model_fingerprint
@@ -168,7 +170,7 @@ class EngineCore(CoreInflowMixin):
             adapter_slots = self.lora.step_slots(sched, self.requests) if self.lora is not None else None
             model_input = build_model_input(sched, self.kv.block_size, num_logit_rows, adapter_slots,
                                             step_embeds(sched, self.requests))
-            logits = self.runner.execute(model_input)
+            logits = self.runner.execute(model_input, logits_on_device=self.logits_on_device)
             targets, sampled = sample_step(self.sampler, sched, model_input, logits, self.requests)
             self.update_from_output(sched, model_input, logits, prompt_rows, list(zip(targets, sampled, strict=True)),
                                     outcome)

@@ -62,7 +62,7 @@ def sample_step(
     assert logits is not None, "rows to sample but no logits"
     # A decode-only step samples every row once, in order: no copy of the logits.
     if logit_rows != list(range(logits.shape[0])):
-        logits = logits[torch.tensor(logit_rows)]
+        logits = logits[torch.tensor(logit_rows, device=logits.device)]
     rows = [sampling_row(r, o) for r, o in targets]
     guided = [j for j, (_, out) in enumerate(targets) if out.matcher is not None]
     if not guided:
@@ -70,4 +70,5 @@ def sample_step(
     bitmask = allocate_bitmask(len(targets), sampler.vocab_size)
     for j in guided:  # one bitmask for the step; unguided rows stay all-allowed and unapplied
         targets[j][1].matcher.fill_bitmask(bitmask, j)
-    return targets, sampler(logits, rows, bitmask, guided)
+    # The matchers fill it on the CPU; it goes to the logits (a GPU's, with device sampling).
+    return targets, sampler(logits, rows, bitmask.to(logits.device), guided)

@@ -177,6 +177,7 @@ FLAG_SETTINGS = [
     (["--no-native-kernels"], "KernelConfig.native_cpu_kernels", False),
     (["--no-onednn"], "KernelConfig.onednn_linear", False),
     (["--no-cuda-graphs"], "KernelConfig.cuda_graphs", False),
+    (["--no-device-sampling"], "KernelConfig.device_sampling", False),
     (["--guided-default-backend", "llguidance"], "GuidedConfig.default_backend", "llguidance"),
     (["--guided-compile-timeout", "0.5"], "GuidedConfig.compile_timeout_seconds", 0.5),
     (["--guided-compile-threads", "3"], "GuidedConfig.compile_threads", 3),

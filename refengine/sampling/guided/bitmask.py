@@ -19,7 +19,8 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set ``logits[r, t] = -inf`` for every token ``t`` whose bit is clear, for ``r`` in
-    ``rows``, in place (xgrammar's CPU kernel; it takes the bitmask layout both backends use)."""
+    ``rows``, in place (xgrammar's kernel for the logits' device, CPU or CUDA, with ``bitmask`` on
+    that device; it takes the bitmask layout both backends use)."""
     if rows:
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
 
