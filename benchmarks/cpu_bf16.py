@@ -99,10 +99,10 @@ def throughput(parts, dtype: str, workload) -> tuple[float, int, int, int]:
     counts = [0, 0]
     execute = eng.core.runner.execute
 
-    def counted(model_input):  # noqa: ANN001, ANN202
+    def counted(model_input, **options):  # noqa: ANN001, ANN003, ANN202
         counts[0] += 1
         counts[1] += sum(model_input.seq_lens)
-        return execute(model_input)
+        return execute(model_input, **options)
 
     eng.core.runner.execute = counted
     started = time.perf_counter()

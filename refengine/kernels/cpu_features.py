@@ -5,9 +5,9 @@ bf16 GEMMs run at about twice the fp32 rate (7x with AMX at large batches) and a
 cache halves the bytes a decode step reads. Without them bf16 is emulated and slower than
 fp32: ``bf16_path`` says so, and the engine warns at start-up.
 
-The bf16 path is not batch-invariant (RULES G18 holds in float32, the CPU default): oneDNN's
-bf16 GEMMs choose kernels (AMX tiles) and reduction splits by the number of rows, so a row's
-result can differ in its last bit with what else is in the batch.
+The bf16 path is batch-invariant (RULES G18), as float32 is: oneDNN's bf16 GEMM takes another
+kernel (another K-reduction rounding) for a single row than for two or more, so ``Linear`` runs
+a 1-row bf16 call as two rows (``kernels/linear.py``).
 """
 
 from __future__ import annotations

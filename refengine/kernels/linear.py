@@ -10,6 +10,13 @@ the project's 2-core machine, all 120 SmolLM2 layer projections at 32 rows take
 42 ms this way against 74 ms with ``F.linear``, and 2.0 s against 2.3 s at 2,048
 rows (``benchmarks/README.md``).
 
+Batch invariance (G18): a row's result must not depend on how many rows share the call.
+oneDNN's bf16 GEMM on prepacked weights computes each row the same way for every row count
+of 2 or more, but takes another kernel for a single row, whose reduction over K rounds
+differently (seen at down_proj's K = 1,536 on SmolLM2, with and without threads; float32 is
+the same for every row count). So a bf16 call with one row runs as two (the row twice) and
+keeps the first: the cost of a 1-row GEMM is its weight read, which stays the same.
+
 The packed op is private torch API, so it is used only after a one-time check on
 random data agrees with ``F.linear``; otherwise (other dtypes, GPUs, a torch without
 oneDNN, ``prepack=False`` from ``KernelConfig.onednn_linear`` / ``--no-onednn``) the
@@ -67,5 +74,7 @@ class Linear:
         """``x @ weight.T + bias``. ``ctx`` carries the step's per-token facts; a plain
         projection needs none of them (``LoraLinear`` reads ``ctx.lora``)."""
         if self.packed:
+            if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1:  # see the module docstring
+                return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), self.weight, self.bias, "none", [], "")[:1]
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

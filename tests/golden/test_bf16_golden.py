@@ -6,12 +6,10 @@ Oracles: transformers in bf16 on the same weights (logits, within a documented t
 transformers in fp32 (greedy agreement, measured: tokens until the first divergence per golden
 prompt, printed; bf16 rounding makes some divergence expected).
 
-Not batch-invariant (G18 holds in float32, the default and the reference, not here): oneDNN's
-bf16 GEMMs pick their kernels and reduction splits by the number of rows (AMX tiles at some
-row counts; a split reduction over K for 1 row but not 2 at down_proj's shape, even with AMX
-off), so a token's logits can differ in the last bit with its batch, and greedy output then
-diverges after some tokens. Capping oneDNN at AVX512-BF16 does not restore invariance and
-loses the speed (0.96x float32 instead of 1.78x here), so the path keeps AMX.
+Batch-invariant (G18), as float32 is: greedy output is identical alone, in a mixed batch of 32,
+with forced chunking, under preemption and on prefix-cache hits. oneDNN's bf16 GEMM computes a
+row the same way for every row count of 2 or more but takes another kernel for a single row;
+``kernels/linear.py`` runs a 1-row bf16 call as two rows, which is what makes these hold.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from refengine.engine.engine import Engine
 from refengine.kernels.attention.cpu_paged import CpuPagedBackend
 from refengine.kernels.cpu_features import native_bf16
-from refengine.types import LogprobParams
+from refengine.types import GenerationRequest, LogprobParams, SamplingParams, StoppingParams
 from tests.golden.test_engine_golden import NUM_TOKENS, PROMPTS, greedy_request, hf_greedy  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.golden,
@@ -83,3 +81,34 @@ def test_greedy_agreement_with_fp32_transformers(alone, hf_greedy) -> None:  # n
     assert min(agreement) >= 1 and sum(agreement) >= NUM_TOKENS * len(alone) // 4, agreement
 
 
+
+
+def test_greedy_identical_in_a_mixed_batch_chunked_and_preempted(bf16_parts, prompt_ids, alone) -> None:
+    """G18 in bf16: beside 24 sampled neighbours, with a 16-token budget, and in a pool small
+    enough to preempt."""
+    engine = make_engine(bf16_parts)
+    noise = [GenerationRequest(f"noise-{j}", prompt_token_ids=prompt_ids[j % 8] * (1 + j % 3),
+                               sampling=SamplingParams(temperature=0.8 + 0.02 * j, top_p=0.9, seed=j),
+                               stopping=StoppingParams(max_tokens=8 + 4 * (j % 10))) for j in range(24)]
+    batch = engine.run_until_done([greedy_request(i, ids) for i, ids in enumerate(prompt_ids)] + noise)
+    assert [r.outputs[0].token_ids for r in batch[:8]] == alone
+    chunked = make_engine(bf16_parts, budget=16)
+    assert [r.outputs[0].token_ids for r in chunked.run_until_done(
+        [greedy_request(i, ids) for i, ids in enumerate(prompt_ids)])] == alone
+    small = make_engine(bf16_parts, num_blocks=12)
+    preemptions: list[str] = []
+    original = small.core.scheduler._preempt
+    small.core.scheduler._preempt = lambda seq: preemptions.append(seq.request_id) or original(seq)
+    results = small.run_until_done([greedy_request(i, ids) for i, ids in enumerate(prompt_ids)])
+    assert preemptions, "the pool was meant to be small enough to force preemption"
+    assert [r.outputs[0].token_ids for r in results] == alone
+    assert small.core.pool.num_used == 0
+
+
+def test_greedy_identical_on_prefix_cache_hits(bf16_parts, prompt_ids) -> None:
+    engine = make_engine(bf16_parts)
+    long_ids = [ids * 6 for ids in prompt_ids]
+    first = engine.run_until_done([greedy_request(i, ids, f"first-{i}") for i, ids in enumerate(long_ids)])
+    again = engine.run_until_done([greedy_request(i, ids, f"again-{i}") for i, ids in enumerate(long_ids)])
+    assert all(r.usage.cached_prompt_tokens >= 16 for r in again)
+    assert [r.outputs[0].token_ids for r in again] == [r.outputs[0].token_ids for r in first]

@@ -112,3 +112,20 @@ def test_row_alone_or_in_batch(shape) -> None:
     for row in (0, 5, 31):
         alone = layer(batch[row : row + 1])
         assert (alone[0] - together[row]).abs().max().item() <= 1e-5, f"row {row}"
+
+
+@pytest.mark.skipif(not native_bf16() or not onednn_available(torch.bfloat16),
+                    reason="the packed bf16 path needs a CPU with native bf16 and oneDNN")
+@pytest.mark.parametrize("shape", [(576, 1536), (960, 576), (3072, 576)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bfloat16_rows_do_not_depend_on_the_row_count(shape) -> None:
+    """G18 in bf16: each row alone equals the same row in a batch of 2, 5 or 64, bit for bit
+    (oneDNN's 1-row kernel rounds its K reduction differently at 576x1536; see linear.py)."""
+    generator = torch.Generator().manual_seed(1)
+    layer = Linear(torch.randn(*shape, generator=generator).bfloat16())
+    assert layer.packed
+    x = torch.randn(64, shape[1], generator=generator).bfloat16()
+    batch = layer(x)
+    for rows in (2, 5):
+        assert torch.equal(layer(x[:rows]), batch[:rows])
+    for i in range(0, 64, 7):
+        assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1]), f"row {i}"
