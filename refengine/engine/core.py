@@ -92,7 +92,6 @@ class EngineCore(CoreInflowMixin):
     ) -> None:
         self.config = config
         self.runner = runner
-        # On a GPU the step's logits stay there and are sampled there (KernelConfig.device_sampling).
         self.logits_on_device = config.kernels.device_sampling and torch.device(config.device).type != "cpu"
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
