@@ -245,3 +245,13 @@ def test_the_module_imports_without_nixl() -> None:
             "assert 'torch' not in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("dest", [(0, NUM_BLOCKS), (-1, 1)], ids=["past-the-end", "negative"])
+def test_destination_blocks_outside_the_cache_fail_before_any_transfer(source: Source, side: Any,
+                                                                       dest: tuple[int, int]) -> None:
+    backend, store, pinner = side
+    attributes, _ = source.offer("s-dest", [5, 6])
+    with pytest.raises(TransferFailure, match="outside this engine's KV cache"):
+        backend.pull(_order("s-dest", attributes, 0, dest), threading.Event())
+    assert pinner.calls == [] and _untouched(store)
