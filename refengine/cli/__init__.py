@@ -1,7 +1,8 @@
 """Command line: ``refengine serve``, ``generate``, ``conformance`` and ``bench``.
 
-Each subcommand lives in its own module with an ``add_*_parser`` and a ``run_*``; this
-module only assembles the parser and dispatches. Nothing imports the CLI.
+Each subcommand but ``serve`` lives in its own module of ``refengine.commands`` with an
+``add_*_parser`` and a ``run_*``; this module only assembles the parser and dispatches.
+Nothing imports the CLI.
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 import argparse
 
 from refengine.args import DefaultsHelpFormatter, add_engine_args
-from refengine.cli.bench import add_bench_parser, run_bench
-from refengine.cli.conformance import add_conformance_parser, run_conformance
-from refengine.cli.generate import add_generate_parser, run_generate
+from refengine.commands.bench import add_bench_parser, run_bench
+from refengine.commands.conformance import add_conformance_parser, run_conformance
+from refengine.commands.generate import add_generate_parser, run_generate
 
 __all__ = ["build_parser", "main"]  # an entry point only: import the engine flags from refengine.args
 

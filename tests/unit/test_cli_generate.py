@@ -23,9 +23,9 @@ import pytest
 
 from refengine.args import add_engine_args
 from refengine.cli import build_parser, main
-from refengine.cli.generate_options import options_from_args
-from refengine.cli.generate_output import JsonPrinter, TextPrinter
-from refengine.cli.generate_request import PRIORITY_KEY, engine_request, wire_metadata, wire_request
+from refengine.commands.generate_options import options_from_args
+from refengine.commands.generate_output import JsonPrinter, TextPrinter
+from refengine.commands.generate_request import PRIORITY_KEY, engine_request, wire_metadata, wire_request
 from refengine.protocol import oe
 from refengine.protocol.v1alpha1 import media_pb2 as media
 from refengine.protocol.v1alpha1 import media_pb2_grpc as media_grpc

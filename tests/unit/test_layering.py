@@ -32,7 +32,8 @@ MODULE_COMPONENTS = {"refengine.encoder_client": "client",
 #: component -> the components it may import, highest layer first. ``protocol`` is the
 #: generated gRPC bindings; ``args``/``runtime`` are the entry points' config helpers.
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
-    "cli": ("server", "client", "conformance", "bench", "engine", "model", "args", "runtime", *BOTTOM),
+    "cli": ("commands", "server", "args", *BOTTOM),  # the entry point: assembles the subcommands
+    "commands": ("server", "client", "conformance", "bench", "engine", "model", "args", "runtime", *BOTTOM),
     "conformance": ("protocol",),  # checks any server: never this engine's internals
     "bench": ("client", "protocol"),
     "client": ("protocol",),  # a client for any server: no torch, no engine

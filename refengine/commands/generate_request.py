@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from refengine.cli.generate_options import SAMPLING_FIELDS, GenerateOptions
+from refengine.commands.generate_options import SAMPLING_FIELDS, GenerateOptions
 from refengine.types import (
     CandidateSpec,
     GenerationRequest,

@@ -11,9 +11,9 @@ import sys
 import uuid
 from typing import TYPE_CHECKING
 
-from refengine.cli.generate_options import USAGE_ERROR, GenerateOptions
-from refengine.cli.generate_output import JsonPrinter, Printer, TextPrinter
-from refengine.cli.generate_request import engine_request, wire_metadata, wire_request
+from refengine.commands.generate_options import USAGE_ERROR, GenerateOptions
+from refengine.commands.generate_output import JsonPrinter, Printer, TextPrinter
+from refengine.commands.generate_request import engine_request, wire_metadata, wire_request
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Callable
 
 from refengine.args import DefaultsHelpFormatter, _DeprecatedAlias, add_engine_args
-from refengine.cli.generate_options import USAGE_ERROR, UsageError, options_from_args
-from refengine.cli.generate_run import run_local, run_remote
+from refengine.commands.generate_options import USAGE_ERROR, UsageError, options_from_args
+from refengine.commands.generate_run import run_local, run_remote
 from refengine.config import EngineConfig
 
 __all__ = ["add_generate_parser", "run_generate"]
