@@ -29,6 +29,7 @@ from refengine.kernels.lora import LoraBatch
 from refengine.kernels.lora_linear import ProjectionDeltas
 from refengine.model.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
 from refengine.model.dtypes import DTYPES
+from refengine.model.host_memory import zeros_on_huge_pages
 from refengine.model.input import ModelInput
 from refengine.model.llama import LlamaModel, LoraSlotShape
 
@@ -36,6 +37,16 @@ from refengine.model.llama import LlamaModel, LoraSlotShape
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
+
+
+def _kv_cache_tensors(k_shape: tuple[int, ...], v_shape: tuple[int, ...], num_layers: int,
+                      dtype: torch.dtype, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed (K, V) caches per layer; on CPU views of one slab on huge pages (``host_memory``)."""
+    if torch.device(device).type == "cpu":
+        tensors = zeros_on_huge_pages([k_shape, v_shape] * num_layers, dtype)
+        return list(zip(tensors[0::2], tensors[1::2], strict=True))
+    return [(torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
 
 
 def make_runner(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
@@ -82,10 +93,7 @@ class ModelRunner:
         scratch = 0 if self.graphs_unavailable else 1  # the graphs' padding block, past the pool
         k_shape, v_shape = self.attention.kv_cache_shapes(
             self.num_blocks + scratch, cache.block_size, config.num_key_value_heads, config.head_dim)
-        full_caches = [
-            (torch.zeros(k_shape, dtype=kv_dtype, device=device), torch.zeros(v_shape, dtype=kv_dtype, device=device))
-            for _ in range(config.num_hidden_layers)
-        ]
+        full_caches = _kv_cache_tensors(k_shape, v_shape, config.num_hidden_layers, kv_dtype, device)
         self.kv_caches = full_caches if not scratch else [(k[: self.num_blocks], v[: self.num_blocks])
                                                          for k, v in full_caches]
         self.graphs: DecodeGraphs | None = None

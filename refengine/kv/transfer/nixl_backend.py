@@ -274,6 +274,7 @@ class NixlKvTransfer(KvTransferBackend):
     def _read(self, order: PullOrder, source: _Source, peer: str, cancelled: threading.Event,
               deadline: float) -> None:
         local, remote = _nixl("describe the blocks", self._descriptors, order, source)
+        logger.debug("NIXL READ of %d blocks in %d descriptors", len(order.dest_block_ids), local.descCount())
         if cancelled.is_set():
             raise _fail("cancelled")
         handle = _nixl("set up the READ", self._agent.initialize_xfer, "READ", local, remote, peer)
