@@ -1,6 +1,7 @@
 """Fused elementwise steps of a decoder layer, with torch fallbacks.
 
-float32 tensors on CPU go through ``kernels/cpu/fused_ops.c`` (one pass, one call);
+float32 and bfloat16 tensors on CPU go through ``kernels/cpu/fused_ops.c`` (one pass, one
+call; in bfloat16 it rounds where the torch form rounds);
 CUDA tensors (fp32, fp16, bf16) through the Triton kernels of ``kernels/triton_ops.py``
 when Triton imports; anything else, a machine without a C compiler (or, on CUDA, without
 Triton), or ``FusedOps(native=False)`` takes the torch expressions below, which define
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +28,38 @@ from refengine.kernels import cpu, triton_ops
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    library = cpu.load("fused_ops").library
-    if library is None:
+    return cpu.load("fused_ops").library
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    """The C entry points for one dtype (``kernels/cpu/fused_ops.c``)."""
+
+    add_rms_norm: Callable[..., None]
+    silu_and_mul: Callable[..., None]
+    rotary: Callable[..., None]
+
+
+_SIGNATURES = {
+    "add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float],
+    "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int],
+    "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64],
+}
+# The library's dtypes: float32, and bfloat16 (bits in uint16, rounded where the torch form rounds).
+_SUFFIXES = {torch.float32: "", torch.bfloat16: "_bf16"}
+
+
+@functools.cache
+def _kernels(dtype: torch.dtype) -> _Kernels | None:
+    library = _library()
+    if library is None or dtype not in _SUFFIXES:
         return None
-    library.add_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float]
-    library.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
-    library.rotary.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-    for function in (library.add_rms_norm, library.silu_and_mul, library.rotary):
-        function.restype = None
-    return library
+    functions = {}
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name + _SUFFIXES[dtype])
+        function.argtypes, function.restype = argtypes, None
+        functions[name] = function
+    return _Kernels(**functions)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,8 +72,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class FusedOps:
     """The fused steps, on the native kernels when ``native`` and the tensors fit (the
-    Triton kernels for CUDA tensors; the C library, when it builds, for float32 on CPU in
-    the layouts below); else the torch forms."""
+    Triton kernels for CUDA tensors; the C library, when it builds, for float32 or bfloat16
+    on CPU in the layouts below); else the torch forms."""
 
     def __init__(self, native: bool = True) -> None:
         self.native = native
@@ -56,9 +82,12 @@ class FusedOps:
         """Whether these tensors take the Triton kernels (CUDA, Triton there, ``native`` on)."""
         return self.native and triton_ops.handles(*tensors)
 
-    def _kernel(self, *tensors: torch.Tensor) -> ctypes.CDLL | None:
-        if self.native and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
-            return _library()
+    def _kernel(self, *tensors: torch.Tensor) -> _Kernels | None:
+        """The C kernels when ``native`` and the tensors are CPU tensors of one dtype the
+        library has (float32, bfloat16)."""
+        dtype = tensors[0].dtype
+        if self.native and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors):
+            return _kernels(dtype)
         return None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -45,11 +45,72 @@ def test_add_rms_norm_matches_transformers(ops, rows, with_delta) -> None:
     assert (out - hf_rms_norm(expected_residual, weight, 1e-5)).abs().max() <= 1e-5
 
 
-def test_add_rms_norm_bfloat16_falls_back_to_the_reference_formula() -> None:
-    x = torch.randn(4, 64).bfloat16()
-    weight = torch.randn(64).bfloat16()
-    expected = hf_rms_norm(x.clone(), weight, 1e-6)
-    assert torch.equal(fused.add_rms_norm(x, None, weight, 1e-6), expected)
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 steps apart two bfloat16 tensors are, element by element (the
+    bit patterns as ordered integers: negative values mirrored so the order is monotonic)."""
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.view(torch.int16).int()
+        return torch.where(bits < 0, -32768 - bits, bits)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def bf16_case(rows: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"residual": (torch.randn(rows, 576, generator=g) * 3).bfloat16(),
+            "delta": torch.randn(rows, 576, generator=g).bfloat16(),
+            "weight": torch.randn(576, generator=g).bfloat16(),
+            "gate_up": (torch.randn(rows, 2 * 1536, generator=g) * 4).bfloat16()}
+
+
+@native_only
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_bfloat16_kernels_round_where_the_torch_form_rounds(rows) -> None:
+    """The bf16 C kernels against FusedOps(native=False) on the same bf16 tensors: the
+    residual add is exact; the outputs differ rarely (a last-bit difference of a float32
+    reduction or of expf that crosses a rounding boundary), by at most two bf16 steps: a one-step
+    difference in the first rounding can become two after the product that follows it (with the
+    weight in RMSNorm, with ``up`` in SiLU-and-mul)."""
+    case = bf16_case(rows, rows)
+    native, reference = fused.FusedOps(native=True), fused.FusedOps(native=False)
+    native_residual, reference_residual = case["residual"].clone(), case["residual"].clone()
+    normed = native.add_rms_norm(native_residual, case["delta"], case["weight"], 1e-5)
+    expected = reference.add_rms_norm(reference_residual, case["delta"], case["weight"], 1e-5)
+    assert normed.dtype == torch.bfloat16
+    assert torch.equal(native_residual, reference_residual)
+    assert bf16_ulps(normed, expected).max() <= 2 and (normed != expected).float().mean() < 1e-3
+    oracle = hf_rms_norm(reference_residual, case["weight"], 1e-5)  # transformers' LlamaRMSNorm in bf16
+    assert bf16_ulps(normed, oracle).max() <= 2 and (normed != oracle).float().mean() < 1e-3
+    silu, silu_expected = native.silu_and_mul(case["gate_up"]), reference.silu_and_mul(case["gate_up"])
+    assert bf16_ulps(silu, silu_expected).max() <= 2 and (silu != silu_expected).float().mean() < 1e-2
+
+
+@native_only
+def test_bfloat16_rotary_equals_the_torch_form() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 12, 64, generator=g).bfloat16()
+    positions = torch.randint(0, 512, (37,), generator=g)
+    cos, signed_sin = (torch.randn(512, 64, generator=g).bfloat16() for _ in range(2))
+    native_x, reference_x = x.clone(), x.clone()
+    fused.FusedOps(native=True).rotary_(native_x, positions, cos, signed_sin)
+    fused.FusedOps(native=False).rotary_(reference_x, positions, cos, signed_sin)
+    assert bf16_ulps(native_x, reference_x).max() <= 1 and (native_x != reference_x).float().mean() < 1e-3
+
+
+@native_only
+def test_bfloat16_rows_do_not_depend_on_the_batch() -> None:
+    case = bf16_case(64, 7)
+    alone_residual = case["residual"][5:6].clone()
+    alone = fused.add_rms_norm(alone_residual, case["delta"][5:6].clone(), case["weight"], 1e-5)
+    batch = fused.add_rms_norm(case["residual"], case["delta"], case["weight"], 1e-5)
+    assert torch.equal(alone[0], batch[5]) and torch.equal(alone_residual[0], case["residual"][5])
+    assert torch.equal(fused.silu_and_mul(case["gate_up"][5:6].clone())[0], fused.silu_and_mul(case["gate_up"])[5])
+
+
+def test_float16_takes_the_torch_form() -> None:
+    """The C library has float32 and bfloat16 only: float16 on CPU runs the torch form."""
+    x = torch.randn(4, 64).half()
+    weight = torch.randn(64).half()
+    assert torch.equal(fused.add_rms_norm(x.clone(), None, weight, 1e-6), fused.rms_norm(x, weight, 1e-6))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
