@@ -17,7 +17,8 @@ from typing import Any
 import grpc
 
 from refengine.conformance.registry import CheckFailed, CheckSkipped, skip
-from refengine.conformance.target import StreamResult, Target
+from refengine.conformance.streams import StreamResult
+from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 INVALID = (grpc.StatusCode.INVALID_ARGUMENT,)

@@ -10,7 +10,8 @@ import grpc
 
 from refengine.conformance.assertions import expect_finish, expect_valid, settled, stream_violations
 from refengine.conformance.registry import check, expect
-from refengine.conformance.target import Background, StreamResult, Target
+from refengine.conformance.streams import Background, StreamResult
+from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 

@@ -7,7 +7,8 @@ from typing import Any
 from refengine.conformance.assertions import expect_valid
 from refengine.conformance.checks_output import LONG_PROMPT, OTHER_PROMPTS
 from refengine.conformance.registry import check, expect
-from refengine.conformance.target import Background, StreamResult, Target
+from refengine.conformance.streams import Background, StreamResult
+from refengine.conformance.target import Target
 
 
 def _load_in_background(t: Target, count: int, tag: str) -> list[tuple[Any, Background]]:

@@ -16,7 +16,8 @@ import grpc
 
 from refengine.conformance.assertions import settled
 from refengine.conformance.registry import check, expect, skip
-from refengine.conformance.target import StreamResult, Target
+from refengine.conformance.streams import StreamResult
+from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]", "*")

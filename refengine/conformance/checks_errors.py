@@ -13,7 +13,8 @@ from refengine.conformance.assertions import NON_OK, expect_rejected, stream_vio
 from refengine.conformance.enums import value_name
 from refengine.conformance.registry import check, expect, fail, skip
 from refengine.conformance.release import PRE_RELEASE_VALUES, RELEASE
-from refengine.conformance.target import StreamResult, Target
+from refengine.conformance.streams import StreamResult
+from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 #: X3: always retryable — the unchanged request can succeed once load or the transfer path recovers.

@@ -10,7 +10,8 @@ from google.protobuf import json_format
 
 from refengine.conformance.assertions import expect_finish, expect_rejected, expect_valid
 from refengine.conformance.registry import check, expect, not_claimed
-from refengine.conformance.target import StreamResult, Target
+from refengine.conformance.streams import StreamResult
+from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 ALREADY_EXISTS = (grpc.StatusCode.ALREADY_EXISTS,)

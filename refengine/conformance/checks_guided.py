@@ -26,7 +26,8 @@ from refengine.conformance.assertions import NON_OK, expect_rejected, expect_val
 from refengine.conformance.checks_determinism import _join_all, _load_in_background
 from refengine.conformance.guides import CASES, FIELD_MODES, WORDS_CASE, GuideCase
 from refengine.conformance.registry import CheckFailed, check, expect, fail, not_claimed, skip
-from refengine.conformance.target import StreamResult, Target
+from refengine.conformance.streams import StreamResult
+from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 BACKENDS_KEY = "refengine.guided_backends"

@@ -12,7 +12,8 @@ from typing import Any
 from refengine.conformance.assertions import expect_valid, settled
 from refengine.conformance.registry import check, expect
 from refengine.conformance.release import PRE_RELEASE_VALUES, RELEASE
-from refengine.conformance.target import Background, Target
+from refengine.conformance.streams import Background
+from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 READY, DEGRADED = oe.HEALTH_STATE_READY, oe.HEALTH_STATE_DEGRADED

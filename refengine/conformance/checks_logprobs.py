@@ -9,7 +9,8 @@ import grpc
 
 from refengine.conformance.assertions import expect_rejected, expect_valid, is_finite
 from refengine.conformance.registry import check, expect, not_claimed
-from refengine.conformance.target import StreamResult, Target
+from refengine.conformance.streams import StreamResult
+from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 TOP_N = oe.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N

@@ -26,7 +26,8 @@ from typing import Any
 
 from refengine.conformance.assertions import NON_OK, expect_finish, expect_rejected, expect_valid, stream_violations
 from refengine.conformance.registry import check, expect, fail, not_claimed, skip
-from refengine.conformance.target import StreamResult, Target
+from refengine.conformance.streams import StreamResult
+from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 #: EngineError codes that mean "this request was never valid": seen after acceptance, the

@@ -10,7 +10,8 @@ from typing import Any
 
 from refengine.conformance.assertions import expect_finish, expect_valid
 from refengine.conformance.registry import CheckFailed, check, expect
-from refengine.conformance.target import StreamResult, Target
+from refengine.conformance.streams import StreamResult
+from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 EOS_PROMPTS = [

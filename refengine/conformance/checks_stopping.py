@@ -10,7 +10,8 @@ from refengine.conformance.checks_output import (
     spanning_stop,
 )
 from refengine.conformance.registry import check, expect
-from refengine.conformance.target import StreamResult, Target
+from refengine.conformance.streams import StreamResult
+from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 

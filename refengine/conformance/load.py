@@ -32,7 +32,8 @@ import grpc
 from refengine.conformance.assertions import stream_violations
 from refengine.conformance.registry import CheckFailed, Status
 from refengine.conformance.runner import Report, Result
-from refengine.conformance.target import Options, StreamResult, Target
+from refengine.conformance.streams import StreamResult
+from refengine.conformance.target import Options, Target
 from refengine.protocol import oe
 
 KINDS = ("complete", "cancel", "abort", "malformed")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -24,6 +23,7 @@ import grpc
 from refengine.conformance.enums import EnumLog
 from refengine.conformance.evidence import ExchangeLog
 from refengine.conformance.registry import CheckFailed, CheckSkipped, not_claimed
+from refengine.conformance.streams import Background, StreamResult
 from refengine.protocol import oe
 
 Metadata = Sequence[tuple[str, str]]
@@ -69,52 +69,6 @@ class Options:
     # Empty: the target itself when it lists side "encoder"; else the checks that need an
     # encoder skip. The consumer checks also need media_placeholder_token_id.
     encoder_address: str = ""
-
-
-@dataclass
-class StreamResult:
-    """Everything one Generate call produced: the events in order and the final status."""
-
-    request_id: str
-    rule: str = ""  # the rule of the check that sent it: the structural rule it is judged by
-    events: list[Any] = field(default_factory=list)  # oe.GenerateResponse
-    times: list[float] = field(default_factory=list)  # perf_counter() of each event
-    code: grpc.StatusCode = grpc.StatusCode.OK
-    details: str = ""
-    started: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.code == grpc.StatusCode.OK
-
-    def kinds(self) -> list[str]:
-        return [e.WhichOneof("event") or "<none>" for e in self.events]
-
-    def of(self, kind: str) -> list[Any]:
-        return [getattr(e, kind) for e in self.events if e.WhichOneof("event") == kind]
-
-    def token_events(self, index: int = 0) -> list[Any]:
-        return [t for t in self.of("token") if t.output_index == index]
-
-    def tokens(self, index: int = 0) -> list[int]:
-        return [ti.token_id for t in self.token_events(index) for ti in t.tokens]
-
-    def token_infos(self, index: int = 0) -> list[Any]:
-        return [ti for t in self.token_events(index) for ti in t.tokens]
-
-    def text(self, index: int = 0) -> str:
-        return "".join(t.text for t in self.token_events(index))
-
-    def finished(self, index: int = 0) -> Any | None:
-        found = [f for f in self.of("finished") if f.output_index == index]
-        return found[-1] if found else None
-
-    def usage(self) -> Any | None:
-        with_usage = [e.usage for e in self.events if e.HasField("usage")]
-        return with_usage[-1] if with_usage else None
-
-    def describe(self) -> str:
-        return f"status {self.code.name} ({self.details!r}), events {self.kinds()}"
 
 
 class Target:
@@ -347,33 +301,6 @@ class Target:
                 raise CheckSkipped(f"{message}; releasing work and KV is checked by {', '.join(sorted(IDLE_RULES))}")
             raise CheckFailed(message)
         return load
-
-
-class Background:
-    """A function running on a daemon thread; ``join`` re-raises its exception."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self._result = fn()
-        except BaseException as err:  # noqa: BLE001 - handed to join()
-            self._error = err
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def join(self, timeout: float = 120.0) -> Any:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise CheckFailed(f"a background call did not end within {timeout:.0f} s")
-        if self._error is not None:
-            raise self._error
-        return self._result
 
 
 def env_options() -> Options:

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from refengine.conformance.assertions import stream_violations  # noqa: E402
-from refengine.conformance.target import StreamResult  # noqa: E402
+from refengine.conformance.streams import StreamResult  # noqa: E402
 from refengine.protocol import oe  # noqa: E402
 
 GENERATE = "/openengine.v1.Inference/Generate"
