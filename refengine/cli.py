@@ -2,7 +2,7 @@
 
 Each subcommand but ``serve`` lives in its own module of ``refengine.commands`` with an
 ``add_*_parser`` and a ``run_*``; this module only assembles the parser and dispatches.
-Nothing imports the CLI.
+Nothing imports the CLI; ``python -m refengine.cli`` runs it as a script.
 """
 
 from __future__ import annotations
@@ -49,3 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from refengine.server.app import serve_from_args
 
     return serve_from_args(args)
+
+
+if __name__ == "__main__":  # ``python -m refengine.cli`` = the ``refengine`` command
+    raise SystemExit(main())
