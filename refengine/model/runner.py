@@ -29,7 +29,7 @@ from refengine.kernels.lora import LoraBatch
 from refengine.kernels.lora_linear import ProjectionDeltas
 from refengine.model.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
 from refengine.model.dtypes import DTYPES
-from refengine.model.host_memory import zeros_on_huge_pages
+from refengine.model.host_memory import keep_freed_memory, zeros_on_huge_pages
 from refengine.model.input import ModelInput
 from refengine.model.llama import LlamaModel, LoraSlotShape
 
@@ -43,6 +43,7 @@ def _kv_cache_tensors(k_shape: tuple[int, ...], v_shape: tuple[int, ...], num_la
                       dtype: torch.dtype, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed (K, V) caches per layer; on CPU views of one slab on huge pages (``host_memory``)."""
     if torch.device(device).type == "cpu":
+        keep_freed_memory()  # the steps' activations are reused, not faulted in again (host_memory)
         tensors = zeros_on_huge_pages([k_shape, v_shape] * num_layers, dtype)
         return list(zip(tensors[0::2], tensors[1::2], strict=True))
     return [(torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
