@@ -187,21 +187,23 @@ def max_error_vs_oracle(seqs: list[SeqData], results: StepResults) -> float:
 
 # ----------------------------------------------------------------------------- batches
 
-LONG = SDPA_MIN_QUERY_TOKENS
+LONG = SDPA_MIN_QUERY_TOKENS  # where shapes the chunk kernel refuses switch from the row kernel to SDPA
 # (context, new) per sequence.
 DECODE_ONLY = [(0, 1), (1, 1), (7, 1), (15, 1), (16, 1), (17, 1), (40, 1), (97, 1)]
 MIXED = [
     (40, 1),  # decode rows ...
-    (LONG + 5, 1),  # (its context step took the SDPA path)
-    (20, 13),  # short prefill chunks continuing a cached context, crossing block boundaries: native kernel
+    (LONG + 5, 1),
+    (20, 13),  # short chunks continuing a cached context, crossing block boundaries
     (16, 16),  # context ending exactly on a block boundary
     (3, 1),
-    (0, 5),  # fresh prompts shorter than SDPA_MIN_QUERY_TOKENS: native kernel
+    (0, 5),  # short fresh prompts
     (0, LONG - 1),
-    (0, LONG),  # ... and at least that long: SDPA over the step's own keys
+    (0, LONG),  # ... and long ones (SDPA over the step's own keys, where the chunk kernel refuses the shape)
     (0, LONG + 9),
-    (37, LONG),  # long chunks continuing a context: SDPA over the gathered blocks, masked by position
+    (37, LONG),  # long chunks continuing a context (SDPA over the gathered blocks, masked by position)
     (16, LONG + 3),
+    (0, 300),  # more than one of the chunk kernel's key tiles (256 positions) ...
+    (250, 40),  # ... with the chunk straddling the first key tile's end
     (9, 1),
 ]
 
@@ -211,9 +213,9 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-@pytest.mark.parametrize("block_size", [16, 8, 1])
-@pytest.mark.parametrize("head_dim", [64, 128, 40])
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [16, 32, 8, 1])  # 8 and 1: the chunk kernel refuses them (SDPA)
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 40])  # 80: the chunk kernel's 16-wide tail; 40: SDPA
+@pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("batch", [DECODE_ONLY, MIXED], ids=["decode_only", "mixed"])
 def test_matches_dense_oracle_and_reference(batch, group, head_dim, block_size) -> None:
     num_heads = NUM_KV_HEADS * group
@@ -230,7 +232,7 @@ def test_matches_dense_oracle_and_reference(batch, group, head_dim, block_size) 
 
 @pytest.mark.skipif(not native_bf16(), reason="this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
-@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("block_size", [16, 32, 8])
 def test_bfloat16_cache_matches_the_oracle(head_dim, block_size) -> None:
     """bf16 keys and values read by the kernel with float32 accumulation: within bf16's rounding
     of the inputs (and the output) of the float64 oracle, and of the torch reference in bf16."""
@@ -285,8 +287,28 @@ def test_batch_invariance(head_dim) -> None:
             assert torch.equal(alone.context_out[0], batched.context_out[i]), f"context of sequence {i}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_chunk_kernel_rows_do_not_depend_on_the_chunking(group, dtype) -> None:
+    """A prompt of 300 tokens as one chunk, or cut into two steps: after 1 (a one-token prompt),
+    120, 256 (the first key tile's end) or 299 (the last row as a decode step). Every row is
+    bitwise the same, as the kernel's key tiles start at absolute positions and a vector's
+    arithmetic depends neither on its tile mates nor on the tile's width (SDPA's result depended
+    on the chunk's length, and the row kernel's differed from it)."""
+    if dtype == torch.bfloat16 and not native_bf16():
+        pytest.skip("this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
+    whole = make_seq(0, 300, NUM_KV_HEADS * group, 64, seed=21)
+    one_chunk = run_steps(CpuPagedBackend(), [whole], 16, seed=7, dtype=dtype).new_out[0]
+    for cut in (1, 120, 256, 299):
+        split = SeqData(cut, 300 - cut, whole.k, whole.v, whole.q_new[:cut], whole.q_new[cut:])
+        two_steps = run_steps(CpuPagedBackend(), [split], 16, seed=8 + cut, dtype=dtype)
+        assert torch.equal(two_steps.context_out[0], one_chunk[:cut]), f"first chunk, cut at {cut}"
+        assert torch.equal(two_steps.new_out[0], one_chunk[cut:]), f"second chunk, cut at {cut}"
+
+
 def test_thread_count_invariance() -> None:
-    """Work is split by query row, so the thread count cannot change any row's arithmetic."""
+    """Work is split by query row (row kernel) or tile of query vectors (chunk kernel), each
+    computed whole by one thread, so the thread count cannot change any row's arithmetic."""
     seqs = make_seqs(MIXED, NUM_KV_HEADS * 4, 128, seed=12)
     threads = torch.get_num_threads()
     try:

@@ -87,6 +87,7 @@ static inline float bf16_to_float(uint16_t x)
 #define KV_TO_F(x) (x)
 #define KV_NAME(n) n
 #include "paged_attention_kv.h"
+#include "paged_attention_chunk.h"
 #undef KV_T
 #undef KV_LOAD16
 #undef KV_TO_F
@@ -98,4 +99,5 @@ static inline float bf16_to_float(uint16_t x)
 #define KV_TO_F(x) bf16_to_float(x)
 #define KV_NAME(n) n##_bf16
 #include "paged_attention_kv.h"
+#include "paged_attention_chunk.h"
 

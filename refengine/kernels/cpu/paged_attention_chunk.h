@@ -1,0 +1,276 @@
+/* Chunk attention: the prefill rows of paged_attention.c, a tile of query vectors at a time.
+ * Included by paged_attention.c once per KV element type, after paged_attention_kv.h, with the
+ * same KV_T / KV_LOAD16 / KV_NAME macros. Same arguments, layouts and causal rule as
+ * paged_attention; every key and value is read in place from the paged cache (the step's own
+ * keys were stored there first), so a fresh prompt and a chunk continuing a cached context are
+ * one case, with no gather and no mask tensor.
+ *
+ * Why tiles: the row kernel reads a sequence's keys and values once per query row. Here one
+ * work item is TILE query vectors -- (row, head) pairs of one sequence that share a KV head --
+ * and every 16 keys loaded feed TILE multiply-adds (a GEMM micro-kernel: the TILE accumulators
+ * stay in registers), so a prompt's KV is read once per tile instead of once per row.
+ *
+ * The softmax is online (flash attention): keys are taken KEY_TILE positions at a time, and
+ * each vector keeps its running maximum, sum and unnormalized output, rescaled when the
+ * maximum grows. The key tiles start at absolute positions 0, KEY_TILE, 2 KEY_TILE, ..., and a
+ * vector's arithmetic never depends on its tile mates (a tile mate only widens the range of key
+ * tiles visited, and a key tile past a vector's own position leaves its state bit-identical:
+ * its weights are exactly 0 and its rescale factor exactly 1). So a row's result depends on its
+ * query, its position and the keys alone: not on the batch, nor on how its prompt was chunked.
+ *
+ * Requires head_dim a multiple of 16 up to 256 and block_size a power of two from 16 to 256 (chunk_attention_supported); the Python side
+ * sends other shapes to SDPA.
+ */
+
+#ifndef CHUNK_TILE_CONSTANTS
+#define CHUNK_TILE_CONSTANTS
+enum { TILE = 8, KEY_TILE = 256, MAX_HEAD_DIM = 256 };
+#define MASKED_SCORE (-1e30f) /* finite, as -ffast-math assumes: exp(MASKED_SCORE - max) is 0 */
+
+int chunk_attention_supported(int head_dim, int block_size)
+{
+    return head_dim % 16 == 0 && head_dim <= MAX_HEAD_DIM && block_size >= 16 && block_size <= KEY_TILE &&
+           (block_size & (block_size - 1)) == 0;
+}
+
+/* The running state of one query vector. */
+typedef struct {
+    float max, sum;
+    int position; /* the last key position it attends to; -1 = a padding vector */
+} VectorState;
+#endif
+
+/* scores[v * KEY_TILE + j] = scale * q_v . key(start + j), for the num_keys keys of one key
+ * tile (num_keys rounded up to 16: lanes past it are masked later). queries_t is the tile's
+ * queries transposed, [head_dim][width], so the width broadcasts of one d share one address. */
+static inline __attribute__((always_inline)) void KV_NAME(tile_scores)(
+    float *scores, const float *queries_t, const KV_T *k_cache, const int32_t *block_table, int start, int num_keys,
+    int kv_head, const Shape *s, const int width)
+{
+    const int head_dim = s->head_dim, block_size = s->block_size;
+    const int64_t head_tile = (int64_t)head_dim * block_size;
+    const int64_t block_stride = s->num_kv_heads * head_tile;
+    for (int offset = 0; offset < num_keys; offset += 16) {
+        const int position = start + offset;
+        const KV_T *keys = k_cache + block_table[position / block_size] * block_stride + kv_head * head_tile +
+                           position % block_size;
+        if (position % block_size == 0 && offset + block_size < num_keys) /* the next block, as in key_scores */
+            prefetch_range(k_cache + block_table[position / block_size + 1] * block_stride + kv_head * head_tile,
+                           head_tile * (int64_t)sizeof(KV_T));
+        vec16 acc[TILE] = {{0}};
+        for (int d = 0; d < head_dim; d++) {
+            const vec16 key = KV_LOAD16(keys + (int64_t)d * block_size);
+            for (int v = 0; v < width; v++)
+                acc[v] += queries_t[d * width + v] * key;
+        }
+        for (int v = 0; v < width; v++)
+            store16(scores + v * KEY_TILE + offset, acc[v] * s->scale);
+    }
+}
+
+/* Turns one vector's scores into weights (exp(score - new max); 0 past its position, up to
+ * num_keys rounded up to 16), updates its max and sum, and returns the factor its output is
+ * rescaled by. The loops run over the vector's own positions rounded up to 16, a count that
+ * depends on its position alone: so the order of the sum's additions (and the result) does not
+ * depend on the tile mates that set num_keys. */
+static float KV_NAME(tile_weights)(float *row, int start, int num_keys, VectorState *state)
+{
+    const int valid = state->position - start + 1 < num_keys ? state->position - start + 1 : num_keys;
+    const int lanes = valid > 0 ? (valid + 15) / 16 * 16 : 0;
+    for (int j = lanes; j < (num_keys + 15) / 16 * 16; j++)
+        row[j] = 0.0f;
+    if (valid <= 0)
+        return 1.0f;
+    float tile_max = MASKED_SCORE;
+#pragma omp simd reduction(max : tile_max)
+    for (int j = 0; j < lanes; j++)
+        tile_max = j < valid && row[j] > tile_max ? row[j] : tile_max;
+    const float new_max = tile_max > state->max ? tile_max : state->max;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < lanes; j++) {
+        row[j] = j < valid ? expf(row[j] - new_max) : 0.0f;
+        sum += row[j];
+    }
+    const float rescale = expf(state->max - new_max);
+    state->sum = state->sum * rescale + sum;
+    state->max = new_max;
+    return rescale;
+}
+
+/* acc[v][lo .. lo + 16 * chunks) += sum over the tile's keys of weight * value. The width x
+ * chunks accumulators stay in registers while each value row loaded feeds width of them. Keys go
+ * block by block, so a block's address is computed once per block. */
+static inline __attribute__((always_inline)) void KV_NAME(tile_values_part)(
+    float *acc, const float *weights, const KV_T *v_cache, const int32_t *block_table, int start, int num_keys,
+    int kv_head, const Shape *s, int lo, const int width, const int chunks)
+{
+    const int head_dim = s->head_dim, block_size = s->block_size;
+    const int64_t token_stride = (int64_t)s->num_kv_heads * head_dim;
+    vec16 out[TILE][2];
+    for (int v = 0; v < width; v++)
+        for (int c = 0; c < chunks; c++)
+            out[v][c] = load16(acc + v * head_dim + lo + 16 * c);
+    for (int offset = 0; offset < num_keys; offset += block_size) {
+        const int position = start + offset;
+        const KV_T *values = v_cache + (int64_t)block_table[position / block_size] * block_size * token_stride +
+                             (int64_t)kv_head * head_dim + lo;
+        const int count = num_keys - offset < block_size ? num_keys - offset : block_size;
+        if (lo == 0 && offset + block_size < num_keys) {
+            const KV_T *next = v_cache + (int64_t)block_table[position / block_size + 1] * block_size * token_stride +
+                               (int64_t)kv_head * head_dim;
+            for (int t = 0; t < block_size; t++)
+                prefetch_range(next + t * token_stride, head_dim * (int64_t)sizeof(KV_T));
+        }
+        for (int j = 0; j < count; j++) {
+            vec16 value[2];
+            for (int c = 0; c < chunks; c++)
+                value[c] = KV_LOAD16(values + j * token_stride + 16 * c);
+            for (int v = 0; v < width; v++)
+                for (int c = 0; c < chunks; c++)
+                    out[v][c] += weights[v * KEY_TILE + offset + j] * value[c];
+        }
+    }
+    for (int v = 0; v < width; v++)
+        for (int c = 0; c < chunks; c++)
+            store16(acc + v * head_dim + lo + 16 * c, out[v][c]);
+}
+
+/* The whole head_dim, 32 dimensions (two registers per vector) at a time. */
+static inline __attribute__((always_inline)) void KV_NAME(tile_values)(
+    float *acc, const float *weights, const KV_T *v_cache, const int32_t *block_table, int start, int num_keys,
+    int kv_head, const Shape *s, const int width)
+{
+    int lo = 0;
+    for (; lo + 32 <= s->head_dim; lo += 32)
+        KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 2);
+    if (lo < s->head_dim)
+        KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 1);
+}
+
+/* One work item: width (1, 2, 4 or 8) (row, head) vectors of one sequence and KV head. queries[v]
+ * and outputs[v] are padded with copies of vector 0 (position -1: computed, never stored). Each
+ * vector's arithmetic is the same for every width: the width only sets how many run side by side
+ * (a decode row of a group of 3 takes width 4, not 8). */
+static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
+    float *const *outputs, const float *const *queries, VectorState *states, const KV_T *k_cache,
+    const KV_T *v_cache, const int32_t *block_table, int kv_head, const Shape *s, float *scores, float *acc,
+    const int width)
+{
+    const int head_dim = s->head_dim;
+    float queries_t[MAX_HEAD_DIM * TILE];
+    for (int v = 0; v < width; v++)
+        for (int d = 0; d < head_dim; d++)
+            queries_t[d * width + v] = queries[v][d];
+    int last = 0;
+    for (int v = 0; v < width; v++) {
+        states[v].max = MASKED_SCORE;
+        states[v].sum = 0.0f;
+        last = states[v].position > last ? states[v].position : last;
+    }
+    memset(acc, 0, sizeof(float) * width * head_dim);
+    for (int start = 0; start <= last; start += KEY_TILE) {
+        const int num_keys = last + 1 - start < KEY_TILE ? last + 1 - start : KEY_TILE;
+        KV_NAME(tile_scores)(scores, queries_t, k_cache, block_table, start, num_keys, kv_head, s, width);
+        for (int v = 0; v < width; v++) {
+            const float rescale = KV_NAME(tile_weights)(scores + v * KEY_TILE, start, num_keys, &states[v]);
+            for (int d = 0; d < head_dim; d++)
+                acc[v * head_dim + d] *= rescale;
+        }
+        KV_NAME(tile_values)(acc, scores, v_cache, block_table, start, num_keys, kv_head, s, width);
+    }
+    for (int v = 0; v < width; v++) {
+        if (states[v].position < 0)
+            continue;
+        const float inv_sum = 1.0f / states[v].sum;
+        for (int d = 0; d < head_dim; d++)
+            outputs[v][d] = acc[v * head_dim + d] * inv_sum;
+    }
+}
+
+/* attend_tile with width the smallest of 1, 2, 4, 8 that holds num_vectors. */
+static void KV_NAME(attend_tile_any)(float *const *outputs, const float *const *queries, VectorState *states,
+                                     const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_table,
+                                     int kv_head, const Shape *s, float *scores, float *acc, int num_vectors)
+{
+    if (num_vectors == 1)
+        KV_NAME(attend_tile)(outputs, queries, states, k_cache, v_cache, block_table, kv_head, s, scores, acc, 1);
+    else if (num_vectors == 2)
+        KV_NAME(attend_tile)(outputs, queries, states, k_cache, v_cache, block_table, kv_head, s, scores, acc, 2);
+    else if (num_vectors <= 4)
+        KV_NAME(attend_tile)(outputs, queries, states, k_cache, v_cache, block_table, kv_head, s, scores, acc, 4);
+    else
+        KV_NAME(attend_tile)(outputs, queries, states, k_cache, v_cache, block_table, kv_head, s, scores, acc, TILE);
+}
+
+/* Returns 0 on success, -1 if scratch memory could not be allocated, -2 for a shape that
+ * chunk_attention_supported refuses. */
+int KV_NAME(chunk_attention)(float *out, const float *q, const KV_T *k_cache, const KV_T *v_cache,
+                             const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
+                             const int32_t *seq_ids, int num_selected, int num_heads, int num_kv_heads, int head_dim,
+                             int block_size, int max_blocks, float scale, int64_t q_row_stride)
+{
+    if (!chunk_attention_supported(head_dim, block_size))
+        return -2;
+    const Shape shape = {num_heads, num_kv_heads, head_dim, block_size, scale};
+    const int group = num_heads / num_kv_heads;
+    /* Items are numbered sequence after sequence, KV head after KV head within one; item_starts[i]
+     * is the first of selected sequence i. A sequence has ceil(rows * group / TILE) per KV head. */
+    int64_t *item_starts = malloc(sizeof(int64_t) * (num_selected + 1));
+    if (!item_starts)
+        return -1;
+    item_starts[0] = 0;
+    for (int i = 0; i < num_selected; i++) {
+        const int seq = seq_ids[i];
+        const int64_t vectors = (int64_t)(query_start_loc[seq + 1] - query_start_loc[seq]) * group;
+        item_starts[i + 1] = item_starts[i] + (vectors + TILE - 1) / TILE * num_kv_heads;
+    }
+    const int64_t num_items = item_starts[num_selected];
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * TILE * (KEY_TILE + head_dim));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; item++) {
+            if (!scratch)
+                continue;
+            int lo = 0, hi = num_selected - 1;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) / 2;
+                if (item_starts[mid] <= item)
+                    lo = mid;
+                else
+                    hi = mid - 1;
+            }
+            const int seq = seq_ids[lo];
+            const int64_t tiles_per_head = (item_starts[lo + 1] - item_starts[lo]) / num_kv_heads;
+            const int kv_head = (int)((item - item_starts[lo]) / tiles_per_head);
+            const int64_t first_vector = (item - item_starts[lo]) % tiles_per_head * TILE;
+            const int query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+            const float *queries[TILE];
+            float *outputs[TILE];
+            VectorState states[TILE];
+            for (int v = 0; v < TILE; v++) {
+                const int in_range = first_vector + v < (int64_t)query_len * group;
+                const int64_t vector = in_range ? first_vector + v : first_vector; /* padding: vector 0 again */
+                const int64_t row_in_seq = vector / group;
+                const int head = kv_head * group + (int)(vector % group);
+                const int64_t row = query_start_loc[seq] + row_in_seq;
+                queries[v] = q + row * q_row_stride + (int64_t)head * head_dim;
+                outputs[v] = out + (row * num_heads + head) * head_dim;
+                states[v].position = in_range ? seq_lens[seq] - query_len + (int)row_in_seq : -1;
+            }
+            const int64_t remaining = (int64_t)query_len * group - first_vector;
+            KV_NAME(attend_tile_any)(outputs, queries, states, k_cache, v_cache,
+                                     block_tables + (int64_t)seq * max_blocks, kv_head, &shape, scratch,
+                                     scratch + TILE * KEY_TILE, remaining < TILE ? (int)remaining : TILE);
+        }
+        free(scratch);
+    }
+    free(item_starts);
+    return failed ? -1 : 0;
+}
