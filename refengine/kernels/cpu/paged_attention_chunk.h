@@ -24,7 +24,7 @@
 
 #ifndef CHUNK_TILE_CONSTANTS
 #define CHUNK_TILE_CONSTANTS
-enum { TILE = 8, KEY_TILE = 256, MAX_HEAD_DIM = 256 };
+enum { TILE = 8, KEY_TILE = 256, MAX_HEAD_DIM = 256, PREFETCH_POSITIONS = 64 };
 #define MASKED_SCORE (-1e30f) /* finite, as -ffast-math assumes: exp(MASKED_SCORE - max) is 0 */
 
 int chunk_attention_supported(int head_dim, int block_size)
@@ -40,12 +40,32 @@ typedef struct {
 } VectorState;
 #endif
 
+/* Called as the scores reach the block that starts at `position` (keys run to `end`): requests
+ * this block's values, read by tile_values after the key tile's scores, and the keys of the
+ * block PREFETCH_POSITIONS ahead. A decode item (one KV head of one row) spends only a few
+ * hundred cycles on a block, less than a DRAM round trip, so one block ahead is too late. */
+static inline void KV_NAME(prefetch_blocks)(const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_table,
+                                            int position, int end, int kv_head, const Shape *s)
+{
+    const int head_dim = s->head_dim, block_size = s->block_size;
+    const int64_t head_tile = (int64_t)head_dim * block_size, token_stride = (int64_t)s->num_kv_heads * head_dim;
+    const int ahead = position + (PREFETCH_POSITIONS > block_size ? PREFETCH_POSITIONS : block_size);
+    if (ahead < end)
+        prefetch_range(k_cache + (block_table[ahead / block_size] * s->num_kv_heads + kv_head) * head_tile,
+                       head_tile * (int64_t)sizeof(KV_T));
+    const KV_T *values = v_cache + (int64_t)block_table[position / block_size] * block_size * token_stride +
+                         (int64_t)kv_head * head_dim;
+    const int count = end - position < block_size ? end - position : block_size;
+    for (int t = 0; t < count; t++)
+        prefetch_range(values + t * token_stride, head_dim * (int64_t)sizeof(KV_T));
+}
+
 /* scores[v * KEY_TILE + j] = scale * q_v . key(start + j), for the num_keys keys of one key
  * tile (num_keys rounded up to 16: lanes past it are masked later). queries_t is the tile's
  * queries transposed, [head_dim][width], so the width broadcasts of one d share one address. */
 static inline __attribute__((always_inline)) void KV_NAME(tile_scores)(
-    float *scores, const float *queries_t, const KV_T *k_cache, const int32_t *block_table, int start, int num_keys,
-    int kv_head, const Shape *s, const int width)
+    float *scores, const float *queries_t, const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_table,
+    int start, int num_keys, int end, int kv_head, const Shape *s, const int width)
 {
     const int head_dim = s->head_dim, block_size = s->block_size;
     const int64_t head_tile = (int64_t)head_dim * block_size;
@@ -54,9 +74,8 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_scores)(
         const int position = start + offset;
         const KV_T *keys = k_cache + block_table[position / block_size] * block_stride + kv_head * head_tile +
                            position % block_size;
-        if (position % block_size == 0 && offset + block_size < num_keys) /* the next block, as in key_scores */
-            prefetch_range(k_cache + block_table[position / block_size + 1] * block_stride + kv_head * head_tile,
-                           head_tile * (int64_t)sizeof(KV_T));
+        if (position % block_size == 0)
+            KV_NAME(prefetch_blocks)(k_cache, v_cache, block_table, position, end, kv_head, s);
         vec16 acc[TILE] = {{0}};
         for (int d = 0; d < head_dim; d++) {
             const vec16 key = KV_LOAD16(keys + (int64_t)d * block_size);
@@ -116,12 +135,6 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_values_part)(
         const KV_T *values = v_cache + (int64_t)block_table[position / block_size] * block_size * token_stride +
                              (int64_t)kv_head * head_dim + lo;
         const int count = num_keys - offset < block_size ? num_keys - offset : block_size;
-        if (lo == 0 && offset + block_size < num_keys) {
-            const KV_T *next = v_cache + (int64_t)block_table[position / block_size + 1] * block_size * token_stride +
-                               (int64_t)kv_head * head_dim;
-            for (int t = 0; t < block_size; t++)
-                prefetch_range(next + t * token_stride, head_dim * (int64_t)sizeof(KV_T));
-        }
         for (int j = 0; j < count; j++) {
             vec16 value[2];
             for (int c = 0; c < chunks; c++)
@@ -171,7 +184,8 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
     memset(acc, 0, sizeof(float) * width * head_dim);
     for (int start = 0; start <= last; start += KEY_TILE) {
         const int num_keys = last + 1 - start < KEY_TILE ? last + 1 - start : KEY_TILE;
-        KV_NAME(tile_scores)(scores, queries_t, k_cache, block_table, start, num_keys, kv_head, s, width);
+        KV_NAME(tile_scores)(scores, queries_t, k_cache, v_cache, block_table, start, num_keys, last + 1, kv_head, s,
+                             width);
         for (int v = 0; v < width; v++) {
             const float rescale = KV_NAME(tile_weights)(scores + v * KEY_TILE, start, num_keys, &states[v]);
             for (int d = 0; d < head_dim; d++)
