@@ -2,7 +2,11 @@
  *
  * The torch reference gathers a sequence's blocks into a contiguous copy and then
  * runs SDPA over it, so decode (memory-bound) reads every key and value three
- * times. This kernel reads each once, in place.
+ * times. These kernels read each once, in place. Two of them, same arguments:
+ *   paged_attention  (paged_attention_kv.h)     one query row (all heads) at a time;
+ *   chunk_attention  (paged_attention_chunk.h)  a tile of query vectors of one KV head at
+ *                    a time, online softmax; the backend runs every row through it where it
+ *                    takes the shape (kernels/attention/cpu_paged.py), the row kernel elsewhere.
  *
  * Layouts (contiguous; the caches float32, or bfloat16 for the *_bf16 entry points, whose
  * queries and outputs stay float32: every product accumulates in float32):
@@ -81,7 +85,7 @@ static inline float bf16_to_float(uint16_t x)
     return f;
 }
 
-/* float32 caches: paged_attention, store_kv. */
+/* float32 caches: paged_attention, chunk_attention, store_kv. */
 #define KV_T float
 #define KV_LOAD16(p) load16(p)
 #define KV_TO_F(x) (x)
@@ -93,7 +97,7 @@ static inline float bf16_to_float(uint16_t x)
 #undef KV_TO_F
 #undef KV_NAME
 
-/* bfloat16 caches: paged_attention_bf16, store_kv_bf16 (q and out stay float32). */
+/* bfloat16 caches: paged_attention_bf16, chunk_attention_bf16, store_kv_bf16 (q and out stay float32). */
 #define KV_T uint16_t
 #define KV_LOAD16(p) load16_bf16(p)
 #define KV_TO_F(x) bf16_to_float(x)

@@ -217,6 +217,35 @@ static void KV_NAME(attend_tile_any)(float *const *outputs, const float *const *
         KV_NAME(attend_tile)(outputs, queries, states, k_cache, v_cache, block_table, kv_head, s, scores, acc, TILE);
 }
 
+/* Work item `index` of sequence seq (which has tiles_per_head items per KV head): finds its
+ * vectors, their rows, heads and positions, and attends them. */
+static void KV_NAME(run_item)(int64_t index, int64_t tiles_per_head, int seq, float *out, const float *q,
+                              const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_tables,
+                              const int32_t *query_start_loc, const int32_t *seq_lens, int max_blocks,
+                              int64_t q_row_stride, const Shape *s, float *scratch)
+{
+    const int group = s->num_heads / s->num_kv_heads, head_dim = s->head_dim;
+    const int kv_head = (int)(index / tiles_per_head);
+    const int64_t first_vector = index % tiles_per_head * TILE;
+    const int query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+    const float *queries[TILE];
+    float *outputs[TILE];
+    VectorState states[TILE];
+    for (int v = 0; v < TILE; v++) {
+        const int in_range = first_vector + v < (int64_t)query_len * group;
+        const int64_t vector = in_range ? first_vector + v : first_vector; /* padding: vector 0 again */
+        const int64_t row_in_seq = vector / group;
+        const int head = kv_head * group + (int)(vector % group);
+        const int64_t row = query_start_loc[seq] + row_in_seq;
+        queries[v] = q + row * q_row_stride + (int64_t)head * head_dim;
+        outputs[v] = out + (row * s->num_heads + head) * head_dim;
+        states[v].position = in_range ? seq_lens[seq] - query_len + (int)row_in_seq : -1;
+    }
+    const int64_t remaining = (int64_t)query_len * group - first_vector;
+    KV_NAME(attend_tile_any)(outputs, queries, states, k_cache, v_cache, block_tables + (int64_t)seq * max_blocks,
+                             kv_head, s, scratch, scratch + TILE * KEY_TILE, remaining < TILE ? (int)remaining : TILE);
+}
+
 /* Returns 0 on success, -1 if scratch memory could not be allocated, -2 for a shape that
  * chunk_attention_supported refuses. */
 int KV_NAME(chunk_attention)(float *out, const float *q, const KV_T *k_cache, const KV_T *v_cache,
@@ -260,28 +289,9 @@ int KV_NAME(chunk_attention)(float *out, const float *q, const KV_T *k_cache, co
                 else
                     hi = mid - 1;
             }
-            const int seq = seq_ids[lo];
-            const int64_t tiles_per_head = (item_starts[lo + 1] - item_starts[lo]) / num_kv_heads;
-            const int kv_head = (int)((item - item_starts[lo]) / tiles_per_head);
-            const int64_t first_vector = (item - item_starts[lo]) % tiles_per_head * TILE;
-            const int query_len = query_start_loc[seq + 1] - query_start_loc[seq];
-            const float *queries[TILE];
-            float *outputs[TILE];
-            VectorState states[TILE];
-            for (int v = 0; v < TILE; v++) {
-                const int in_range = first_vector + v < (int64_t)query_len * group;
-                const int64_t vector = in_range ? first_vector + v : first_vector; /* padding: vector 0 again */
-                const int64_t row_in_seq = vector / group;
-                const int head = kv_head * group + (int)(vector % group);
-                const int64_t row = query_start_loc[seq] + row_in_seq;
-                queries[v] = q + row * q_row_stride + (int64_t)head * head_dim;
-                outputs[v] = out + (row * num_heads + head) * head_dim;
-                states[v].position = in_range ? seq_lens[seq] - query_len + (int)row_in_seq : -1;
-            }
-            const int64_t remaining = (int64_t)query_len * group - first_vector;
-            KV_NAME(attend_tile_any)(outputs, queries, states, k_cache, v_cache,
-                                     block_tables + (int64_t)seq * max_blocks, kv_head, &shape, scratch,
-                                     scratch + TILE * KEY_TILE, remaining < TILE ? (int)remaining : TILE);
+            KV_NAME(run_item)(item - item_starts[lo], (item_starts[lo + 1] - item_starts[lo]) / num_kv_heads,
+                              seq_ids[lo], out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                              max_blocks, q_row_stride, &shape, scratch);
         }
         free(scratch);
     }
