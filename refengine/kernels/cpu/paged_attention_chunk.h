@@ -1,25 +1,26 @@
-/* Chunk attention: the prefill rows of paged_attention.c, a tile of query vectors at a time.
+/* Chunk attention: the rows of paged_attention.c, a tile of query vectors at a time.
  * Included by paged_attention.c once per KV element type, after paged_attention_kv.h, with the
  * same KV_T / KV_LOAD16 / KV_NAME macros. Same arguments, layouts and causal rule as
  * paged_attention; every key and value is read in place from the paged cache (the step's own
- * keys were stored there first), so a fresh prompt and a chunk continuing a cached context are
- * one case, with no gather and no mask tensor.
+ * keys were stored there first), so a fresh prompt, a chunk continuing a cached context and a
+ * decode row are one case, with no gather and no mask tensor.
  *
  * Why tiles: the row kernel reads a sequence's keys and values once per query row. Here one
- * work item is TILE query vectors -- (row, head) pairs of one sequence that share a KV head --
- * and every 16 keys loaded feed TILE multiply-adds (a GEMM micro-kernel: the TILE accumulators
- * stay in registers), so a prompt's KV is read once per tile instead of once per row.
+ * work item is up to TILE query vectors -- (row, head) pairs of one sequence that share a KV
+ * head -- and every 16 keys loaded feed one multiply-add per vector (a GEMM micro-kernel: the
+ * accumulators stay in registers), so a prompt's KV is read once per tile instead of per row.
  *
  * The softmax is online (flash attention): keys are taken KEY_TILE positions at a time, and
  * each vector keeps its running maximum, sum and unnormalized output, rescaled when the
  * maximum grows. The key tiles start at absolute positions 0, KEY_TILE, 2 KEY_TILE, ..., and a
  * vector's arithmetic never depends on its tile mates (a tile mate only widens the range of key
  * tiles visited, and a key tile past a vector's own position leaves its state bit-identical:
- * its weights are exactly 0 and its rescale factor exactly 1). So a row's result depends on its
- * query, its position and the keys alone: not on the batch, nor on how its prompt was chunked.
+ * its weights are exactly 0 and its rescale factor exactly 1), nor on the tile's width. So a
+ * row's result depends on its query, its position and the keys alone: not on the batch, nor on
+ * how its prompt was chunked, nor on whether it came as a decode row.
  *
- * Requires head_dim a multiple of 16 up to 256 and block_size a power of two from 16 to 256 (chunk_attention_supported); the Python side
- * sends other shapes to SDPA.
+ * Requires head_dim a multiple of 16 up to 256 and block_size a power of two from 16 to 256
+ * (chunk_attention_supported); the Python side sends other shapes to the row kernel and SDPA.
  */
 
 #ifndef CHUNK_TILE_CONSTANTS
