@@ -7,8 +7,8 @@ fresh or continuing a cached context -- goes through one kernel, ``chunk_attenti
 softmax over key tiles at fixed absolute positions. One kernel and one arithmetic per row means
 a row's result depends only on its query, position and keys: not on the batch, nor on how its
 prompt was chunked, nor on whether it was a prompt row or a decode row. On SmolLM2's shapes it
-runs prefill attention 1.9-2.8x faster than SDPA's CPU flash kernel, and decode attention at
-0.83-0.99x (float32 cache: batches of 32-64) to 1.13-1.9x (bfloat16 cache) the speed of the row
+runs prefill attention 1.8-2.7x faster than SDPA's CPU flash kernel, and decode attention at
+0.87-1.02x (float32 cache, batches of 32-64) to 1.25-1.63x (bfloat16 cache) the speed of the row
 kernel it replaced for decode rows (``benchmarks/cpu_attention.py``).
 
 Other shapes take the earlier pair of paths: rows of chunks shorter than
