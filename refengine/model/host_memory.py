@@ -36,7 +36,7 @@ import math
 import mmap
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -50,25 +50,24 @@ TENSOR_ALIGNMENT = 4096  # each tensor starts on a page: block 0 of every region
 
 
 @functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
+def _libc() -> ctypes.CDLL | None:
+    """The C library on Linux (madvise, and mallopt where it is glibc); None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise.restype = ctypes.c_int
-    return libc.madvise
+    return libc
 
 
 @functools.cache
 def _glibc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux") or not hasattr(os, "confstr"):
-        return None
+    libc = _libc()
     try:
-        if not os.confstr("CS_GNU_LIBC_VERSION"):
+        if libc is None or not os.confstr("CS_GNU_LIBC_VERSION"):
             return None
     except (ValueError, OSError):  # not glibc (musl has no such name)
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     libc.mallopt.restype = ctypes.c_int
     return libc
@@ -89,10 +88,10 @@ def keep_freed_memory() -> bool:
 def advise_huge_pages(address: int, num_bytes: int) -> bool:
     """Ask for transparent huge pages on ``[address, address + num_bytes)`` (page-aligned
     ``address``); True when the kernel accepted the advice."""
-    madvise = _madvise()
-    if madvise is None or num_bytes <= 0:
+    libc = _libc()
+    if libc is None or num_bytes <= 0:
         return False
-    if madvise(address, num_bytes, MADV_HUGEPAGE) != 0:
+    if libc.madvise(address, num_bytes, MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
         return False
     return True

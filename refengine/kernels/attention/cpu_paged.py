@@ -71,7 +71,7 @@ class CpuPagedBackend(AttentionBackend):
         self._chunk_kernel_takes.restype = ctypes.c_int
         self._chunk_kernel_takes.argtypes = [ctypes.c_int, ctypes.c_int]
         self._meta: AttentionMetadata | None = None
-        self._sdpa_chunks: list[_SdpaChunk] | None = None
+        self._fallback: tuple[torch.Tensor, list[_SdpaChunk]] | None = None
 
     def kv_cache_shapes(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -82,13 +82,9 @@ class CpuPagedBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
-        self._sdpa_chunks = None  # planned on first use: only shapes the chunk kernel refuses need it
-        lengths = [meta.query_len(i) for i in range(meta.num_seqs)]
+        self._fallback = None  # planned on first use: only shapes the chunk kernel refuses need it
         # int32 copies the kernels read; kept alive on self until the next prepare().
         self._all_seq_ids = torch.arange(meta.num_seqs, dtype=torch.int32)
-        self._row_seq_ids = torch.tensor([i for i, n in enumerate(lengths) if n < SDPA_MIN_QUERY_TOKENS],
-                                         dtype=torch.int32)
-        self._sdpa_seq_ids = [i for i, n in enumerate(lengths) if n >= SDPA_MIN_QUERY_TOKENS]
         self._query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32)
         self._seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
         self._block_tables = meta.block_tables.to(torch.int32).contiguous()
@@ -116,8 +112,9 @@ class CpuPagedBackend(AttentionBackend):
         if self._chunk_kernel_takes(head_dim, meta.block_size):
             kernel, seq_ids = self._chunk_kernels[kv_dtype], self._all_seq_ids
         else:
-            kernel, seq_ids = self._row_kernels[kv_dtype], self._row_seq_ids
-            for chunk in self._sdpa_plan(meta):
+            seq_ids, sdpa_chunks = self._fallback_plan(meta)
+            kernel = self._row_kernels[kv_dtype]
+            for chunk in sdpa_chunks:
                 out[chunk.rows] = self._sdpa(chunk, q, k, v, k_cache, v_cache, scale)
         if len(seq_ids):
             status = kernel(out.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -128,17 +125,23 @@ class CpuPagedBackend(AttentionBackend):
                 raise MemoryError("paged attention: could not allocate scratch memory")
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
-    def _sdpa_plan(self, meta: AttentionMetadata) -> list[_SdpaChunk]:
-        """The long chunks as SDPA calls (for shapes the chunk kernel refuses), once per step."""
-        if self._sdpa_chunks is None:
-            self._sdpa_chunks = []
-            for i in self._sdpa_seq_ids:
+    def _fallback_plan(self, meta: AttentionMetadata) -> tuple[torch.Tensor, list[_SdpaChunk]]:
+        """For shapes the chunk kernel refuses, once per step: the sequences for the row kernel
+        (int32) and the long chunks as SDPA calls."""
+        if self._fallback is None:
+            row_seq_ids, sdpa_chunks = [], []
+            for i in range(meta.num_seqs):
+                query_len = meta.query_len(i)
+                if query_len < SDPA_MIN_QUERY_TOKENS:
+                    row_seq_ids.append(i)
+                    continue
                 rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
-                mask = context_mask(meta.seq_lens[i], meta.query_len(i), meta.block_size)
+                mask = context_mask(meta.seq_lens[i], query_len, meta.block_size)
                 # A fresh prompt (no mask) attends causally to its own new keys, read from the step.
                 block_ids = None if mask is None else meta.block_tables[i, : mask.shape[1] // meta.block_size]
-                self._sdpa_chunks.append(_SdpaChunk(rows, block_ids, mask))
-        return self._sdpa_chunks
+                sdpa_chunks.append(_SdpaChunk(rows, block_ids, mask))
+            self._fallback = (torch.tensor(row_seq_ids, dtype=torch.int32), sdpa_chunks)
+        return self._fallback
 
     @staticmethod
     def _sdpa(chunk: _SdpaChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -57,6 +57,21 @@ typedef struct {
     float scale;
 } Shape;
 
+/* Work items are numbered sequence after sequence; starts[i] is the first item of selected
+ * sequence i (starts[count] = the total). The i whose range holds `item`, by binary search. */
+static inline int owner_of(const int64_t *starts, int count, int64_t item)
+{
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (starts[mid] <= item)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at
  * every block boundary; the next block is requested while this one is used. */
 static inline void prefetch_range(const void *start, int64_t num_bytes)

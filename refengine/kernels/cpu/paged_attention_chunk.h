@@ -282,14 +282,7 @@ int KV_NAME(chunk_attention)(float *out, const float *q, const KV_T *k_cache, co
         for (int64_t item = 0; item < num_items; item++) {
             if (!scratch)
                 continue;
-            int lo = 0, hi = num_selected - 1;
-            while (lo < hi) {
-                const int mid = (lo + hi + 1) / 2;
-                if (item_starts[mid] <= item)
-                    lo = mid;
-                else
-                    hi = mid - 1;
-            }
+            const int lo = owner_of(item_starts, num_selected, item);
             KV_NAME(run_item)(item - item_starts[lo], (item_starts[lo + 1] - item_starts[lo]) / num_kv_heads,
                               seq_ids[lo], out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                               max_blocks, q_row_stride, &shape, scratch);

@@ -180,14 +180,7 @@ int KV_NAME(paged_attention)(float *out, const float *q, const KV_T *k_cache, co
         for (int64_t item = 0; item < num_rows; item++) {
             if (!scores)
                 continue;
-            int lo = 0, hi = num_selected - 1;
-            while (lo < hi) {
-                const int mid = (lo + hi + 1) / 2;
-                if (row_starts[mid] <= item)
-                    lo = mid;
-                else
-                    hi = mid - 1;
-            }
+            const int lo = owner_of(row_starts, num_selected, item);
             const int seq = seq_ids[lo];
             const int row_in_seq = (int)(item - row_starts[lo]);
             const int query_len = query_start_loc[seq + 1] - query_start_loc[seq];
