@@ -19,13 +19,15 @@ def kernel_paths(config: EngineConfig) -> tuple[str, str, str]:
     emulates bf16."""
     from refengine.kernels.attention import registry
     from refengine.kernels.cpu_features import bf16_path, native_bf16
+    from refengine.kernels.linear import bf16_gemm
 
     chosen, why = registry.choose_backend(config.attention_backend, DTYPES[config.dtype], config.device,
                                           config.kernels, DTYPES[config.kv_dtype])
     if config.kv_dtype != config.dtype:
         logger.info("KV cache in %s under %s weights (--kv-cache-dtype); attention computes in %s",
                     config.kv_dtype, config.dtype, config.dtype)
-    bf16 = bf16_path() if config.dtype == "bfloat16" and config.device == "cpu" else ""
+    on_cpu_bf16 = config.dtype == "bfloat16" and config.device == "cpu"
+    bf16 = bf16_path(bf16_gemm(config.kernels.native_cpu_kernels)) if on_cpu_bf16 else ""
     if bf16:
         (logger.info if native_bf16() else logger.warning)("--dtype bfloat16 on CPU: %s", bf16)
     return chosen, why, bf16

@@ -5,9 +5,10 @@ bf16 GEMMs run at about twice the fp32 rate (7x with AMX at large batches) and a
 cache halves the bytes a decode step reads. Without them bf16 is emulated and slower than
 fp32: ``bf16_path`` says so, and the engine warns at start-up.
 
-The bf16 path is batch-invariant (RULES G18), as float32 is: oneDNN's bf16 GEMM takes another
-kernel (another K-reduction rounding) for a single row than for two or more, so ``Linear`` runs
-a 1-row bf16 call as two rows (``kernels/linear.py``).
+The bf16 path is batch-invariant (RULES G18), as float32 is: the native bf16 GEMM sums each
+output in one fixed order (``kernels/native_gemm.py``); oneDNN's bf16 GEMM (with AMX, or
+``--no-native-kernels``) takes another kernel (another K-reduction rounding) for a single row
+than for two or more, so ``Linear`` runs a 1-row oneDNN bf16 call as two rows (``kernels/linear.py``).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ def native_bf16() -> bool:
     return any(flag in cpu_flags() for flag in BF16_FLAGS)
 
 
-def bf16_path() -> str:
-    """One line for start-up logs and ServerInfo: which bf16 path runs on this CPU, and why."""
+def bf16_path(gemm: str = "oneDNN") -> str:
+    """One line for start-up logs and ServerInfo: which bf16 path runs on this CPU, and why.
+    ``gemm`` names what runs the bf16 projections (``kernels.linear.bf16_gemm``)."""
     found = [flag for flag in BF16_FLAGS if flag in cpu_flags()]
     if found:
-        return f"native bf16 ({', '.join(found)}): oneDNN bf16 GEMMs on prepacked weights, bf16 KV in the native " \
+        return f"native bf16 ({', '.join(found)}): bf16 projections in {gemm}, bf16 KV in the native " \
                "attention kernel (fp32 accumulation)"
     return "no native bf16 on this CPU (no avx512_bf16 or amx_bf16): bf16 is emulated and slower than float32"

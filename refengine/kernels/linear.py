@@ -1,14 +1,19 @@
 """Dense projections, ``x @ weight.T + bias``, with the weight prepared once.
 
-On CPU in float32 (and in bfloat16 where the CPU has native bf16 dot products,
-``cpu_features.native_bf16``) the weight is reordered once into oneDNN's blocked layout and
-every call runs oneDNN's GEMM on it (``torch.ops.mkldnn._linear_pointwise``, the
+Three kinds, chosen per weight at load (``Linear.kind``):
+- ``native-bf16``: bf16 weights on a CPU with AVX512-BF16 and no AMX run in the project's own
+  GEMM (``kernels/native_gemm.py``, ``kernels/cpu/gemm_bf16.c``), faster than oneDNN's there;
+  needs ``KernelConfig.native_cpu_kernels`` and a shape of [16n, 2k].
+- ``onednn``: otherwise on CPU in float32 (and in bfloat16 where the CPU has native bf16 dot
+  products, ``cpu_features.native_bf16``) the weight is reordered once into oneDNN's blocked
+  layout and every call runs oneDNN's GEMM on it (``torch.ops.mkldnn._linear_pointwise``, the
 op torch's own compiler emits for frozen CPU linears). ``F.linear`` instead hands
 the row-major weight to the BLAS, which re-packs it on every call; on the skinny
 products of decode steps that packing costs about as much as the arithmetic. On
 the project's 2-core machine, all 120 SmolLM2 layer projections at 32 rows take
 42 ms this way against 74 ms with ``F.linear``, and 2.0 s against 2.3 s at 2,048
 rows (``benchmarks/README.md``).
+- ``torch``: ``F.linear`` on the weight as given (GPUs, other dtypes, ``--no-onednn``).
 
 Batch invariance (G18): a row's result must not depend on how many rows share the call.
 oneDNN's bf16 GEMM on prepacked weights computes each row the same way for every row count
@@ -20,7 +25,7 @@ keeps the first: the cost of a 1-row GEMM is its weight read, which stays the sa
 The packed op is private torch API, so it is used only after a one-time check on
 random data agrees with ``F.linear``; otherwise (other dtypes, GPUs, a torch without
 oneDNN, ``prepack=False`` from ``KernelConfig.onednn_linear`` / ``--no-onednn``) the
-projection is plain ``F.linear``.
+projection is plain ``F.linear``. The native GEMM passes a self-check of its own.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from refengine.kernels import native_gemm
 from refengine.kernels.cpu_features import native_bf16
 from refengine.kernels.forward_context import ForwardContext
 
@@ -59,21 +65,41 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
     return bool(torch.allclose(out.float(), expected, atol=TOLERANCE[dtype] * 10, rtol=TOLERANCE[dtype]))
 
 
+def bf16_gemm(native: bool = True) -> str:
+    """Which GEMM runs bf16 projections on this CPU, for start-up logs and ServerInfo;
+    ``native`` is ``KernelConfig.native_cpu_kernels``."""
+    reason = native_gemm.unavailable_reason(native)
+    return "the native AVX512-BF16 GEMM (kernels/cpu/gemm_bf16.c)" if not reason else f"oneDNN ({reason})"
+
+
 class Linear:
     """One projection. ``weight`` is ``[out_features, in_features]``; after packing only
     the packed copy is kept, so the model holds each weight once. ``prepack`` is
-    ``KernelConfig.onednn_linear``: False keeps the weight as given and uses ``F.linear``."""
+    ``KernelConfig.onednn_linear``: False keeps the weight as given and uses ``F.linear``
+    (unless the native bf16 GEMM takes it); ``native`` is ``KernelConfig.native_cpu_kernels``."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True,
+                 native: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = prepack and weight.device.type == "cpu" and onednn_available(weight.dtype)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+        on_cpu = weight.device.type == "cpu"
+        if (on_cpu and weight.dtype == torch.bfloat16 and native_gemm.supports_shape(*weight.shape)
+                and not native_gemm.unavailable_reason(native)):
+            self.kind = "native-bf16"
+            self.weight = native_gemm.PackedBf16Weight(weight, bias)
+        elif prepack and on_cpu and onednn_available(weight.dtype):
+            self.kind = "onednn"
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        else:
+            self.kind = "torch"
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """``x @ weight.T + bias``. ``ctx`` carries the step's per-token facts; a plain
         projection needs none of them (``LoraLinear`` reads ``ctx.lora``)."""
-        if self.packed:
+        if self.kind == "native-bf16":
+            return self.weight(x)
+        if self.kind == "onednn":
             if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1:  # see the module docstring
                 return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), self.weight, self.bias, "none", [], "")[:1]
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

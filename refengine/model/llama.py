@@ -32,12 +32,12 @@ class LlamaLayer:
         self.qkv_proj = Linear(
             torch.cat([weights[f"{attn}.{p}_proj.weight"] for p in "qkv"]),
             torch.cat([weights[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if config.attention_bias else None,
-            prepack=prepack,
+            prepack=prepack, native=native,
         )
-        self.o_proj = Linear(weights[f"{attn}.o_proj.weight"], prepack=prepack)
+        self.o_proj = Linear(weights[f"{attn}.o_proj.weight"], prepack=prepack, native=native)
         self.gate_up_proj = Linear(torch.cat([weights[f"{mlp}.gate_proj.weight"], weights[f"{mlp}.up_proj.weight"]]),
-                                   prepack=prepack)
-        self.down_proj = Linear(weights[f"{mlp}.down_proj.weight"], prepack=prepack)
+                                   prepack=prepack, native=native)
+        self.down_proj = Linear(weights[f"{mlp}.down_proj.weight"], prepack=prepack, native=native)
         if lora is not None:  # the four projections take adapter deltas (kernels/lora_linear.py)
             dtype, device = self.input_norm.dtype, str(self.input_norm.device)
             q_out, kv_out = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
@@ -76,7 +76,7 @@ class LlamaModel:
                        for i in range(config.num_hidden_layers)]
         self.norm = weights["model.norm.weight"]
         self.lm_head = Linear(self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"],
-                              prepack=kernels.onednn_linear)
+                              prepack=kernels.onednn_linear, native=kernels.native_cpu_kernels)
         self.rope = RotaryEmbedding(config, max_positions, self.embed_tokens.dtype, str(self.embed_tokens.device),
                                     self.ops)
 

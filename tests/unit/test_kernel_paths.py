@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from refengine.config import EngineConfig
+from refengine.config import EngineConfig, KernelConfig
 from refengine.engine.info import kernel_paths
 from refengine.kernels import cpu_features
 
@@ -27,6 +27,20 @@ def test_bf16_on_cpu_says_which_path_and_warns_without_native_bf16(flags, monkey
     assert bf16.startswith("native bf16 (amx_bf16)" if native else "no native bf16")
     record = next(r for r in caplog.records if "bfloat16 on CPU" in r.getMessage())
     assert record.levelno == (logging.INFO if native else logging.WARNING)
+    if native:
+        assert "projections in oneDNN (this CPU has AMX-BF16" in bf16
+
+
+def test_bf16_on_avx512_bf16_without_amx_names_the_native_gemm(monkeypatch) -> None:
+    from refengine.kernels import native_gemm
+
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    _, _, bf16 = kernel_paths(EngineConfig(dtype="bfloat16"))
+    reason = native_gemm.unavailable_reason()  # on a CPU without the instructions, the library says why
+    expected = "projections in the native AVX512-BF16 GEMM" if not reason else f"projections in oneDNN ({reason})"
+    assert bf16.startswith("native bf16 (avx512_bf16)") and expected in bf16
+    _, _, bf16 = kernel_paths(EngineConfig(dtype="bfloat16", kernels=KernelConfig(native_cpu_kernels=False)))
+    assert "projections in oneDNN (disabled by --no-native-kernels" in bf16
 
 
 def test_a_cache_the_native_kernel_cannot_read_takes_the_reference(caplog) -> None:

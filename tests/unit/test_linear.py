@@ -1,4 +1,5 @@
-"""Linear (kernels/linear.py): the oneDNN-packed projection against F.linear."""
+"""Linear (kernels/linear.py): the oneDNN-packed projection against F.linear (the native bf16
+GEMM has its own tests, test_native_gemm.py; bf16 tests here pass native=False to reach oneDNN)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_matches_f_linear(shape, rows) -> None:
 
 def test_packed_on_cpu_float32() -> None:
     weight, bias = _weights(*SHAPES[0])
-    assert Linear(weight, bias).packed == onednn_available()
+    assert (Linear(weight, bias).kind == "onednn") == onednn_available()
     if torch.backends.mkldnn.is_available():
         assert onednn_available(), "oneDNN is there but the packed op failed its self-check"
 
@@ -68,9 +69,9 @@ def test_bfloat16_packed_only_with_native_bf16(native: bool, monkeypatch: pytest
     monkeypatch.setattr(linear, "native_bf16", lambda: native)
     onednn_available.cache_clear()
     weight, bias = _weights(*SHAPES[1], dtype=torch.bfloat16)
-    layer = Linear(weight, bias)
+    layer = Linear(weight, bias, native=False)
     onednn_available.cache_clear()
-    assert layer.packed == (native and torch.backends.mkldnn.is_available())
+    assert (layer.kind == "onednn") == (native and torch.backends.mkldnn.is_available())
     assert (layer.out_features, layer.in_features) == SHAPES[1]
     x = torch.randn(7, SHAPES[1][1]).to(torch.bfloat16)
     out = layer(x)
@@ -84,7 +85,7 @@ def test_prepack_false_keeps_f_linear() -> None:
     """KernelConfig.onednn_linear = False (--no-onednn) reaches Linear as prepack=False."""
     weight, bias = _weights(*SHAPES[0])
     layer = Linear(weight, bias, prepack=False)
-    assert not layer.packed
+    assert layer.kind == "torch"
     assert layer.weight is weight  # kept as given
     x = torch.randn(7, SHAPES[0][1])
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-4, rtol=0)
@@ -96,7 +97,7 @@ def test_onednn_switch_is_not_read_from_the_environment(monkeypatch) -> None:
     onednn_available.cache_clear()
     try:
         weight, bias = _weights(*SHAPES[0])
-        assert Linear(weight, bias).packed == onednn_available() == torch.backends.mkldnn.is_available()
+        assert (Linear(weight, bias).kind == "onednn") == onednn_available() == torch.backends.mkldnn.is_available()
     finally:
         onednn_available.cache_clear()
 
@@ -121,8 +122,8 @@ def test_bfloat16_rows_do_not_depend_on_the_row_count(shape) -> None:
     """G18 in bf16: each row alone equals the same row in a batch of 2, 5 or 64, bit for bit
     (oneDNN's 1-row kernel rounds its K reduction differently at 576x1536; see linear.py)."""
     generator = torch.Generator().manual_seed(1)
-    layer = Linear(torch.randn(*shape, generator=generator).bfloat16())
-    assert layer.packed
+    layer = Linear(torch.randn(*shape, generator=generator).bfloat16(), native=False)
+    assert layer.kind == "onednn"
     x = torch.randn(64, shape[1], generator=generator).bfloat16()
     batch = layer(x)
     for rows in (2, 5):

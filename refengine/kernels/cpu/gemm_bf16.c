@@ -1,0 +1,140 @@
+/* bf16 projections on AVX512-BF16: C[m, n] = A[m, k] @ W[n, k]^T (+ bias), fp32 accumulation.
+ *
+ * Why our own GEMM: on a CPU with AVX512-BF16 and no AMX, oneDNN's bf16 GEMM on prepacked
+ * weights ran SmolLM2's projections at 570-750 GFLOP/s on the project's 2-core machine, and
+ * this kernel at 700-930 GFLOP/s, at every row count from 1 to 2,048 (benchmarks/README.md).
+ * Where the CPU has AMX, oneDNN's AMX kernels are several times faster and are used instead
+ * (kernels/linear.py decides).
+ *
+ * Layout. The weight is packed once into panels of 16 output columns (one zmm of fp32 sums);
+ * inside a panel, for each pair of k, the 16 columns' two weights sit side by side:
+ *   packed[panel][k / 2][column][k % 2]
+ * which is the operand order of vdpbf16ps (acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1]).
+ * A row of A contributes one 32-bit broadcast (its two bf16 at k, k + 1) per pair.
+ *
+ * Micro-kernel: ROWS_PER_TILE rows x PANELS_PER_TILE panels (4 x 96 columns), 24 accumulators
+ * in registers; per k pair, 6 weight loads and 4 broadcasts feed 24 vdpbf16ps. The weight
+ * tile (96 columns x k) stays in L1/L2 while all row tiles of A pass over it, so each weight
+ * is read from memory once per call; threads split the column tiles.
+ *
+ * Invariant (RULES G18, batch invariance): an output element is the sum over k pairs in
+ * increasing order, in one fp32 register, plus the bias, rounded once to bf16 (ties to even).
+ * That order depends on nothing but k, so a row's result is the same bit for bit whatever
+ * rows share the call and whatever thread computes it.
+ *
+ * Requires k even and n a multiple of 16 (kernels/linear.py checks; other shapes use oneDNN).
+ * Built with -march=native: on a CPU without AVX512-BF16 only gemm_bf16_supported() exists.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+#define ROWS_PER_TILE 4
+#define PANELS_PER_TILE 6
+
+int gemm_bf16_supported(void)
+{
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+
+/* w: [n, k] row-major bf16 bits; packed: n * k elements. */
+void gemm_bf16_pack(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k)
+{
+    const int64_t pairs = k / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t panel = 0; panel < n / LANES; ++panel)
+        for (int64_t pair = 0; pair < pairs; ++pair)
+            for (int column = 0; column < LANES; ++column) {
+                const uint16_t *src = w + (panel * LANES + column) * k + 2 * pair;
+                uint16_t *dst = packed + ((panel * pairs + pair) * LANES + column) * 2;
+                dst[0] = src[0];
+                dst[1] = src[1];
+            }
+}
+
+/* One tile: `rows` rows of A x `panels` panels; both are constants after inlining, so the
+ * loops unroll and the accumulators live in registers. */
+static inline __attribute__((always_inline)) void
+tile(const int rows, const int panels, const uint16_t *restrict a, int64_t lda, const uint16_t *restrict b,
+     int64_t panel_stride, int64_t pairs, const float *restrict bias, uint16_t *restrict c, int64_t ldc)
+{
+    __m512 acc[ROWS_PER_TILE][PANELS_PER_TILE];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; ++r)
+#pragma GCC unroll 6
+        for (int p = 0; p < panels; ++p)
+            acc[r][p] = _mm512_setzero_ps();
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+        __m512bh weights[PANELS_PER_TILE];
+#pragma GCC unroll 6
+        for (int p = 0; p < panels; ++p)
+            weights[p] = (__m512bh)_mm512_loadu_si512(b + p * panel_stride + pair * 2 * LANES);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; ++r) {
+            int32_t two;
+            memcpy(&two, a + r * lda + 2 * pair, sizeof two);
+            const __m512bh broadcast = (__m512bh)_mm512_set1_epi32(two);
+#pragma GCC unroll 6
+            for (int p = 0; p < panels; ++p)
+                acc[r][p] = _mm512_dpbf16_ps(acc[r][p], broadcast, weights[p]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; ++r)
+#pragma GCC unroll 6
+        for (int p = 0; p < panels; ++p) {
+            const __m512 sum = bias ? _mm512_add_ps(acc[r][p], _mm512_loadu_ps(bias + p * LANES)) : acc[r][p];
+            _mm256_storeu_si256((__m256i *)(c + r * ldc + p * LANES), (__m256i)_mm512_cvtneps_pbh(sum));
+        }
+}
+
+#define TILE(R, P) tile((R), (P), a, lda, b, panel_stride, pairs, bias, c, ldc)
+#define BY_ROWS(P)                  \
+    switch (rows) {                 \
+    case 1: TILE(1, P); break;      \
+    case 2: TILE(2, P); break;      \
+    case 3: TILE(3, P); break;      \
+    default: TILE(4, P); break;     \
+    }
+
+/* Every (rows, panels) shape a call can end with, each its own unrolled copy of the tile. */
+static void tile_any(int rows, int panels, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t panel_stride,
+                     int64_t pairs, const float *bias, uint16_t *c, int64_t ldc)
+{
+    switch (panels) {
+    case 1: BY_ROWS(1); break;
+    case 2: BY_ROWS(2); break;
+    case 3: BY_ROWS(3); break;
+    case 4: BY_ROWS(4); break;
+    case 5: BY_ROWS(5); break;
+    default: BY_ROWS(6); break;
+    }
+}
+
+/* a: [m, k] bf16 rows of stride k; packed: from gemm_bf16_pack; bias: n fp32 or NULL; c: [m, n] bf16. */
+void gemm_bf16(const uint16_t *a, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
+               uint16_t *c)
+{
+    const int64_t pairs = k / 2, num_panels = n / LANES, panel_stride = pairs * 2 * LANES;
+    const int64_t num_tiles = (num_panels + PANELS_PER_TILE - 1) / PANELS_PER_TILE;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+        const int64_t first_panel = t * PANELS_PER_TILE, left = num_panels - first_panel;
+        const int panels = (int)(left < PANELS_PER_TILE ? left : PANELS_PER_TILE);
+        const float *tile_bias = bias ? bias + first_panel * LANES : NULL;
+        for (int64_t row = 0; row < m; row += ROWS_PER_TILE) {
+            const int rows = (int)(m - row < ROWS_PER_TILE ? m - row : ROWS_PER_TILE);
+            tile_any(rows, panels, a + row * k, k, packed + first_panel * panel_stride, panel_stride, pairs,
+                     tile_bias, c + row * n + first_panel * LANES, n);
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,93 @@
+"""bf16 projections in the native AVX512-BF16 GEMM (``kernels/cpu/gemm_bf16.c``).
+
+``Linear`` takes this path for bf16 weights on a CPU that has AVX512-BF16 and no AMX; there it
+ran SmolLM2's projections 1.15-1.4x faster than oneDNN's bf16 GEMM at 1 to 2,048 rows
+(``benchmarks/README.md``). With AMX, oneDNN's AMX kernels are several times faster, so
+``unavailable_reason`` sends those CPUs to oneDNN. Each output element sums its k pairs in one
+fixed order, so a row's result does not depend on the other rows of the call (RULES G18), and
+no 1-row special case is needed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from refengine.kernels import cpu, cpu_features
+
+LANES = 16  # output columns per packed panel; n must be a multiple
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    loaded = cpu.load("gemm_bf16")
+    if loaded.library is None:
+        return None, loaded.reason
+    library = loaded.library
+    if not library.gemm_bf16_supported():
+        return None, "gemm_bf16.c was built without AVX512-BF16 (the compiler's -march=native lacks it)"
+    library.gemm_bf16_pack.argtypes = [_POINTER, _POINTER, _SIZE, _SIZE]
+    library.gemm_bf16_pack.restype = None
+    library.gemm_bf16.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _POINTER, _POINTER]
+    library.gemm_bf16.restype = None
+    return library, ""
+
+
+def unavailable_reason(enabled: bool = True) -> str:
+    """"" when bf16 projections run in the native GEMM; else why they do not. ``enabled`` is
+    ``KernelConfig.native_cpu_kernels``."""
+    flags = cpu_features.cpu_flags()
+    if not enabled:
+        return cpu.DISABLED.reason
+    if "amx_bf16" in flags:
+        return "this CPU has AMX-BF16, where oneDNN's AMX kernels are faster"
+    if "avx512_bf16" not in flags:
+        return "this CPU has no avx512_bf16"
+    return _library()[1] or _self_check()
+
+
+@functools.cache
+def _self_check() -> str:
+    """Once per process: the kernel on random data agrees with ``F.linear`` in float32."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(7 * LANES, 40, generator=generator).bfloat16()
+    bias = torch.randn(7 * LANES, generator=generator).bfloat16()
+    x = torch.randn(5, 40, generator=generator).bfloat16()
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    if not torch.allclose(PackedBf16Weight(weight, bias)(x).float(), expected, atol=0.1, rtol=2e-2):
+        return "gemm_bf16.c disagreed with F.linear on its self-check"
+    return ""
+
+
+def supports_shape(out_features: int, in_features: int) -> bool:
+    return out_features % LANES == 0 and in_features % 2 == 0 and in_features > 0
+
+
+class PackedBf16Weight:
+    """A ``[out_features, in_features]`` bf16 weight packed for ``gemm_bf16``, and its bias in
+    float32 (added before the one rounding to bf16). Callable: ``x @ weight.T + bias``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        library, reason = _library()
+        if library is None:
+            raise RuntimeError(reason)
+        self.out_features, self.in_features = weight.shape
+        if not supports_shape(self.out_features, self.in_features) or weight.dtype != torch.bfloat16:
+            raise ValueError(f"gemm_bf16 takes bf16 weights of [16n, 2k], not {weight.dtype} {tuple(weight.shape)}")
+        weight = weight.contiguous()
+        self.packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        library.gemm_bf16_pack(weight.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self._gemm = library.gemm_bf16
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
+        if rows.shape[0]:
+            self._gemm(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(), self.out_features,
+                       None if self.bias is None else self.bias.data_ptr(), out.data_ptr())
+        return out.reshape(*x.shape[:-1], self.out_features)
