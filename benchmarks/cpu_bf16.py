@@ -1,13 +1,14 @@
 """The CPU bf16 path against float32, each next to its roofline measured in the same run.
 
 SmolLM2-135M-Instruct on this CPU, ``--threads`` torch threads (default 2). Two engines (float32,
-bfloat16: bf16 weights on oneDNN's prepacked GEMMs and a bf16 KV cache read by the native
-attention kernel), the same mixed workload as ``throughput.py`` (64 requests, prompts 32–512,
-outputs 16–256, EOS ignored, greedy).
+bfloat16: bf16 weights in the native AVX512-BF16 GEMM, or oneDNN's where the CPU has AMX, and a
+bf16 KV cache read by the native attention kernel), the same mixed workload as ``throughput.py``
+(64 requests, prompts 32–512, outputs 16–256, EOS ignored, greedy).
 
 - **Throughput**: output tok/s per dtype, and the ratio bf16 / fp32 (target ≥ 1.6 on a CPU
-  with native bf16). The **roof**: the workload's matmul FLOPs (2 × the projection parameters
-  × every token position computed: prompts once, each output token once) ÷ the prepacked GEMM
+  with native bf16). The **roof**: the workload's matmul FLOPs (2 × the layers' projection
+  parameters × every token position computed, prompts once and each output token once, plus
+  2 × the LM head's parameters × the rows whose logits were computed) ÷ the prepacked GEMM
   rate of that dtype measured here at the workload's typical step shape (2048 × 576 × 1536),
   and a memory roof: every step reads the weights once and each sequence's KV (counted over the
   run's steps) at the read bandwidth measured here. The run cannot beat the larger of the two;
@@ -39,7 +40,7 @@ from refengine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa:
 from refengine.engine.engine import Engine  # noqa: E402
 from refengine.engine.input_builder import build_model_input  # noqa: E402
 from refengine.kernels.cpu_features import bf16_path  # noqa: E402
-from refengine.kernels.linear import Linear  # noqa: E402
+from refengine.kernels.linear import Linear, bf16_gemm  # noqa: E402
 from refengine.model.loader import (  # noqa: E402
     load_model_config,
     load_tokenizer,
@@ -89,25 +90,28 @@ def engine(parts, dtype: str, num_blocks: int = 4096, max_num_seqs: int = 64) ->
                   config, cast, tokenizer, model_fingerprint=fingerprint)
 
 
-def throughput(parts, dtype: str, workload) -> tuple[float, int, int, int]:
-    """(seconds, output tokens, steps, KV positions read over all steps) of the workload."""
+def throughput(parts, dtype: str, workload) -> tuple[float, int, int, int, int]:
+    """(seconds, output tokens, steps, KV positions read over all steps, rows given logits) of
+    the workload."""
     eng = engine(parts, dtype)
     requests = [GenerationRequest(f"r{i}", prompt_token_ids=ids, sampling=SamplingParams(temperature=0.0),
                                   stopping=StoppingParams(max_tokens=n, ignore_eos=True))
                 for i, (ids, n) in enumerate(workload)]
     eng.run_until_done(requests[:2])  # warm-up (kernels built, weights touched)
-    counts = [0, 0]
+    counts = [0, 0, 0]
     execute = eng.core.runner.execute
 
     def counted(model_input, **options):  # noqa: ANN001, ANN003, ANN202
         counts[0] += 1
         counts[1] += sum(model_input.seq_lens)
+        counts[2] += model_input.logit_row_indices.numel()
         return execute(model_input, **options)
 
     eng.core.runner.execute = counted
     started = time.perf_counter()
     results = eng.run_until_done(requests)
-    return time.perf_counter() - started, sum(len(r.outputs[0].tokens) for r in results), counts[0], counts[1]
+    return (time.perf_counter() - started, sum(len(r.outputs[0].tokens) for r in results), counts[0], counts[1],
+            counts[2])
 
 
 def decode_step(parts, dtype: str, batch: int, context: int, repeats: int = 5) -> float:
@@ -134,9 +138,10 @@ def main() -> int:
     path = resolve_model("smollm2-135m-instruct").path
     config = load_model_config(path)
     parts = (config, load_weights(path), load_tokenizer(path), model_fingerprint(path))
-    print(f"bf16 path: {bf16_path()}")
-    params = sum(w.numel() for name, w in parts[1].items() if name.endswith("proj.weight"))
-    params += config.vocab_size * config.hidden_size  # the LM head (tied to the embeddings)
+    print(f"bf16 path: {bf16_path(bf16_gemm())}")
+    layer_params = sum(w.numel() for name, w in parts[1].items() if name.endswith("proj.weight"))
+    head_params = config.vocab_size * config.hidden_size  # the LM head (tied to the embeddings)
+    params = layer_params + head_params
     workload = make_workload(8 if args.quick else 64, 0, config.vocab_size, 128 if args.quick else 512,
                              32 if args.quick else 256)
     positions = sum(len(ids) + n for ids, n in workload)
@@ -145,8 +150,8 @@ def main() -> int:
     rows = {}
     for dtype in DTYPES:
         rate, size = gemm_rate(DTYPES[dtype]), DTYPES[dtype].itemsize
-        seconds, tokens, steps, kv_positions = throughput(parts, dtype, workload)
-        compute = 2 * params * positions / rate
+        seconds, tokens, steps, kv_positions, logit_rows = throughput(parts, dtype, workload)
+        compute = 2 * (layer_params * positions + head_params * logit_rows) / rate
         memory = (steps * params + kv_positions * kv_per_token) * size / bandwidth
         rows[dtype] = (tokens / seconds, rate, compute, memory, max(compute, memory) / seconds)
         print(f"{dtype}: {tokens / seconds:.1f} tok/s in {seconds:.1f} s, {steps} steps", flush=True)

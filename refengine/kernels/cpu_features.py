@@ -36,7 +36,7 @@ def native_bf16() -> bool:
     return any(flag in cpu_flags() for flag in BF16_FLAGS)
 
 
-def bf16_path(gemm: str = "oneDNN") -> str:
+def bf16_path(gemm: str) -> str:
     """One line for start-up logs and ServerInfo: which bf16 path runs on this CPU, and why.
     ``gemm`` names what runs the bf16 projections (``kernels.linear.bf16_gemm``)."""
     found = [flag for flag in BF16_FLAGS if flag in cpu_flags()]

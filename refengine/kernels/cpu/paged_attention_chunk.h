@@ -77,14 +77,19 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_scores)(
                            position % block_size;
         if (position % block_size == 0)
             KV_NAME(prefetch_blocks)(k_cache, v_cache, block_table, position, end, kv_head, s);
-        vec16 acc[TILE] = {{0}};
-        for (int d = 0; d < head_dim; d++) {
-            const vec16 key = KV_LOAD16(keys + (int64_t)d * block_size);
-            for (int v = 0; v < width; v++)
-                acc[v] += queries_t[d * width + v] * key;
+        /* Even and odd dimensions in separate sums: two independent chains per vector keep the
+         * FMA units busy even at width 1-4 (one chain per vector waits on the FMA latency). */
+        vec16 even[TILE] = {{0}}, odd[TILE] = {{0}};
+        for (int d = 0; d < head_dim; d += 2) {
+            const vec16 key_even = KV_LOAD16(keys + (int64_t)d * block_size);
+            const vec16 key_odd = KV_LOAD16(keys + (int64_t)(d + 1) * block_size);
+            for (int v = 0; v < width; v++) {
+                even[v] += queries_t[d * width + v] * key_even;
+                odd[v] += queries_t[(d + 1) * width + v] * key_odd;
+            }
         }
         for (int v = 0; v < width; v++)
-            store16(scores + v * KEY_TILE + offset, acc[v] * s->scale);
+            store16(scores + v * KEY_TILE + offset, (even[v] + odd[v]) * s->scale);
     }
 }
 
@@ -127,7 +132,7 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_values_part)(
 {
     const int head_dim = s->head_dim, block_size = s->block_size;
     const int64_t token_stride = (int64_t)s->num_kv_heads * head_dim;
-    vec16 out[TILE][2];
+    vec16 out[TILE][4];
     for (int v = 0; v < width; v++)
         for (int c = 0; c < chunks; c++)
             out[v][c] = load16(acc + v * head_dim + lo + 16 * c);
@@ -137,7 +142,7 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_values_part)(
                              (int64_t)kv_head * head_dim + lo;
         const int count = num_keys - offset < block_size ? num_keys - offset : block_size;
         for (int j = 0; j < count; j++) {
-            vec16 value[2];
+            vec16 value[4];
             for (int c = 0; c < chunks; c++)
                 value[c] = KV_LOAD16(values + j * token_stride + 16 * c);
             for (int v = 0; v < width; v++)
@@ -150,22 +155,27 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_values_part)(
             store16(acc + v * head_dim + lo + 16 * c, out[v][c]);
 }
 
-/* The whole head_dim, 32 dimensions (two registers per vector) at a time. */
+/* The whole head_dim, 64 dimensions (four registers per vector) at a time for tiles of up to 4
+ * vectors, else 32 (two registers): each lane sums its own dimension, so the pass width does not
+ * change any result. */
 static inline __attribute__((always_inline)) void KV_NAME(tile_values)(
     float *acc, const float *weights, const KV_T *v_cache, const int32_t *block_table, int start, int num_keys,
     int kv_head, const Shape *s, const int width)
 {
     int lo = 0;
+    if (width <= 4) /* room for 64 dimensions per pass: more independent sums, fewer passes */
+        for (; lo + 64 <= s->head_dim; lo += 64)
+            KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 4);
     for (; lo + 32 <= s->head_dim; lo += 32)
         KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 2);
     if (lo < s->head_dim)
         KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 1);
 }
 
-/* One work item: width (1, 2, 4 or 8) (row, head) vectors of one sequence and KV head. queries[v]
+/* One work item: width (1, 2, 3, 4 or 8) (row, head) vectors of one sequence and KV head. queries[v]
  * and outputs[v] are padded with copies of vector 0 (position -1: computed, never stored). Each
  * vector's arithmetic is the same for every width: the width only sets how many run side by side
- * (a decode row of a group of 3 takes width 4, not 8). */
+ * (a decode row of a GQA group of 3 takes width 3, not 8). */
 static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
     float *const *outputs, const float *const *queries, VectorState *states, const KV_T *k_cache,
     const KV_T *v_cache, const int32_t *block_table, int kv_head, const Shape *s, float *scores, float *acc,
@@ -203,7 +213,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
     }
 }
 
-/* attend_tile with width the smallest of 1, 2, 4, 8 that holds num_vectors. */
+/* attend_tile with width the smallest of 1, 2, 3, 4, 8 that holds num_vectors. */
 static void KV_NAME(attend_tile_any)(float *const *outputs, const float *const *queries, VectorState *states,
                                      const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_table,
                                      int kv_head, const Shape *s, float *scores, float *acc, int num_vectors)
@@ -212,7 +222,9 @@ static void KV_NAME(attend_tile_any)(float *const *outputs, const float *const *
         KV_NAME(attend_tile)(outputs, queries, states, k_cache, v_cache, block_table, kv_head, s, scores, acc, 1);
     else if (num_vectors == 2)
         KV_NAME(attend_tile)(outputs, queries, states, k_cache, v_cache, block_table, kv_head, s, scores, acc, 2);
-    else if (num_vectors <= 4)
+    else if (num_vectors == 3)
+        KV_NAME(attend_tile)(outputs, queries, states, k_cache, v_cache, block_table, kv_head, s, scores, acc, 3);
+    else if (num_vectors == 4)
         KV_NAME(attend_tile)(outputs, queries, states, k_cache, v_cache, block_table, kv_head, s, scores, acc, 4);
     else
         KV_NAME(attend_tile)(outputs, queries, states, k_cache, v_cache, block_table, kv_head, s, scores, acc, TILE);
