@@ -1,8 +1,8 @@
 """bf16 projections in the native AVX512-BF16 GEMM (``kernels/cpu/gemm_bf16.c``).
 
 ``Linear`` takes this path for bf16 weights on a CPU that has AVX512-BF16 and no AMX; there it
-ran SmolLM2's projections 1.15-1.4x faster than oneDNN's bf16 GEMM at 1 to 2,048 rows
-(``benchmarks/README.md``). With AMX, oneDNN's AMX kernels are several times faster, so
+ran SmolLM2's projections 1.06-1.6x as fast as oneDNN's bf16 GEMM at 1 to 2,048 rows
+(``benchmarks/cpu_gemm.py``, ``benchmarks/README.md``). With AMX, oneDNN's AMX kernels are several times faster, so
 ``unavailable_reason`` sends those CPUs to oneDNN. Each output element sums its k pairs in one
 fixed order, so a row's result does not depend on the other rows of the call (RULES G18), and
 no 1-row special case is needed.

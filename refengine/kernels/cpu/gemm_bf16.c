@@ -1,8 +1,8 @@
 /* bf16 projections on AVX512-BF16: C[m, n] = A[m, k] @ W[n, k]^T (+ bias), fp32 accumulation.
  *
- * Why our own GEMM: on a CPU with AVX512-BF16 and no AMX, oneDNN's bf16 GEMM on prepacked
- * weights ran SmolLM2's projections at 570-750 GFLOP/s on the project's 2-core machine, and
- * this kernel at 700-930 GFLOP/s, at every row count from 1 to 2,048 (benchmarks/README.md).
+ * Why our own GEMM: on a CPU with AVX512-BF16 and no AMX, this kernel ran SmolLM2's 121
+ * projections 1.06-1.6x as fast as oneDNN's bf16 GEMM on prepacked weights, at every row count
+ * from 1 to 2,048, on the project's 2-core machine (benchmarks/cpu_gemm.py, benchmarks/README.md).
  * Where the CPU has AMX, oneDNN's AMX kernels are several times faster and are used instead
  * (kernels/linear.py decides).
  *
