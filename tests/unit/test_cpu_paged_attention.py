@@ -26,7 +26,7 @@ from refengine.kernels.attention.cpu_paged import (
     CpuPagedBackend,
     native_kernel_unavailable_reason,
 )
-from refengine.kernels.cpu_features import native_bf16
+from refengine.kernels.cpu_features import cpu_flags, native_bf16
 
 _REASON = native_kernel_unavailable_reason()
 pytestmark = pytest.mark.skipif(bool(_REASON), reason=f"native CPU attention kernel unavailable: {_REASON}")
@@ -230,19 +230,54 @@ def test_matches_dense_oracle_and_reference(batch, group, head_dim, block_size) 
         torch.testing.assert_close(a, b, atol=TOLERANCE, rtol=0)
 
 
+def backend_for(dot_scores: bool) -> CpuPagedBackend:
+    """The backend; ``dot_scores`` False: bf16 queries are widened to float32 and scored with
+    float32 multiply-adds, as on a library built without AVX512-BF16."""
+    backend = CpuPagedBackend()
+    if dot_scores and backend._bf16_query_kernel is None:  # noqa: SLF001 - the test's switch
+        pytest.skip("the attention library was built without AVX512-BF16 (no vdpbf16ps scores)")
+    if not dot_scores:
+        backend._bf16_query_kernel = None  # noqa: SLF001
+    return backend
+
+
 @pytest.mark.skipif(not native_bf16(), reason="this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
+@pytest.mark.parametrize("dot_scores", [True, False], ids=["vdpbf16ps", "float32-fma"])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
 @pytest.mark.parametrize("block_size", [16, 32, 8])
-def test_bfloat16_cache_matches_the_oracle(head_dim, block_size) -> None:
+def test_bfloat16_cache_matches_the_oracle(head_dim, block_size, dot_scores) -> None:
     """bf16 keys and values read by the kernel with float32 accumulation: within bf16's rounding
-    of the inputs (and the output) of the float64 oracle, and of the torch reference in bf16."""
+    of the inputs (and the output) of the float64 oracle, and of the torch reference in bf16.
+    Both ways of scoring bf16 queries: vdpbf16ps pairs, and float32 multiply-adds."""
     seqs = make_seqs(MIXED, NUM_KV_HEADS * 3, head_dim, seed=head_dim + block_size)
-    native = run_steps(CpuPagedBackend(), seqs, block_size, seed=block_size, dtype=torch.bfloat16)
+    native = run_steps(backend_for(dot_scores), seqs, block_size, seed=block_size, dtype=torch.bfloat16)
     assert all(out.dtype == torch.bfloat16 for out in native.new_out)
     assert max_error_vs_oracle(seqs, native) <= 0.05
     reference = run_steps(TorchReferenceBackend(), seqs, block_size, seed=block_size, dtype=torch.bfloat16)
     for a, b in zip(native.new_out, reference.new_out, strict=True):
         torch.testing.assert_close(a.float(), b.float(), atol=0.04, rtol=0)
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="this CPU has no avx512_bf16")
+def test_bf16_queries_on_a_bf16_cache_take_the_vdpbf16ps_kernel() -> None:
+    """On an AVX512-BF16 CPU the library is built with the vdpbf16ps scores, and the backend
+    sends bf16 queries on a bf16 cache there (as bf16: the kernel reads q's own bits); float32
+    queries on a bf16 cache are not exact bf16 and keep the float32 kernel."""
+    backend = CpuPagedBackend()
+    assert backend._bf16_query_kernel is not None  # noqa: SLF001
+    calls = []
+    kernel = backend._bf16_query_kernel  # noqa: SLF001
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        calls.append(args)
+        return kernel(*args)
+
+    backend._bf16_query_kernel = counted  # noqa: SLF001
+    seqs = make_seqs([(20, 1), (0, 9)], NUM_KV_HEADS * 3, 64, seed=4)
+    run_steps(backend, seqs, 16, seed=2, dtype=torch.bfloat16)
+    assert len(calls) == 2  # the context step and the step under test
+    run_steps(backend, seqs, 16, seed=2, dtype=torch.float32, kv_dtype=torch.bfloat16)
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("block_size", [16, 8])
@@ -275,13 +310,15 @@ def test_single_block_context_and_one_token_sequences() -> None:
 # ----------------------------------------------------------------------------- batch invariance
 
 
-@pytest.mark.parametrize("head_dim", [64, 40])
-def test_batch_invariance(head_dim) -> None:
+@pytest.mark.parametrize(("head_dim", "dtype"), [(64, torch.float32), (40, torch.float32), (64, torch.bfloat16)])
+def test_batch_invariance(head_dim, dtype) -> None:
     """A sequence's output rows are bitwise the same alone or amid others, wherever its blocks lie."""
+    if dtype == torch.bfloat16 and not native_bf16():
+        pytest.skip("this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
     seqs = make_seqs(MIXED, NUM_KV_HEADS * 3, head_dim, seed=11)
-    batched = run_steps(CpuPagedBackend(), seqs, 16, seed=1)
+    batched = run_steps(CpuPagedBackend(), seqs, 16, seed=1, dtype=dtype)
     for i, s in enumerate(seqs):
-        alone = run_steps(CpuPagedBackend(), [s], 16, seed=100 + i, spare_blocks=5)
+        alone = run_steps(CpuPagedBackend(), [s], 16, seed=100 + i, spare_blocks=5, dtype=dtype)
         assert torch.equal(alone.new_out[0], batched.new_out[i]), f"sequence {i} {(s.context, s.new)}"
         if s.context:
             assert torch.equal(alone.context_out[0], batched.context_out[i]), f"context of sequence {i}"
@@ -306,17 +343,20 @@ def test_chunk_kernel_rows_do_not_depend_on_the_chunking(group, dtype) -> None:
         assert torch.equal(two_steps.new_out[0], one_chunk[cut:]), f"second chunk, cut at {cut}"
 
 
-def test_thread_count_invariance() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thread_count_invariance(dtype) -> None:
     """Work is split by query row (row kernel) or tile of query vectors (chunk kernel), each
     computed whole by one thread, so the thread count cannot change any row's arithmetic."""
+    if dtype == torch.bfloat16 and not native_bf16():
+        pytest.skip("this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
     seqs = make_seqs(MIXED, NUM_KV_HEADS * 4, 128, seed=12)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = run_steps(CpuPagedBackend(), seqs, 16, seed=3)
+        single = run_steps(CpuPagedBackend(), seqs, 16, seed=3, dtype=dtype)
     finally:
         torch.set_num_threads(threads)
-    multi = run_steps(CpuPagedBackend(), seqs, 16, seed=3)
+    multi = run_steps(CpuPagedBackend(), seqs, 16, seed=3, dtype=dtype)
     for i, (a, b) in enumerate(zip(single.new_out, multi.new_out, strict=True)):
         assert torch.equal(a, b), f"sequence {i} {MIXED[i]}"
 

@@ -67,6 +67,13 @@ class CpuPagedBackend(AttentionBackend):
         for store in self._stores.values():
             store.restype = None
             store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2
+        # bf16 queries on a bf16 cache: scored with vdpbf16ps where the library was built with it.
+        library.chunk_attention_bf16q_available.restype = ctypes.c_int
+        self._bf16_query_kernel = (library.chunk_attention_bf16q if library.chunk_attention_bf16q_available()
+                                   else None)
+        if self._bf16_query_kernel is not None:
+            self._bf16_query_kernel.restype = ctypes.c_int
+            self._bf16_query_kernel.argtypes = self._chunk_kernels[torch.bfloat16].argtypes
         self._chunk_kernel_takes = library.chunk_attention_supported
         self._chunk_kernel_takes.restype = ctypes.c_int
         self._chunk_kernel_takes.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -108,19 +115,21 @@ class CpuPagedBackend(AttentionBackend):
         # The kernels' queries and outputs are float32 whatever the cache holds: a bf16 step
         # collects every row in float32 (SDPA rows round-trip exactly) and rounds once at the end.
         out = torch.empty(q.shape, dtype=torch.float32)
-        q32 = q if q.dtype == torch.float32 else q.float()
+        kernel_q = q if q.dtype == torch.float32 else q.float()
         if self._chunk_kernel_takes(head_dim, meta.block_size):
             kernel, seq_ids = self._chunk_kernels[kv_dtype], self._all_seq_ids
+            if q.dtype == kv_dtype == torch.bfloat16 and self._bf16_query_kernel is not None:
+                kernel, kernel_q = self._bf16_query_kernel, q  # exact bf16 queries: no float32 copy
         else:
             seq_ids, sdpa_chunks = self._fallback_plan(meta)
             kernel = self._row_kernels[kv_dtype]
             for chunk in sdpa_chunks:
                 out[chunk.rows] = self._sdpa(chunk, q, k, v, k_cache, v_cache, scale)
         if len(seq_ids):
-            status = kernel(out.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            status = kernel(out.data_ptr(), kernel_q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             self._block_tables.data_ptr(), self._query_start_loc.data_ptr(),
                             self._seq_lens.data_ptr(), seq_ids.data_ptr(), len(seq_ids), q.shape[1], num_kv_heads,
-                            head_dim, meta.block_size, self._block_tables.shape[1], scale, q32.stride(0))
+                            head_dim, meta.block_size, self._block_tables.shape[1], scale, kernel_q.stride(0))
             if status != 0:
                 raise MemoryError("paged attention: could not allocate scratch memory")
         return out if q.dtype == torch.float32 else out.to(q.dtype)

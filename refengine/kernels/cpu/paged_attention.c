@@ -118,6 +118,8 @@ static inline float bf16_to_float(uint16_t x)
 #define KV_LOAD16(p) load16(p)
 #define KV_TO_F(x) (x)
 #define KV_NAME(n) n
+#define Q_T float
+#define QUERY_PAIRS 0
 #include "paged_attention_kv.h"
 #include "paged_attention_chunk.h"
 #undef KV_T
@@ -132,4 +134,19 @@ static inline float bf16_to_float(uint16_t x)
 #define KV_NAME(n) n##_bf16
 #include "paged_attention_kv.h"
 #include "paged_attention_chunk.h"
+#undef KV_NAME
+#undef Q_T
+#undef QUERY_PAIRS
 
+/* bfloat16 queries on bfloat16 caches, scored with vdpbf16ps (paged_attention_scores.h):
+ * chunk_attention_bf16q, the same arguments but q is bfloat16. The backend takes it for a
+ * bfloat16 model where chunk_attention_bf16q_available() says it was built. */
+#if defined(__AVX512BF16__)
+#define KV_NAME(n) n##_bf16q
+#define Q_T uint16_t
+#define QUERY_PAIRS 1
+#include "paged_attention_chunk.h"
+int chunk_attention_bf16q_available(void) { return 1; }
+#else
+int chunk_attention_bf16q_available(void) { return 0; }
+#endif

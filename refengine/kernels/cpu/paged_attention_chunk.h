@@ -34,6 +34,12 @@ int chunk_attention_supported(int head_dim, int block_size)
            (block_size & (block_size - 1)) == 0;
 }
 
+/* One word of a tile's packed queries: a float (QUERY_PAIRS 0), or two bfloat16 (QUERY_PAIRS 1). */
+typedef union {
+    float value;
+    uint32_t pair;
+} QueryWord;
+
 /* The running state of one query vector. */
 typedef struct {
     float max, sum;
@@ -61,37 +67,7 @@ static inline void KV_NAME(prefetch_blocks)(const KV_T *k_cache, const KV_T *v_c
         prefetch_range(values + t * token_stride, head_dim * (int64_t)sizeof(KV_T));
 }
 
-/* scores[v * KEY_TILE + j] = scale * q_v . key(start + j), for the num_keys keys of one key
- * tile (num_keys rounded up to 16: lanes past it are masked later). queries_t is the tile's
- * queries transposed, [head_dim][width], so the width broadcasts of one d share one address. */
-static inline __attribute__((always_inline)) void KV_NAME(tile_scores)(
-    float *scores, const float *queries_t, const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_table,
-    int start, int num_keys, int end, int kv_head, const Shape *s, const int width)
-{
-    const int head_dim = s->head_dim, block_size = s->block_size;
-    const int64_t head_tile = (int64_t)head_dim * block_size;
-    const int64_t block_stride = s->num_kv_heads * head_tile;
-    for (int offset = 0; offset < num_keys; offset += 16) {
-        const int position = start + offset;
-        const KV_T *keys = k_cache + block_table[position / block_size] * block_stride + kv_head * head_tile +
-                           position % block_size;
-        if (position % block_size == 0)
-            KV_NAME(prefetch_blocks)(k_cache, v_cache, block_table, position, end, kv_head, s);
-        /* Even and odd dimensions in separate sums: two independent chains per vector keep the
-         * FMA units busy even at width 1-4 (one chain per vector waits on the FMA latency). */
-        vec16 even[TILE] = {{0}}, odd[TILE] = {{0}};
-        for (int d = 0; d < head_dim; d += 2) {
-            const vec16 key_even = KV_LOAD16(keys + (int64_t)d * block_size);
-            const vec16 key_odd = KV_LOAD16(keys + (int64_t)(d + 1) * block_size);
-            for (int v = 0; v < width; v++) {
-                even[v] += queries_t[d * width + v] * key_even;
-                odd[v] += queries_t[(d + 1) * width + v] * key_odd;
-            }
-        }
-        for (int v = 0; v < width; v++)
-            store16(scores + v * KEY_TILE + offset, (even[v] + odd[v]) * s->scale);
-    }
-}
+#include "paged_attention_scores.h" /* pack_queries and tile_scores, per QUERY_PAIRS */
 
 /* Turns one vector's scores into weights (exp(score - new max); 0 past its position, up to
  * num_keys rounded up to 16), updates its max and sum, and returns the factor its output is
@@ -177,15 +153,13 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_values)(
  * vector's arithmetic is the same for every width: the width only sets how many run side by side
  * (a decode row of a GQA group of 3 takes width 3, not 8). */
 static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
-    float *const *outputs, const float *const *queries, VectorState *states, const KV_T *k_cache,
+    float *const *outputs, const Q_T *const *queries, VectorState *states, const KV_T *k_cache,
     const KV_T *v_cache, const int32_t *block_table, int kv_head, const Shape *s, float *scores, float *acc,
     const int width)
 {
     const int head_dim = s->head_dim;
-    float queries_t[MAX_HEAD_DIM * TILE];
-    for (int v = 0; v < width; v++)
-        for (int d = 0; d < head_dim; d++)
-            queries_t[d * width + v] = queries[v][d];
+    QueryWord packed[MAX_HEAD_DIM * TILE];
+    KV_NAME(pack_queries)(packed, queries, head_dim, width);
     int last = 0;
     for (int v = 0; v < width; v++) {
         states[v].max = MASKED_SCORE;
@@ -195,7 +169,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
     memset(acc, 0, sizeof(float) * width * head_dim);
     for (int start = 0; start <= last; start += KEY_TILE) {
         const int num_keys = last + 1 - start < KEY_TILE ? last + 1 - start : KEY_TILE;
-        KV_NAME(tile_scores)(scores, queries_t, k_cache, v_cache, block_table, start, num_keys, last + 1, kv_head, s,
+        KV_NAME(tile_scores)(scores, packed, k_cache, v_cache, block_table, start, num_keys, last + 1, kv_head, s,
                              width);
         for (int v = 0; v < width; v++) {
             const float rescale = KV_NAME(tile_weights)(scores + v * KEY_TILE, start, num_keys, &states[v]);
@@ -214,7 +188,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
 }
 
 /* attend_tile with width the smallest of 1, 2, 3, 4, 8 that holds num_vectors. */
-static void KV_NAME(attend_tile_any)(float *const *outputs, const float *const *queries, VectorState *states,
+static void KV_NAME(attend_tile_any)(float *const *outputs, const Q_T *const *queries, VectorState *states,
                                      const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_table,
                                      int kv_head, const Shape *s, float *scores, float *acc, int num_vectors)
 {
@@ -232,7 +206,7 @@ static void KV_NAME(attend_tile_any)(float *const *outputs, const float *const *
 
 /* Work item `index` of sequence seq (which has tiles_per_head items per KV head): finds its
  * vectors, their rows, heads and positions, and attends them. */
-static void KV_NAME(run_item)(int64_t index, int64_t tiles_per_head, int seq, float *out, const float *q,
+static void KV_NAME(run_item)(int64_t index, int64_t tiles_per_head, int seq, float *out, const Q_T *q,
                               const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_tables,
                               const int32_t *query_start_loc, const int32_t *seq_lens, int max_blocks,
                               int64_t q_row_stride, const Shape *s, float *scratch)
@@ -241,7 +215,7 @@ static void KV_NAME(run_item)(int64_t index, int64_t tiles_per_head, int seq, fl
     const int kv_head = (int)(index / tiles_per_head);
     const int64_t first_vector = index % tiles_per_head * TILE;
     const int query_len = query_start_loc[seq + 1] - query_start_loc[seq];
-    const float *queries[TILE];
+    const Q_T *queries[TILE];
     float *outputs[TILE];
     VectorState states[TILE];
     for (int v = 0; v < TILE; v++) {
@@ -261,7 +235,7 @@ static void KV_NAME(run_item)(int64_t index, int64_t tiles_per_head, int seq, fl
 
 /* Returns 0 on success, -1 if scratch memory could not be allocated, -2 for a shape that
  * chunk_attention_supported refuses. */
-int KV_NAME(chunk_attention)(float *out, const float *q, const KV_T *k_cache, const KV_T *v_cache,
+int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, const KV_T *v_cache,
                              const int32_t *block_tables, const int32_t *query_start_loc, const int32_t *seq_lens,
                              const int32_t *seq_ids, int num_selected, int num_heads, int num_kv_heads, int head_dim,
                              int block_size, int max_blocks, float scale, int64_t q_row_stride)

@@ -1,0 +1,110 @@
+/* The scores of a tile of the chunk kernel: included by paged_attention_chunk.h, once per
+ * instantiation, with its KV_T / KV_LOAD16 / KV_NAME / Q_T macros and QUERY_PAIRS:
+ *   QUERY_PAIRS 0  queries are float32; every product is a float32 multiply-add of the query
+ *                  and the key widened to float32 (the float32 and bfloat16 caches);
+ *   QUERY_PAIRS 1  queries are bfloat16 as well (the model runs in bfloat16, so q is exactly a
+ *                  bfloat16 value), and the scores are vdpbf16ps dot products of (d, d + 1)
+ *                  pairs: per pair of dimensions one instruction per query vector, where the
+ *                  float32 form needs two multiply-adds and two widenings of the keys. Each
+ *                  product of two bfloat16 is exact in float32, and every sum accumulates in
+ *                  float32, as in the float32 form. Built only with AVX512-BF16.
+ *
+ * pack_queries lays a tile's queries out [dimension (pair)][vector], so the width broadcasts
+ * of one dimension share one address; tile_scores writes scores[v * KEY_TILE + j] = scale *
+ * q_v . key(start + j) for the num_keys keys of one key tile (num_keys rounded up to 16: lanes
+ * past it are masked later). Both forms sum even and odd dimensions (pairs) in two separate
+ * chains per vector, so that the multiply-add latency does not bind at width 1-4, and each
+ * vector's sums depend on its query and the keys alone (not on the width or tile mates). */
+
+#if !QUERY_PAIRS
+
+static inline void KV_NAME(pack_queries)(QueryWord *packed, const Q_T *const *queries, int head_dim, int width)
+{
+    for (int v = 0; v < width; v++)
+        for (int d = 0; d < head_dim; d++)
+            packed[d * width + v].value = queries[v][d];
+}
+
+static inline __attribute__((always_inline)) void KV_NAME(tile_scores)(
+    float *scores, const QueryWord *packed, const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_table,
+    int start, int num_keys, int end, int kv_head, const Shape *s, const int width)
+{
+    const int head_dim = s->head_dim, block_size = s->block_size;
+    const int64_t head_tile = (int64_t)head_dim * block_size;
+    const int64_t block_stride = s->num_kv_heads * head_tile;
+    for (int offset = 0; offset < num_keys; offset += 16) {
+        const int position = start + offset;
+        const KV_T *keys = k_cache + block_table[position / block_size] * block_stride + kv_head * head_tile +
+                           position % block_size;
+        if (position % block_size == 0)
+            KV_NAME(prefetch_blocks)(k_cache, v_cache, block_table, position, end, kv_head, s);
+        vec16 even[TILE] = {{0}}, odd[TILE] = {{0}};
+        for (int d = 0; d < head_dim; d += 2) {
+            const vec16 key_even = KV_LOAD16(keys + (int64_t)d * block_size);
+            const vec16 key_odd = KV_LOAD16(keys + (int64_t)(d + 1) * block_size);
+            for (int v = 0; v < width; v++) {
+                even[v] += packed[d * width + v].value * key_even;
+                odd[v] += packed[(d + 1) * width + v].value * key_odd;
+            }
+        }
+        for (int v = 0; v < width; v++)
+            store16(scores + v * KEY_TILE + offset, (even[v] + odd[v]) * s->scale);
+    }
+}
+
+#else
+
+/* packed[p * width + v].pair = dimensions 2p (low half) and 2p + 1 of query v. */
+static inline void KV_NAME(pack_queries)(QueryWord *packed, const Q_T *const *queries, int head_dim, int width)
+{
+    for (int v = 0; v < width; v++)
+        for (int d = 0; d < head_dim; d += 2)
+            packed[d / 2 * width + v].pair = (uint32_t)queries[v][d] | (uint32_t)queries[v][d + 1] << 16;
+}
+
+/* Lane j of the result holds (key d of position j, key d + 1 of position j): the operand order
+ * of vdpbf16ps. A block stores a KV head's keys as [head_dim][block_size] rows of bfloat16. */
+static inline __m512bh KV_NAME(key_pairs)(const KV_T *row, int64_t block_size)
+{
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i rows = block_size == 16
+                             ? _mm512_loadu_si512(row) /* rows d and d + 1 are adjacent */
+                             : _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)row)),
+                                                  _mm256_loadu_si256((const __m256i *)(row + block_size)), 1);
+    return (__m512bh)_mm512_permutexvar_epi16(interleave, rows);
+}
+
+static inline __attribute__((always_inline)) void KV_NAME(tile_scores)(
+    float *scores, const QueryWord *packed, const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_table,
+    int start, int num_keys, int end, int kv_head, const Shape *s, const int width)
+{
+    const int head_dim = s->head_dim, block_size = s->block_size;
+    const int64_t head_tile = (int64_t)head_dim * block_size;
+    const int64_t block_stride = s->num_kv_heads * head_tile;
+    for (int offset = 0; offset < num_keys; offset += 16) {
+        const int position = start + offset;
+        const KV_T *keys = k_cache + block_table[position / block_size] * block_stride + kv_head * head_tile +
+                           position % block_size;
+        if (position % block_size == 0)
+            KV_NAME(prefetch_blocks)(k_cache, v_cache, block_table, position, end, kv_head, s);
+        __m512 even[TILE], odd[TILE];
+        for (int v = 0; v < width; v++)
+            even[v] = odd[v] = _mm512_setzero_ps();
+        for (int d = 0; d < head_dim; d += 4) { /* head_dim is a multiple of 16 */
+            const __m512bh keys_even = KV_NAME(key_pairs)(keys + (int64_t)d * block_size, block_size);
+            const __m512bh keys_odd = KV_NAME(key_pairs)(keys + (int64_t)(d + 2) * block_size, block_size);
+            for (int v = 0; v < width; v++) {
+                const __m512bh q_even = (__m512bh)_mm512_set1_epi32((int)packed[d / 2 * width + v].pair);
+                const __m512bh q_odd = (__m512bh)_mm512_set1_epi32((int)packed[(d / 2 + 1) * width + v].pair);
+                even[v] = _mm512_dpbf16_ps(even[v], keys_even, q_even);
+                odd[v] = _mm512_dpbf16_ps(odd[v], keys_odd, q_odd);
+            }
+        }
+        for (int v = 0; v < width; v++)
+            store16(scores + v * KEY_TILE + offset, (vec16)_mm512_mul_ps(_mm512_add_ps(even[v], odd[v]),
+                                                                         _mm512_set1_ps(s->scale)));
+    }
+}
+
+#endif
