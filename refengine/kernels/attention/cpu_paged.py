@@ -7,9 +7,9 @@ fresh or continuing a cached context -- goes through one kernel, ``chunk_attenti
 softmax over key tiles at fixed absolute positions. One kernel and one arithmetic per row means
 a row's result depends only on its query, position and keys: not on the batch, nor on how its
 prompt was chunked, nor on whether it was a prompt row or a decode row. On SmolLM2's shapes it
-runs prefill attention 1.8-2.7x faster than SDPA's CPU flash kernel, and decode attention at
-0.87-1.02x (float32 cache, batches of 32-64) to 1.25-1.63x (bfloat16 cache) the speed of the row
-kernel it replaced for decode rows (``benchmarks/cpu_attention.py``).
+runs prefill attention 1.6-2.8x (float32) and 2.0-3.4x (bfloat16) as fast as SDPA's CPU flash
+kernel, and decode attention at 1.05-1.48x (float32 cache) and 1.17-1.66x (bfloat16 cache) the
+speed of the row kernel it replaced for decode rows (``benchmarks/cpu_attention.py``).
 
 Other shapes take the earlier pair of paths: rows of chunks shorter than
 ``SDPA_MIN_QUERY_TOKENS`` go through the row kernel (``paged_attention`` in
@@ -19,8 +19,11 @@ continues a cached context gathers its blocks first and masks by position.
 
 Keys are stored transposed within each block. float32 or bfloat16 queries (bfloat16 on CPUs
 with native bf16, ``cpu_features``) on a float32 or bfloat16 cache (``--kv-cache-dtype``, any
-pairing): the kernels read 16-bit keys and values and accumulate in float32 (queries widened to
-float32 per step). The step's keys and values are rounded to the cache dtype first, also for
+pairing): the kernels read 16-bit keys and values and accumulate in float32. float32 queries are
+read as they are; bfloat16 queries on a bfloat16 cache go, where the library was built with
+AVX512-BF16, to ``chunk_attention_bf16q``, which reads their bits and scores them with
+``vdpbf16ps`` (exact products of two bfloat16, float32 sums); elsewhere they are widened to
+float32 per step. The step's keys and values are rounded to the cache dtype first, also for
 the SDPA chunks that read them from the step, so that a prompt's result does not depend on how
 it was chunked. The backend registry (``registry.py``) picks the torch reference for other
 dtypes and devices.

@@ -9,7 +9,8 @@
  *                    takes the shape (kernels/attention/cpu_paged.py), the row kernel elsewhere.
  *
  * Layouts (contiguous; the caches float32, or bfloat16 for the *_bf16 entry points, whose
- * queries and outputs stay float32: every product accumulates in float32):
+ * queries and outputs stay float32, and for chunk_attention_bf16q, whose queries are bfloat16
+ * (built with AVX512-BF16 only; see the end of this file): every product accumulates in float32):
  *   q                 [num_tokens, num_heads, head_dim], rows q_row_stride apart
  *   out               [num_tokens, num_heads, head_dim]
  *   k_cache           [num_blocks, num_kv_heads, head_dim, block_size]   keys transposed
