@@ -40,9 +40,9 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
 def unavailable_reason(enabled: bool = True) -> str:
     """"" when bf16 projections run in the native GEMM; else why they do not. ``enabled`` is
     ``KernelConfig.native_cpu_kernels``."""
-    flags = cpu_features.cpu_flags()
     if not enabled:
         return cpu.DISABLED.reason
+    flags = cpu_features.cpu_flags()
     if "amx_bf16" in flags:
         return "this CPU has AMX-BF16, where oneDNN's AMX kernels are faster"
     if "avx512_bf16" not in flags:

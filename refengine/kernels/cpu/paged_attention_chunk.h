@@ -132,14 +132,14 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_values_part)(
 }
 
 /* The whole head_dim, 64 dimensions (four registers per vector) at a time for tiles of up to 4
- * vectors, else 32 (two registers): each lane sums its own dimension, so the pass width does not
- * change any result. */
+ * vectors (more independent sums, fewer passes over the values), else 32 (two registers): each
+ * lane sums its own dimension, so the pass width does not change any result. */
 static inline __attribute__((always_inline)) void KV_NAME(tile_values)(
     float *acc, const float *weights, const KV_T *v_cache, const int32_t *block_table, int start, int num_keys,
     int kv_head, const Shape *s, const int width)
 {
     int lo = 0;
-    if (width <= 4) /* room for 64 dimensions per pass: more independent sums, fewer passes */
+    if (width <= 4)
         for (; lo + 64 <= s->head_dim; lo += 64)
             KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 4);
     for (; lo + 32 <= s->head_dim; lo += 32)
