@@ -118,17 +118,19 @@ class CpuPagedBackend(AttentionBackend):
         # The kernels' queries and outputs are float32 whatever the cache holds: a bf16 step
         # collects every row in float32 (SDPA rows round-trip exactly) and rounds once at the end.
         out = torch.empty(q.shape, dtype=torch.float32)
-        kernel_q = q if q.dtype == torch.float32 else q.float()
+        kernel_q = q
         if self._chunk_kernel_takes(head_dim, meta.block_size):
             kernel, seq_ids = self._chunk_kernels[kv_dtype], self._all_seq_ids
             if q.dtype == kv_dtype == torch.bfloat16 and self._bf16_query_kernel is not None:
-                kernel, kernel_q = self._bf16_query_kernel, q  # exact bf16 queries: no float32 copy
+                kernel = self._bf16_query_kernel  # reads the bf16 queries as they are: no float32 copy
         else:
             seq_ids, sdpa_chunks = self._fallback_plan(meta)
             kernel = self._row_kernels[kv_dtype]
             for chunk in sdpa_chunks:
                 out[chunk.rows] = self._sdpa(chunk, q, k, v, k_cache, v_cache, scale)
         if len(seq_ids):
+            if kernel is not self._bf16_query_kernel and q.dtype != torch.float32:
+                kernel_q = q.float()
             status = kernel(out.data_ptr(), kernel_q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             self._block_tables.data_ptr(), self._query_start_loc.data_ptr(),
                             self._seq_lens.data_ptr(), seq_ids.data_ptr(), len(seq_ids), q.shape[1], num_kv_heads,

@@ -10,7 +10,8 @@
  *                  float32, as in the float32 form. Built only with AVX512-BF16.
  *
  * pack_queries lays a tile's queries out [dimension (pair)][vector], so the width broadcasts
- * of one dimension share one address; tile_scores writes scores[v * KEY_TILE + j] = scale *
+ * of one dimension share one address; score16 scores 16 positions of one block, in either
+ * form; tile_scores, shared, walks a key tile with it and writes scores[v * KEY_TILE + j] = scale *
  * q_v . key(start + j) for the num_keys keys of one key tile (num_keys rounded up to 16: lanes
  * past it are masked later). Both forms sum even and odd dimensions (pairs) in two separate
  * chains per vector, so that the multiply-add latency does not bind at width 1-4, and each
@@ -25,31 +26,23 @@ static inline void KV_NAME(pack_queries)(QueryWord *packed, const Q_T *const *qu
             packed[d * width + v].value = queries[v][d];
 }
 
-static inline __attribute__((always_inline)) void KV_NAME(tile_scores)(
-    float *scores, const QueryWord *packed, const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_table,
-    int start, int num_keys, int end, int kv_head, const Shape *s, const int width)
+/* Stores scale * q_v . key(j) at scores[v * KEY_TILE + j] for the 16 positions of `keys` (one
+ * KV head's keys in a block, [head_dim][block_size], from the first of them). */
+static inline __attribute__((always_inline)) void KV_NAME(score16)(float *scores, const QueryWord *packed,
+                                                                   const KV_T *keys, const Shape *s, const int width)
 {
-    const int head_dim = s->head_dim, block_size = s->block_size;
-    const int64_t head_tile = (int64_t)head_dim * block_size;
-    const int64_t block_stride = s->num_kv_heads * head_tile;
-    for (int offset = 0; offset < num_keys; offset += 16) {
-        const int position = start + offset;
-        const KV_T *keys = k_cache + block_table[position / block_size] * block_stride + kv_head * head_tile +
-                           position % block_size;
-        if (position % block_size == 0)
-            KV_NAME(prefetch_blocks)(k_cache, v_cache, block_table, position, end, kv_head, s);
-        vec16 even[TILE] = {{0}}, odd[TILE] = {{0}};
-        for (int d = 0; d < head_dim; d += 2) {
-            const vec16 key_even = KV_LOAD16(keys + (int64_t)d * block_size);
-            const vec16 key_odd = KV_LOAD16(keys + (int64_t)(d + 1) * block_size);
-            for (int v = 0; v < width; v++) {
-                even[v] += packed[d * width + v].value * key_even;
-                odd[v] += packed[(d + 1) * width + v].value * key_odd;
-            }
+    const int64_t block_size = s->block_size;
+    vec16 even[TILE] = {{0}}, odd[TILE] = {{0}};
+    for (int d = 0; d < s->head_dim; d += 2) {
+        const vec16 key_even = KV_LOAD16(keys + d * block_size);
+        const vec16 key_odd = KV_LOAD16(keys + (d + 1) * block_size);
+        for (int v = 0; v < width; v++) {
+            even[v] += packed[d * width + v].value * key_even;
+            odd[v] += packed[(d + 1) * width + v].value * key_odd;
         }
-        for (int v = 0; v < width; v++)
-            store16(scores + v * KEY_TILE + offset, (even[v] + odd[v]) * s->scale);
     }
+    for (int v = 0; v < width; v++)
+        store16(scores + v * KEY_TILE, (even[v] + odd[v]) * s->scale);
 }
 
 #else
@@ -75,6 +68,31 @@ static inline __m512bh KV_NAME(key_pairs)(const KV_T *row, int64_t block_size)
     return (__m512bh)_mm512_permutexvar_epi16(interleave, rows);
 }
 
+/* score16 with vdpbf16ps: pairs (d, d + 1) of dimensions, even pairs and odd pairs in two chains. */
+static inline __attribute__((always_inline)) void KV_NAME(score16)(float *scores, const QueryWord *packed,
+                                                                   const KV_T *keys, const Shape *s, const int width)
+{
+    const int64_t block_size = s->block_size;
+    __m512 even[TILE], odd[TILE];
+    for (int v = 0; v < width; v++)
+        even[v] = odd[v] = _mm512_setzero_ps();
+    for (int d = 0; d < s->head_dim; d += 4) { /* head_dim is a multiple of 16 */
+        const __m512bh keys_even = KV_NAME(key_pairs)(keys + d * block_size, block_size);
+        const __m512bh keys_odd = KV_NAME(key_pairs)(keys + (d + 2) * block_size, block_size);
+        for (int v = 0; v < width; v++) {
+            const __m512bh q_even = (__m512bh)_mm512_set1_epi32((int)packed[d / 2 * width + v].pair);
+            const __m512bh q_odd = (__m512bh)_mm512_set1_epi32((int)packed[(d / 2 + 1) * width + v].pair);
+            even[v] = _mm512_dpbf16_ps(even[v], keys_even, q_even);
+            odd[v] = _mm512_dpbf16_ps(odd[v], keys_odd, q_odd);
+        }
+    }
+    for (int v = 0; v < width; v++)
+        store16(scores + v * KEY_TILE, (vec16)_mm512_mul_ps(_mm512_add_ps(even[v], odd[v]), _mm512_set1_ps(s->scale)));
+}
+
+#endif
+
+/* Both forms: the key tile 16 positions at a time, requesting blocks ahead as it enters each. */
 static inline __attribute__((always_inline)) void KV_NAME(tile_scores)(
     float *scores, const QueryWord *packed, const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_table,
     int start, int num_keys, int end, int kv_head, const Shape *s, const int width)
@@ -88,23 +106,6 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_scores)(
                            position % block_size;
         if (position % block_size == 0)
             KV_NAME(prefetch_blocks)(k_cache, v_cache, block_table, position, end, kv_head, s);
-        __m512 even[TILE], odd[TILE];
-        for (int v = 0; v < width; v++)
-            even[v] = odd[v] = _mm512_setzero_ps();
-        for (int d = 0; d < head_dim; d += 4) { /* head_dim is a multiple of 16 */
-            const __m512bh keys_even = KV_NAME(key_pairs)(keys + (int64_t)d * block_size, block_size);
-            const __m512bh keys_odd = KV_NAME(key_pairs)(keys + (int64_t)(d + 2) * block_size, block_size);
-            for (int v = 0; v < width; v++) {
-                const __m512bh q_even = (__m512bh)_mm512_set1_epi32((int)packed[d / 2 * width + v].pair);
-                const __m512bh q_odd = (__m512bh)_mm512_set1_epi32((int)packed[(d / 2 + 1) * width + v].pair);
-                even[v] = _mm512_dpbf16_ps(even[v], keys_even, q_even);
-                odd[v] = _mm512_dpbf16_ps(odd[v], keys_odd, q_odd);
-            }
-        }
-        for (int v = 0; v < width; v++)
-            store16(scores + v * KEY_TILE + offset, (vec16)_mm512_mul_ps(_mm512_add_ps(even[v], odd[v]),
-                                                                         _mm512_set1_ps(s->scale)));
+        KV_NAME(score16)(scores + offset, packed, keys, s, width);
     }
 }
-
-#endif
