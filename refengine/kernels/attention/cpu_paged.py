@@ -47,7 +47,7 @@ SDPA_MIN_QUERY_TOKENS = 64  # only for shapes the chunk kernel refuses
 class _SdpaChunk:
     rows: slice  # the chunk's query rows in the step
     block_ids: torch.Tensor | None  # its blocks, in order; None = a fresh prompt (keys from the step itself)
-    mask: torch.Tensor | None  # [query_len, num_blocks * block_size], True = attend; None = plain causal
+    mask: torch.Tensor | None  # [query_len, seq_len], True = attend; None = plain causal
 
 
 def native_kernel_unavailable_reason(enabled: bool = True) -> str:
@@ -150,9 +150,9 @@ class CpuPagedBackend(AttentionBackend):
                     row_seq_ids.append(i)
                     continue
                 rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
-                mask = context_mask(meta.seq_lens[i], query_len, meta.block_size)
+                mask = context_mask(meta.seq_lens[i], query_len)
                 # A fresh prompt (no mask) attends causally to its own new keys, read from the step.
-                block_ids = None if mask is None else meta.block_tables[i, : mask.shape[1] // meta.block_size]
+                block_ids = None if mask is None else meta.block_tables[i, : -(-meta.seq_lens[i] // meta.block_size)]
                 sdpa_chunks.append(_SdpaChunk(rows, block_ids, mask))
             self._fallback = (torch.tensor(row_seq_ids, dtype=torch.int32), sdpa_chunks)
         return self._fallback
@@ -162,8 +162,9 @@ class CpuPagedBackend(AttentionBackend):
               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         if chunk.block_ids is None:
             keys, values = k[chunk.rows].transpose(0, 1), v[chunk.rows].transpose(0, 1)
-        else:  # gather the context, turning the transposed key blocks back into rows
-            num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
+        else:  # gather the context, turning the transposed key blocks back into rows; only its written positions
+            num_kv_heads, head_dim, seq_len = v_cache.shape[2], v_cache.shape[3], chunk.mask.shape[1]
             keys = k_cache.index_select(0, chunk.block_ids).permute(1, 0, 3, 2).reshape(num_kv_heads, -1, head_dim)
             values = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim).transpose(0, 1)
+            keys, values = keys[:, :seq_len], values[:, :seq_len]
         return chunk_attention(q[chunk.rows], keys.to(q.dtype), values.to(q.dtype), chunk.mask, scale)

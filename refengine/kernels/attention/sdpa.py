@@ -11,14 +11,16 @@ import torch
 import torch.nn.functional as F
 
 
-def context_mask(seq_len: int, query_len: int, block_size: int) -> torch.Tensor | None:
-    """``[query_len, num_blocks * block_size]`` bool (True = attend) over the chunk's
-    whole blocks; ``None`` when there is no cached context (plain causal)."""
+def context_mask(seq_len: int, query_len: int) -> torch.Tensor | None:
+    """``[query_len, seq_len]`` bool (True = attend) over the sequence's written positions;
+    ``None`` when there is no cached context (plain causal). Callers cut the gathered keys
+    and values to ``seq_len`` positions: a masked position still meets its value in SDPA's
+    product (weight 0 times a stale NaN is NaN), so the slots past the last token, which may
+    hold anything a block's earlier owner left, must not be passed at all."""
     if query_len == seq_len:
         return None
-    num_blocks = -(-seq_len // block_size)
     query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
-    return torch.arange(num_blocks * block_size).unsqueeze(0) <= query_pos
+    return torch.arange(seq_len).unsqueeze(0) <= query_pos
 
 
 def chunk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,

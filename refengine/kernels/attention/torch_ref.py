@@ -43,7 +43,7 @@ class _PrefillPlan:
     query_rows: slice
     block_ids: torch.Tensor  # [num_blocks] the sequence's blocks, in order
     seq_len: int
-    mask: torch.Tensor | None  # [query_len, num_blocks * block_size] bool, True = attend; None = plain causal
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, True = attend; None = plain causal
 
 
 @dataclass
@@ -136,7 +136,7 @@ class TorchReferenceBackend(AttentionBackend):
                 continue
             seq_len = meta.seq_lens[i]
             num_blocks = -(-seq_len // meta.block_size)
-            mask = context_mask(seq_len, query_len, meta.block_size)
+            mask = context_mask(seq_len, query_len)
             rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
             self._prefills.append(_PrefillPlan(rows, meta.block_tables[i, :num_blocks], seq_len, mask))
         self._decodes = [self._plan_decodes(meta, group) for group in _length_groups(meta, decode_seqs)]
@@ -170,9 +170,7 @@ class TorchReferenceBackend(AttentionBackend):
         for plan in self._prefills:
             keys = k_cache.index_select(0, plan.block_ids).to(q.dtype).view(-1, num_kv_heads, head_dim)
             values = v_cache.index_select(0, plan.block_ids).to(q.dtype).view(-1, num_kv_heads, head_dim)
-            keys, values = keys.transpose(0, 1), values.transpose(0, 1)
-            if plan.mask is None:
-                keys, values = keys[:, : plan.seq_len], values[:, : plan.seq_len]
+            keys, values = keys.transpose(0, 1)[:, : plan.seq_len], values.transpose(0, 1)[:, : plan.seq_len]
             out[plan.query_rows] = chunk_attention(q[plan.query_rows], keys, values, plan.mask, scale)
         for decode in self._decodes:
             out[decode.query_rows] = self._decode_attention(q[decode.query_rows], k_cache, v_cache, decode, scale)
@@ -200,7 +198,11 @@ class TorchReferenceBackend(AttentionBackend):
         batch, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
         keys = k_cache.index_select(0, plan.block_ids).to(q.dtype).view(batch, -1, num_kv_heads, head_dim)
         values = v_cache.index_select(0, plan.block_ids).to(q.dtype).view(batch, -1, num_kv_heads, head_dim)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        # Padding positions (past a row's length, or block 0 standing in for absent blocks) hold
+        # whatever was written there; a masked NaN would still reach SDPA's products, so they are zeroed.
+        padding = ~plan.mask.view(batch, 1, -1, 1)
+        keys = keys.transpose(1, 2).masked_fill(padding, 0)
+        values = values.transpose(1, 2).masked_fill(padding, 0)
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=True
         )

@@ -69,6 +69,8 @@ static inline void KV_NAME(prefetch_blocks)(const KV_T *k_cache, const KV_T *v_c
 
 #include "paged_attention_scores.h" /* pack_queries and tile_scores, per QUERY_PAIRS */
 
+#include "paged_attention_values.h" /* value_weight and tile_values, per QUERY_PAIRS */
+
 /* Turns one vector's scores into weights (exp(score - new max); 0 past its position, up to
  * num_keys rounded up to 16), updates its max and sum, and returns the factor its output is
  * rescaled by. The loops run over the vector's own positions rounded up to 16, a count that
@@ -90,62 +92,13 @@ static float KV_NAME(tile_weights)(float *row, int start, int num_keys, VectorSt
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int j = 0; j < lanes; j++) {
-        row[j] = j < valid ? expf(row[j] - new_max) : 0.0f;
+        row[j] = j < valid ? KV_NAME(value_weight)(expf(row[j] - new_max)) : 0.0f;
         sum += row[j];
     }
     const float rescale = expf(state->max - new_max);
     state->sum = state->sum * rescale + sum;
     state->max = new_max;
     return rescale;
-}
-
-/* acc[v][lo .. lo + 16 * chunks) += sum over the tile's keys of weight * value. The width x
- * chunks accumulators stay in registers while each value row loaded feeds width of them. Keys go
- * block by block, so a block's address is computed once per block. */
-static inline __attribute__((always_inline)) void KV_NAME(tile_values_part)(
-    float *acc, const float *weights, const KV_T *v_cache, const int32_t *block_table, int start, int num_keys,
-    int kv_head, const Shape *s, int lo, const int width, const int chunks)
-{
-    const int head_dim = s->head_dim, block_size = s->block_size;
-    const int64_t token_stride = (int64_t)s->num_kv_heads * head_dim;
-    vec16 out[TILE][4];
-    for (int v = 0; v < width; v++)
-        for (int c = 0; c < chunks; c++)
-            out[v][c] = load16(acc + v * head_dim + lo + 16 * c);
-    for (int offset = 0; offset < num_keys; offset += block_size) {
-        const int position = start + offset;
-        const KV_T *values = v_cache + (int64_t)block_table[position / block_size] * block_size * token_stride +
-                             (int64_t)kv_head * head_dim + lo;
-        const int count = num_keys - offset < block_size ? num_keys - offset : block_size;
-        for (int j = 0; j < count; j++) {
-            vec16 value[4];
-            for (int c = 0; c < chunks; c++)
-                value[c] = KV_LOAD16(values + j * token_stride + 16 * c);
-            for (int v = 0; v < width; v++)
-                for (int c = 0; c < chunks; c++)
-                    out[v][c] += weights[v * KEY_TILE + offset + j] * value[c];
-        }
-    }
-    for (int v = 0; v < width; v++)
-        for (int c = 0; c < chunks; c++)
-            store16(acc + v * head_dim + lo + 16 * c, out[v][c]);
-}
-
-/* The whole head_dim, 64 dimensions (four registers per vector) at a time for tiles of up to 4
- * vectors (more independent sums, fewer passes over the values), else 32 (two registers): each
- * lane sums its own dimension, so the pass width does not change any result. */
-static inline __attribute__((always_inline)) void KV_NAME(tile_values)(
-    float *acc, const float *weights, const KV_T *v_cache, const int32_t *block_table, int start, int num_keys,
-    int kv_head, const Shape *s, const int width)
-{
-    int lo = 0;
-    if (width <= 4)
-        for (; lo + 64 <= s->head_dim; lo += 64)
-            KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 4);
-    for (; lo + 32 <= s->head_dim; lo += 32)
-        KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 2);
-    if (lo < s->head_dim)
-        KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 1);
 }
 
 /* One work item: width (1, 2, 3, 4 or 8) (row, head) vectors of one sequence and KV head. queries[v]
