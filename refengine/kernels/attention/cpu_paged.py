@@ -22,8 +22,10 @@ with native bf16, ``cpu_features``) on a float32 or bfloat16 cache (``--kv-cache
 pairing): the kernels read 16-bit keys and values and accumulate in float32. float32 queries are
 read as they are; bfloat16 queries on a bfloat16 cache go, where the library was built with
 AVX512-BF16, to ``chunk_attention_bf16q``, which reads their bits and scores them with
-``vdpbf16ps`` (exact products of two bfloat16, float32 sums); elsewhere they are widened to
-float32 per step. The step's keys and values are rounded to the cache dtype first, also for
+``vdpbf16ps`` (exact products of two bfloat16, float32 sums), and sums the values with it too,
+by pairs of positions under the softmax weights rounded to bfloat16 (as GPU flash attention
+rounds P; the softmax sum adds the rounded weights: ``paged_attention_values.h``); elsewhere
+they are widened to float32 per step. The step's keys and values are rounded to the cache dtype first, also for
 the SDPA chunks that read them from the step, so that a prompt's result does not depend on how
 it was chunked. The backend registry (``registry.py``) picks the torch reference for other
 dtypes and devices.

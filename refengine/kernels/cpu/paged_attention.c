@@ -10,7 +10,8 @@
  *
  * Layouts (contiguous; the caches float32, or bfloat16 for the *_bf16 entry points, whose
  * queries and outputs stay float32, and for chunk_attention_bf16q, whose queries are bfloat16
- * (built with AVX512-BF16 only; see the end of this file): every product accumulates in float32):
+ * (built with AVX512-BF16 only; see the end of this file; its value pass multiplies by the softmax
+ * weights rounded to bfloat16, paged_attention_values.h): every product accumulates in float32):
  *   q                 [num_tokens, num_heads, head_dim], rows q_row_stride apart
  *   out               [num_tokens, num_heads, head_dim]
  *   k_cache           [num_blocks, num_kv_heads, head_dim, block_size]   keys transposed
@@ -139,7 +140,8 @@ static inline float bf16_to_float(uint16_t x)
 #undef Q_T
 #undef QUERY_PAIRS
 
-/* bfloat16 queries on bfloat16 caches, scored with vdpbf16ps (paged_attention_scores.h):
+/* bfloat16 queries on bfloat16 caches, scores and values with vdpbf16ps (paged_attention_scores.h,
+ * paged_attention_values.h):
  * chunk_attention_bf16q, the same arguments but q is bfloat16. The backend takes it for a
  * bfloat16 model where chunk_attention_bf16q_available() says it was built. */
 #if defined(__AVX512BF16__)

@@ -12,12 +12,13 @@
  *                  rounds its P the same way before the P.V product. The softmax's maximum and
  *                  exponentials stay float32; its sum adds the rounded weights (value_weight is
  *                  applied as tile_weights makes them), so the output stays a weighted average
- *                  of the values, with weights that sum to 1 (with the unrounded sum, a tile of
- *                  equal values came out scaled by up to 1 +- 2^-9: on the golden prompts, the
- *                  KL divergence from float32 transformers was 3 % larger than before this
- *                  form, and with the rounded sum it is ...). A product of two bfloat16 is exact
- *                  in float32, and every sum is float32. A head_dim 16 past a multiple of 32
- *                  takes the float32 form for its last 16 dimensions.
+ *                  of the values with weights that sum to 1. (Normalized by the unrounded sum,
+ *                  equal values came out scaled by up to 1 +- 2^-9, and on the golden prompts,
+ *                  teacher-forced against float32 transformers, 13 of 384 top-1 tokens differed
+ *                  where the float32 value pass had 6; with the rounded sum 7 do, and the mean KL
+ *                  divergence is 1.11e-3 against 1.09e-3.) A product of two bfloat16 is exact in
+ *                  float32, and every sum is float32. A head_dim 16 past a multiple of 32 takes
+ *                  the float32 form for its last 16 dimensions.
  * In both, each lane sums its own dimension over the positions (pairs) in increasing order, so a
  * vector's result depends on its weights and the values alone: not on the width, its tile mates
  * or the pass width (the chunk kernel's invariants, paged_attention_chunk.h). */
