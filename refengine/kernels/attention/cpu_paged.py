@@ -25,9 +25,9 @@ AVX512-BF16, to ``chunk_attention_bf16q``, which reads their bits and scores the
 ``vdpbf16ps`` (exact products of two bfloat16, float32 sums), and sums the values with it too,
 by pairs of positions under the softmax weights rounded to bfloat16 (as GPU flash attention
 rounds P; the softmax sum adds the rounded weights: ``paged_attention_values.h``); elsewhere
-they are widened to float32 per step. The step's keys and values are rounded to the cache dtype first, also for
-the SDPA chunks that read them from the step, so that a prompt's result does not depend on how
-it was chunked. The backend registry (``registry.py``) picks the torch reference for other
+they are widened to float32 per step. The step's keys and values are rounded to the cache
+dtype first, also for the SDPA chunks that read them from the step, so that a prompt's result
+does not depend on how it was chunked. The backend registry (``registry.py``) picks the torch reference for other
 dtypes and devices.
 """
 
