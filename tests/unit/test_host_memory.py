@@ -83,14 +83,14 @@ def _is_glibc() -> bool:
 
 
 # A step's life in small: a 48 MiB activation (above glibc's largest adaptive mmap threshold,
-# 32 MiB) allocated, written and freed, 5 times to settle (glibc grows its heap over the first
-# few), then 10 times counted. Prints the minor page faults of the 10.
+# 32 MiB) allocated, written and freed, 10 times to settle (glibc grows its heap over the first
+# few; in a fresh clone 5 were not always enough), then 10 times counted. Prints the minor page faults of the 10.
 _STEP_LOOP = """
 import resource, sys, torch
 from refengine.model.host_memory import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
-for _ in range(5):
+for _ in range(10):
     torch.empty(12 << 20).fill_(1.0)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
