@@ -76,17 +76,24 @@ class Linear:
     """One projection. ``weight`` is ``[out_features, in_features]``; after packing only
     the packed copy is kept, so the model holds each weight once. ``prepack`` is
     ``KernelConfig.onednn_linear``: False keeps the weight as given and uses ``F.linear``
-    (unless the native bf16 GEMM takes it); ``native`` is ``KernelConfig.native_cpu_kernels``."""
+    (unless the native bf16 GEMM takes it); ``native`` is ``KernelConfig.native_cpu_kernels``.
+
+    ``silu_and_mul`` offers an MLP's ``[gate | up]`` weight the native GEMM's SiLU epilogue; where
+    that kind takes the weight, ``applies_silu_and_mul`` is True and a call returns
+    ``silu(gate) * up`` (``[..., out_features / 2]``), else it returns ``[gate | up]`` as usual."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True,
-                 native: bool = True) -> None:
+                 native: bool = True, silu_and_mul: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         on_cpu = weight.device.type == "cpu"
+        self.applies_silu_and_mul = False
         if (on_cpu and weight.dtype == torch.bfloat16 and native_gemm.supports_shape(*weight.shape)
                 and not native_gemm.unavailable_reason(native)):
             self.kind = "native-bf16"
-            self.weight = native_gemm.PackedBf16Weight(weight, bias)
+            self.applies_silu_and_mul = (silu_and_mul and bias is None
+                                         and native_gemm.supports_shape(*weight.shape, silu_and_mul=True))
+            self.weight = native_gemm.PackedBf16Weight(weight, bias, self.applies_silu_and_mul)
         elif prepack and on_cpu and onednn_available(weight.dtype):
             self.kind = "onednn"
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)

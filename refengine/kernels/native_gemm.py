@@ -34,6 +34,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     library.gemm_bf16_pack.restype = None
     library.gemm_bf16.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _POINTER, _POINTER]
     library.gemm_bf16.restype = None
+    library.gemm_bf16_silu_mul.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _POINTER]
+    library.gemm_bf16_silu_mul.restype = None
     return library, ""
 
 
@@ -63,31 +65,56 @@ def _self_check() -> str:
     return ""
 
 
-def supports_shape(out_features: int, in_features: int) -> bool:
-    return out_features % LANES == 0 and in_features % 2 == 0 and in_features > 0
+def supports_shape(out_features: int, in_features: int, silu_and_mul: bool = False) -> bool:
+    """Whether a ``[out_features, in_features]`` weight fits the kernel (with the SiLU epilogue, the
+    gate and up halves must each be whole panels)."""
+    panel_columns = 2 * LANES if silu_and_mul else LANES
+    return out_features % panel_columns == 0 and in_features % 2 == 0 and in_features > 0
+
+
+def _alternate_panels(gate_up: torch.Tensor) -> torch.Tensor:
+    """The rows of ``[gate | up]`` reordered as gate panel 0, up panel 0, gate panel 1, ...: the
+    layout ``gemm_bf16_silu_mul`` reads (one tile holds both halves of its output columns)."""
+    gate, up = gate_up.chunk(2)
+    return torch.stack([gate.view(-1, LANES, gate.shape[1]), up.view(-1, LANES, up.shape[1])], dim=1).reshape(
+        gate_up.shape)
 
 
 class PackedBf16Weight:
     """A ``[out_features, in_features]`` bf16 weight packed for ``gemm_bf16``, and its bias in
-    float32 (added before the one rounding to bf16). Callable: ``x @ weight.T + bias``."""
+    float32 (added before the one rounding to bf16). Callable: ``x @ weight.T + bias``.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    With ``silu_and_mul`` the weight is an MLP's ``[gate | up]`` (no bias) and the call returns
+    ``silu(x @ gate.T) * (x @ up.T)``, ``[..., out_features / 2]``, from the GEMM's epilogue: bit
+    for bit what ``FusedOps.silu_and_mul`` gives on the plain call's output, in one pass."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool = False) -> None:
         library, reason = _library()
         if library is None:
             raise RuntimeError(reason)
         self.out_features, self.in_features = weight.shape
-        if not supports_shape(self.out_features, self.in_features) or weight.dtype != torch.bfloat16:
-            raise ValueError(f"gemm_bf16 takes bf16 weights of [16n, 2k], not {weight.dtype} {tuple(weight.shape)}")
-        weight = weight.contiguous()
+        if not supports_shape(self.out_features, self.in_features, silu_and_mul) or weight.dtype != torch.bfloat16:
+            columns = "32n" if silu_and_mul else "16n"
+            raise ValueError(f"gemm_bf16 takes bf16 weights of [{columns}, 2k], not {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        if silu_and_mul and bias is not None:
+            raise ValueError("the SiLU epilogue takes no bias")
+        weight = (_alternate_panels(weight) if silu_and_mul else weight).contiguous()
         self.packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
         library.gemm_bf16_pack(weight.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features)
         self.bias = None if bias is None else bias.float().contiguous()
-        self._gemm = library.gemm_bf16
+        self.silu_and_mul = silu_and_mul
+        self._library = library
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
-        if rows.shape[0]:
-            self._gemm(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(), self.out_features,
-                       None if self.bias is None else self.bias.data_ptr(), out.data_ptr())
-        return out.reshape(*x.shape[:-1], self.out_features)
+        out_columns = self.out_features // 2 if self.silu_and_mul else self.out_features
+        out = torch.empty(rows.shape[0], out_columns, dtype=torch.bfloat16)
+        if rows.shape[0] and self.silu_and_mul:
+            self._library.gemm_bf16_silu_mul(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
+                                             self.out_features, out.data_ptr())
+        elif rows.shape[0]:
+            self._library.gemm_bf16(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
+                                    self.out_features, None if self.bias is None else self.bias.data_ptr(),
+                                    out.data_ptr())
+        return out.reshape(*x.shape[:-1], out_columns)

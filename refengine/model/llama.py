@@ -4,7 +4,8 @@ Stateless over requests: the runner passes token ids, positions and the step's
 ``ForwardContext`` (the attention backend prepared for this step, the KV cache
 tensors, the step's LoRA batch), which every projection receives. Q/K/V and
 gate/up projections are fused into one matmul each, loaded from the Hugging
-Face per-projection weights; each projection is a ``kernels.linear.Linear``.
+Face per-projection weights; each projection is a ``kernels.linear.Linear``. In the
+native bf16 GEMM the gate/up projection also applies the SiLU (``Linear.applies_silu_and_mul``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ class LlamaLayer:
             prepack=prepack, native=native,
         )
         self.o_proj = Linear(weights[f"{attn}.o_proj.weight"], prepack=prepack, native=native)
+        # Without adapters the SiLU may run in the GEMM's epilogue (native bf16); adapters add their
+        # deltas to [gate | up] first, so with LoRA the projection returns it and the SiLU runs apart.
         self.gate_up_proj = Linear(torch.cat([weights[f"{mlp}.gate_proj.weight"], weights[f"{mlp}.up_proj.weight"]]),
-                                   prepack=prepack, native=native)
+                                   prepack=prepack, native=native, silu_and_mul=lora is None)
+        self.silu_in_gate_up = self.gate_up_proj.applies_silu_and_mul
         self.down_proj = Linear(weights[f"{mlp}.down_proj.weight"], prepack=prepack, native=native)
         if lora is not None:  # the four projections take adapter deltas (kernels/lora_linear.py)
             dtype, device = self.input_norm.dtype, str(self.input_norm.device)
@@ -111,7 +115,8 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
             attn_out = ctx.attention.forward(q, k, v, k_cache, v_cache, self.scale)
             x = ops.add_rms_norm(hidden, layer.o_proj(attn_out.reshape(-1, q_size), ctx), layer.post_attn_norm, eps)
-            mlp_out = layer.down_proj(ops.silu_and_mul(layer.gate_up_proj(x, ctx)), ctx)
+            gate_up = layer.gate_up_proj(x, ctx)
+            mlp_out = layer.down_proj(gate_up if layer.silu_in_gate_up else ops.silu_and_mul(gate_up), ctx)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = ops.add_rms_norm(hidden, mlp_out, next_norm, eps)
         return x

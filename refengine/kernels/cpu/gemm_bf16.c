@@ -28,10 +28,19 @@
  * That order depends on nothing but k, so a row's result is the same bit for bit whatever
  * rows share the call and whatever thread computes it.
  *
- * Requires k even and n a multiple of 16 (kernels/linear.py checks; other shapes use oneDNN).
+ * SiLU epilogue (gemm_bf16_silu_mul). For an MLP's gate/up projection the weight is packed with
+ * gate and up panels alternating (gate columns 0-15, up columns 0-15, gate 16-31, ...), so a tile
+ * holds both halves of 48 output columns and writes silu(gate) * up straight from its accumulators:
+ * no [m, 2 * inter] intermediate, no separate pass over it, and the SiLU runs on both threads.
+ * It rounds exactly where fused_ops.c's silu_and_mul_bf16 does on the GEMM's rounded output, and
+ * computes e^-g with the same vectorized expf, so the fused and unfused paths agree bit for bit.
+ *
+ * Requires k even and n a multiple of 16 (32 with the SiLU epilogue; kernels/linear.py checks;
+ * other shapes use oneDNN).
  * Built with -march=native: on a CPU without AVX512-BF16 only gemm_bf16_supported() exists.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <omp.h>
 #include <string.h>
@@ -74,12 +83,32 @@ typedef struct {
     int lines_per_pair;
 } Ahead;
 
+static inline __m512 round_to_bf16(__m512 x)
+{
+    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x));
+}
+
+/* out[0:16] = bf16(round(g / (1 + e^-g)) * u), g and u the sums rounded to bf16 first: the
+ * arithmetic of silu_and_mul_bf16 (fused_ops_steps.h) on the rounded GEMM output, with gates below
+ * -88.72 (where e^-g overflows) giving 0 as there (fused_ops.c says why). */
+static void silu_mul_store(__m512 gate_sum, __m512 up_sum, uint16_t *out)
+{
+    float gate[LANES], silu[LANES];
+    _mm512_storeu_ps(gate, round_to_bf16(gate_sum));
+#pragma omp simd simdlen(16)
+    for (int i = 0; i < LANES; ++i)
+        silu[i] = gate[i] < -88.72284f ? 0.0f : gate[i] / (1.0f + expf(fminf(-gate[i], 88.0f)));
+    const __m512 product = _mm512_mul_ps(round_to_bf16(_mm512_loadu_ps(silu)), round_to_bf16(up_sum));
+    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(product));
+}
+
 /* One tile: `rows` rows of A x `panels` panels; both are constants after inlining, so the
- * loops unroll and the accumulators live in registers. */
+ * loops unroll and the accumulators live in registers. With `silu`, panels come in (gate, up)
+ * pairs and the tile writes panels / 2 panels' width of silu(gate) * up. */
 static inline __attribute__((always_inline)) void
-tile(const int rows, const int panels, const uint16_t *restrict a, int64_t lda, const uint16_t *restrict b,
-     int64_t panel_stride, int64_t pairs, const float *restrict bias, uint16_t *restrict c, int64_t ldc,
-     const Ahead ahead)
+tile(const int rows, const int panels, const int silu, const uint16_t *restrict a, int64_t lda,
+     const uint16_t *restrict b, int64_t panel_stride, int64_t pairs, const float *restrict bias,
+     uint16_t *restrict c, int64_t ldc, const Ahead ahead)
 {
     int64_t requested = 0;
     __m512 acc[ROWS_PER_TILE][PANELS_PER_TILE];
@@ -105,6 +134,14 @@ tile(const int rows, const int panels, const uint16_t *restrict a, int64_t lda, 
                 acc[r][p] = _mm512_dpbf16_ps(acc[r][p], broadcast, weights[p]);
         }
     }
+    if (silu) {
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; ++r)
+#pragma GCC unroll 3
+            for (int p = 0; p < panels; p += 2)
+                silu_mul_store(acc[r][p], acc[r][p + 1], c + r * ldc + p / 2 * LANES);
+        return;
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < rows; ++r)
 #pragma GCC unroll 6
@@ -114,33 +151,44 @@ tile(const int rows, const int panels, const uint16_t *restrict a, int64_t lda, 
         }
 }
 
-#define TILE(R, P) tile((R), (P), a, lda, b, panel_stride, pairs, bias, c, ldc, ahead)
-#define BY_ROWS(P)                  \
-    switch (rows) {                 \
-    case 1: TILE(1, P); break;      \
-    case 2: TILE(2, P); break;      \
-    case 3: TILE(3, P); break;      \
-    default: TILE(4, P); break;     \
+#define TILE(R, P, S) tile((R), (P), (S), a, lda, b, panel_stride, pairs, bias, c, ldc, ahead)
+#define BY_ROWS(P, S)                 \
+    switch (rows) {                   \
+    case 1: TILE(1, P, S); break;     \
+    case 2: TILE(2, P, S); break;     \
+    case 3: TILE(3, P, S); break;     \
+    default: TILE(4, P, S); break;    \
     }
 
-/* Every (rows, panels) shape a call can end with, each its own unrolled copy of the tile. */
-static void tile_any(int rows, int panels, const uint16_t *a, int64_t lda, const uint16_t *b, int64_t panel_stride,
-                     int64_t pairs, const float *bias, uint16_t *c, int64_t ldc, const Ahead ahead)
+/* Every (rows, panels) shape a call can end with, each its own unrolled copy of the tile; with
+ * `silu` the panel count is even. */
+static void tile_any(int rows, int panels, int silu, const uint16_t *a, int64_t lda, const uint16_t *b,
+                     int64_t panel_stride, int64_t pairs, const float *bias, uint16_t *c, int64_t ldc,
+                     const Ahead ahead)
 {
+    if (silu) {
+        switch (panels) {
+        case 2: BY_ROWS(2, 1); break;
+        case 4: BY_ROWS(4, 1); break;
+        default: BY_ROWS(6, 1); break;
+        }
+        return;
+    }
     switch (panels) {
-    case 1: BY_ROWS(1); break;
-    case 2: BY_ROWS(2); break;
-    case 3: BY_ROWS(3); break;
-    case 4: BY_ROWS(4); break;
-    case 5: BY_ROWS(5); break;
-    default: BY_ROWS(6); break;
+    case 1: BY_ROWS(1, 0); break;
+    case 2: BY_ROWS(2, 0); break;
+    case 3: BY_ROWS(3, 0); break;
+    case 4: BY_ROWS(4, 0); break;
+    case 5: BY_ROWS(5, 0); break;
+    default: BY_ROWS(6, 0); break;
     }
 }
 
-/* a: [m, k] bf16 rows of stride k; packed: from gemm_bf16_pack; bias: n fp32 or NULL; c: [m, n] bf16. */
-void gemm_bf16(const uint16_t *a, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
-               uint16_t *c)
+/* The GEMM for both entry points; with `silu`, c is [m, n / 2] (see the SiLU epilogue above). */
+static void gemm(const uint16_t *a, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
+                 int silu, uint16_t *c)
 {
+    const int64_t ldc = silu ? n / 2 : n;
     const int64_t pairs = k / 2, num_panels = n / LANES, panel_stride = pairs * 2 * LANES;
     const int64_t num_tiles = (num_panels + PANELS_PER_TILE - 1) / PANELS_PER_TILE;
     const int64_t row_tiles = (m + ROWS_PER_TILE - 1) / ROWS_PER_TILE;
@@ -165,11 +213,26 @@ void gemm_bf16(const uint16_t *a, int64_t m, int64_t k, const uint16_t *packed, 
                 const int64_t done = row / ROWS_PER_TILE * share;
                 const Ahead ahead = {(const char *)(packed + (first_panel + panels) * panel_stride) + done,
                                      next_bytes - done, lines_per_pair};
-                tile_any(rows, panels, a + row * k, k, packed + first_panel * panel_stride, panel_stride, pairs,
-                         tile_bias, c + row * n + first_panel * LANES, n, ahead);
+                const int64_t first_column = silu ? first_panel / 2 * LANES : first_panel * LANES;
+                tile_any(rows, panels, silu, a + row * k, k, packed + first_panel * panel_stride, panel_stride,
+                         pairs, tile_bias, c + row * ldc + first_column, ldc, ahead);
             }
         }
     }
+}
+
+/* a: [m, k] bf16 rows of stride k; packed: from gemm_bf16_pack; bias: n fp32 or NULL; c: [m, n] bf16. */
+void gemm_bf16(const uint16_t *a, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
+               uint16_t *c)
+{
+    gemm(a, m, k, packed, n, bias, 0, c);
+}
+
+/* c: [m, n / 2] = silu(gate) * up, where packed holds [n, k] with gate and up panels alternating
+ * (n a multiple of 32) and no bias. */
+void gemm_bf16_silu_mul(const uint16_t *a, int64_t m, int64_t k, const uint16_t *packed, int64_t n, uint16_t *c)
+{
+    gemm(a, m, k, packed, n, NULL, 1, c);
 }
 
 #endif

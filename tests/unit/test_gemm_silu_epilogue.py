@@ -1,0 +1,123 @@
+"""The native bf16 GEMM's SiLU epilogue: an MLP's gate/up projection and silu(gate) * up in one pass.
+
+Oracles: the plain GEMM followed by the separate SiLU step (``FusedOps.silu_and_mul``), which the
+epilogue must equal bit for bit, and torch's own ``F.silu(gate) * up`` on the same rounded GEMM
+output, which both may differ from by the last bf16 bits of an expf (tests/unit/test_fused_ops.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from refengine.config import KernelConfig
+from refengine.kernels import native_gemm
+from refengine.kernels.fused import FusedOps
+from refengine.kernels.linear import Linear
+from refengine.model.llama import LlamaModel, LoraSlotShape
+from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
+
+pytestmark = pytest.mark.skipif(bool(native_gemm.unavailable_reason()),
+                                reason=f"native bf16 GEMM not used here: {native_gemm.unavailable_reason()}")
+NATIVE_OPS = FusedOps(native=True)
+
+
+def _case(rows: int, inter: int, in_features: int, seed: int = 0, scale: float = 1.0):
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(2 * inter, in_features, generator=generator) * scale / in_features**0.5).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    return gate_up, x
+
+
+def _bf16_ulps(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    step = torch.where(expected == 0, torch.full_like(expected.double(), 2.0**-133), expected.double().abs() * 2**-7)
+    return ((got.double() - expected.double()).abs() / step).floor()
+
+
+# (rows, inter, in_features): inter 16/32/48 is a column tile of 2/4/6 panels, 80 a tile of 6 then
+# one of 4, 1,536 SmolLM2's; rows cover every row-tile tail and several row tiles.
+SHAPES = [(1, 16, 2), (2, 32, 64), (3, 48, 96), (4, 80, 128), (5, 1536, 576), (7, 48, 576), (64, 1536, 576),
+          (130, 80, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_equals_the_gemm_then_the_silu_step(shape) -> None:
+    gate_up, x = _case(*shape, seed=shape[0])
+    fused = Linear(gate_up, silu_and_mul=True)
+    assert fused.kind == "native-bf16" and fused.applies_silu_and_mul
+    plain = Linear(gate_up)(x)
+    out = fused(x)
+    assert out.shape == (shape[0], shape[1]) and out.dtype == torch.bfloat16
+    assert torch.equal(out, NATIVE_OPS.silu_and_mul(plain))
+    gate, up = plain.chunk(2, dim=-1)
+    ulps = _bf16_ulps(out, F.silu(gate) * up)
+    assert ulps.max().item() <= 2 and (ulps == 0).float().mean().item() >= 0.99
+
+
+def test_gates_past_exp_overflow_give_zero_not_nan() -> None:
+    """Gates near -100 (e^-g overflows float32) give silu = 0 as in torch, in the epilogue and in
+    the separate step, float32 and bf16; before the cap both C paths gave NaN there."""
+    gate_up, x = _case(16, 1536, 576, seed=7, scale=60.0)
+    plain = Linear(gate_up)(x)
+    gate, up = plain.chunk(2, dim=-1)
+    assert (gate < -89).sum() > 100, "the case must reach the overflow"
+    expected = F.silu(gate) * up
+    for got in (Linear(gate_up, silu_and_mul=True)(x), NATIVE_OPS.silu_and_mul(plain)):
+        assert not got.isnan().any()
+        assert torch.equal(got[gate < -89].float(), expected[gate < -89].float())
+    plain32 = plain.float()
+    got32 = NATIVE_OPS.silu_and_mul(plain32)
+    assert not got32.isnan().any()
+    torch.testing.assert_close(got32, F.silu(plain32[:, :1536]) * plain32[:, 1536:], rtol=1e-5, atol=1e-30)
+
+
+def test_rows_do_not_depend_on_the_call() -> None:
+    """G18: a row alone, in batches of every row-tile position, and on 1 or 2 threads: same bits."""
+    gate_up, x = _case(37, 1536, 576, seed=3)
+    layer = Linear(gate_up, silu_and_mul=True)
+    batch = layer(x)
+    for rows in (2, 5, 36):
+        assert torch.equal(layer(x[:rows]), batch[:rows])
+    for i in range(0, 37, 6):
+        assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1]), f"row {i}"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_who_takes_the_epilogue() -> None:
+    gate_up, x = _case(3, 40, 64)  # 40: the halves are not whole panels of 16, [gate | up] is 5 panels
+    layer = Linear(gate_up, silu_and_mul=True)
+    assert layer.kind == "native-bf16" and not layer.applies_silu_and_mul
+    assert torch.equal(layer(x), Linear(gate_up)(x))  # [gate | up], for the separate step
+    assert not Linear(gate_up[:96], torch.zeros(96, dtype=torch.bfloat16), silu_and_mul=True).applies_silu_and_mul
+    gate_up, x = _case(3, 48, 64)
+    assert not Linear(gate_up.float(), silu_and_mul=True).applies_silu_and_mul  # float32: oneDNN
+    assert not Linear(gate_up, silu_and_mul=True, native=False).applies_silu_and_mul
+    assert not Linear(gate_up).applies_silu_and_mul
+    with pytest.raises(ValueError, match="no bias"):
+        native_gemm.PackedBf16Weight(gate_up, torch.zeros(96, dtype=torch.bfloat16), silu_and_mul=True)
+    with pytest.raises(ValueError, match=r"\[32n, 2k\]"):
+        native_gemm.PackedBf16Weight(gate_up[:80], None, silu_and_mul=True)
+
+
+def _bf16_model(lora: LoraSlotShape | None = None) -> LlamaModel:
+    hf = make_tiny_hf_model(seed=11, intermediate_size=96)
+    weights = {name: w.bfloat16() for name, w in hf_weights(hf).items()}
+    return LlamaModel(model_config_from_hf(hf), weights, 64, KernelConfig(), lora)
+
+
+def test_the_model_fuses_without_adapters_only() -> None:
+    """Without LoRA slots every layer's gate/up runs the epilogue; with them (adapters add their
+    deltas to [gate | up] before the SiLU) none does. Both give the same MLP output."""
+    fused, with_slots = _bf16_model(), _bf16_model(LoraSlotShape(num_slots=2, max_rank=8))
+    assert all(layer.silu_in_gate_up for layer in fused.layers)
+    assert not any(layer.silu_in_gate_up for layer in with_slots.layers)
+    x = torch.randn(9, 64).bfloat16()
+    for layer, slotted in zip(fused.layers, with_slots.layers, strict=True):
+        separate = NATIVE_OPS.silu_and_mul(slotted.gate_up_proj.base(x))
+        assert torch.equal(layer.gate_up_proj(x), separate)
