@@ -22,6 +22,18 @@ from refengine.model.manifest import load_manifest, locate_gguf
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL = "smollm2-135m-instruct"
+#: The golden prompts, and how many tokens each greedy run generates (EOS ignored).
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "A haiku about the ocean:\n",
+    "List of prime numbers: 2, 3, 5,",
+    "Explain photosynthesis in simple terms.",
+]
+NUM_TOKENS = 48
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -60,3 +72,25 @@ def model_parts(smollm2_dir: Path):
 
     return (load_model_config(smollm2_dir), load_weights(smollm2_dir), load_tokenizer(smollm2_dir),
             model_fingerprint(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_smollm2: transformers.LlamaForCausalLM, smollm2_dir: Path) -> list[list[int]]:
+    """transformers' own greedy decoding of each golden prompt with its KV cache, NUM_TOKENS
+    tokens, EOS ignored. Computed once per session: the float32, bf16 and 16-bit-KV golden
+    modules all compare with it (~25 s each time on 2 cores)."""
+    from refengine.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    results = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = hf_smollm2(torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)]), use_cache=True)
+            past, generated = out.past_key_values, []
+            for _ in range(NUM_TOKENS):
+                token = int(out.logits[0, -1].argmax())
+                generated.append(token)
+                out = hf_smollm2(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            results.append(generated)
+    return results

@@ -25,7 +25,8 @@ from refengine.engine.engine import Engine
 from refengine.kernels.attention.cpu_paged import CpuPagedBackend
 from refengine.kernels.cpu_features import native_bf16
 from refengine.types import GenerationRequest, LogprobParams, SamplingParams, StoppingParams
-from tests.golden.test_engine_golden import NUM_TOKENS, PROMPTS, greedy_request, hf_greedy  # noqa: F401 - a fixture
+from tests.golden.conftest import NUM_TOKENS, PROMPTS
+from tests.golden.test_engine_golden import greedy_request
 
 pytestmark = [pytest.mark.golden,
               pytest.mark.skipif(not native_bf16(), reason="this CPU has no native bf16 (avx512_bf16 / amx_bf16)")]
@@ -72,7 +73,7 @@ def test_logits_match_transformers_bf16(bf16_parts, smollm2_dir, prompt_ids) -> 
         assert got.token_id == int(reference.argmax()) or reference.max() - reference[got.token_id] <= LOGIT_TOLERANCE
 
 
-def test_greedy_agreement_with_fp32_transformers(alone, hf_greedy) -> None:  # noqa: F811 - the imported fixture
+def test_greedy_agreement_with_fp32_transformers(alone, hf_greedy) -> None:
     agreement = []
     for ours, theirs in zip(alone, hf_greedy, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), NUM_TOKENS)

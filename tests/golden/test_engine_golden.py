@@ -13,23 +13,10 @@ from refengine.kernels.attention.cpu_paged import native_kernel_unavailable_reas
 from refengine.model.runner import ModelRunner
 from refengine.scheduler.sequence import Sequence
 from refengine.types import GenerationRequest, SamplingParams, StoppingParams
+from tests.golden.conftest import NUM_TOKENS, PROMPTS
 from tests.step_helpers import run_step
 
 pytestmark = pytest.mark.golden
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-    "A haiku about the ocean:\n",
-    "List of prime numbers: 2, 3, 5,",
-    "Explain photosynthesis in simple terms.",
-]
-NUM_TOKENS = 48
-
-
 
 
 def make_engine(model_parts, num_blocks: int = 512, budget: int = 2048, max_seqs: int = 64) -> Engine:
@@ -54,23 +41,6 @@ def greedy_request(i: int, prompt_ids: list[int], rid: str | None = None) -> Gen
 def prompt_ids(model_parts) -> list[list[int]]:
     tokenizer = model_parts[2]
     return [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(hf_smollm2, prompt_ids) -> list[list[int]]:
-    """transformers' own greedy decoding with its KV cache, EOS ignored."""
-    results = []
-    with torch.no_grad():
-        for ids in prompt_ids:
-            out = hf_smollm2(torch.tensor([ids]), use_cache=True)
-            past, generated = out.past_key_values, []
-            for _ in range(NUM_TOKENS):
-                token = int(out.logits[0, -1].argmax())
-                generated.append(token)
-                out = hf_smollm2(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-                past = out.past_key_values
-            results.append(generated)
-    return results
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,8 @@ from refengine.model.dtypes import DTYPES
 from refengine.model.runner import ModelRunner
 from refengine.scheduler.sequence import Sequence
 from refengine.types import GenerationRequest, SamplingParams, StoppingParams
-from tests.golden.test_engine_golden import NUM_TOKENS, PROMPTS, greedy_request, hf_greedy  # noqa: F401 - a fixture
+from tests.golden.conftest import NUM_TOKENS, PROMPTS
+from tests.golden.test_engine_golden import greedy_request
 from tests.step_helpers import run_step
 
 pytestmark = pytest.mark.golden
@@ -151,7 +152,7 @@ def test_greedy_identical_chunked_batched_and_on_prefix_hits(model_parts, prompt
     assert engine.core.pool.num_used == 0
 
 
-def test_greedy_agreement_with_plain_fp32_transformers(alone, hf_greedy, kv_dtype) -> None:  # noqa: F811
+def test_greedy_agreement_with_plain_fp32_transformers(alone, hf_greedy, kv_dtype) -> None:
     """How long greedy output stays with float32 transformers whose cache is not rounded
     (printed per prompt). Measured 48 of 48 on every golden prompt for both dtypes; required:
     at least half the tokens on average (the 16-bit cache may flip a near-tie)."""
