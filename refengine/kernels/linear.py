@@ -16,11 +16,13 @@ rows (``benchmarks/README.md``).
 - ``torch``: ``F.linear`` on the weight as given (GPUs, other dtypes, ``--no-onednn``).
 
 Batch invariance (G18): a row's result must not depend on how many rows share the call.
-oneDNN's bf16 GEMM on prepacked weights computes each row the same way for every row count
-of 2 or more, but takes another kernel for a single row, whose reduction over K rounds
-differently (seen at down_proj's K = 1,536 on SmolLM2, with and without threads; float32 is
-the same for every row count). So a bf16 call with one row runs as two (the row twice) and
-keeps the first: the cost of a 1-row GEMM is its weight read, which stays the same.
+oneDNN's GEMM on prepacked weights computes each row the same way for every row count of 2 or
+more, but takes another kernel for a single row, whose reduction over K rounds differently
+(seen at down_proj's K = 1,536 on SmolLM2: in bf16 on an Intel Xeon, with and without threads,
+and in float32 too on an AMD Zen 4, up to 4.5e-6 apart, enough to flip a greedy near-tie
+between a lone decode row and the same row in a batch). So a call with one row runs as two
+(the row twice) and keeps the first: the cost of a 1-row GEMM is its weight read, which stays
+the same.
 
 The packed op is private torch API, so it is used only after a one-time check on
 random data agrees with ``F.linear``; otherwise (other dtypes, GPUs, a torch without
@@ -107,7 +109,7 @@ class Linear:
         if self.kind == "native-bf16":
             return self.weight(x)
         if self.kind == "onednn":
-            if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1:  # see the module docstring
+            if x.dim() == 2 and x.shape[0] == 1:  # see the module docstring (G18)
                 return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), self.weight, self.bias, "none", [], "")[:1]
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
