@@ -85,8 +85,9 @@ class PackedBf16Weight:
     float32 (added before the one rounding to bf16). Callable: ``x @ weight.T + bias``.
 
     With ``silu_and_mul`` the weight is an MLP's ``[gate | up]`` (no bias) and the call returns
-    ``silu(x @ gate.T) * (x @ up.T)``, ``[..., out_features / 2]``, from the GEMM's epilogue: bit
-    for bit what ``FusedOps.silu_and_mul`` gives on the plain call's output, in one pass."""
+    ``silu(x @ gate.T) * (x @ up.T)``, ``[..., out_features / 2]``, from the GEMM's epilogue in one
+    pass: within one bf16 step of what ``FusedOps.silu_and_mul`` gives on the plain call's output
+    (``gemm_bf16.c`` says why)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool = False) -> None:
         library, reason = _library()

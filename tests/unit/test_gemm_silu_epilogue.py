@@ -1,8 +1,10 @@
 """The native bf16 GEMM's SiLU epilogue: an MLP's gate/up projection and silu(gate) * up in one pass.
 
-Oracles: the plain GEMM followed by the separate SiLU step (``FusedOps.silu_and_mul``), which the
-epilogue must equal bit for bit, and torch's own ``F.silu(gate) * up`` on the same rounded GEMM
-output, which both may differ from by the last bf16 bits of an expf (tests/unit/test_fused_ops.py).
+Oracles: torch's own ``F.silu(gate) * up`` on the plain GEMM's rounded output (the plain GEMM has
+its float64 oracle in test_native_gemm.py), and the separate SiLU step (``FusedOps.silu_and_mul``)
+on that output. The epilogue computes the step's formula but its division exactly, where GCC
+vectorizes the step's as a reciprocal estimate plus a Newton step: the two may differ by one bf16
+step, rarely (gemm_bf16.c).
 """
 
 from __future__ import annotations
@@ -41,18 +43,20 @@ SHAPES = [(1, 16, 2), (2, 32, 64), (3, 48, 96), (4, 80, 128), (5, 1536, 576), (7
           (130, 80, 64)]
 
 
+@pytest.mark.parametrize("scale", [1.0, 24.0], ids=["unit", "wide"])  # wide: gates of +-50 and more
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_equals_the_gemm_then_the_silu_step(shape) -> None:
-    gate_up, x = _case(*shape, seed=shape[0])
+def test_equals_the_gemm_then_the_silu_step(shape, scale: float) -> None:
+    gate_up, x = _case(*shape, seed=shape[0], scale=scale)
     fused = Linear(gate_up, silu_and_mul=True)
     assert fused.kind == "native-bf16" and fused.applies_silu_and_mul
     plain = Linear(gate_up)(x)
     out = fused(x)
     assert out.shape == (shape[0], shape[1]) and out.dtype == torch.bfloat16
-    assert torch.equal(out, NATIVE_OPS.silu_and_mul(plain))
     gate, up = plain.chunk(2, dim=-1)
-    ulps = _bf16_ulps(out, F.silu(gate) * up)
-    assert ulps.max().item() <= 2 and (ulps == 0).float().mean().item() >= 0.99
+    torch_ulps = _bf16_ulps(out, F.silu(gate) * up)
+    assert torch_ulps.max().item() <= 2 and (torch_ulps == 0).float().mean().item() >= 0.99
+    step_ulps = _bf16_ulps(out, NATIVE_OPS.silu_and_mul(plain))
+    assert step_ulps.max().item() <= 1 and (step_ulps == 0).float().mean().item() >= 0.999
 
 
 def test_gates_past_exp_overflow_give_zero_not_nan() -> None:
@@ -113,11 +117,11 @@ def _bf16_model(lora: LoraSlotShape | None = None) -> LlamaModel:
 
 def test_the_model_fuses_without_adapters_only() -> None:
     """Without LoRA slots every layer's gate/up runs the epilogue; with them (adapters add their
-    deltas to [gate | up] before the SiLU) none does. Both give the same MLP output."""
+    deltas to [gate | up] before the SiLU) none does. Both give the same MLP input, to a bf16 step."""
     fused, with_slots = _bf16_model(), _bf16_model(LoraSlotShape(num_slots=2, max_rank=8))
     assert all(layer.silu_in_gate_up for layer in fused.layers)
     assert not any(layer.silu_in_gate_up for layer in with_slots.layers)
     x = torch.randn(9, 64).bfloat16()
     for layer, slotted in zip(fused.layers, with_slots.layers, strict=True):
         separate = NATIVE_OPS.silu_and_mul(slotted.gate_up_proj.base(x))
-        assert torch.equal(layer.gate_up_proj(x), separate)
+        assert _bf16_ulps(layer.gate_up_proj(x), separate).max().item() <= 1

@@ -19,19 +19,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define PARALLEL_MIN_ELEMENTS 16384
+#include "silu.h"
 
-/* silu(g) = g / (1 + e^-g), as silu_of below computes it. Under -ffast-math GCC divides by a
- * reciprocal estimate refined by one Newton step, which turns 1 / inf into NaN: with e^-g
- * overflowing (g below -88.72), silu was NaN where torch gives 0. So those gates give 0 (as
- * torch's g / inf does), and the exponent is capped below the overflow in the lanes a vector
- * computes and then discards. */
-#define SILU_ZERO_BELOW -88.72284f
-#define SILU_MAX_EXPONENT 88.0f
-static inline float silu_of(float g)
-{
-    return g < SILU_ZERO_BELOW ? 0.0f : g / (1.0f + expf(fminf(-g, SILU_MAX_EXPONENT)));
-}
+#define PARALLEL_MIN_ELEMENTS 16384
 
 static inline float bf16_to_float(uint16_t x)
 {

@@ -37,7 +37,7 @@ void STEP_NAME(add_rms_norm)(ELEM_T *residual, const ELEM_T *delta, ELEM_T *out,
 }
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu(g) = g / (1 + e^-g);
- * torch form: silu rounded, then the product (silu_of: fused_ops.c). */
+ * torch form: silu rounded, then the product (silu_of: silu.h). */
 void STEP_NAME(silu_and_mul)(const ELEM_T *gate_up, ELEM_T *out, int64_t rows, int inter)
 {
 #pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN_ELEMENTS)
