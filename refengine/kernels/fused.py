@@ -86,7 +86,7 @@ class FusedOps:
         """The C kernels when ``native`` and the tensors are CPU tensors of one dtype the
         library has (float32, bfloat16)."""
         dtype = tensors[0].dtype
-        if self.native and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors):
+        if self.native and all(t.dtype == dtype and t.is_cpu for t in tensors):
             return _kernels(dtype)
         return None
 
