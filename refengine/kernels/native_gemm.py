@@ -105,12 +105,12 @@ class PackedBf16Weight:
         library.gemm_bf16_pack(weight.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features)
         self.bias = None if bias is None else bias.float().contiguous()
         self.silu_and_mul = silu_and_mul
+        self.out_columns = self.out_features // 2 if silu_and_mul else self.out_features
         self._library = library
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        out_columns = self.out_features // 2 if self.silu_and_mul else self.out_features
-        out = torch.empty(rows.shape[0], out_columns, dtype=torch.bfloat16)
+        out = torch.empty(rows.shape[0], self.out_columns, dtype=torch.bfloat16)
         if rows.shape[0] and self.silu_and_mul:
             self._library.gemm_bf16_silu_mul(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
                                              self.out_features, out.data_ptr())
@@ -118,4 +118,4 @@ class PackedBf16Weight:
             self._library.gemm_bf16(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
                                     self.out_features, None if self.bias is None else self.bias.data_ptr(),
                                     out.data_ptr())
-        return out.reshape(*x.shape[:-1], out_columns)
+        return out.reshape(*x.shape[:-1], self.out_columns)

@@ -19,6 +19,7 @@ from refengine.kernels.fused import FusedOps
 from refengine.kernels.linear import Linear
 from refengine.model.llama import LlamaModel, LoraSlotShape
 from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
+from tests.unit.gemm_helpers import assert_rows_do_not_depend_on_the_call
 
 pytestmark = pytest.mark.skipif(bool(native_gemm.unavailable_reason()),
                                 reason=f"native bf16 GEMM not used here: {native_gemm.unavailable_reason()}")
@@ -79,18 +80,7 @@ def test_gates_past_exp_overflow_give_zero_not_nan() -> None:
 def test_rows_do_not_depend_on_the_call() -> None:
     """G18: a row alone, in batches of every row-tile position, and on 1 or 2 threads: same bits."""
     gate_up, x = _case(37, 1536, 576, seed=3)
-    layer = Linear(gate_up, silu_and_mul=True)
-    batch = layer(x)
-    for rows in (2, 5, 36):
-        assert torch.equal(layer(x[:rows]), batch[:rows])
-    for i in range(0, 37, 6):
-        assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1]), f"row {i}"
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(layer(x), batch)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_do_not_depend_on_the_call(Linear(gate_up, silu_and_mul=True), x, (2, 5, 36), 6)
 
 
 def test_who_takes_the_epilogue() -> None:

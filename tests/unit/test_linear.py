@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from refengine.kernels import linear
 from refengine.kernels.cpu_features import native_bf16
 from refengine.kernels.linear import Linear, onednn_available
+from tests.unit.gemm_helpers import assert_rows_do_not_depend_on_the_call
 
 SHAPES = [(960, 576), (576, 1536)]  # (out_features, in_features)
 
@@ -112,11 +113,7 @@ def test_float32_rows_do_not_depend_on_the_row_count(shape) -> None:
     layer = Linear(weight, bias)
     assert layer.kind == "onednn"
     x = torch.randn(64, shape[1], generator=torch.Generator().manual_seed(2))
-    batch = layer(x)
-    for rows in (2, 5):
-        assert torch.equal(layer(x[:rows]), batch[:rows])
-    for i in range(0, 64, 7):
-        assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1]), f"row {i}"
+    assert_rows_do_not_depend_on_the_call(layer, x, (2, 5), 7, one_thread=False)
 
 
 @pytest.mark.skipif(not native_bf16() or not onednn_available(torch.bfloat16),
@@ -129,8 +126,4 @@ def test_bfloat16_rows_do_not_depend_on_the_row_count(shape) -> None:
     layer = Linear(torch.randn(*shape, generator=generator).bfloat16(), native=False)
     assert layer.kind == "onednn"
     x = torch.randn(64, shape[1], generator=generator).bfloat16()
-    batch = layer(x)
-    for rows in (2, 5):
-        assert torch.equal(layer(x[:rows]), batch[:rows])
-    for i in range(0, 64, 7):
-        assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1]), f"row {i}"
+    assert_rows_do_not_depend_on_the_call(layer, x, (2, 5), 7, one_thread=False)

@@ -12,6 +12,7 @@ import torch
 
 from refengine.kernels import cpu_features, linear, native_gemm
 from refengine.kernels.linear import Linear
+from tests.unit.gemm_helpers import assert_rows_do_not_depend_on_the_call
 
 pytestmark = pytest.mark.skipif(bool(native_gemm.unavailable_reason()),
                                 reason=f"native bf16 GEMM not used here: {native_gemm.unavailable_reason()}")
@@ -57,18 +58,7 @@ def test_rows_do_not_depend_on_the_call(shape) -> None:
     """G18: a row alone, in a batch of 2, 5 or 64 (every row-tile position), and on 1 or 2
     threads gives the same bits."""
     weight, bias, x = _case(64, *shape, seed=3)
-    layer = Linear(weight, bias)
-    batch = layer(x)
-    for rows in (2, 5, 63):
-        assert torch.equal(layer(x[:rows]), batch[:rows])
-    for i in range(0, 64, 5):
-        assert torch.equal(layer(x[i:i + 1]), batch[i:i + 1]), f"row {i}"
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(layer(x), batch)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_do_not_depend_on_the_call(Linear(weight, bias), x, (2, 5, 63), 5)
 
 
 def test_inputs_of_any_layout_and_leading_shape() -> None:
