@@ -25,7 +25,7 @@ from refengine.engine.engine import Engine
 from refengine.kernels.attention.cpu_paged import CpuPagedBackend
 from refengine.kernels.cpu_features import native_bf16
 from refengine.types import GenerationRequest, LogprobParams, SamplingParams, StoppingParams
-from tests.golden.conftest import NUM_TOKENS, PROMPTS
+from tests.golden.conftest import NUM_TOKENS, PROMPTS, first_disagreement
 from tests.golden.test_engine_golden import greedy_request
 
 pytestmark = [pytest.mark.golden,
@@ -73,11 +73,8 @@ def test_logits_match_transformers_bf16(bf16_parts, smollm2_dir, prompt_ids) -> 
         assert got.token_id == int(reference.argmax()) or reference.max() - reference[got.token_id] <= LOGIT_TOLERANCE
 
 
-def test_greedy_agreement_with_fp32_transformers(alone, hf_greedy) -> None:
-    agreement = []
-    for ours, theirs in zip(alone, hf_greedy, strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), NUM_TOKENS)
-        agreement.append(same)
+def test_greedy_agreement_with_fp32_transformers(alone, hf_smollm2, prompt_ids) -> None:
+    agreement = [first_disagreement(hf_smollm2, ids, ours) for ids, ours in zip(prompt_ids, alone, strict=True)]
     print(f"\nbf16 vs fp32 transformers, greedy tokens until the first divergence: {agreement} of {NUM_TOKENS}")
     assert min(agreement) >= 1 and sum(agreement) >= NUM_TOKENS * len(alone) // 4, agreement
 

@@ -3,16 +3,17 @@
 Oracle: transformers in float32 on the same weights, attending through an attention function
 registered with transformers' ``AttentionInterface`` that rounds keys and values to the cache
 dtype first: a 16-bit KV cache modelled inside the oracle's own forward (its projections,
-rotary embedding, cache and SDPA call are transformers'; only the two roundings are ours).
-The engine's greedy tokens are that oracle's, and its logits are within a documented
-tolerance of it. The tolerance cannot be float32's: the two compute each key in float32 in a
-different order, and a key within 1e-6 of a rounding midpoint rounds to the other 16-bit
-neighbour; that difference grows through 30 layers, each one's keys rounding afresh. (The
-exact claim, attention over a 16-bit cache = float64 attention over keys rounded to it, is
-tests/unit/test_kv_cache_dtype.py's.) Because the engine rounds the step's own keys too, a
-16-bit cache keeps G18: greedy output is identical alone, chunked, in a mixed batch and on
-prefix-cache hits. Against plain float32 transformers, greedy agreement is measured and
-printed (tokens until the first divergence per golden prompt).
+rotary embedding, cache and SDPA call are transformers'; only the two roundings are ours). The
+engine's greedy tokens are that oracle's (checked teacher-forced: one oracle forward over the
+prompt and the engine's tokens, each of which must be its argmax; ``first_disagreement``), and
+its logits are within a documented tolerance of it. The tolerance cannot be float32's: the two
+compute each key in float32 in a different order, and a key within 1e-6 of a rounding midpoint
+rounds to the other 16-bit neighbour; that difference grows through 30 layers, each one's keys
+rounding afresh. (The exact claim, attention over a 16-bit cache = float64 attention over keys
+rounded to it, is tests/unit/test_kv_cache_dtype.py's.) Because the engine rounds the step's
+own keys too, a 16-bit cache keeps G18: greedy output is identical alone, chunked, in a mixed
+batch and on prefix-cache hits. Against plain float32 transformers, greedy agreement is
+measured and printed (tokens until the first divergence per golden prompt).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from refengine.model.dtypes import DTYPES
 from refengine.model.runner import ModelRunner
 from refengine.scheduler.sequence import Sequence
 from refengine.types import GenerationRequest, SamplingParams, StoppingParams
-from tests.golden.conftest import NUM_TOKENS, PROMPTS
+from tests.golden.conftest import NUM_TOKENS, PROMPTS, first_disagreement
 from tests.golden.test_engine_golden import greedy_request
 from tests.step_helpers import run_step
 
@@ -77,17 +78,6 @@ def prompt_ids(model_parts) -> list[list[int]]:
     return [model_parts[2].encode(p, add_special_tokens=False) for p in PROMPTS]
 
 
-def greedy_of(model: transformers.LlamaForCausalLM, ids: list[int]) -> list[int]:
-    """transformers' greedy decoding with its KV cache, EOS ignored."""
-    generated = []
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-        for _ in range(NUM_TOKENS):
-            generated.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([[generated[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-    return generated
-
-
 @pytest.fixture(scope="module")
 def alone(model_parts, prompt_ids, kv_dtype: str) -> list[list[int]]:
     engine = make_engine(model_parts, kv_dtype)
@@ -128,7 +118,9 @@ def test_logits_match_transformers_with_a_rounded_cache(model_parts, hf_rounded,
 
 def test_greedy_matches_transformers_with_a_rounded_cache(alone, hf_rounded, prompt_ids) -> None:
     for i, ids in enumerate(prompt_ids):
-        assert alone[i] == greedy_of(hf_rounded, ids), f"prompt {i} ({PROMPTS[i]!r})"
+        assert len(alone[i]) == NUM_TOKENS
+        at = first_disagreement(hf_rounded, ids, alone[i])
+        assert at == NUM_TOKENS, f"prompt {i} ({PROMPTS[i]!r}): token {at} is not the oracle's greedy choice"
 
 
 def test_greedy_identical_chunked_batched_and_on_prefix_hits(model_parts, prompt_ids, alone, kv_dtype) -> None:
@@ -152,12 +144,11 @@ def test_greedy_identical_chunked_batched_and_on_prefix_hits(model_parts, prompt
     assert engine.core.pool.num_used == 0
 
 
-def test_greedy_agreement_with_plain_fp32_transformers(alone, hf_greedy, kv_dtype) -> None:
+def test_greedy_agreement_with_plain_fp32_transformers(alone, hf_smollm2, prompt_ids, kv_dtype) -> None:
     """How long greedy output stays with float32 transformers whose cache is not rounded
     (printed per prompt). Measured 48 of 48 on every golden prompt for both dtypes; required:
     at least half the tokens on average (the 16-bit cache may flip a near-tie)."""
-    agreement = [next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), NUM_TOKENS)
-                 for ours, theirs in zip(alone, hf_greedy, strict=True)]
+    agreement = [first_disagreement(hf_smollm2, ids, ours) for ids, ours in zip(prompt_ids, alone, strict=True)]
     print(f"\n{kv_dtype} KV: tokens equal to fp32 transformers before the first divergence, of {NUM_TOKENS}: "
           f"{agreement} (mean {sum(agreement) / len(agreement):.1f})")
     assert sum(agreement) >= len(agreement) * NUM_TOKENS / 2, agreement
