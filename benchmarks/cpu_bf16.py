@@ -8,7 +8,8 @@ bf16 KV cache read by the native attention kernel), the same mixed workload as `
 - **Throughput**: output tok/s per dtype, and the ratio bf16 / fp32 (target ≥ 1.6 on a CPU
   with native bf16). The **roof**: the workload's matmul FLOPs (2 × the layers' projection
   parameters × every token position computed, prompts once and each output token once, plus
-  2 × the LM head's parameters × the rows whose logits were computed) ÷ the prepacked GEMM
+  2 × the LM head's parameters × the rows whose logits were computed, plus attention's
+  4 × heads × head_dim × layers per query-key pair attended) ÷ the prepacked GEMM
   rate of that dtype measured here at the workload's typical step shape (2048 × 576 × 1536) just
   before and just after the workload (the larger of the two),
   and a memory roof: every step reads the weights once and each sequence's KV (counted over the
@@ -18,8 +19,14 @@ bf16 KV cache read by the native attention kernel), the same mixed workload as `
   over steps of that larger one, bounds the run; the table gives the fraction of it achieved
   (target ≥ 60 % for bf16), and also the looser fraction of the larger of the two totals, which
   earlier tables reported. A second table splits the steps: those with prompt tokens (mostly
-  compute-bound) and decode-only ones (mostly memory-bound), each with its ``execute`` time. Attention FLOPs are
-  left out (about 4 % at these lengths).
+  compute-bound) and decode-only ones (memory-bound at a few rows, compute-bound from about a
+  dozen under this roof), each with its ``execute`` time, and beside the roof the **serial
+  bound**: each step's compute time plus its memory time, what a step needs when its reads do
+  not overlap its arithmetic. On two cores they barely do: a decode step's projections compute
+  and its attention streams the KV, one after the other.
+  Attention's FLOPs are part of the workload's (about 7 % of them here, and 10 % of a decode step's
+  at 400 positions); tables before 2026-12-04 left them out, so the first table also gives the
+  fraction of the per-step roof without them.
 - **Decode step**: one decode step (build + execute) at batch 1/32/64 and context 128 and 1,024,
   next to its memory roof: (weight bytes + the batch's KV bytes) ÷ the memory read bandwidth
   measured here (a large ``sum`` over a 1 GiB tensor).
@@ -100,16 +107,29 @@ def engine(parts, dtype: str, num_blocks: int = 4096, max_num_seqs: int = 64) ->
 @dataclass(frozen=True)
 class StepCounts:
     """What one engine step computed: the token positions run through the layers, the KV
-    positions its attention read, the rows given logits, and the seconds ``execute`` took."""
+    positions its attention read, the (query, key) pairs it attended (causal), the rows given
+    logits, and the seconds ``execute`` took."""
 
     tokens: int
     kv_positions: int
+    attention_pairs: int
     logit_rows: int
     seconds: float
 
     @property
     def decode_only(self) -> bool:
         return self.tokens == self.logit_rows
+
+
+def attention_pairs(model_input) -> int:  # noqa: ANN001
+    """The (query, key) pairs a step's causal attention computes: a sequence's q new rows each
+    attend to the s - q cached positions and to the new ones up to their own."""
+    starts = model_input.query_start_loc
+    pairs = 0
+    for i, seq_len in enumerate(model_input.seq_lens):
+        new = starts[i + 1] - starts[i]
+        pairs += new * (seq_len - new) + new * (new + 1) // 2
+    return pairs
 
 
 def throughput(parts, dtype: str, workload) -> tuple[float, int, list[StepCounts]]:
@@ -125,7 +145,7 @@ def throughput(parts, dtype: str, workload) -> tuple[float, int, list[StepCounts
     def counted(model_input, **options):  # noqa: ANN001, ANN003, ANN202
         started = time.perf_counter()
         result = execute(model_input, **options)
-        steps.append(StepCounts(model_input.input_ids.numel(), sum(model_input.seq_lens),
+        steps.append(StepCounts(model_input.input_ids.numel(), sum(model_input.seq_lens), attention_pairs(model_input),
                                 model_input.logit_row_indices.numel(), time.perf_counter() - started))
         return result
 
@@ -167,6 +187,7 @@ def main() -> int:
                              32 if args.quick else 256)
     bandwidths = [read_bandwidth()]
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    attention_flops_per_pair = 4 * config.num_attention_heads * config.head_dim * config.num_hidden_layers
     rows, splits, measured_rates = {}, {}, {}
     for dtype in DTYPES:
         rate_before = gemm_rate(DTYPES[dtype])
@@ -177,16 +198,20 @@ def main() -> int:
         measured_rates[dtype] = (rate_before, gemm_rate(DTYPES[dtype]))
         bandwidths.append(read_bandwidth())
         rate, bandwidth, size = max(measured_rates[dtype]), max(bandwidths), DTYPES[dtype].itemsize
-        compute = [2 * (layer_params * step.tokens + head_params * step.logit_rows) / rate for step in steps]
+        projections = [2 * (layer_params * step.tokens + head_params * step.logit_rows) / rate for step in steps]
+        compute = [p + attention_flops_per_pair * step.attention_pairs / rate
+                   for p, step in zip(projections, steps, strict=True)]
         memory = [(params + step.kv_positions * kv_per_token) * size / bandwidth for step in steps]
         per_step = [max(c, m) for c, m in zip(compute, memory, strict=True)]
+        without_attention = sum(max(p, m) for p, m in zip(projections, memory, strict=True))
         totals = max(sum(compute), sum(memory))
         rows[dtype] = (tokens / seconds, rate, sum(compute), sum(memory), sum(per_step), sum(per_step) / seconds,
-                       totals / seconds)
+                       without_attention / seconds, totals / seconds)
         for decode_only in (False, True):
             chosen = [i for i, step in enumerate(steps) if step.decode_only == decode_only]
             spent = sum(steps[i].seconds for i in chosen)
-            splits[dtype, decode_only] = (len(chosen), spent, sum(per_step[i] for i in chosen))
+            splits[dtype, decode_only] = (len(chosen), spent, sum(per_step[i] for i in chosen),
+                                          sum(compute[i] + memory[i] for i in chosen))
         print(f"{dtype}: {tokens / seconds:.1f} tok/s in {seconds:.1f} s, {len(steps)} steps", flush=True)
     bandwidth = max(bandwidths)
     print(f"\nmemory read bandwidth {bandwidth / 1e9:.1f} GB/s (the best of "
@@ -195,16 +220,19 @@ def main() -> int:
         print(f"{dtype} GEMM GFLOP/s before and after its workload: {before / 1e9:.0f}, {after / 1e9:.0f} "
               "(the roof takes the larger)")
     print("| dtype | output tok/s | × float32 | prepacked GEMM GFLOP/s | compute roof s | memory roof s "
-          "| per-step roof s | fraction of the per-step roof | fraction of max(compute, memory) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for dtype, (tok_s, rate, compute, memory, per_step, fraction, fraction_of_totals) in rows.items():
+          "| per-step roof s | fraction of the per-step roof | the same without attention FLOPs "
+          "| fraction of max(compute, memory) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for dtype, (tok_s, rate, compute, memory, per_step, fraction, fraction_without, fraction_of_totals) in rows.items():
         print(f"| {dtype} | {tok_s:.1f} | {tok_s / rows['float32'][0]:.2f} | {rate / 1e9:.0f} | {compute:.1f} "
-              f"| {memory:.1f} | {per_step:.1f} | {fraction:.2f} | {fraction_of_totals:.2f} |")
-    print("\n| dtype | steps | count | execute s | per-step roof s | roof / execute |")
-    print("|---|---|---:|---:|---:|---:|")
-    for (dtype, decode_only), (count, spent, roof) in splits.items():
+              f"| {memory:.1f} | {per_step:.1f} | {fraction:.2f} | {fraction_without:.2f} | {fraction_of_totals:.2f} |")
+    print("\n| dtype | steps | count | execute s | per-step roof s | roof / execute | serial bound s "
+          "| serial bound / execute |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (dtype, decode_only), (count, spent, roof, serial) in splits.items():
         kind = "decode only" if decode_only else "with prompt tokens"
-        print(f"| {dtype} | {kind} | {count} | {spent:.2f} | {roof:.2f} | {roof / max(spent, 1e-9):.2f} |")
+        print(f"| {dtype} | {kind} | {count} | {spent:.2f} | {roof:.2f} | {roof / max(spent, 1e-9):.2f} "
+              f"| {serial:.2f} | {serial / max(spent, 1e-9):.2f} |")
     weight_bytes = {dtype: params * DTYPES[dtype].itemsize for dtype in DTYPES}
     print("\n| dtype | batch | context | decode step ms | roof ms (weights + KV ÷ bandwidth) | roof / step |")
     print("|---|---:|---:|---:|---:|---:|")
