@@ -57,6 +57,7 @@ static inline void store16(float *p, vec16 v) { memcpy(p, &v, sizeof v); }
 typedef struct {
     int num_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    int whole_blocks_ahead; /* chunk kernel, per work item: see prefetch_blocks (0 = off) */
 } Shape;
 
 /* Work items are numbered sequence after sequence; starts[i] is the first item of selected
