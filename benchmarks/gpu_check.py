@@ -136,8 +136,10 @@ def attention_inputs(s: Shapes, num_seqs: int, query_len: int, context: int, bac
     tables = torch.arange(num_blocks, device="cpu").view(num_seqs, blocks_per_seq)
     slots = [tables[i, p // s.block_size].item() * s.block_size + p % s.block_size
              for i in range(num_seqs) for p in range(context - query_len, context)]
-    meta = AttentionMetadata([i * query_len for i in range(num_seqs + 1)], [context] * num_seqs, tables,
-                             torch.tensor(slots, dtype=torch.int64), s.block_size)
+    # On the device, as the runner passes them (model/runner.py).
+    meta = AttentionMetadata([i * query_len for i in range(num_seqs + 1)], [context] * num_seqs,
+                             tables.to(s.device), torch.tensor(slots, dtype=torch.int64, device=s.device),
+                             s.block_size)
     rows = num_seqs * query_len
     q = torch.randn(rows, m.num_attention_heads, m.head_dim, dtype=s.dtype, device=s.device)
     k = torch.randn(rows, m.num_key_value_heads, m.head_dim, dtype=s.dtype, device=s.device)
@@ -196,9 +198,11 @@ def decode_steps(s: Shapes, bandwidth: float) -> list[dict]:
     num_blocks = largest * (-(-(s.e2e_context + 2) // s.block_size)) + 8
     rows = []
     for graphs in ((True, False) if s.device == "cuda" else (False,)):
+        kernels = KernelConfig(**({"cuda_graphs": graphs} if _has_graph_switch() else {}))
+        backend, _ = registry.choose_backend("auto", s.dtype, s.device, kernels)  # what `serve` would run
         runner = ModelRunner(m, weights, CacheConfig(block_size=s.block_size, num_blocks=num_blocks),
-                             s.e2e_context + 8, dtype=s.dtype, device=s.device,
-                             kernels=KernelConfig(**({"cuda_graphs": graphs} if _has_graph_switch() else {})))
+                             s.e2e_context + 8, dtype=s.dtype, device=s.device, kernels=kernels,
+                             attention=registry.make_attention_backend(backend, s.dtype, s.device, kernels))
         kv = KvCacheManager(BlockPool(num_blocks, False), s.block_size)
         for batch in s.e2e_batches:
             seqs = []
@@ -210,7 +214,7 @@ def decode_steps(s: Shapes, bandwidth: float) -> list[dict]:
             sched = SchedulerOutput([ScheduledSequence.of(seq, 1) for seq in seqs])
             step = best_of(functools.partial(_step, runner, sched, s.block_size, batch), s.device)
             bound = weight_bytes / bandwidth
-            rows.append({"cuda_graphs": graphs, "batch": batch, "step_ms": step * 1e3,
+            rows.append({"backend": backend, "cuda_graphs": graphs, "batch": batch, "step_ms": step * 1e3,
                          "weight_read_bound_ms": bound * 1e3, "ratio": step / bound})
             for seq in seqs:
                 kv.free(seq)
@@ -263,11 +267,11 @@ def main() -> int:
     for row in report["attention"] if isinstance(report["attention"], list) else []:
         print(f"| {row['backend']} | {row['decode_ms']:.2f} | {row['decode_kv_gb_per_s']:.0f} | "
               f"{row['decode_fraction_of_copy']:.2f} | {row['prefill_ms']:.2f} | {row['prefill_tflops']:.1f} |")
-    print("| CUDA graphs | batch | step ms | weight-read bound ms | ratio |")
-    print("|---|---:|---:|---:|---:|")
+    print("| backend | CUDA graphs | batch | step ms | weight-read bound ms | ratio |")
+    print("|---|---|---:|---:|---:|---:|")
     for row in report["decode"] if isinstance(report["decode"], list) else []:
-        print(f"| {row['cuda_graphs']} | {row['batch']} | {row['step_ms']:.2f} | {row['weight_read_bound_ms']:.2f} "
-              f"| {row['ratio']:.2f} |")
+        print(f"| {row['backend']} | {row['cuda_graphs']} | {row['batch']} | {row['step_ms']:.2f} "
+              f"| {row['weight_read_bound_ms']:.2f} | {row['ratio']:.2f} |")
     print(f"({report['seconds']:.0f} s; JSON in {args.out})")
     return 1 if any(isinstance(report[name], dict) and "error" in report[name] for name in sections) else 0
 

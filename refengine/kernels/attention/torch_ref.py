@@ -137,19 +137,24 @@ class TorchReferenceBackend(AttentionBackend):
             seq_len = meta.seq_lens[i]
             num_blocks = -(-seq_len // meta.block_size)
             mask = context_mask(seq_len, query_len)
+            mask = None if mask is None else mask.to(meta.block_tables.device)
             rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
             self._prefills.append(_PrefillPlan(rows, meta.block_tables[i, :num_blocks], seq_len, mask))
         self._decodes = [self._plan_decodes(meta, group) for group in _length_groups(meta, decode_seqs)]
 
     @staticmethod
     def _plan_decodes(meta: AttentionMetadata, seqs: list[int]) -> _DecodePlan:
-        seq_lens = torch.tensor([meta.seq_lens[i] for i in seqs])
-        num_blocks = -(-int(seq_lens.max()) // meta.block_size)
+        # The plan's tensors live where the step's are (the runner moves the block tables to the
+        # model's device): a CPU mask against CUDA keys fails.
+        device = meta.block_tables.device
+        lengths = [meta.seq_lens[i] for i in seqs]
+        seq_lens = torch.tensor(lengths, device=device)
+        num_blocks = -(-max(lengths) // meta.block_size)
         block_ids = meta.block_tables[seqs][:, :num_blocks].reshape(-1)
-        positions = torch.arange(num_blocks * meta.block_size)
+        positions = torch.arange(num_blocks * meta.block_size, device=device)
         mask = (positions.unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
         all_rows = seqs == list(range(meta.num_seqs))
-        rows = None if all_rows else torch.tensor([meta.query_start_loc[i] for i in seqs])
+        rows = None if all_rows else torch.tensor([meta.query_start_loc[i] for i in seqs], device=device)
         return _DecodePlan(rows, block_ids, mask)
 
     def forward(
