@@ -7,12 +7,14 @@ JSON file and printing a table:
    (``pytest -m "triton or gpu"`` over their files), pass/fail counts;
 2. **decode attention bandwidth**: bytes of KV read ÷ time of one decode step's attention
    (batch 64, context 4,096, 32 query / 8 KV heads of 128, bf16) per backend available, next to
-   the device's measured copy bandwidth (a large ``copy_``), and the fraction (target ≥ 0.7);
+   the device's measured copy bandwidth (a large ``copy_``, its read and write both counted),
+   and the fraction (target ≥ 0.7);
 3. **prefill attention TFLOP/s**: one 8 × 2,048-token causal prefill per backend;
 4. **end-to-end decode** of a Llama-3-8B-shaped model with random bf16 weights (real weights cannot
    be fetched) at batch 1 / 32 / 256 (context 512): step time next to the weight-read bound (the
    weights' bytes ÷ the copy bandwidth) and the ratio (target at batch 256: ≤ 1.5×), with CUDA
-   graphs on and off where the backend supports them.
+   graphs on and off where the backend supports them, the host's input building timed apart,
+   and a torch.profiler table of one eager step at the smallest and largest batch.
 
 ``--dry-run`` runs the same code on the CPU on tiny shapes (a 2-layer model, the torch and CPU
 backends), so the script is tested before GPU time is spent on it.
@@ -107,10 +109,12 @@ def best_of(fn: Callable[[], object], device: str, repeats: int = 5) -> float:
 
 
 def copy_bandwidth(device: str, nbytes: int) -> float:
-    """Bytes read per second by a device-to-device copy (read + write counted once: the read)."""
+    """Bytes moved per second by a device-to-device copy of ``nbytes``, read and write both counted:
+    the memory's rate (an H200's ~4.3 TB/s in the issue), which a pure read such as attention's
+    or the weights' can approach. (The first GPU run counted the read alone, half of this.)"""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
     dst = torch.empty_like(src)
-    return nbytes / best_of(lambda: dst.copy_(src), device)
+    return 2 * nbytes / best_of(lambda: dst.copy_(src), device)
 
 
 def kernel_tests(dry_run: bool) -> dict:
@@ -213,15 +217,36 @@ def decode_steps(s: Shapes, bandwidth: float) -> list[dict]:
                 seqs.append(seq)
             sched = SchedulerOutput([ScheduledSequence.of(seq, 1) for seq in seqs])
             step = best_of(functools.partial(_step, runner, sched, s.block_size, batch), s.device)
+            build = best_of(functools.partial(build_model_input, sched, s.block_size, [1] * batch), "cpu")
             bound = weight_bytes / bandwidth
             rows.append({"backend": backend, "cuda_graphs": graphs, "batch": batch, "step_ms": step * 1e3,
-                         "weight_read_bound_ms": bound * 1e3, "ratio": step / bound})
+                         "input_build_ms": build * 1e3, "weight_read_bound_ms": bound * 1e3, "ratio": step / bound})
+            if not graphs and batch in (min(s.e2e_batches), largest):
+                rows[-1]["profile"] = _profile(functools.partial(_step, runner, sched, s.block_size, batch), s.device)
             for seq in seqs:
                 kv.free(seq)
         del runner
         if not _has_graph_switch():
             break  # no switch to turn them off: one pass
     return rows
+
+
+def _profile(step: Callable[[], None], device: str) -> str:
+    """The top kernels of one eager step by device time (the host's ops on the CPU), as
+    torch.profiler's table: where a step's time goes, for the next run's reader."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        step()
+        sync(device)
+    averages = profiler.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+        try:
+            return averages.table(sort_by=key if device == "cuda" else "self_cpu_time_total", row_limit=15)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return averages.table(row_limit=15)
 
 
 def _step(runner: ModelRunner, sched: SchedulerOutput, block_size: int, batch: int) -> None:
@@ -267,11 +292,14 @@ def main() -> int:
     for row in report["attention"] if isinstance(report["attention"], list) else []:
         print(f"| {row['backend']} | {row['decode_ms']:.2f} | {row['decode_kv_gb_per_s']:.0f} | "
               f"{row['decode_fraction_of_copy']:.2f} | {row['prefill_ms']:.2f} | {row['prefill_tflops']:.1f} |")
-    print("| backend | CUDA graphs | batch | step ms | weight-read bound ms | ratio |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| backend | CUDA graphs | batch | step ms | of it, input building ms | weight-read bound ms | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for row in report["decode"] if isinstance(report["decode"], list) else []:
         print(f"| {row['backend']} | {row['cuda_graphs']} | {row['batch']} | {row['step_ms']:.2f} "
-              f"| {row['weight_read_bound_ms']:.2f} | {row['ratio']:.2f} |")
+              f"| {row['input_build_ms']:.2f} | {row['weight_read_bound_ms']:.2f} | {row['ratio']:.2f} |")
+    for row in report["decode"] if isinstance(report["decode"], list) else []:
+        if "profile" in row:
+            print(f"\nOne eager step at batch {row['batch']}, by device time:\n{row['profile']}")
     print(f"({report['seconds']:.0f} s; JSON in {args.out})")
     return 1 if any(isinstance(report[name], dict) and "error" in report[name] for name in sections) else 0
 
