@@ -206,7 +206,8 @@ def decode_steps(s: Shapes, bandwidth: float) -> list[dict]:
         backend, _ = registry.choose_backend("auto", s.dtype, s.device, kernels)  # what `serve` would run
         runner = ModelRunner(m, weights, CacheConfig(block_size=s.block_size, num_blocks=num_blocks),
                              s.e2e_context + 8, dtype=s.dtype, device=s.device, kernels=kernels,
-                             attention=registry.make_attention_backend(backend, s.dtype, s.device, kernels))
+                             attention=registry.make_attention_backend(backend, s.dtype, s.device, kernels),
+                             max_num_seqs=largest)  # graphs up to the largest batch (the default is 64)
         kv = KvCacheManager(BlockPool(num_blocks, False), s.block_size)
         for batch in s.e2e_batches:
             seqs = []
@@ -221,6 +222,10 @@ def decode_steps(s: Shapes, bandwidth: float) -> list[dict]:
             bound = weight_bytes / bandwidth
             rows.append({"backend": backend, "cuda_graphs": graphs, "batch": batch, "step_ms": step * 1e3,
                          "input_build_ms": build * 1e3, "weight_read_bound_ms": bound * 1e3, "ratio": step / bound})
+            if runner.graphs is not None:  # did the steps replay a graph, and if not, why not
+                rows[-1]["graph_replays"] = runner.graphs.num_replays
+                rows[-1]["graph_ineligible"] = runner.graphs.ineligible_reason(
+                    build_model_input(sched, s.block_size, [1] * batch))
             if not graphs and batch in (min(s.e2e_batches), largest):
                 rows[-1]["profile"] = _profile(functools.partial(_step, runner, sched, s.block_size, batch), s.device)
             for seq in seqs:
