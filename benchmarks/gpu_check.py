@@ -226,6 +226,8 @@ def decode_steps(s: Shapes, bandwidth: float) -> list[dict]:
                 rows[-1]["graph_replays"] = runner.graphs.num_replays
                 rows[-1]["graph_ineligible"] = runner.graphs.ineligible_reason(
                     build_model_input(sched, s.block_size, [1] * batch))
+            else:
+                rows[-1]["graphs_unavailable"] = runner.graphs_unavailable
             if not graphs and batch in (min(s.e2e_batches), largest):
                 rows[-1]["profile"] = _profile(functools.partial(_step, runner, sched, s.block_size, batch), s.device)
             for seq in seqs:

@@ -195,7 +195,8 @@ class DecodeGraphs:
         return bool(self._replays)
 
     def ineligible_reason(self, model_input: ModelInput) -> str:
-        return step_ineligible_reason(model_input, self.sizes[-1], self.max_num_blocks_per_seq)
+        return (step_ineligible_reason(model_input, self.sizes[-1], self.max_num_blocks_per_seq)
+                or self.attention.graph_step_ineligible_reason(model_input.seq_lens, self.block_size))
 
     def capture(self) -> None:
         """Every size, largest first (the smaller graphs then reuse the shared pool's memory)."""

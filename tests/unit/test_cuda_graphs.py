@@ -266,6 +266,21 @@ def test_replay_matches_the_eager_step(tiny, batch: int) -> None:
         assert torch.allclose(got[:SCRATCH], want[:SCRATCH], atol=1e-6)  # the scratch block is the only difference
 
 
+def test_the_backend_can_send_a_decode_step_to_the_eager_path(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step that fits a graph still runs eagerly when the backend says it would launch
+    it differently (Triton's split-KV for long contexts: ``graph_step_ineligible_reason``)."""
+    runner = cpu_runner(tiny)
+    graphs = attach_eager_graphs(runner)
+    monkeypatch.setattr(runner.attention, "graph_step_ineligible_reason",
+                        lambda seq_lens, block_size: "too long" if max(seq_lens) > 5 else "")
+    prefill(runner, [[5, 6, 7], [8, 9, 10, 11, 12, 13]])
+    assert graphs.ineligible_reason(make_step([(3, [20])])) == ""
+    long_step = make_step([(3, [20]), (6, [21])])
+    assert graphs.ineligible_reason(long_step) == "too long"
+    runner.execute(long_step)
+    assert graphs.num_replays == 0
+
+
 def test_runner_replays_decodes_and_runs_the_rest_eagerly(tiny) -> None:
     """Prefill steps, LoRA-free decode steps of several sizes in turn, and a mixed step: the
     graphs serve exactly the decode-only steps, each as the eager run would."""

@@ -227,6 +227,44 @@ def test_split_kv_heuristic(shape: list[tuple[int, int]], block_size: int, split
     assert triton_paged.split_kv_plan(meta_for(shape, block_size), force=False) == (1, 0)
 
 
+# ----------------------------------------------------------------------------- CUDA graph mode
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_graph_mode_computes_the_eager_decode_step_bit_for_bit(dtype: torch.dtype) -> None:
+    """Graph mode reads the fixed buffers (``triton_graph_buffers.py``) that ``prepare_for_replay``
+    filled, with the launch shapes of the eager decode-only step: the same output and cache
+    writes, bit for bit, after a stale eager step (whose tensors it must not read)."""
+    shape = [(15, 1), (16, 1), (40, 1)]  # decode rows at a block's last row, its first row, mid-block
+    meta, q, k, v, k_cache, v_cache, scale = make_step(shape, 6, 2, 64, 16, dtype, seed=5)
+    eager = triton_paged.TritonPagedBackend()
+    eager.prepare(meta)
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    want = eager.forward(q, k, v, eager_k, eager_v, scale)
+    graphed = triton_paged.TritonPagedBackend()
+    graphed.init_cuda_graph_state(4, 8, device=DEVICE)
+    stale = make_step([(0, 5), (3, 2)], 6, 2, 64, 16, dtype, seed=6)[0]
+    graphed.prepare(stale)
+    graphed.prepare_for_capture(3)
+    graphed.prepare_for_replay(meta)
+    got = graphed.forward(q, k, v, k_cache, v_cache, scale)
+    assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v), "the cache write differs"
+    assert torch.equal(got, want)
+
+
+def test_a_step_the_eager_path_would_split_runs_eagerly() -> None:
+    """Graphs are captured unsplit: a decode step whose longest context the eager path would
+    split (more than SPLIT_KV_MIN_BLOCKS blocks) is ineligible, as is every step with
+    ``split_kv=True``; shorter ones may replay."""
+    backend = triton_paged.TritonPagedBackend()
+    short = [16 * triton_paged.SPLIT_KV_MIN_BLOCKS, 7]
+    assert backend.graph_step_ineligible_reason(short, 16) == ""
+    assert "split" in backend.graph_step_ineligible_reason([16 * triton_paged.SPLIT_KV_MIN_BLOCKS + 1, 7], 16)
+    assert "split" in triton_paged.TritonPagedBackend(split_kv=True).graph_step_ineligible_reason(short, 16)
+    assert triton_paged.TritonPagedBackend().supports_cuda_graphs
+
+
 # ----------------------------------------------------------------------------- registry and imports
 
 

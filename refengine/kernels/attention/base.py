@@ -81,6 +81,12 @@ class AttentionBackend(ABC):
         metadata into the graph buffers in place (padding the batch to the captured
         size), allocating nothing. A no-op on CPU."""
 
+    def graph_step_ineligible_reason(self, seq_lens: list[int], block_size: int) -> str:
+        """Why a decode step with these sequence lengths must run eagerly although its shape
+        fits a captured graph ("" = it may replay): for a backend whose eager path would launch
+        it differently from the graph (Triton's split-KV). "" by default."""
+        return ""
+
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step, before any layer: derive per-step index tensors."""

@@ -47,10 +47,12 @@ atomics; each output element is written by one program. ``prepare`` uploads the 
 int32 index tensors (query starts, lengths, block tables, slots, work list) once, so
 ``forward`` (once per layer) only launches kernels.
 
-CUDA graphs: ``supports_cuda_graphs`` is False. The kernels themselves could be
-captured, but the per-step tensors live wherever ``prepare`` allocated them and the grid
-depends on the step's shape; capture needs the runner's fixed buffers and hooks, not
-implemented here.
+CUDA graphs (decode steps, ``model/cuda_graphs.py``): graph mode reads the fixed buffers of
+``triton_graph_buffers.py`` instead of ``prepare``'s tensors, and its launch shapes are those of
+an eager decode-only step of the same batch (one query row per work item), so a replayed row
+computes what the eager step computes, bit for bit. The one difference would be split-KV, whose
+grid depends on the step's longest context: graphs are captured unsplit, and a step that the
+eager path would split runs eagerly (``graph_step_ineligible_reason``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from typing import Any
 import torch
 
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
+from refengine.kernels.attention.triton_graph_buffers import TritonGraphBuffers
 
 try:
     import triton
@@ -285,6 +288,45 @@ class TritonPagedBackend(AttentionBackend):
         self.split_kv = split_kv
         self.partition_tokens = partition_tokens
         self._step: _Step | None = None
+        self._graph: TritonGraphBuffers | None = None
+        self._graph_rows: int | None = None  # graph mode: forward reads the first rows of ``_graph``
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return True
+
+    def init_cuda_graph_state(self, max_num_seqs: int, max_num_blocks_per_seq: int,
+                              device: torch.device | str | None = None) -> None:
+        """The graph buffers, on ``device`` (None: the current CUDA device; the CPU only in tests,
+        under the interpreter, which run graph mode eagerly)."""
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._graph = TritonGraphBuffers.allocate(max_num_seqs, max_num_blocks_per_seq, torch.device(device))
+
+    def prepare_for_capture(self, num_seqs: int) -> None:
+        assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_capture()"
+        assert 1 <= num_seqs <= self._graph.seq_lens.numel(), f"{num_seqs} rows do not fit the graph buffers"
+        self._graph_rows = num_seqs
+
+    def prepare_for_replay(self, meta: AttentionMetadata) -> None:
+        assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_replay()"
+        self._graph.load(meta)
+
+    def graph_step_ineligible_reason(self, seq_lens: list[int], block_size: int) -> str:
+        no_tables = torch.empty(0, dtype=torch.int64)
+        decode = AttentionMetadata(list(range(len(seq_lens) + 1)), list(seq_lens), no_tables, no_tables, block_size)
+        if split_kv_plan(decode, self.partition_tokens, self.split_kv)[0] > 1:
+            return "the eager step would split the KV (graphs are captured unsplit)"
+        return ""
+
+    def _graph_step(self, block_size: int) -> _Step:
+        """Graph mode's step: the buffers' first rows, the launch shapes of an unsplit decode step."""
+        graph, n = self._graph, self._graph_rows
+        assert graph is not None and n is not None
+        return _Step(query_start_loc=graph.query_start_loc[: n + 1], seq_lens=graph.seq_lens[:n],
+                     block_tables=graph.block_tables[:n], slot_mapping=graph.slot_mapping[:n],
+                     work_seq=graph.work_seq[:n], work_row=graph.work_row[:n], query_tile=1,
+                     block_size=block_size, num_splits=1, partition=0)
 
     @property
     def num_splits(self) -> int:
@@ -293,6 +335,7 @@ class TritonPagedBackend(AttentionBackend):
         return self._step.num_splits
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        self._graph_rows = None
         device = meta.block_tables.device
         query_lens = [meta.query_len(i) for i in range(meta.num_seqs)]
         num_splits, partition = split_kv_plan(meta, self.partition_tokens, self.split_kv)
@@ -312,7 +355,7 @@ class TritonPagedBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        step = self._step
+        step = self._step if self._graph_rows is None else self._graph_step(block_size=k_cache.shape[1])
         assert step is not None, "prepare() must run before forward()"
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
