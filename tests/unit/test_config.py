@@ -388,6 +388,7 @@ def test_cuda_graph_hooks_default_to_no_ops() -> None:
 
     backend = Plain()
     assert backend.supports_cuda_graphs is False
+    assert backend.graph_step_ineligible_reason([5, 300], 16) == ""  # no backend-specific refusal
     backend.init_cuda_graph_state(max_num_seqs=4, max_num_blocks_per_seq=8)
     backend.prepare_for_capture(4)
     meta = AttentionMetadata([0, 1], [3], torch.zeros(1, 1, dtype=torch.int64), torch.tensor([2]), block_size=4)
