@@ -248,9 +248,10 @@ def _profile(step: Callable[[], None], device: str) -> str:
         step()
         sync(device)
     averages = profiler.key_averages()
-    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+    # torch names the device column self_device_time_total now, self_cuda_time_total before.
+    for key in ("self_device_time_total", "self_cuda_time_total") if device == "cuda" else ("self_cpu_time_total",):
         try:
-            return averages.table(sort_by=key if device == "cuda" else "self_cpu_time_total", row_limit=15)
+            return averages.table(sort_by=key, row_limit=15)
         except (AttributeError, KeyError, ValueError):
             continue
     return averages.table(row_limit=15)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
+from refengine.kernels.attention.graph_buffers import DecodeGraphBuffers, graph_device
 from refengine.kernels.attention.sdpa import chunk_attention, context_mask
 
 
@@ -71,21 +72,12 @@ def _length_groups(meta: AttentionMetadata, seqs: list[int], max_padding: float 
     return groups
 
 
-@dataclass(frozen=True)
-class _GraphBuffers:
-    """What a captured decode step reads, at fixed addresses (``init_cuda_graph_state``)."""
-
-    block_tables: torch.Tensor  # [max_num_seqs, max_num_blocks_per_seq] int64
-    seq_lens: torch.Tensor  # [max_num_seqs] int64
-    slot_mapping: torch.Tensor  # [max_num_seqs] int64
-
-
 class TorchReferenceBackend(AttentionBackend):
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
         self._decodes: list[_DecodePlan] = []
         self._prefills: list[_PrefillPlan] = []
-        self._graph: _GraphBuffers | None = None
+        self._graph: DecodeGraphBuffers | None = None
         self._graph_rows: int | None = None  # graph mode: forward reads the first rows of ``_graph``
 
     @property
@@ -96,12 +88,8 @@ class TorchReferenceBackend(AttentionBackend):
                               device: torch.device | str | None = None) -> None:
         """The graph buffers, on ``device`` (None: the current CUDA device; the CPU only in
         tests, which run graph mode eagerly). Safe placeholder values: block 0, length 1."""
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self._graph = _GraphBuffers(
-            block_tables=torch.zeros(max_num_seqs, max_num_blocks_per_seq, dtype=torch.int64, device=device),
-            seq_lens=torch.ones(max_num_seqs, dtype=torch.int64, device=device),
-            slot_mapping=torch.zeros(max_num_seqs, dtype=torch.int64, device=device))
+        self._graph = DecodeGraphBuffers.allocate(max_num_seqs, max_num_blocks_per_seq, graph_device(device),
+                                                  torch.int64)
 
     def prepare_for_capture(self, num_seqs: int) -> None:
         """Graph mode over the buffers' first ``num_seqs`` rows, which keep their values (the
@@ -113,16 +101,8 @@ class TorchReferenceBackend(AttentionBackend):
     def prepare_for_replay(self, meta: AttentionMetadata) -> None:
         """Copy a decode step (padded to a captured size by the caller) into the buffers'
         first rows in place; block-table columns past ``meta``'s width become block 0 (masked)."""
-        graph = self._graph
-        assert graph is not None, "init_cuda_graph_state() must run before prepare_for_replay()"
-        n, width = meta.block_tables.shape
-        assert meta.query_start_loc == list(range(n + 1)), "graph replay takes decode-only steps"
-        assert n <= graph.seq_lens.numel() and width <= graph.block_tables.shape[1], "the step outgrows the buffers"
-        graph.block_tables[:n, :width].copy_(meta.block_tables)
-        if width < graph.block_tables.shape[1]:
-            graph.block_tables[:n, width:].zero_()
-        graph.seq_lens[:n].copy_(torch.tensor(meta.seq_lens, dtype=torch.int64))
-        graph.slot_mapping[:n].copy_(meta.slot_mapping)
+        assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_replay()"
+        self._graph.load(meta)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._graph_rows = None

@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
+from refengine.kernels.attention.graph_buffers import graph_device
 from refengine.kernels.attention.triton_graph_buffers import TritonGraphBuffers
 
 try:
@@ -75,6 +76,7 @@ except ImportError:  # a CPU-only install: the module still imports, triton_avai
     triton = None
     tl = None
 
+_NO_TABLES = torch.empty(0, dtype=torch.int64)  # split_kv_plan reads lengths only (graph_step_ineligible_reason)
 SPLIT_KV_MIN_BLOCKS = 64  # a decode-only step splits when its longest context exceeds this many cache blocks
 PARTITION_TOKENS = 512  # the key positions one split covers, at least (rounded up to whole KV tiles)
 MAX_KV_SPLITS = 16
@@ -299,9 +301,7 @@ class TritonPagedBackend(AttentionBackend):
                               device: torch.device | str | None = None) -> None:
         """The graph buffers, on ``device`` (None: the current CUDA device; the CPU only in tests,
         under the interpreter, which run graph mode eagerly)."""
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self._graph = TritonGraphBuffers.allocate(max_num_seqs, max_num_blocks_per_seq, torch.device(device))
+        self._graph = TritonGraphBuffers.allocate(max_num_seqs, max_num_blocks_per_seq, graph_device(device))
 
     def prepare_for_capture(self, num_seqs: int) -> None:
         assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_capture()"
@@ -313,8 +313,7 @@ class TritonPagedBackend(AttentionBackend):
         self._graph.load(meta)
 
     def graph_step_ineligible_reason(self, seq_lens: list[int], block_size: int) -> str:
-        no_tables = torch.empty(0, dtype=torch.int64)
-        decode = AttentionMetadata(list(range(len(seq_lens) + 1)), list(seq_lens), no_tables, no_tables, block_size)
+        decode = AttentionMetadata(list(range(len(seq_lens) + 1)), list(seq_lens), _NO_TABLES, _NO_TABLES, block_size)
         if split_kv_plan(decode, self.partition_tokens, self.split_kv)[0] > 1:
             return "the eager step would split the KV (graphs are captured unsplit)"
         return ""
