@@ -14,7 +14,10 @@ JSON file and printing a table:
    be fetched) at batch 1 / 32 / 256 (context 512): step time next to the weight-read bound (the
    weights' bytes ÷ the copy bandwidth) and the ratio (target at batch 256: ≤ 1.5×), with CUDA
    graphs on and off where the backend supports them, the host's input building timed apart,
-   and a torch.profiler table of one eager step at the smallest and largest batch.
+   and a torch.profiler table of one eager step at the smallest and largest batch. A step is
+   what the engine runs for greedy rows on CUDA: the forward pass, the logits left on the device
+   (``EngineCore.logits_on_device``) and their argmax brought to the host; the first runs copied
+   the float32 logits to the host instead (131 MB at batch 256), which the engine does not.
 
 ``--dry-run`` runs the same code on the CPU on tiny shapes (a 2-layer model, the torch and CPU
 backends), so the script is tested before GPU time is spent on it.
@@ -258,7 +261,9 @@ def _profile(step: Callable[[], None], device: str) -> str:
 
 
 def _step(runner: ModelRunner, sched: SchedulerOutput, block_size: int, batch: int) -> None:
-    runner.execute(build_model_input(sched, block_size, [1] * batch))
+    logits = runner.execute(build_model_input(sched, block_size, [1] * batch), logits_on_device=True)
+    assert logits is not None
+    logits.argmax(dim=-1).tolist()  # greedy tokens to the host, as the sampler returns them
 
 
 def _has_graph_switch() -> bool:
