@@ -56,7 +56,8 @@ from refengine.scheduler.sequence import Sequence  # noqa: E402
 
 KERNEL_TESTS = ["tests/unit/test_triton_attention.py", "tests/unit/test_triton_ops.py",
                 "tests/unit/test_lora_triton.py", "tests/unit/test_flashinfer_backend.py",
-                "tests/unit/test_cuda_graphs.py", "tests/unit/test_device_sampling.py",
+                "tests/unit/test_cuda_graphs.py",
+                "tests/unit/test_gpu_backends_e2e.py", "tests/unit/test_device_sampling.py",
                 "tests/unit/test_kv_cache_dtype.py"]
 
 

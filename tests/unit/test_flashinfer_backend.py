@@ -223,6 +223,9 @@ class FakeWrapper:
         assert self.planned is not None, "run before plan"
         k_cache, v_cache = paged_kv_cache
         p = self.planned
+        if p["table"] is None:  # graph mode: what the buffers hold now, as a captured run reads them
+            indptr, indices, last = self.graph_buffers
+            p = {**p, "table": (indptr, indices[: int(indptr[-1])], last)}
         assert q.dtype == p["q_data_type"] and k_cache.dtype == v_cache.dtype == p["kv_data_type"]
         assert q.shape[0] == int(p["qo_indptr"][-1]) and q.shape[1:] == (p["num_qo_heads"], p["head_dim"])
         assert k_cache.shape[1:] == (p["page_size"], p["num_kv_heads"], p["head_dim"])
@@ -245,15 +248,40 @@ class FakePrefillWrapper(FakeWrapper):
 
 
 class FakeDecodeWrapper(FakeWrapper):
+    """With ``use_cuda_graph``, as FlashInfer documents it: the batch size is fixed by the buffers
+    given at construction, ``plan`` copies the page table into them, ``run`` reads only them."""
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str, use_cuda_graph: bool = False,
+                 use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None) -> None:
+        super().__init__(workspace, kv_layout, use_tensor_cores)
+        self.graph_buffers = None
+        if use_cuda_graph:
+            buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+            assert all(torch.is_tensor(b) and b.dtype == torch.int32 for b in buffers), "cudagraph mode needs buffers"
+            assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
+            self.graph_buffers = buffers
+
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
              pos_encoding_mode="NONE", q_data_type="float16", kv_data_type=None, sm_scale=None) -> None:
         qo_indptr = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
         self._check_table(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, page_size)
         assert pos_encoding_mode == "NONE"
-        self.planned = dict(qo_indptr=qo_indptr, table=(indptr, indices, last_page_len), num_qo_heads=num_qo_heads,
+        table = (indptr, indices, last_page_len)
+        mode = "decode"
+        if self.graph_buffers is not None:
+            indptr_buf, indices_buf, last_buf = self.graph_buffers
+            assert len(last_page_len) == len(last_buf), "the batch size is fixed in cudagraph mode"
+            assert len(indices) <= len(indices_buf), "indices outgrow the buffer"
+            indptr_buf.copy_(indptr)
+            last_buf.copy_(last_page_len)
+            indices_buf[: len(indices)].copy_(indices)
+            table, mode = None, f"decode-graph-{len(last_buf)}"
+        self.planned = dict(qo_indptr=qo_indptr, table=table, num_qo_heads=num_qo_heads,
                             num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, causal=False,
                             sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type or q_data_type)
-        self.log.append(("decode", "plan", f"tensor_cores={self.use_tensor_cores}"))
+        self.log.append((mode, "plan", f"tensor_cores={self.use_tensor_cores}"))
 
 
 @pytest.fixture

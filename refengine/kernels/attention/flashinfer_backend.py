@@ -15,8 +15,8 @@ That is the interface's default layout, so caches written by another backend rea
 
 Per step.
 
-* ``prepare`` (once, before any layer) calls ``paged_kv_plan``, a pure function of the
-  ``AttentionMetadata``, for FlashInfer's CSR page table: ``qo_indptr`` (=
+* ``prepare`` (once, before any layer) calls ``paged_kv_plan`` (``flashinfer_page_table.py``),
+  a pure function of the ``AttentionMetadata``, for FlashInfer's CSR page table: ``qo_indptr`` (=
   ``query_start_loc``), ``paged_kv_indptr`` (running sum of each sequence's page count
   ``ceil(seq_len / block_size)``), ``paged_kv_indices`` (each sequence's first pages from
   its block-table row, concatenated) and ``paged_kv_last_page_len`` (``seq_len - (pages -
@@ -50,9 +50,19 @@ step or an earlier one, so each sequence's pages are its first ``ceil(seq_len /
 block_size)`` block-table entries; ``seq_len >= 1`` and ``0 <= query_len <= seq_len``; the
 write and ``run`` are issued on one stream, so ``run`` sees the new keys.
 
-CUDA graphs: ``supports_cuda_graphs`` is False. FlashInfer can be captured (wrappers made
-with ``use_cuda_graph=True`` over fixed index buffers, ``plan`` outside the graph), but
-the runner hooks for that are not implemented here.
+CUDA graphs (decode steps, ``model/cuda_graphs.py``), as FlashInfer documents them: one
+decode wrapper per captured batch size, made with ``use_cuda_graph=True`` over the first rows
+of fixed index buffers (``flashinfer_graph_buffers.py``); ``plan`` runs outside the graph and
+copies the step's page table into those buffers; only ``run`` (and our KV write, which reads
+the slots from a fixed buffer too) is captured. ``prepare_for_replay`` plans the wrapper of the
+step's padded size. It needs the head counts, head dim, dtype and scale, which arrive with the
+tensors: the first capture's eager warm-up learns them (its ``forward`` plans, outside any
+capture); from then on every ``prepare_for_replay`` plans at once, so a recorded or replayed
+``forward`` never plans (it raises if it would, inside a capture). Each wrapper keeps its own
+8 MiB integer workspace (and as much pinned host memory): about 320 MiB for the 20 sizes of 256
+sequences. Graphed and eager decode are planned by FlashInfer's graph-mode and ordinary planners,
+which may split the KV differently, so the two agree to rounding, not necessarily bit for bit;
+neither has run on a GPU in this repo yet.
 
 Importing this module never imports FlashInfer: the constructor does, and
 ``flashinfer_unavailable_reason`` only asks ``importlib.util.find_spec``.
@@ -68,6 +78,9 @@ from typing import Any
 import torch
 
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
+from refengine.kernels.attention.flashinfer_graph_buffers import FlashInferGraphBuffers
+from refengine.kernels.attention.flashinfer_page_table import PagedKvPlan, paged_kv_plan
+from refengine.kernels.attention.graph_buffers import graph_device
 
 DTYPES = (torch.float16, torch.bfloat16)
 KV_LAYOUT = "NHD"
@@ -92,67 +105,6 @@ def flashinfer_unavailable_reason(dtype: torch.dtype, device: str) -> str:
     if dtype not in DTYPES:
         return f"it needs float16 or bfloat16, not {dtype}"
     return ""
-
-
-@dataclass(frozen=True)
-class PagedKvPlan:
-    """One step in FlashInfer's page-table terms (see the module docstring). int32 index
-    tensors: the indptrs and last-page lengths on the CPU, the page indices on the block
-    tables' device; ``slot_mapping`` as given."""
-
-    qo_indptr: torch.Tensor  # [num_seqs + 1]
-    paged_kv_indptr: torch.Tensor  # [num_seqs + 1]
-    paged_kv_indices: torch.Tensor  # [paged_kv_indptr[-1]]
-    paged_kv_last_page_len: torch.Tensor  # [num_seqs], each in 1 … page_size
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    page_size: int
-    num_tokens: int
-    decode_only: bool  # every sequence has exactly one query token (and there is one)
-
-    @property
-    def num_seqs(self) -> int:
-        return self.paged_kv_last_page_len.numel()
-
-
-def paged_kv_plan(meta: AttentionMetadata) -> PagedKvPlan:
-    """FlashInfer's ``qo_indptr`` / ``paged_kv_indptr`` / ``paged_kv_indices`` /
-    ``paged_kv_last_page_len`` for ``meta``. Pure (no FlashInfer, any device); raises
-    ValueError for metadata that breaks the interface's invariants."""
-    page_size, num_seqs = meta.block_size, meta.num_seqs
-    starts = list(meta.query_start_loc)
-    if page_size < 1 or len(starts) != num_seqs + 1 or (starts and starts[0] != 0):
-        raise ValueError(f"bad step layout: block_size {page_size}, query_start_loc {starts}, {num_seqs} seqs")
-    max_blocks = meta.block_tables.shape[1] if meta.block_tables.dim() == 2 else 0
-    page_counts, last_page_lens, flat = [], [], []
-    for i, seq_len in enumerate(meta.seq_lens):
-        query_len = starts[i + 1] - starts[i]
-        if seq_len < 1 or not 0 <= query_len <= seq_len:
-            raise ValueError(f"sequence {i}: query length {query_len} with {seq_len} tokens of context")
-        pages = -(-seq_len // page_size)
-        if pages > max_blocks:
-            raise ValueError(f"sequence {i}: {seq_len} tokens need {pages} blocks, the table has {max_blocks}")
-        page_counts.append(pages)
-        last_page_lens.append(seq_len - (pages - 1) * page_size)
-        flat.extend(range(i * max_blocks, i * max_blocks + pages))
-    num_tokens = starts[-1] if starts else 0
-    if meta.slot_mapping.numel() != num_tokens:
-        raise ValueError(f"{meta.slot_mapping.numel()} slots for {num_tokens} query tokens")
-    indptr = [0]
-    for pages in page_counts:
-        indptr.append(indptr[-1] + pages)
-    device = meta.block_tables.device
-    flat_index = torch.tensor(flat, dtype=torch.int64).to(device)
-    indices = meta.block_tables.reshape(-1).index_select(0, flat_index).to(torch.int32)
-    return PagedKvPlan(
-        qo_indptr=torch.tensor(starts, dtype=torch.int32),
-        paged_kv_indptr=torch.tensor(indptr, dtype=torch.int32),
-        paged_kv_indices=indices,
-        paged_kv_last_page_len=torch.tensor(last_page_lens, dtype=torch.int32),
-        slot_mapping=meta.slot_mapping,
-        page_size=page_size,
-        num_tokens=num_tokens,
-        decode_only=num_seqs > 0 and all(starts[i + 1] - starts[i] == 1 for i in range(num_seqs)),
-    )
 
 
 @dataclass(frozen=True)
@@ -182,6 +134,13 @@ class FlashInferBackend(AttentionBackend):
         self._plan: PagedKvPlan | None = None
         self._planned: tuple[_Signature, Any] | None = None  # this step's planned signature and wrapper
         self.plans = 0  # wrapper plans so far (tests: one per step)
+        # Graph mode (see the module docstring).
+        self._graph: FlashInferGraphBuffers | None = None
+        self._graph_wrappers: dict[tuple[int, bool], Any] = {}  # (batch size, use_tensor_cores) -> wrapper
+        self._graph_rows: int | None = None  # graph mode: forward runs the graph wrapper of this many rows
+        self._graph_plan: PagedKvPlan | None = None  # the step prepare_for_replay loaded
+        self._graph_signature: _Signature | None = None  # learned by the first capture's warm-up
+        self._graph_planned: tuple[int, _Signature] | None = None  # the loaded step is planned for these
 
     def kv_cache_shapes(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -190,7 +149,35 @@ class FlashInferBackend(AttentionBackend):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return shape, shape
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return True
+
+    def init_cuda_graph_state(self, max_num_seqs: int, max_num_blocks_per_seq: int,
+                              device: torch.device | str | None = None) -> None:
+        """The graph buffers, on ``device`` (None: the current CUDA device; tests pass the CPU and
+        run graph mode eagerly, through a fake ``flashinfer``)."""
+        self._graph = FlashInferGraphBuffers.allocate(max_num_seqs, max_num_blocks_per_seq, graph_device(device))
+        self._graph_wrappers.clear()
+
+    def prepare_for_capture(self, num_seqs: int) -> None:
+        assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_capture()"
+        assert 1 <= num_seqs <= self._graph.paged_kv_last_page_len.numel(), f"{num_seqs} rows do not fit"
+        self._graph_rows = num_seqs
+
+    def prepare_for_replay(self, meta: AttentionMetadata) -> None:
+        """Load the padded decode step: its slots into the buffer, its page table into the wrapper
+        of its size through ``plan`` (at once when the signature is known, see the module docstring)."""
+        assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_replay()"
+        plan = paged_kv_plan(meta)
+        assert plan.decode_only, "graph replay takes decode-only steps"
+        self._graph.slot_mapping[: plan.num_seqs].copy_(plan.slot_mapping)
+        self._graph_plan, self._graph_planned = plan, None
+        if self._graph_signature is not None:
+            self._plan_graph_wrapper(self._graph_signature)
+
     def prepare(self, meta: AttentionMetadata) -> None:
+        self._graph_rows = None  # an eager step
         self._plan = paged_kv_plan(meta)
         self._planned = None  # the wrapper is planned for this step on the first forward
 
@@ -198,21 +185,23 @@ class FlashInferBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        plan = self._plan
-        assert plan is not None, "prepare() must run before forward()"
+        plan = self._plan if self._graph_rows is None else self._graph_plan
+        assert plan is not None, "prepare() (or prepare_for_replay()) must run before forward()"
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         assert num_tokens == plan.num_tokens, f"{num_tokens} query rows, the step has {plan.num_tokens}"
         assert k_cache.shape[1] == plan.page_size and k_cache.shape[3] == head_dim
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
         assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, v)
+        slots = plan.slot_mapping if self._graph_rows is None else self._graph_slots(num_tokens)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
         if plan.num_seqs == 0 or num_tokens == 0:
             return torch.empty_like(q)
         if q.stride(-1) != 1:
             q = q.contiguous()
-        wrapper = self._wrapper_for(_Signature(num_heads, num_kv_heads, head_dim, q.dtype, float(scale)))
+        sig = _Signature(num_heads, num_kv_heads, head_dim, q.dtype, float(scale))
+        wrapper = self._wrapper_for(sig) if self._graph_rows is None else self._graph_wrapper_for(sig, q)
         return wrapper.run(q, (k_cache, v_cache))
 
     def _wrapper_for(self, sig: _Signature) -> Any:
@@ -221,16 +210,14 @@ class FlashInferBackend(AttentionBackend):
             return self._planned[1]
         plan = self._plan
         assert plan is not None
-        table = (plan.paged_kv_indptr, plan.paged_kv_indices, plan.paged_kv_last_page_len)
         if plan.decode_only:
-            wrapper = self._decode_wrapper(sig.num_qo_heads // sig.num_kv_heads > CUDA_CORE_DECODE_MAX_GROUP)
-            wrapper.plan(*table, sig.num_qo_heads, sig.num_kv_heads, sig.head_dim, plan.page_size,
-                         pos_encoding_mode="NONE", q_data_type=sig.dtype, kv_data_type=sig.dtype,
-                         sm_scale=sig.scale)
+            wrapper = self._decode_wrapper(_tensor_cores(sig))
+            _plan_decode(wrapper, plan, sig)
         else:
             wrapper = self._prefill
-            wrapper.plan(plan.qo_indptr, *table, sig.num_qo_heads, sig.num_kv_heads, sig.head_dim, plan.page_size,
-                         causal=True, sm_scale=sig.scale, q_data_type=sig.dtype, kv_data_type=sig.dtype)
+            wrapper.plan(plan.qo_indptr, plan.paged_kv_indptr, plan.paged_kv_indices, plan.paged_kv_last_page_len,
+                         sig.num_qo_heads, sig.num_kv_heads, sig.head_dim, plan.page_size, causal=True,
+                         sm_scale=sig.scale, q_data_type=sig.dtype, kv_data_type=sig.dtype)
         self.plans += 1
         self._planned = (sig, wrapper)
         return wrapper
@@ -240,3 +227,46 @@ class FlashInferBackend(AttentionBackend):
             self._decode[use_tensor_cores] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, KV_LAYOUT, use_tensor_cores=use_tensor_cores)
         return self._decode[use_tensor_cores]
+
+    # -------------------------------------------------------------------------- graph mode
+
+    def _graph_slots(self, num_tokens: int) -> torch.Tensor:
+        assert self._graph is not None and self._graph_rows == num_tokens, "graph mode runs the captured batch"
+        return self._graph.slot_mapping[:num_tokens]
+
+    def _graph_wrapper_for(self, sig: _Signature, q: torch.Tensor) -> Any:
+        """The graph wrapper of the loaded step's size, planned: only the first capture's warm-up
+        plans here; a capture that would plan raises (its plan would be baked into the graph)."""
+        plan = self._graph_plan
+        assert plan is not None and plan.num_seqs == self._graph_rows
+        if self._graph_planned != (plan.num_seqs, sig):
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("FlashInfer would plan inside a CUDA graph capture: "
+                                   "prepare_for_replay() must plan the step before it is captured or replayed")
+            self._graph_signature = sig
+            self._plan_graph_wrapper(sig)
+        return self._graph_wrappers[(plan.num_seqs, _tensor_cores(sig))]
+
+    def _plan_graph_wrapper(self, sig: _Signature) -> None:
+        """Plan the loaded step into the graph wrapper of its size (made on first use)."""
+        plan, graph = self._graph_plan, self._graph
+        assert plan is not None and graph is not None
+        key = (plan.num_seqs, _tensor_cores(sig))
+        if key not in self._graph_wrappers:
+            self._graph_wrappers[key] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, KV_LAYOUT, use_cuda_graph=True, use_tensor_cores=key[1],
+                **graph.wrapper_buffers(plan.num_seqs))
+        _plan_decode(self._graph_wrappers[key], plan, sig)
+        self.plans += 1
+        self._graph_planned = (plan.num_seqs, sig)
+
+
+def _tensor_cores(sig: _Signature) -> bool:
+    """Whether the decode of ``sig`` runs on the tensor cores (GQA groups wider than the CUDA-core kernel's)."""
+    return sig.num_qo_heads // sig.num_kv_heads > CUDA_CORE_DECODE_MAX_GROUP
+
+
+def _plan_decode(wrapper: Any, plan: PagedKvPlan, sig: _Signature) -> None:
+    wrapper.plan(plan.paged_kv_indptr, plan.paged_kv_indices, plan.paged_kv_last_page_len, sig.num_qo_heads,
+                 sig.num_kv_heads, sig.head_dim, plan.page_size, pos_encoding_mode="NONE", q_data_type=sig.dtype,
+                 kv_data_type=sig.dtype, sm_scale=sig.scale)
