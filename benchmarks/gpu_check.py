@@ -13,7 +13,9 @@ JSON file and printing a table:
 4. **end-to-end decode** of a Llama-3-8B-shaped model with random bf16 weights (real weights cannot
    be fetched) at batch 1 / 32 / 256 (context 512): step time next to the weight-read bound (the
    weights' bytes ÷ the copy bandwidth) and the ratio (target at batch 256: ≤ 1.5×), with CUDA
-   graphs on and off where the backend supports them, the host's input building timed apart,
+   graphs on and off where the backend supports them, the host's input building timed apart, the
+   host's time to issue a step (input building and kernel launches, not waiting for them: when it
+   equals the step time, the step is bound by launching),
    and a torch.profiler table of one eager step at the smallest and largest batch. A step is
    what the engine runs for greedy rows on CUDA: the forward pass, the logits left on the device
    (``EngineCore.logits_on_device``) and their argmax brought to the host; the first runs copied
@@ -109,6 +111,20 @@ def best_of(fn: Callable[[], object], device: str, repeats: int = 5) -> float:
         fn()
         sync(device)
         best = min(best, time.perf_counter() - started)
+    return best
+
+
+def host_time(fn: Callable[[], object], device: str, repeats: int = 5) -> float:
+    """The best time ``fn`` keeps the host busy, the device idle at its start: on CUDA the time to
+    issue its work (launches return before the kernels run). Equal to the step's time when a step
+    is bound by launching, not by the device."""
+    best = math.inf
+    for _ in range(repeats + 1):
+        sync(device)
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    sync(device)
     return best
 
 
@@ -223,9 +239,11 @@ def decode_steps(s: Shapes, bandwidth: float) -> list[dict]:
             sched = SchedulerOutput([ScheduledSequence.of(seq, 1) for seq in seqs])
             step = best_of(functools.partial(_step, runner, sched, s.block_size, batch), s.device)
             build = best_of(functools.partial(build_model_input, sched, s.block_size, [1] * batch), "cpu")
+            issue = host_time(functools.partial(_issue, runner, sched, s.block_size, batch), s.device)
             bound = weight_bytes / bandwidth
             rows.append({"backend": backend, "cuda_graphs": graphs, "batch": batch, "step_ms": step * 1e3,
-                         "input_build_ms": build * 1e3, "weight_read_bound_ms": bound * 1e3, "ratio": step / bound})
+                         "input_build_ms": build * 1e3, "host_issue_ms": issue * 1e3,
+                         "weight_read_bound_ms": bound * 1e3, "ratio": step / bound})
             if runner.graphs is not None:  # did the steps replay a graph, and if not, why not
                 rows[-1]["graph_replays"] = runner.graphs.num_replays
                 rows[-1]["graph_ineligible"] = runner.graphs.ineligible_reason(
@@ -267,6 +285,11 @@ def _step(runner: ModelRunner, sched: SchedulerOutput, block_size: int, batch: i
     logits.argmax(dim=-1).tolist()  # greedy tokens to the host, as the sampler returns them
 
 
+def _issue(runner: ModelRunner, sched: SchedulerOutput, block_size: int, batch: int) -> None:
+    """A step's host side alone: its input built and its kernels issued, not waited for."""
+    runner.execute(build_model_input(sched, block_size, [1] * batch), logits_on_device=True)
+
+
 def _has_graph_switch() -> bool:
     return "cuda_graphs" in KernelConfig.__dataclass_fields__
 
@@ -306,11 +329,13 @@ def main() -> int:
     for row in report["attention"] if isinstance(report["attention"], list) else []:
         print(f"| {row['backend']} | {row['decode_ms']:.2f} | {row['decode_kv_gb_per_s']:.0f} | "
               f"{row['decode_fraction_of_copy']:.2f} | {row['prefill_ms']:.2f} | {row['prefill_tflops']:.1f} |")
-    print("| backend | CUDA graphs | batch | step ms | of it, input building ms | weight-read bound ms | ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| backend | CUDA graphs | batch | step ms | of it, input building ms | host issue ms "
+          "| weight-read bound ms | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for row in report["decode"] if isinstance(report["decode"], list) else []:
         print(f"| {row['backend']} | {row['cuda_graphs']} | {row['batch']} | {row['step_ms']:.2f} "
-              f"| {row['input_build_ms']:.2f} | {row['weight_read_bound_ms']:.2f} | {row['ratio']:.2f} |")
+              f"| {row['input_build_ms']:.2f} | {row['host_issue_ms']:.2f} | {row['weight_read_bound_ms']:.2f} "
+              f"| {row['ratio']:.2f} |")
     for row in report["decode"] if isinstance(report["decode"], list) else []:
         if "profile" in row:
             print(f"\nOne eager step at batch {row['batch']}, by device time:\n{row['profile']}")

@@ -22,4 +22,5 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert {row["backend"] for row in report["attention"]} >= {"torch"}
     assert all(row["decode_ms"] > 0 and row["prefill_tflops"] > 0 for row in report["attention"])
     assert [row["batch"] for row in report["decode"]] == [1, 4] and not any(r["cuda_graphs"] for r in report["decode"])
-    assert "weight-read bound" in result.stdout
+    assert all(0 < r["input_build_ms"] and 0 < r["host_issue_ms"] for r in report["decode"])
+    assert "weight-read bound" in result.stdout and "host issue ms" in result.stdout
