@@ -9,7 +9,9 @@ JSON file and printing a table:
    (batch 64, context 4,096, 32 query / 8 KV heads of 128, bf16) per backend available, next to
    the device's measured copy bandwidth (a large ``copy_``, its read and write both counted),
    and the fraction (target ≥ 0.7);
-3. **prefill attention TFLOP/s**: one 8 × 2,048-token causal prefill per backend;
+3. **prefill attention TFLOP/s**: one 8 × 2,048-token causal prefill per backend; then the decode
+   shape through the Triton kernel at 18 launch configurations (tile width, warps, pipelining
+   stages: ``triton_paged.LaunchConfig``), the fastest six printed;
 4. **end-to-end decode** of a Llama-3-8B-shaped model with random bf16 weights (real weights cannot
    be fetched) at batch 1 / 32 / 256 (context 512): step time next to the weight-read bound (the
    weights' bytes ÷ the copy bandwidth) and the ratio (target at batch 256: ≤ 1.5×), with CUDA
@@ -192,6 +194,40 @@ def attention_rates(s: Shapes, bandwidth: float) -> list[dict]:
     return rows
 
 
+#: The decode attention sweep: tile width x warps x pipelining stages of the Triton kernel.
+TUNING = [(block_n, num_warps, num_stages) for block_n in (32, 64, 128) for num_warps in (4, 8)
+          for num_stages in (2, 3, 4)]
+
+
+def decode_tuning(s: Shapes, bandwidth: float) -> list[dict] | dict:
+    """The decode attention shape of ``attention_rates`` through the Triton kernel at every launch
+    configuration of ``TUNING`` (``triton_paged.LaunchConfig``), the split-KV choice as served: which
+    tiles reach the 0.7 x copy bandwidth target. A configuration the GPU cannot launch (too much
+    shared memory) records its error."""
+    from refengine.kernels.attention import triton_paged
+
+    if reason := triton_paged.unavailable_reason(s.dtype, s.device):
+        return {"skipped": f"the Triton backend cannot run here: {reason}"}
+    m = s.model
+    meta, q, k, v, kc, vc = attention_inputs(s, s.decode_batch, 1, s.decode_context, triton_paged.TritonPagedBackend())
+    kv_bytes = 2 * s.decode_batch * s.decode_context * m.num_key_value_heads * m.head_dim * s.dtype.itemsize
+    rows = []
+    for block_n, num_warps, num_stages in TUNING:
+        launch = triton_paged.LaunchConfig(block_n, num_warps, num_stages)
+        backend = triton_paged.TritonPagedBackend(launch=launch)
+        backend.prepare(meta)
+        row: dict = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
+                     "num_splits": backend.num_splits}
+        try:
+            took = best_of(functools.partial(backend.forward, q, k, v, kc, vc, m.head_dim ** -0.5), s.device)
+        except Exception as error:  # noqa: BLE001 - recorded: a launch the device refuses (shared memory)
+            row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        else:
+            row.update(ms=took * 1e3, kv_gb_per_s=kv_bytes / took / 1e9, fraction_of_copy=kv_bytes / took / bandwidth)
+        rows.append(row)
+    return rows
+
+
 def random_weights(m: ModelConfig, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
     def w(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, dtype=dtype, device=device) * 0.02
@@ -312,7 +348,7 @@ def main() -> int:
     # GPU time is scarce: a section that fails records its error and the others still run, and the
     # JSON is rewritten after each section, so a run cut short still leaves what it measured.
     sections = {"kernel_tests": lambda: kernel_tests(args.dry_run), "attention": lambda: attention_rates(s, bandwidth),
-                "decode": lambda: decode_steps(s, bandwidth)}
+                "decode_tuning": lambda: decode_tuning(s, bandwidth), "decode": lambda: decode_steps(s, bandwidth)}
     for name, section in sections.items():
         try:
             report[name] = section()
@@ -329,6 +365,14 @@ def main() -> int:
     for row in report["attention"] if isinstance(report["attention"], list) else []:
         print(f"| {row['backend']} | {row['decode_ms']:.2f} | {row['decode_kv_gb_per_s']:.0f} | "
               f"{row['decode_fraction_of_copy']:.2f} | {row['prefill_ms']:.2f} | {row['prefill_tflops']:.1f} |")
+    tuned = sorted((r for r in report["decode_tuning"] if "ms" in r) if isinstance(report["decode_tuning"], list)
+                   else [], key=lambda r: r["ms"])
+    if tuned:
+        print("| Triton decode: block_n | num_warps | num_stages | splits | ms | KV GB/s | × copy bandwidth |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for row in tuned[:6]:
+            print(f"| {row['block_n']} | {row['num_warps']} | {row['num_stages']} | {row['num_splits']} "
+                  f"| {row['ms']:.3f} | {row['kv_gb_per_s']:.0f} | {row['fraction_of_copy']:.2f} |")
     print("| backend | CUDA graphs | batch | step ms | of it, input building ms | host issue ms "
           "| weight-read bound ms | ratio |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.triton_interpreter import requires_triton
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -24,3 +26,30 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert [row["batch"] for row in report["decode"]] == [1, 4] and not any(r["cuda_graphs"] for r in report["decode"])
     assert all(0 < r["input_build_ms"] and 0 < r["host_issue_ms"] for r in report["decode"])
     assert "weight-read bound" in result.stdout and "host issue ms" in result.stdout
+
+
+TUNING_UNDER_THE_INTERPRETER = """
+import importlib.util, sys
+from refengine.kernels.attention import triton_paged
+triton_paged.unavailable_reason = lambda dtype, device: ""  # the interpreter stands in for CUDA
+spec = importlib.util.spec_from_file_location("gpu_check", "benchmarks/gpu_check.py")
+gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # for its dataclasses
+spec.loader.exec_module(gpu_check)
+timed = gpu_check.best_of
+gpu_check.best_of = lambda fn, device: timed(fn, device, repeats=1)  # the interpreter is slow
+rows = gpu_check.decode_tuning(gpu_check.shapes(dry_run=True), bandwidth=1e9)
+assert [(r["block_n"], r["num_warps"], r["num_stages"]) for r in rows] == gpu_check.TUNING, rows
+assert all(r.get("ms", 0) > 0 and r["fraction_of_copy"] > 0 for r in rows), rows
+print(len(rows), "configurations")
+"""
+
+
+@requires_triton
+def test_decode_tuning_sweep_runs_under_the_triton_interpreter() -> None:
+    """The sweep's own code (every launch configuration through the Triton backend), on the
+    dry run's shapes, with the interpreter standing in for the GPU it is meant for."""
+    result = subprocess.run([sys.executable, "-c", TUNING_UNDER_THE_INTERPRETER], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "1",
+                                                         "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "18 configurations" in result.stdout

@@ -155,6 +155,26 @@ def test_split_kv_decode_matches_reference(dtype: torch.dtype, num_heads: int, n
 
 
 @kernel_test
+@pytest.mark.parametrize("launch", [
+    triton_paged.LaunchConfig(block_n=16, num_warps=8, num_stages=2),
+    triton_paged.LaunchConfig(block_n=128, num_warps=4, num_stages=4),
+], ids=["n16-w8-s2", "n128-w4-s4"])
+@pytest.mark.parametrize("split_kv", [False, True], ids=["one-pass", "split-kv"])
+def test_launch_overrides_compute_the_same_attention(launch: triton_paged.LaunchConfig, split_kv: bool) -> None:
+    """The tuning sweep's overrides (gpu_check.py) change the tile walk, not the result: a ragged
+    step (one pass) and a forced split with partitions that are not whole 128-position tiles."""
+    backend = triton_paged.TritonPagedBackend(split_kv=split_kv, partition_tokens=64, launch=launch)
+    shape = [(299, 1), (37, 1), (130, 1)] if split_kv else RAGGED
+    check_against_reference(shape, 6, 2, 64, 16, torch.float32, seed=11, backend=backend)
+
+
+def test_launch_overrides_are_validated() -> None:
+    for bad in ({"block_n": 48}, {"block_n": 8}, {"num_warps": 3}, {"num_stages": 0}):
+        with pytest.raises(ValueError):
+            triton_paged.LaunchConfig(**bad)
+
+
+@kernel_test
 @pytest.mark.parametrize("split_kv", [False, True], ids=["one-pass", "split-kv"])
 def test_a_cache_in_another_dtype_matches_reference(split_kv: bool) -> None:
     """--kv-cache-dtype: float32 queries on a float16 cache. The write kernel rounds the step's

@@ -102,6 +102,29 @@ def split_kv_plan(meta: AttentionMetadata, partition_tokens: int = PARTITION_TOK
 
 
 @dataclass(frozen=True)
+class LaunchConfig:
+    """Overrides of the attention kernel's launch parameters; None keeps the heuristic in
+    ``forward`` (``block_n``: key positions per tile, 64, or 32 for wide tiles; ``num_warps``: 4,
+    or 8 for wide tiles; ``num_stages``: Triton's default software pipelining). Any choice
+    computes the same attention (the tile size changes only the order of the online softmax's
+    updates); ``benchmarks/gpu_check.py`` times a sweep of them on a GPU."""
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "num_warps"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or value & (value - 1)):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.block_n is not None and self.block_n < 16:
+            raise ValueError(f"block_n must be at least 16 (tl.dot), got {self.block_n}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+@dataclass(frozen=True)
 class _Step:
     """The per-step device tensors (int32) and launch shapes ``prepare`` derives once."""
 
@@ -119,13 +142,16 @@ class _Step:
 
 class TritonPagedBackend(AttentionBackend):
     """Paged attention in Triton (see the module docstring). ``split_kv``: None = the
-    heuristic, True/False = always/never split; ``partition_tokens``: the split size floor."""
+    heuristic, True/False = always/never split; ``partition_tokens``: the split size floor;
+    ``launch``: overrides of the attention kernel's launch parameters."""
 
-    def __init__(self, split_kv: bool | None = None, partition_tokens: int = PARTITION_TOKENS) -> None:
+    def __init__(self, split_kv: bool | None = None, partition_tokens: int = PARTITION_TOKENS,
+                 launch: LaunchConfig | None = None) -> None:
         if triton is None:
             raise RuntimeError("TritonPagedBackend needs Triton; use the torch reference backend without it")
         self.split_kv = split_kv
         self.partition_tokens = partition_tokens
+        self.launch = launch or LaunchConfig()
         self._step: _Step | None = None
         self._graph: TritonGraphBuffers | None = None
         self._graph_rows: int | None = None  # graph mode: forward reads the first rows of ``_graph``
@@ -209,7 +235,9 @@ class TritonPagedBackend(AttentionBackend):
         heads_tile = min(triton.next_power_of_2(group), max(1, MAX_ROWS // step.query_tile))
         head_chunks = -(-group // heads_tile)
         block_m = max(16, step.query_tile * heads_tile)
-        block_n = 64 if block_m * head_dim_pad <= 64 * 128 else 32
+        launch = self.launch
+        block_n = launch.block_n or (64 if block_m * head_dim_pad <= 64 * 128 else 32)
+        pipelining = {} if launch.num_stages is None else {"num_stages": launch.num_stages}
         splits = step.num_splits
         if splits > 1:
             part_acc = torch.empty(num_tokens * num_heads * splits, head_dim_pad, dtype=torch.float32, device=q.device)
@@ -226,7 +254,7 @@ class TritonPagedBackend(AttentionBackend):
             *k_cache.stride()[:3], *v_cache.stride()[:3],
             QUERY_TILE=step.query_tile, HEADS_TILE=heads_tile, BLOCK_M=block_m, BLOCK_N=block_n,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PRECISION=precision, SPLIT_KV=splits > 1,
-            num_warps=4 if block_m <= 64 else 8)
+            num_warps=launch.num_warps or (4 if block_m <= 64 else 8), **pipelining)
         if splits > 1:
             combine_splits[(num_tokens, num_heads)](
                 out, part_acc, part_max, part_sum, num_heads, splits, out.stride(0), out.stride(1),
