@@ -245,6 +245,9 @@ def test_split_kv_heuristic(shape: list[tuple[int, int]], block_size: int, split
         longest = max(c + n for c, n in shape)
         assert partition % 64 == 0 and (num_splits - 1) * partition < longest <= num_splits * partition
     assert triton_paged.split_kv_plan(meta_for(shape, block_size), force=False) == (1, 0)
+    num_splits, partition = triton_paged.split_kv_plan(meta_for(shape, block_size), tile=128)
+    if num_splits > 1:  # a wider tile: partitions of whole 128-position tiles that still cover the context
+        assert partition % 128 == 0 and (num_splits - 1) * partition < longest <= num_splits * partition
 
 
 # ----------------------------------------------------------------------------- CUDA graph mode

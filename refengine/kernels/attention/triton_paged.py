@@ -85,11 +85,12 @@ def unavailable_reason(dtype: torch.dtype, device: str) -> str:
 
 
 def split_kv_plan(meta: AttentionMetadata, partition_tokens: int = PARTITION_TOKENS,
-                  force: bool | None = None) -> tuple[int, int]:
+                  force: bool | None = None, tile: int = 64) -> tuple[int, int]:
     """``(num_splits, partition)`` for the step: ``(1, 0)`` = no split. Splits a decode-only
     step whose longest context exceeds ``SPLIT_KV_MIN_BLOCKS`` blocks (``force`` True: any
     step; False: never) into at most ``MAX_KV_SPLITS`` partitions of at least
-    ``partition_tokens`` positions, rounded up to a multiple of 64 (whole KV tiles)."""
+    ``partition_tokens`` positions, rounded up to a multiple of ``tile`` (whole KV tiles: 64,
+    or a wider ``LaunchConfig.block_n``)."""
     longest = max(meta.seq_lens, default=0)
     decode_only = all(meta.query_len(i) == 1 for i in range(meta.num_seqs))
     wanted = decode_only and -(-longest // meta.block_size) > SPLIT_KV_MIN_BLOCKS if force is None else force
@@ -97,7 +98,7 @@ def split_kv_plan(meta: AttentionMetadata, partition_tokens: int = PARTITION_TOK
     if num_splits <= 1:
         return 1, 0
     partition = -(-longest // num_splits)
-    partition = -(-partition // 64) * 64
+    partition = -(-partition // tile) * tile
     return -(-longest // partition), partition
 
 
@@ -152,6 +153,7 @@ class TritonPagedBackend(AttentionBackend):
         self.split_kv = split_kv
         self.partition_tokens = partition_tokens
         self.launch = launch or LaunchConfig()
+        self._split_tile = max(64, self.launch.block_n or 64)  # split partitions hold whole KV tiles
         self._step: _Step | None = None
         self._graph: TritonGraphBuffers | None = None
         self._graph_rows: int | None = None  # graph mode: forward reads the first rows of ``_graph``
@@ -177,7 +179,7 @@ class TritonPagedBackend(AttentionBackend):
 
     def graph_step_ineligible_reason(self, seq_lens: list[int], block_size: int) -> str:
         decode = AttentionMetadata(list(range(len(seq_lens) + 1)), list(seq_lens), _NO_TABLES, _NO_TABLES, block_size)
-        if split_kv_plan(decode, self.partition_tokens, self.split_kv)[0] > 1:
+        if split_kv_plan(decode, self.partition_tokens, self.split_kv, self._split_tile)[0] > 1:
             return "the eager step would split the KV (graphs are captured unsplit)"
         return ""
 
@@ -200,7 +202,7 @@ class TritonPagedBackend(AttentionBackend):
         self._graph_rows = None
         device = meta.block_tables.device
         query_lens = [meta.query_len(i) for i in range(meta.num_seqs)]
-        num_splits, partition = split_kv_plan(meta, self.partition_tokens, self.split_kv)
+        num_splits, partition = split_kv_plan(meta, self.partition_tokens, self.split_kv, self._split_tile)
         longest_query = max(query_lens, default=1)
         query_tile = 1 if longest_query == 1 else min(MAX_QUERY_TILE, triton.next_power_of_2(longest_query))
         work = [(i, row) for i, n in enumerate(query_lens) for row in range(0, n, query_tile)]
