@@ -98,7 +98,7 @@ class LlamaModel:
     ) -> torch.Tensor:  # [T, hidden]
         eps = self.config.rms_norm_eps
         q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         # ``hidden`` is the residual stream: each add_rms_norm adds a sublayer's output
         # to it in place and returns the normalized input of the next sublayer.
         hidden = F.embedding(input_ids, self.embed_tokens)
@@ -107,12 +107,11 @@ class LlamaModel:
         ops = self.ops
         x = ops.add_rms_norm(hidden, None, self.layers[0].input_norm, eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, ctx.kv_caches, strict=True)):
-            qkv = layer.qkv_proj(x, ctx)
+            # [T, heads + 2 kv_heads, D]: views, split with one call (each view op is a dispatch, per layer).
+            qkv = layer.qkv_proj(x, ctx).view(-1, sum(head_split), self.head_dim)
             # Queries and keys are rotated together, in place, as one [T, heads + kv_heads, D] view.
-            qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-            self.rope.apply_(qk, positions)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+            self.rope.apply_(qkv[:, : self.num_heads + self.num_kv_heads], positions)
+            q, k, v = qkv.split(head_split, dim=1)
             attn_out = ctx.attention.forward(q, k, v, k_cache, v_cache, self.scale)
             x = ops.add_rms_norm(hidden, layer.o_proj(attn_out.reshape(-1, q_size), ctx), layer.post_attn_norm, eps)
             gate_up = layer.gate_up_proj(x, ctx)

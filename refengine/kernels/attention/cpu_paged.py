@@ -34,6 +34,7 @@ dtypes and devices.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,9 +80,12 @@ class CpuPagedBackend(AttentionBackend):
         if self._bf16_query_kernel is not None:
             self._bf16_query_kernel.restype = ctypes.c_int
             self._bf16_query_kernel.argtypes = self._chunk_kernels[torch.bfloat16].argtypes
-        self._chunk_kernel_takes = library.chunk_attention_supported
-        self._chunk_kernel_takes.restype = ctypes.c_int
-        self._chunk_kernel_takes.argtypes = [ctypes.c_int, ctypes.c_int]
+        chunk_attention_supported = library.chunk_attention_supported
+        chunk_attention_supported.restype = ctypes.c_int
+        chunk_attention_supported.argtypes = [ctypes.c_int, ctypes.c_int]
+        # (head_dim, block_size) -> whether the chunk kernel takes it: asked once per shape, not per layer.
+        self._chunk_kernel_takes = functools.cache(lambda head_dim, block_size: bool(
+            chunk_attention_supported(head_dim, block_size)))
         self._meta: AttentionMetadata | None = None
         self._fallback: tuple[torch.Tensor, list[_SdpaChunk]] | None = None
 
