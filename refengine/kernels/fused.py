@@ -79,9 +79,8 @@ class FusedOps:
         self.native = native
 
     def _triton(self, *tensors: torch.Tensor) -> bool:
-        """Whether these tensors take the Triton kernels (CUDA, Triton there, ``native`` on). The
-        first tensor's device answers for a CPU step at once (this runs several times per layer)."""
-        return self.native and tensors[0].is_cuda and triton_ops.handles(*tensors)
+        """Whether these tensors take the Triton kernels (CUDA, Triton there, ``native`` on)."""
+        return self.native and triton_ops.handles(*tensors)
 
     def _kernel(self, *tensors: torch.Tensor) -> _Kernels | None:
         """The C kernels when ``native`` and the tensors are CPU tensors of one dtype the
