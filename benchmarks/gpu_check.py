@@ -173,6 +173,12 @@ def attention_inputs(s: Shapes, num_seqs: int, query_len: int, context: int, bac
     return meta, q, k, v, k_cache, v_cache
 
 
+def decode_kv_bytes(s: Shapes) -> int:
+    """The keys and values one decode step of the attention shape reads."""
+    m = s.model
+    return 2 * s.decode_batch * s.decode_context * m.num_key_value_heads * m.head_dim * s.dtype.itemsize
+
+
 def attention_rates(s: Shapes, bandwidth: float) -> list[dict]:
     rows = []
     kernels = KernelConfig()
@@ -182,7 +188,7 @@ def attention_rates(s: Shapes, bandwidth: float) -> list[dict]:
         meta, q, k, v, kc, vc = attention_inputs(s, s.decode_batch, 1, s.decode_context, backend)
         backend.prepare(meta)
         decode = best_of(functools.partial(backend.forward, q, k, v, kc, vc, m.head_dim ** -0.5), s.device)
-        kv_bytes = 2 * s.decode_batch * s.decode_context * m.num_key_value_heads * m.head_dim * s.dtype.itemsize
+        kv_bytes = decode_kv_bytes(s)
         meta, q, k, v, kc, vc = attention_inputs(s, s.prefill_seqs, s.prefill_len, s.prefill_len, backend)
         backend.prepare(meta)
         prefill = best_of(functools.partial(backend.forward, q, k, v, kc, vc, m.head_dim ** -0.5), s.device)
@@ -210,7 +216,7 @@ def decode_tuning(s: Shapes, bandwidth: float) -> list[dict] | dict:
         return {"skipped": f"the Triton backend cannot run here: {reason}"}
     m = s.model
     meta, q, k, v, kc, vc = attention_inputs(s, s.decode_batch, 1, s.decode_context, triton_paged.TritonPagedBackend())
-    kv_bytes = 2 * s.decode_batch * s.decode_context * m.num_key_value_heads * m.head_dim * s.dtype.itemsize
+    kv_bytes = decode_kv_bytes(s)
     rows = []
     for block_n, num_warps, num_stages in TUNING:
         launch = triton_paged.LaunchConfig(block_n, num_warps, num_stages)
@@ -316,14 +322,14 @@ def _profile(step: Callable[[], None], device: str) -> str:
 
 
 def _step(runner: ModelRunner, sched: SchedulerOutput, block_size: int, batch: int) -> None:
+    _issue(runner, sched, block_size, batch).argmax(dim=-1).tolist()  # greedy tokens to the host, as sampled
+
+
+def _issue(runner: ModelRunner, sched: SchedulerOutput, block_size: int, batch: int) -> torch.Tensor:
+    """A step's host side alone: its input built and its kernels issued, not waited for; its logits."""
     logits = runner.execute(build_model_input(sched, block_size, [1] * batch), logits_on_device=True)
     assert logits is not None
-    logits.argmax(dim=-1).tolist()  # greedy tokens to the host, as the sampler returns them
-
-
-def _issue(runner: ModelRunner, sched: SchedulerOutput, block_size: int, batch: int) -> None:
-    """A step's host side alone: its input built and its kernels issued, not waited for."""
-    runner.execute(build_model_input(sched, block_size, [1] * batch), logits_on_device=True)
+    return logits
 
 
 def _has_graph_switch() -> bool:

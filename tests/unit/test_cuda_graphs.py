@@ -281,20 +281,27 @@ def test_the_backend_can_send_a_decode_step_to_the_eager_path(tiny, monkeypatch:
     assert graphs.num_replays == 0
 
 
+def mixed_steps() -> list[ModelInput]:
+    """Prefills, decode steps of 2, 4, 3 (padded to 4) and 1 sequences, and a chunk beside a
+    decode, in an order a server could run them: 4 of the 7 steps are decode-only."""
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    return [
+        make_step([(0, p) for p in prompts[:2]]),  # prefill: eager
+        make_step([(3, [20]), (2, [21])]),  # decode of 2
+        make_step([(0, prompts[2]), (0, prompts[3])], first_seq=2),  # prefill: eager
+        make_step([(4, [22]), (3, [23]), (4, [24]), (1, [25])]),  # decode of 4
+        make_step([(5, [26]), (4, [27]), (5, [28])]),  # decode of 3: padded to 4
+        make_step([(6, [29]), (5, [30, 31])]),  # a chunk of 2 beside a decode: eager
+        make_step([(7, [32])]),  # decode of 1
+    ]
+
+
 def test_runner_replays_decodes_and_runs_the_rest_eagerly(tiny) -> None:
     """Prefill steps, LoRA-free decode steps of several sizes in turn, and a mixed step: the
     graphs serve exactly the decode-only steps, each as the eager run would."""
     reference, runner = cpu_runner(tiny), cpu_runner(tiny)
     graphs = attach_eager_graphs(runner, max_num_seqs=4)
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
-    steps = [make_step([(0, p) for p in prompts[:2]])]  # prefill: eager
-    steps.append(make_step([(3, [20]), (2, [21])]))  # decode of 2
-    steps.append(make_step([(0, prompts[2]), (0, prompts[3])], first_seq=2))  # prefill: eager
-    steps.append(make_step([(4, [22]), (3, [23]), (4, [24]), (1, [25])]))  # decode of 4
-    steps.append(make_step([(5, [26]), (4, [27]), (5, [28])]))  # decode of 3: padded to 4
-    steps.append(make_step([(6, [29]), (5, [30, 31])]))  # a chunk of 2 beside a decode: eager
-    steps.append(make_step([(7, [32])]))  # decode of 1
-    for i, step in enumerate(steps):
+    for i, step in enumerate(mixed_steps()):
         want, got = reference.execute(step), runner.execute(step)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), f"step {i}"
         assert torch.equal(got.argmax(-1), want.argmax(-1)), f"step {i}"

@@ -27,7 +27,7 @@ from refengine.model.runner import ModelRunner
 
 # The fixtures ``tiny`` and ``fake_flashinfer`` are shared by import (pytest finds them by these
 # names here), hence the F811 marks on the tests that take them.
-from tests.unit.test_cuda_graphs import BLOCK, MAX_LEN, NUM_BLOCKS, SCRATCH, make_step, tiny  # noqa: F401
+from tests.unit.test_cuda_graphs import BLOCK, MAX_LEN, NUM_BLOCKS, SCRATCH, mixed_steps, tiny  # noqa: F401
 from tests.unit.test_flashinfer_backend import DECODES, RAGGED, fake_flashinfer  # noqa: F401
 from tests.unit.test_flashinfer_backend import make_step as attention_step
 
@@ -130,15 +130,7 @@ def test_decode_graphs_over_flashinfer_match_the_eager_steps(tiny, fake_flashinf
     graphs = runner.graphs = DecodeGraphs(runner.model, backend, runner.kv_caches, device="cpu", max_num_seqs=4,
                                           max_num_blocks_per_seq=MAX_LEN // BLOCK, block_size=BLOCK,
                                           scratch_block=SCRATCH, recorder=recorder)
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
-    steps = [make_step([(0, p) for p in prompts[:2]])]  # prefill: eager
-    steps.append(make_step([(3, [20]), (2, [21])]))  # decode of 2
-    steps.append(make_step([(0, prompts[2]), (0, prompts[3])], first_seq=2))  # prefill: eager
-    steps.append(make_step([(4, [22]), (3, [23]), (4, [24]), (1, [25])]))  # decode of 4
-    steps.append(make_step([(5, [26]), (4, [27]), (5, [28])]))  # decode of 3: padded to 4
-    steps.append(make_step([(6, [29]), (5, [30, 31])]))  # a chunk of 2 beside a decode: eager
-    steps.append(make_step([(7, [32])]))  # decode of 1
-    for i, step in enumerate(steps):
+    for i, step in enumerate(mixed_steps()):
         want, got = reference.execute(step), runner.execute(step)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), f"step {i}"
         assert torch.equal(got.argmax(-1), want.argmax(-1)), f"step {i}"

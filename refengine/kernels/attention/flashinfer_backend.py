@@ -80,7 +80,7 @@ import torch
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
 from refengine.kernels.attention.flashinfer_graph_buffers import FlashInferGraphBuffers
 from refengine.kernels.attention.flashinfer_page_table import PagedKvPlan, paged_kv_plan
-from refengine.kernels.attention.graph_buffers import graph_device
+from refengine.kernels.attention.graph_buffers import CapturableBackend, graph_device
 
 DTYPES = (torch.float16, torch.bfloat16)
 KV_LAYOUT = "NHD"
@@ -118,7 +118,7 @@ class _Signature:
     scale: float
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(CapturableBackend, AttentionBackend):
     """Paged attention through FlashInfer (see the module docstring). ``device``: where
     the workspace lives (the model's CUDA device)."""
 
@@ -137,7 +137,6 @@ class FlashInferBackend(AttentionBackend):
         # Graph mode (see the module docstring).
         self._graph: FlashInferGraphBuffers | None = None
         self._graph_wrappers: dict[tuple[int, bool], Any] = {}  # (batch size, use_tensor_cores) -> wrapper
-        self._graph_rows: int | None = None  # graph mode: forward runs the graph wrapper of this many rows
         self._graph_plan: PagedKvPlan | None = None  # the step prepare_for_replay loaded
         self._graph_signature: _Signature | None = None  # learned by the first capture's warm-up
         self._graph_planned: tuple[int, _Signature] | None = None  # the loaded step is planned for these
@@ -149,21 +148,12 @@ class FlashInferBackend(AttentionBackend):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return shape, shape
 
-    @property
-    def supports_cuda_graphs(self) -> bool:
-        return True
-
     def init_cuda_graph_state(self, max_num_seqs: int, max_num_blocks_per_seq: int,
                               device: torch.device | str | None = None) -> None:
         """The graph buffers, on ``device`` (None: the current CUDA device; tests pass the CPU and
         run graph mode eagerly, through a fake ``flashinfer``)."""
         self._graph = FlashInferGraphBuffers.allocate(max_num_seqs, max_num_blocks_per_seq, graph_device(device))
         self._graph_wrappers.clear()
-
-    def prepare_for_capture(self, num_seqs: int) -> None:
-        assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_capture()"
-        assert 1 <= num_seqs <= self._graph.paged_kv_last_page_len.numel(), f"{num_seqs} rows do not fit"
-        self._graph_rows = num_seqs
 
     def prepare_for_replay(self, meta: AttentionMetadata) -> None:
         """Load the padded decode step: its slots into the buffer, its page table into the wrapper

@@ -23,6 +23,10 @@ class FlashInferGraphBuffers:
     paged_kv_last_page_len: torch.Tensor  # [max_num_seqs] int32
     slot_mapping: torch.Tensor  # [max_num_seqs] int64
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self.paged_kv_last_page_len.numel()
+
     @staticmethod
     def allocate(max_num_seqs: int, max_num_blocks_per_seq: int, device: torch.device) -> FlashInferGraphBuffers:
         """Placeholders that are safe to read (no pages, last-page length 1, slot 0); every replay

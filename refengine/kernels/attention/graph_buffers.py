@@ -10,6 +10,7 @@ reads the first ``n`` rows of each. Each backend keeps them in the index dtype i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,11 +23,36 @@ def graph_device(device: torch.device | str | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
 
 
+class CapturableBackend:
+    """Graph-mode state shared by the capturable backends (mixed in before ``AttentionBackend``):
+    ``_graph``, the backend's buffers (made by its ``init_cuda_graph_state``; they expose
+    ``max_num_seqs``), and ``_graph_rows``, how many of their rows a captured ``forward`` reads
+    (None: an eager step; the backend's ``prepare`` resets it)."""
+
+    _graph: Any = None
+    _graph_rows: int | None = None
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return True
+
+    def prepare_for_capture(self, num_seqs: int) -> None:
+        """Graph mode over the buffers' first ``num_seqs`` rows, which keep their values (the
+        runner fills them with its scratch-slot placeholder through ``prepare_for_replay``)."""
+        assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_capture()"
+        assert 1 <= num_seqs <= self._graph.max_num_seqs, f"{num_seqs} rows do not fit the graph buffers"
+        self._graph_rows = num_seqs
+
+
 @dataclass(frozen=True)
 class DecodeGraphBuffers:
     block_tables: torch.Tensor  # [max_num_seqs, max_num_blocks_per_seq]
     seq_lens: torch.Tensor  # [max_num_seqs]
     slot_mapping: torch.Tensor  # [max_num_seqs] int64
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.seq_lens.numel()
 
     @staticmethod
     def allocate(max_num_seqs: int, max_num_blocks_per_seq: int, device: torch.device,

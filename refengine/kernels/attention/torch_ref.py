@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
-from refengine.kernels.attention.graph_buffers import DecodeGraphBuffers, graph_device
+from refengine.kernels.attention.graph_buffers import CapturableBackend, DecodeGraphBuffers, graph_device
 from refengine.kernels.attention.sdpa import chunk_attention, context_mask
 
 
@@ -72,17 +72,12 @@ def _length_groups(meta: AttentionMetadata, seqs: list[int], max_padding: float 
     return groups
 
 
-class TorchReferenceBackend(AttentionBackend):
+class TorchReferenceBackend(CapturableBackend, AttentionBackend):
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
         self._decodes: list[_DecodePlan] = []
         self._prefills: list[_PrefillPlan] = []
         self._graph: DecodeGraphBuffers | None = None
-        self._graph_rows: int | None = None  # graph mode: forward reads the first rows of ``_graph``
-
-    @property
-    def supports_cuda_graphs(self) -> bool:
-        return True
 
     def init_cuda_graph_state(self, max_num_seqs: int, max_num_blocks_per_seq: int,
                               device: torch.device | str | None = None) -> None:
@@ -90,13 +85,6 @@ class TorchReferenceBackend(AttentionBackend):
         tests, which run graph mode eagerly). Safe placeholder values: block 0, length 1."""
         self._graph = DecodeGraphBuffers.allocate(max_num_seqs, max_num_blocks_per_seq, graph_device(device),
                                                   torch.int64)
-
-    def prepare_for_capture(self, num_seqs: int) -> None:
-        """Graph mode over the buffers' first ``num_seqs`` rows, which keep their values (the
-        runner fills them with its scratch-slot placeholder through ``prepare_for_replay``)."""
-        assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_capture()"
-        assert 1 <= num_seqs <= self._graph.seq_lens.numel(), f"{num_seqs} rows do not fit the graph buffers"
-        self._graph_rows = num_seqs
 
     def prepare_for_replay(self, meta: AttentionMetadata) -> None:
         """Copy a decode step (padded to a captured size by the caller) into the buffers'

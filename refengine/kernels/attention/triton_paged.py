@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
-from refengine.kernels.attention.graph_buffers import graph_device
+from refengine.kernels.attention.graph_buffers import CapturableBackend, graph_device
 from refengine.kernels.attention.triton_graph_buffers import TritonGraphBuffers
 from refengine.kernels.attention.triton_paged_kernels import combine_splits, paged_attention, store_kv
 
@@ -141,7 +141,7 @@ class _Step:
     partition: int
 
 
-class TritonPagedBackend(AttentionBackend):
+class TritonPagedBackend(CapturableBackend, AttentionBackend):
     """Paged attention in Triton (see the module docstring). ``split_kv``: None = the
     heuristic, True/False = always/never split; ``partition_tokens``: the split size floor;
     ``launch``: overrides of the attention kernel's launch parameters."""
@@ -156,22 +156,12 @@ class TritonPagedBackend(AttentionBackend):
         self._split_tile = max(64, self.launch.block_n or 64)  # split partitions hold whole KV tiles
         self._step: _Step | None = None
         self._graph: TritonGraphBuffers | None = None
-        self._graph_rows: int | None = None  # graph mode: forward reads the first rows of ``_graph``
-
-    @property
-    def supports_cuda_graphs(self) -> bool:
-        return True
 
     def init_cuda_graph_state(self, max_num_seqs: int, max_num_blocks_per_seq: int,
                               device: torch.device | str | None = None) -> None:
         """The graph buffers, on ``device`` (None: the current CUDA device; the CPU only in tests,
         under the interpreter, which run graph mode eagerly)."""
         self._graph = TritonGraphBuffers.allocate(max_num_seqs, max_num_blocks_per_seq, graph_device(device))
-
-    def prepare_for_capture(self, num_seqs: int) -> None:
-        assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_capture()"
-        assert 1 <= num_seqs <= self._graph.seq_lens.numel(), f"{num_seqs} rows do not fit the graph buffers"
-        self._graph_rows = num_seqs
 
     def prepare_for_replay(self, meta: AttentionMetadata) -> None:
         assert self._graph is not None, "init_cuda_graph_state() must run before prepare_for_replay()"
