@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from refengine.sampling.guided import structural_tag
@@ -37,7 +36,11 @@ class _Matcher(GuideMatcher):
         self._terminated = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        # What llguidance.torch.fill_next_token_bitmask does, without importing that module:
+        # it compiles a helper with torch.compile at import, which costs seconds of start-up.
+        # The bitmask is a contiguous int32 CPU tensor (bitmask.allocate_bitmask).
+        words = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     def accept_token(self, token_id: int) -> bool:
         if self._terminated:
