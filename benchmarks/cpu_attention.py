@@ -8,8 +8,8 @@ queries on a bfloat16 cache), with the peers measured in the same run on the sam
   against the path the backend takes for shapes the chunk kernel refuses -- SDPA's CPU flash
   kernel for chunks of 64 tokens or more (over the step's own keys for a fresh prompt, over the
   gathered blocks with a position mask otherwise), the row kernel below that.
-- **Decode** (B sequences of one new token after C cached ones, blocks shuffled in the pool,
-  which is on huge pages as the engine's is):
+- **Decode** (B sequences of one new token after C cached ones, blocks shuffled in a pool
+  allocated as an aggregated engine's is, on 4 KiB pages):
   the chunk kernel against the row kernel.
 
 Prints time, attention GFLOP/s (4 x heads x head_dim per query-key pair attended), the ratio
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from refengine.kernels.attention import cpu_paged  # noqa: E402
 from refengine.kernels.attention.base import AttentionMetadata  # noqa: E402
-from refengine.model.host_memory import zeros_on_huge_pages  # noqa: E402
+from refengine.model.host_memory import zeroed_slab  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 PREFILL = [(128, 0), (512, 0), (2048, 0), (512, 1024), (16, 512)]  # (new tokens, cached tokens)
@@ -55,7 +55,7 @@ def _inputs(new_tokens: list[int], cached: int, dtype: torch.dtype):  # noqa: AN
     num_blocks = per_seq * len(new_tokens)
     tables = torch.randperm(num_blocks, generator=generator).view(len(new_tokens), per_seq)
     k_shape, v_shape = _backend(False).kv_cache_shapes(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = zeros_on_huge_pages([k_shape, v_shape], dtype)  # as the engine's runner allocates them
+    k_cache, v_cache = zeroed_slab([k_shape, v_shape], dtype, huge_pages=False)  # as an aggregated engine's runner
     for cache in (k_cache, v_cache):
         cache.copy_(torch.randn(cache.shape, generator=generator))
     slots = [int(tables[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE

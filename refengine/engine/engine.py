@@ -22,7 +22,7 @@ import torch
 from refengine.config import EngineConfig, ModelConfig
 from refengine.engine.core import EngineCore, KvEventSink
 from refengine.engine.disagg import Disaggregation
-from refengine.engine.engine_kv import EngineKvMixin
+from refengine.engine.engine_kv import EngineKvMixin, kv_registered_with_nixl
 from refengine.engine.engine_lora import EngineLoraMixin, StepLora
 from refengine.engine.info import engine_info, kernel_paths
 from refengine.engine.input_processor import InputProcessor
@@ -78,7 +78,8 @@ class Engine(EngineKvMixin, EngineLoraMixin):
         self.tokenizer = tokenizer
         max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                             model_config.max_position_embeddings)
-        runner = make_runner(config, model_config, weights, max_model_len)
+        runner = make_runner(config, model_config, weights, max_model_len,
+                             kv_huge_pages=kv_registered_with_nixl(config, transfer_backends))
         lora = config.lora
         self.loras = LoraRegistry(lora, model_config)
         self.kv_events = KvEventHub(config.kv_events.retained_batches, config.kv_events.subscriber_buffer)

@@ -22,6 +22,21 @@ from refengine.model.kv_io import KvBlockIO
 from refengine.types import EngineStats, InvalidRequestError, KvEvent
 
 
+def _nixl_wanted(config: EngineConfig) -> bool:
+    """Whether the role uses NIXL where it can be imported: a decode engine always, a prefill
+    engine when it offers its sessions over NIXL."""
+    return config.role == "decode" or (config.role == "prefill" and config.kv_transfer.backend == "nixl")
+
+
+def kv_registered_with_nixl(config: EngineConfig, given: Seq[KvTransferBackend]) -> bool:
+    """Whether ``EngineKvMixin._bind_backends`` will bind a NIXL backend, which registers the KV
+    cache with NIXL; its reads then walk the cache's page tables, so the cache goes on huge
+    pages (``model/host_memory.py``)."""
+    if config.role == "aggregated":
+        return False
+    return any(b.name == "nixl" for b in given) or (_nixl_wanted(config) and nixl_available()[0])
+
+
 class EngineKvMixin:
     config: EngineConfig
     core: EngineCore
@@ -50,7 +65,7 @@ class EngineKvMixin:
         if self.config.role == "aggregated":
             return {}
         backends = {b.name: b for b in given}
-        if "nixl" not in backends and (self.config.role == "decode" or self.config.kv_transfer.backend == "nixl"):
+        if "nixl" not in backends and _nixl_wanted(self.config):
             available, why = nixl_available()
             if available:
                 backends["nixl"] = NixlKvTransfer(self._session_pinner(given),

@@ -1,16 +1,24 @@
-"""Host memory: the KV cache as one zeroed slab on transparent huge pages, and step buffers kept for reuse.
+"""Host memory: the KV cache as one zeroed slab (on transparent huge pages where NIXL reads it),
+and step buffers kept for reuse.
 
-Why: NIXL's loopback READ (UCX over CMA, ``process_vm_readv``) walks the source's and the
-destination's page tables page by page. Over 4 KiB pages, 60 descriptors of 1.5 MiB (one
-pull of 2,048 tokens of SmolLM2's KV) read at 7–9 GB/s on the 2-core AVX512 machine of
-2026-12-02; over 2 MiB pages they read at 16.5 GB/s, the rate of one 90 MiB descriptor
-(``benchmarks/README.md``, the disagg section). torch's allocator never asks for huge
-pages, and with the kernel's usual ``transparent_hugepage=madvise`` it gets none.
+Why huge pages, and only for NIXL: NIXL's loopback READ (UCX over CMA, ``process_vm_readv``)
+walks the source's and the destination's page tables page by page. Over 4 KiB pages, 60
+descriptors of 1.5 MiB (one pull of 2,048 tokens of SmolLM2's KV) read at 7–9 GB/s on the 2-core
+AVX512 machine of 2026-12-02; over 2 MiB pages they read at 16.5 GB/s, the rate of one 90 MiB
+descriptor (``benchmarks/README.md``, the disagg section). torch's allocator never asks for huge
+pages, and with the kernel's usual ``transparent_hugepage=madvise`` it gets none. The price is
+paid at start-up: under the usual ``defrag=madvise`` each fault in an advised range compacts
+memory until a 2 MiB page is free, and on a host whose free memory is fragmented that took
+4–11 s per GiB on the same VM (2026-12-04: a 90 MiB cache 0.75–1.1 s, 1 GiB 4–7 s), against
+about 0.35 s per GiB on 4 KiB pages; the CPU attention kernels read the cache no faster from huge
+pages (``benchmarks/cpu_attention.py``'s decode rows, within noise). So a slab is advised only when
+the engine's NIXL backend registers it (``huge_pages``: the decode role, and the prefill role
+offering NIXL, where NIXL can be imported).
 
-So every K and V tensor is a view into one buffer whose interior is 2 MiB-aligned and
-advised ``MADV_HUGEPAGE`` *before* its first touch (the zeroing), which is when pages are
-faulted in. Where the advice fails (not Linux, THP off) the tensors are the same, only on
-small pages: nothing depends on it but speed.
+A slab is one buffer whose interior is 2 MiB-aligned, advised ``MADV_HUGEPAGE`` (when asked)
+*before* its first touch (the zeroing), which is when pages are faulted in. Where the advice
+fails (not Linux, THP off) the tensors are the same, only on small pages: nothing depends on it
+but speed.
 
 The step buffers: ``keep_freed_memory`` makes glibc's malloc keep what a step frees for the
 next step instead of handing it back to the kernel. By default glibc serves a buffer above its
@@ -111,9 +119,9 @@ def _fresh_bytes(num_bytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
 
 
-def zeros_on_huge_pages(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Zeroed contiguous CPU tensors of ``shapes``, views into one slab on huge pages (where
-    the kernel grants them), each starting on a page boundary."""
+def zeroed_slab(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, huge_pages: bool) -> list[torch.Tensor]:
+    """Zeroed contiguous CPU tensors of ``shapes``, views into one slab, each starting on a page
+    boundary; the slab on huge pages where ``huge_pages`` and the kernel grants them."""
     element_size = torch.empty((), dtype=dtype).element_size()
     sizes = [math.prod(shape) * element_size for shape in shapes]
     offsets = [0]
@@ -123,8 +131,9 @@ def zeros_on_huge_pages(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -
     slab = _fresh_bytes(total + HUGE_PAGE_BYTES)  # room to align the start
     start = (-slab.data_ptr()) % HUGE_PAGE_BYTES
     slab = slab[start:start + total]
-    advised = advise_huge_pages(slab.data_ptr(), total)
+    advised = huge_pages and advise_huge_pages(slab.data_ptr(), total)
     slab.zero_()  # the first touch: pages are faulted in now, huge where advised
-    logger.debug("KV slab of %.1f MiB, huge pages %s", total / 2**20, "advised" if advised else "not available")
+    logger.debug("KV slab of %.1f MiB, huge pages %s", total / 2**20,
+                 "advised" if advised else "not available" if huge_pages else "not asked for")
     return [slab[offset:offset + size].view(dtype).view(shape)
             for offset, size, shape in zip(offsets[:-1], sizes, shapes, strict=True)]

@@ -29,7 +29,7 @@ from refengine.kernels.lora import LoraBatch
 from refengine.kernels.lora_linear import ProjectionDeltas
 from refengine.model.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
 from refengine.model.dtypes import DTYPES
-from refengine.model.host_memory import keep_freed_memory, zeros_on_huge_pages
+from refengine.model.host_memory import keep_freed_memory, zeroed_slab
 from refengine.model.input import ModelInput
 from refengine.model.llama import LlamaModel, LoraSlotShape
 
@@ -40,26 +40,28 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 def _kv_cache_tensors(k_shape: tuple[int, ...], v_shape: tuple[int, ...], num_layers: int,
-                      dtype: torch.dtype, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed (K, V) caches per layer; on CPU views of one slab on huge pages (``host_memory``)."""
+                      dtype: torch.dtype, device: str, huge_pages: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed (K, V) caches per layer; on CPU views of one slab, on huge pages where
+    ``huge_pages`` (``host_memory``)."""
     if torch.device(device).type == "cpu":
         keep_freed_memory()  # the steps' activations are reused, not faulted in again (host_memory)
-        tensors = zeros_on_huge_pages([k_shape, v_shape] * num_layers, dtype)
+        tensors = zeroed_slab([k_shape, v_shape] * num_layers, dtype, huge_pages)
         return list(zip(tensors[0::2], tensors[1::2], strict=True))
     return [(torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device))
             for _ in range(num_layers)]
 
 
 def make_runner(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
-                max_model_len: int) -> ModelRunner:
+                max_model_len: int, kv_huge_pages: bool = False) -> ModelRunner:
     """The runner ``config`` asks for: its dtype, KV cache dtype, device, attention backend, LoRA
-    slots and (``kernels.cuda_graphs``, up to ``scheduler.max_num_seqs``) decode graphs."""
+    slots and (``kernels.cuda_graphs``, up to ``scheduler.max_num_seqs``) decode graphs; a CPU KV
+    cache on huge pages where ``kv_huge_pages`` (NIXL registers it: ``host_memory``)."""
     dtype, kv_dtype, lora = DTYPES[config.dtype], DTYPES[config.kv_dtype], config.lora
     attention = make_attention_backend(config.attention_backend, dtype, config.device, config.kernels, kv_dtype)
     return ModelRunner(model_config, weights, config.cache, max_model_len, dtype=dtype, device=config.device,
                        attention=attention, kernels=config.kernels, kv_dtype=kv_dtype,
                        lora=LoraSlotShape(lora.max_loras, lora.max_lora_rank) if lora.enabled else None,
-                       max_num_seqs=config.scheduler.max_num_seqs)
+                       max_num_seqs=config.scheduler.max_num_seqs, kv_huge_pages=kv_huge_pages)
 
 
 class ModelRunner:
@@ -76,9 +78,11 @@ class ModelRunner:
         lora: LoraSlotShape | None = None,
         max_num_seqs: int = SchedulerConfig().max_num_seqs,
         kv_dtype: torch.dtype | None = None,
+        kv_huge_pages: bool = False,
     ) -> None:
         """``kv_dtype``: the KV cache's dtype (None = ``dtype``); the attention backend computes in
-        ``dtype`` and converts what it stores and reads."""
+        ``dtype`` and converts what it stores and reads. ``kv_huge_pages``: a CPU cache on
+        transparent huge pages (for NIXL's reads; ``host_memory``)."""
         kv_dtype = kv_dtype or dtype
         weights = {name: w.to(dtype=dtype, device=device) for name, w in weights.items()}
         kernels = kernels or KernelConfig()
@@ -94,7 +98,8 @@ class ModelRunner:
         scratch = 0 if self.graphs_unavailable else 1  # the graphs' padding block, past the pool
         k_shape, v_shape = self.attention.kv_cache_shapes(
             self.num_blocks + scratch, cache.block_size, config.num_key_value_heads, config.head_dim)
-        full_caches = _kv_cache_tensors(k_shape, v_shape, config.num_hidden_layers, kv_dtype, device)
+        full_caches = _kv_cache_tensors(k_shape, v_shape, config.num_hidden_layers, kv_dtype, device,
+                                        kv_huge_pages)
         self.kv_caches = full_caches if not scratch else [(k[: self.num_blocks], v[: self.num_blocks])
                                                          for k, v in full_caches]
         self.graphs: DecodeGraphs | None = None

@@ -1,7 +1,8 @@
 """The KV cache's host memory (``refengine.model.host_memory``): one zeroed slab, each
-tensor a page-aligned, disjoint, contiguous view, on transparent huge pages where the
-kernel grants them (the NIXL READ rate depends on it: see the module docstring); and the
-step buffers, which glibc's malloc is told to keep for reuse (``keep_freed_memory``)."""
+tensor a page-aligned, disjoint, contiguous view, on transparent huge pages where NIXL
+registers the cache and the kernel grants them (the NIXL READ rate depends on it; elsewhere
+they only slow the start: see the module docstring); and the step buffers, which glibc's
+malloc is told to keep for reuse (``keep_freed_memory``)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from refengine.config import CacheConfig
-from refengine.model.host_memory import HUGE_PAGE_BYTES, keep_freed_memory, zeros_on_huge_pages
-from refengine.model.runner import ModelRunner
+from refengine.config import CacheConfig, EngineConfig, KvTransferConfig
+from refengine.engine import engine_kv
+from refengine.engine.engine_kv import kv_registered_with_nixl
+from refengine.model.host_memory import HUGE_PAGE_BYTES, keep_freed_memory, zeroed_slab
+from refengine.model.runner import ModelRunner, kv_bytes_per_block
 from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -42,9 +45,10 @@ def _anon_huge_kib(address: int) -> int:
     return huge
 
 
-def test_tensors_are_zeroed_disjoint_page_aligned_views_of_their_shapes() -> None:
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_tensors_are_zeroed_disjoint_page_aligned_views_of_their_shapes(huge_pages: bool) -> None:
     shapes = [(5, 3, 64, 16), (5, 16, 3, 64), (7, 11), (1,)]
-    tensors = zeros_on_huge_pages(shapes, torch.bfloat16)
+    tensors = zeroed_slab(shapes, torch.bfloat16, huge_pages)
     assert [tuple(t.shape) for t in tensors] == shapes
     assert all(t.dtype == torch.bfloat16 and t.is_contiguous() and not t.any() for t in tensors)
     assert all(t.data_ptr() % 4096 == 0 for t in tensors)
@@ -59,8 +63,44 @@ def test_tensors_are_zeroed_disjoint_page_aligned_views_of_their_shapes() -> Non
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off or absent here")
 def test_the_slab_is_on_huge_pages() -> None:
     """Fails without the madvise under the usual ``madvise`` mode: torch's allocator never asks."""
-    tensors = zeros_on_huge_pages([(8 * HUGE_PAGE_BYTES // 4,)], torch.float32)
+    tensors = zeroed_slab([(8 * HUGE_PAGE_BYTES // 4,)], torch.float32, huge_pages=True)
     assert _anon_huge_kib(tensors[0].data_ptr()) >= 4 * HUGE_PAGE_BYTES // 1024
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason=f"THP mode is {_thp_mode() or 'absent'}, not madvise: "
+                    "only there does a slab get huge pages exactly when it is advised")
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_the_runner_asks_for_huge_pages_only_when_told(huge_pages: bool) -> None:
+    hf = make_tiny_hf_model()
+    config, weights = model_config_from_hf(hf), hf_weights(hf)
+    num_blocks = -(-8 * HUGE_PAGE_BYTES // kv_bytes_per_block(config, 4, torch.float32))
+    runner = ModelRunner(config, weights, CacheConfig(num_blocks=num_blocks, block_size=4), max_model_len=32,
+                         kv_huge_pages=huge_pages)
+    huge_kib = _anon_huge_kib(runner.kv_caches[0][0].data_ptr())
+    assert (huge_kib >= 4 * HUGE_PAGE_BYTES // 1024) if huge_pages else huge_kib == 0, huge_kib
+
+
+class _Named:
+    """A transfer backend as the predicate sees one: its name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+@pytest.mark.parametrize(("role", "offered", "importable", "given", "huge"), [
+    ("aggregated", "grpc", True, (), False),
+    ("decode", "grpc", True, (), True),  # a decode engine reads with NIXL wherever it can
+    ("decode", "grpc", False, (), False),
+    ("prefill", "grpc", True, (), False),  # offers gRPC pulls: NIXL never touches its cache
+    ("prefill", "nixl", True, (), True),
+    ("prefill", "grpc", False, (_Named("nixl"),), True),  # a NIXL backend handed in
+])
+def test_only_an_engine_whose_kv_nixl_registers_goes_on_huge_pages(monkeypatch: pytest.MonkeyPatch, role: str,
+                                                                   offered: str, importable: bool, given: tuple,
+                                                                   huge: bool) -> None:
+    monkeypatch.setattr(engine_kv, "nixl_available", lambda: (importable, "" if importable else "not installed"))
+    config = EngineConfig(role=role, kv_transfer=KvTransferConfig(backend=offered))
+    assert kv_registered_with_nixl(config, (_Named("grpc"), *given)) is huge
 
 
 def test_the_cpu_runner_keeps_its_kv_cache_in_one_slab() -> None:
@@ -117,7 +157,7 @@ def test_freed_step_buffers_are_reused_not_faulted_in_again() -> None:
 @pytest.mark.skipif(not _is_glibc(), reason="keep_freed_memory sets glibc's malloc options; this libc is not glibc")
 def test_keep_freed_memory_is_idempotent_and_the_kv_slab_keeps_its_own_mapping() -> None:
     assert keep_freed_memory() and keep_freed_memory()
-    tensors = zeros_on_huge_pages([(4 * HUGE_PAGE_BYTES // 4,)], torch.float32)
+    tensors = zeroed_slab([(4 * HUGE_PAGE_BYTES // 4,)], torch.float32, huge_pages=True)
     start = tensors[0].data_ptr()
     mappings = [line.split()[0] for line in Path("/proc/self/maps").read_text().splitlines()]
     spans = [tuple(int(part, 16) for part in head.split("-")) for head in mappings]
