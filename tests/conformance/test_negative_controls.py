@@ -7,6 +7,9 @@ for a violation that is not its rule's. The unbroken toy must fail nothing. The 
 profile's rules need a real model: their controls (tests/conformance/encoder_controls.py) put a
 fault proxy in front of refengine's own servers (tests/integration/test_encoder_conformance.py).
 A rule with a check but no control in either table must be listed in NO_CONTROL, saying why.
+Beyond failing nothing, the unbroken toy must check every rule of the covered sections and PASS
+the checks it can exercise; and the G10 control shows that checks reading its streams never blame
+another rule for a missing ``output_index`` (before, omitting it failed 33 rules).
 
 The controls run at once (about 25 s each alone, mostly waiting on the toy's paced streams):
 PROCESSES worker processes (forkserver: no gRPC state inherited from this one) take them from
@@ -26,10 +29,10 @@ from typing import Any
 
 import pytest
 
-from refengine.conformance import Options, Status, run
+from refengine.conformance import Options, Status, run, select
 from refengine.conformance.registry import PROFILE_PAGES, all_checks, profile_rules_in, rules_in
 from tests.conformance import encoder_controls
-from tests.conformance.test_conformance import REPO, rules_markdown
+from tests.conformance.test_conformance import COVERED_SECTIONS, REPO, rules_markdown
 from tests.conformance.toy_engine import Faults
 from tests.conformance.toy_kv_events import KvFaults, serve_kv
 from tests.conformance.toy_roles import serve_pair
@@ -148,13 +151,20 @@ CONTROLS = [
 NO_CONTROL: dict[str, str] = {}
 
 Failure = tuple[str, str, str]  # check name, rule, message
+Outcome = tuple[str, str, str, str]  # check name, rule, status (its value), message
+#: Checks of the re-base on the release that the toy server can exercise: they must PASS, not SKIP.
+RELEASE_CHECKS = ["D1:schema_revision", "D8:primary_model_name", "D8:model_aliases", "D9:multimodal_validated",
+                  "G19:media_refused_when_unsupported", "G19:media_source_required", "H3:serving_state",
+                  "H4:load_presence", "X4:release_enum_values"]
+#: The guided-decoding checks: the toy server advertises five modes (llguidance), so all must PASS.
+GUIDED_CHECKS = [c.name for c in select() if "guided" in c.name]
 #: Controls that take longest (their fault makes later checks wait out the idle timeout, or
 #: runs a long request to its end): started first.
 SLOW = ("kv-block-leaked-after-cancel", "context-off-by-one")
 
 
-def run_control(control: Control) -> list[Failure]:
-    """The whole suite against ``control``'s servers; every failed check."""
+def run_control(control: Control) -> list[Outcome]:
+    """The whole suite against ``control``'s servers; every check's outcome."""
     with tempfile.TemporaryDirectory() as tmp:
         config, lora_dir = os.path.join(tmp, "config.json"), os.path.join(tmp, "lora")
         os.mkdir(lora_dir)
@@ -171,7 +181,7 @@ def run_control(control: Control) -> list[Failure]:
                 s.stop(0)
             for e in (engine, *pair_engines):
                 e.running = False
-    return [(r.name, r.rule, r.message) for r in results if r.status is Status.FAIL]
+    return [(r.name, r.rule, r.status.value, r.message) for r in results]
 
 
 _work: Any = None  # a worker process's queue of controls to run (None: no more)
@@ -182,9 +192,9 @@ def _take_work(queue: Any) -> None:
     _work = queue
 
 
-def run_queued() -> dict[str, list[Failure]]:
+def run_queued() -> dict[str, list[Outcome]]:
     """One worker process's share: THREADS threads taking controls from the queue until it is empty."""
-    found: dict[str, list[Failure]] = {}
+    found: dict[str, list[Outcome]] = {}
 
     def drain() -> None:
         while (control := _work.get()) is not None:
@@ -196,14 +206,14 @@ def run_queued() -> dict[str, list[Failure]]:
     return found
 
 
-def run_all(controls: list[Control]) -> dict[str, list[Failure]]:
-    """Every control's failed checks, run at once: PROCESSES worker processes take them from one
+def run_all(controls: list[Control]) -> dict[str, list[Outcome]]:
+    """Every control's outcomes, run at once: PROCESSES worker processes take them from one
     queue (the slow ones first, so that none of them starts last)."""
     context = multiprocessing.get_context("forkserver")
     queue = context.Queue()
     for control in sorted(controls, key=lambda c: c.id not in SLOW) + [None] * (PROCESSES * THREADS):
         queue.put(control)
-    found: dict[str, list[Failure]] = {}
+    found: dict[str, list[Outcome]] = {}
     with ProcessPoolExecutor(PROCESSES, mp_context=context, initializer=_take_work, initargs=(queue,)) as pool:
         for part in [pool.submit(run_queued) for _ in range(PROCESSES)]:
             found.update(part.result())
@@ -211,17 +221,37 @@ def run_all(controls: list[Control]) -> dict[str, list[Failure]]:
 
 
 @pytest.fixture(scope="module")
-def outcomes() -> dict[str, list[Failure]]:
+def outcomes() -> dict[str, list[Outcome]]:
     return run_all(CONTROLS)
 
 
 @pytest.mark.parametrize("control", CONTROLS, ids=[f"{c.rule or 'none'}-{c.id}" for c in CONTROLS])
-def test_the_suite_fails_exactly_the_broken_rule(control: Control, outcomes: dict[str, list[Failure]]) -> None:
-    failed = outcomes[control.id]
+def test_the_suite_fails_exactly_the_broken_rule(control: Control, outcomes: dict[str, list[Outcome]]) -> None:
+    failed: list[Failure] = [(name, rule, message) for name, rule, status, message in outcomes[control.id]
+                             if status == Status.FAIL.value]
     want = {control.rule} - {""}
     assert {rule for _, rule, _ in failed} == want, (
         f"{control.id} breaks {control.rule or 'nothing'}; failed:\n"
         + ("\n".join(f"  {name}: {message}" for name, _, message in failed) or "  nothing"))
+
+
+def test_the_unbroken_toy_checks_every_rule_and_passes_what_it_can_exercise(
+        outcomes: dict[str, list[Outcome]]) -> None:
+    results = outcomes["unbroken"]
+    assert {rule for _, rule, _, _ in results} >= set(rules_in(rules_markdown(), COVERED_SECTIONS))
+    by_name = {name: (status, message) for name, _, status, message in results}
+    not_passed = {name: by_name[name] for name in RELEASE_CHECKS + GUIDED_CHECKS
+                  if by_name[name][0] != Status.PASS.value}
+    assert not not_passed, not_passed
+
+
+def test_a_missing_output_index_is_blamed_on_g10_alone(outcomes: dict[str, list[Outcome]]) -> None:
+    """G10 names what is missing; the checks that read the same streams and cannot tell their
+    outputs apart without it skip, saying so (the exact-rule test above: they do not fail)."""
+    by_name = {name: (status, message) for name, _, status, message in outcomes["no-output-index"]}
+    assert "has no output_index" in by_name["G10:output_index"][1], by_name["G10:output_index"]
+    unattributable = {name: status for name, (status, message) in by_name.items() if "cannot be told apart" in message}
+    assert unattributable and set(unattributable.values()) == {Status.SKIP.value}, unattributable
 
 
 def test_every_rule_with_a_check_has_a_negative_control() -> None:

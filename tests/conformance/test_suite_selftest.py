@@ -1,5 +1,7 @@
-"""The conformance suite checked against a toy server (fast, no model): it passes a
-server that follows the rules, and catches one that breaks them."""
+"""The conformance suite checked against a toy server (fast, no model): it catches a server
+that breaks a rule, and its parts (verifiers, D1's release check, the CLI, the encoder
+profile's support) behave. The whole suite against the unbroken toy, and against one broken
+toy per rule, is tests/conformance/test_negative_controls.py."""
 
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ from refengine.conformance.checks_errors import retryable_problem
 from refengine.conformance.encoder_support import handle_problems, profile_problems, tampered
 from refengine.conformance.guides import CASES
 from refengine.conformance.json_prefix import json_prefix_problem
-from refengine.conformance.registry import PROFILE_PAGES, profile_rules_in, rule_key, rule_section, rules_in
+from refengine.conformance.registry import PROFILE_PAGES, profile_rules_in, rule_key, rule_section
 from refengine.conformance.release import RELEASE_BSR_COMMIT, RELEASE_GIT_COMMIT, schema_release_problem
 from refengine.protocol import oe
 from refengine.protocol.v1alpha1 import media_pb2 as media
 from tests.conformance.fake_server import Faults, serve
-from tests.conformance.test_conformance import COVERED_SECTIONS, REPO, rules_markdown
+from tests.conformance.test_conformance import REPO
+from tests.conformance.test_negative_controls import GUIDED_CHECKS
 from tests.integration.conftest import free_port
 
 
@@ -30,25 +33,6 @@ def toy_address() -> Iterator[str]:
     yield address
     server.stop(0)
     engine.running = False
-
-
-#: Checks of the re-base on the release that the toy server can exercise: they must PASS, not SKIP.
-RELEASE_CHECKS = ["D1:schema_revision", "D8:primary_model_name", "D8:model_aliases", "D9:multimodal_validated",
-                  "G19:media_refused_when_unsupported", "G19:media_source_required", "H3:serving_state",
-                  "H4:load_presence", "X4:release_enum_values"]
-#: The guided-decoding checks: the toy server advertises five modes (llguidance), so all must PASS.
-GUIDED_CHECKS = [c.name for c in select() if "guided" in c.name]
-
-
-def test_toy_server_passes_the_whole_suite(toy_address: str) -> None:
-    results = run(toy_address)
-    failed = [f"{r.name}: {r.message}" for r in results if r.status is Status.FAIL]
-    assert not failed, "\n".join(failed)
-    assert {r.rule for r in results} >= set(rules_in(rules_markdown(), COVERED_SECTIONS))
-    by_name = {r.name: r for r in results}
-    not_passed = {n: by_name[n].message for n in RELEASE_CHECKS + GUIDED_CHECKS
-                  if by_name[n].status is not Status.PASS}
-    assert not not_passed, not_passed
 
 
 def test_guided_checks_skip_without_guided_decoding() -> None:
