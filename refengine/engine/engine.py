@@ -22,7 +22,7 @@ import torch
 from refengine.config import EngineConfig, ModelConfig
 from refengine.engine.core import EngineCore, KvEventSink
 from refengine.engine.disagg import Disaggregation
-from refengine.engine.engine_kv import EngineKvMixin, kv_registered_with_nixl
+from refengine.engine.engine_kv import EngineKvMixin, choose_transfer_backends
 from refengine.engine.engine_lora import EngineLoraMixin, StepLora
 from refengine.engine.info import engine_info, kernel_paths
 from refengine.engine.input_processor import InputProcessor
@@ -78,14 +78,14 @@ class Engine(EngineKvMixin, EngineLoraMixin):
         self.tokenizer = tokenizer
         max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                             model_config.max_position_embeddings)
-        runner = make_runner(config, model_config, weights, max_model_len,
-                             kv_huge_pages=kv_registered_with_nixl(config, transfer_backends))
+        backends = choose_transfer_backends(config, transfer_backends)
+        runner = make_runner(config, model_config, weights, max_model_len, kv_huge_pages="nixl" in backends)
         lora = config.lora
         self.loras = LoraRegistry(lora, model_config)
         self.kv_events = KvEventHub(config.kv_events.retained_batches, config.kv_events.subscriber_buffer)
         self.block_io = KvBlockIO(runner.kv_caches, type(runner.attention).__name__)
         self.kv_sessions = KvSessionStore(on_change=self._wake)
-        backends = self._bind_backends(transfer_backends)
+        self._bind_backends(backends)
         disagg = None if config.role == "aggregated" else partial(
             Disaggregation, config, store=self.block_io, fingerprint=model_fingerprint, sessions=self.kv_sessions,
             backends=backends, on_load_done=self._wake)

@@ -22,19 +22,25 @@ from refengine.model.kv_io import KvBlockIO
 from refengine.types import EngineStats, InvalidRequestError, KvEvent
 
 
-def _nixl_wanted(config: EngineConfig) -> bool:
-    """Whether the role uses NIXL where it can be imported: a decode engine always, a prefill
-    engine when it offers its sessions over NIXL."""
-    return config.role == "decode" or (config.role == "prefill" and config.kv_transfer.backend == "nixl")
-
-
-def kv_registered_with_nixl(config: EngineConfig, given: Seq[KvTransferBackend]) -> bool:
-    """Whether ``EngineKvMixin._bind_backends`` will bind a NIXL backend, which registers the KV
-    cache with NIXL; its reads then walk the cache's page tables, so the cache goes on huge
-    pages (``model/host_memory.py``)."""
+def choose_transfer_backends(config: EngineConfig, given: Seq[KvTransferBackend]) -> dict[str, KvTransferBackend]:
+    """The role's transfer backends, not bound yet (none when aggregated). The offered one
+    (prefill) comes first; NIXL joins a decode engine, and a prefill engine offering it, when it
+    can be imported. Chosen before the KV cache is allocated: a cache NIXL registers goes on huge
+    pages (``model/host_memory.py``); ``EngineKvMixin._bind_backends`` then binds them to it."""
     if config.role == "aggregated":
-        return False
-    return any(b.name == "nixl" for b in given) or (_nixl_wanted(config) and nixl_available()[0])
+        return {}
+    backends = {b.name: b for b in given}
+    offered = config.kv_transfer.backend
+    if "nixl" not in backends and (config.role == "decode" or offered == "nixl"):
+        available, why = nixl_available()
+        if available:
+            pinner = next((b for b in given if isinstance(b, SessionPinner)), None)  # gRPC pins for NIXL reads
+            backends["nixl"] = NixlKvTransfer(pinner, pull_timeout_seconds=config.kv_transfer.pull_timeout_seconds)
+        elif offered == "nixl" and config.role == "prefill":
+            raise ValueError(f"--kv-transfer-backend nixl: {why}")
+    if config.role == "prefill" and offered not in backends:
+        raise ValueError(f"the prefill role offers KV over {offered!r}, but this engine has {sorted(backends)}")
+    return dict(sorted(backends.items(), key=lambda item: item[0] != offered))
 
 
 class EngineKvMixin:
@@ -59,31 +65,10 @@ class EngineKvMixin:
 
         return both
 
-    def _bind_backends(self, given: Seq[KvTransferBackend]) -> dict[str, KvTransferBackend]:
-        """The role's transfer backends, bound to this engine's KV cache (none when aggregated).
-        The offered one (prefill) comes first; NIXL joins when it can be imported."""
-        if self.config.role == "aggregated":
-            return {}
-        backends = {b.name: b for b in given}
-        if "nixl" not in backends and _nixl_wanted(self.config):
-            available, why = nixl_available()
-            if available:
-                backends["nixl"] = NixlKvTransfer(self._session_pinner(given),
-                                                  pull_timeout_seconds=self.config.kv_transfer.pull_timeout_seconds)
-            elif self.config.kv_transfer.backend == "nixl" and self.config.role == "prefill":
-                raise ValueError(f"--kv-transfer-backend nixl: {why}")
-        offered = self.config.kv_transfer.backend
-        if self.config.role == "prefill" and offered not in backends:
-            raise ValueError(f"the prefill role offers KV over {offered!r}, but this engine has {sorted(backends)}")
-        ordered = dict(sorted(backends.items(), key=lambda item: item[0] != offered))
-        for backend in ordered.values():
+    def _bind_backends(self, backends: dict[str, KvTransferBackend]) -> None:
+        """Bind ``choose_transfer_backends``' choice to this engine's KV cache."""
+        for backend in backends.values():
             backend.bind(self.block_io, self.confirm_kv_session)
-        return ordered
-
-    @staticmethod
-    def _session_pinner(given: Seq[KvTransferBackend]) -> SessionPinner | None:
-        """The gRPC backend pins sessions for NIXL reads (it talks to the prefill server)."""
-        return next((b for b in given if isinstance(b, SessionPinner)), None)
 
     # -- KV events and the prefix cache (any thread; each waits for the current step) --
     def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,

@@ -16,7 +16,7 @@ import torch
 
 from refengine.config import CacheConfig, EngineConfig, KvTransferConfig
 from refengine.engine import engine_kv
-from refengine.engine.engine_kv import kv_registered_with_nixl
+from refengine.engine.engine_kv import choose_transfer_backends
 from refengine.model.host_memory import HUGE_PAGE_BYTES, keep_freed_memory, zeroed_slab
 from refengine.model.runner import ModelRunner, kv_bytes_per_block
 from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
@@ -81,7 +81,7 @@ def test_the_runner_asks_for_huge_pages_only_when_told(huge_pages: bool) -> None
 
 
 class _Named:
-    """A transfer backend as the predicate sees one: its name."""
+    """A transfer backend as the choice sees one: its name."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -100,7 +100,8 @@ def test_only_an_engine_whose_kv_nixl_registers_goes_on_huge_pages(monkeypatch: 
                                                                    huge: bool) -> None:
     monkeypatch.setattr(engine_kv, "nixl_available", lambda: (importable, "" if importable else "not installed"))
     config = EngineConfig(role=role, kv_transfer=KvTransferConfig(backend=offered))
-    assert kv_registered_with_nixl(config, (_Named("grpc"), *given)) is huge
+    huge_pages = "nixl" in choose_transfer_backends(config, (_Named("grpc"), *given))  # as Engine.__init__ asks
+    assert huge_pages is huge
 
 
 def test_the_cpu_runner_keeps_its_kv_cache_in_one_slab() -> None:
