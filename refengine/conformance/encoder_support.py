@@ -114,7 +114,7 @@ def discover(t: Target) -> Setup:
         extra = None
         if address and address != t.address:
             try:
-                extra = Target(address, t.options).connect()
+                extra = t.connect_peer(address)
             except Exception as exc:  # noqa: BLE001 - any connect failure: every ENC check fails with it
                 t.cache["enc_connect_error"] = f"--encoder {address}: cannot connect: {type(exc).__name__}: {exc}"
                 fail(t.cache["enc_connect_error"])

@@ -77,9 +77,14 @@ class Target:
     def __init__(self, address: str, options: Options | None = None) -> None:
         self.address = address
         self.options = options or Options()
+        # A subchannel of its own: in a process that talked to an earlier server on the same port
+        # (a test harness, a tool running the suite repeatedly), a shared one may still be in its
+        # reconnect backoff, and connect() would time out waiting for it.
         self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+            address, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+                              ("grpc.use_local_subchannel_pool", 1)]
         )
+        self._peers: list[Target] = []  # other servers of this run (connect_peer), closed with this one
         self.inference = oe.InferenceStub(self.channel)
         self.control = oe.ControlStub(self.channel)
         self._ids = itertools.count()
@@ -106,7 +111,17 @@ class Target:
             self.idle_used_kv_blocks = load.used_kv_blocks
         return self
 
+    def connect_peer(self, address: str) -> Target:
+        """Another server of the same run (the ``--encoder`` server), with these options, closed
+        with this one even when connecting fails: a channel left open keeps reconnecting to a
+        server that may be long gone."""
+        peer = Target(address, self.options)
+        self._peers.append(peer)
+        return peer.connect()
+
     def close(self) -> None:
+        for peer in self._peers:
+            peer.close()
         self.channel.close()
 
     def __enter__(self) -> Target:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from refengine.conformance import Options, Result, Status, run, select
@@ -256,6 +257,38 @@ def test_enc_checks_skip_as_not_claimed(toy_address: str) -> None:
     finally:
         other.stop(0)
         other_engine.running = False
+
+
+def test_a_run_closes_every_channel_it_opens(toy_address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The --encoder server's channel too, reachable or not. One left open kept reconnecting to a
+    fault proxy after it stopped; the next proxy, given the same port, then could not be reached
+    within the connect timeout (a flaky ENC4 control in tests/integration/test_encoder_conformance.py)."""
+    real_channel = grpc.insecure_channel
+    opened: list[str] = []
+    closed: list[str] = []
+
+    def tracked(address: str, options: object = None) -> grpc.Channel:
+        channel = real_channel(address, options=options)
+        opened.append(address)
+        real_close = channel.close
+
+        def close() -> None:
+            closed.append(address)
+            real_close()
+
+        channel.close = close
+        return channel
+
+    monkeypatch.setattr(grpc, "insecure_channel", tracked)
+    other, other_address, other_engine = serve()
+    try:
+        for encoder in (other_address, f"127.0.0.1:{free_port()}"):
+            run(toy_address, ["ENC1", "ENC4"], Options(encoder_address=encoder, rpc_timeout_s=2.0))
+    finally:
+        other.stop(0)
+        other_engine.running = False
+    assert other_address in opened and len(opened) >= 4
+    assert sorted(closed) == sorted(opened)
 
 
 def test_enc_checks_fail_when_the_encoder_is_unreachable(toy_address: str) -> None:
