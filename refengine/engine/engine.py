@@ -273,6 +273,7 @@ class Engine(EngineKvMixin, EngineLoraMixin):
                 backend.close()
         if self.core.media_pulls is not None:
             self.core.media_pulls.shutdown()
+        self.guides.close()
 
     def _loop(self) -> None:
         while True:

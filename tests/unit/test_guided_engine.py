@@ -10,11 +10,14 @@ distribution; ``max_tokens`` cuts; a matcher fault ending only its own request.
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import re
+import threading
 import time
 import uuid
+import weakref
 
 import llguidance
 import llguidance.hf
@@ -396,6 +399,42 @@ def test_compile_past_the_time_limit_is_refused(tiny, backend) -> None:
     engine = make_engine(tiny, guided=GuidedConfig(compile_timeout_seconds=limit))
     error = assert_refused(engine, GuidedSpec("json_schema", unique_slow_schema(), backend=backend))
     assert re.search(r"(?i)time", str(error)), str(error)
+
+
+def compile_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("refengine-guide-compile")}
+
+
+def wait_ended(threads: set[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join(timeout=10)
+    assert not any(t.is_alive() for t in threads), "guide-compile threads still running"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_engine_dropped_or_shut_down_ends_its_compile_threads_and_is_freed(tiny, backend) -> None:
+    """An engine that compiled a spec and refused one the backend rejected (the error's
+    traceback runs through the engine's frames) is collected once dropped, and its worker
+    threads end; ``shutdown`` ends them too. (The workers used to keep their last job, and so
+    the compiler, and after a refusal the engine: in the test process, ~1 GB per golden engine.)"""
+    before = compile_threads()
+    engine = make_engine(tiny)
+    engine.run_until_done([request("ok", specs(backend)["regex"], prompt(3, 5))])
+    with pytest.raises(InvalidRequestError):
+        engine.add_request(request("bad", GuidedSpec("regex", "(ab", backend=backend), prompt(2, 5)))
+    threads = compile_threads() - before
+    assert threads, "the engine started no compile threads"
+    dropped = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert dropped() is None, "the dropped engine is still referenced"
+    wait_ended(threads)
+
+    engine = make_engine(tiny)
+    engine.run_until_done([request("ok", specs(backend)["regex"], prompt(3, 5))])
+    threads = compile_threads() - before
+    engine.shutdown()
+    wait_ended(threads)
 
 
 def test_spec_size_and_choice_count_limits(tiny) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -28,29 +29,50 @@ if TYPE_CHECKING:
 _BACKEND_CLASSES = {"xgrammar": xgrammar_backend.XGrammarBackend, "llguidance": llguidance_backend.LlguidanceBackend}
 _BACKEND_MODES = {"xgrammar": xgrammar_backend.MODES, "llguidance": llguidance_backend.MODES}
 CacheKey = tuple[str, str, str, tuple[str, ...]]
+_Job = tuple[Future, Callable[[], CompiledGuide]]
 
 
 class _DaemonPool:
     """Worker threads that never hold up process exit: a compile that outlived its request's
-    time limit may still be running when the server shuts down."""
+    time limit may still be running when the server shuts down.
+
+    The threads hold the job queue, not the pool, and forget each job once it is done (its
+    closure holds the compiler; a failed job's traceback holds the frames that called it, up
+    to the engine): so ``close``, or dropping the pool, ends them and frees what they compiled
+    for. (Before, each engine left its threads, its compiler and, after a refused spec, itself
+    alive for the rest of the process.)"""
 
     def __init__(self, num_threads: int) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Future, Callable[[], CompiledGuide]]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         for i in range(num_threads):
-            threading.Thread(target=self._work, name=f"refengine-guide-compile-{i}", daemon=True).start()
+            threading.Thread(target=_work, args=(self._jobs,), name=f"refengine-guide-compile-{i}",
+                             daemon=True).start()
+        # One stop per thread, put once: by ``close`` or when the pool is collected.
+        self.close = weakref.finalize(self, _stop, self._jobs, num_threads)
 
     def submit(self, job: Callable[[], CompiledGuide]) -> Future[CompiledGuide]:
+        if not self.close.alive:
+            raise RuntimeError("the guide compiler is closed")
         future: Future[CompiledGuide] = Future()
         self._jobs.put((future, job))
         return future
 
-    def _work(self) -> None:
-        while True:
-            future, job = self._jobs.get()
-            try:
-                future.set_result(job())
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                future.set_exception(exc)
+
+def _work(jobs: queue.SimpleQueue[_Job | None]) -> None:
+    """A worker: run jobs until a stop (None); no reference to a finished job survives the loop."""
+    while (item := jobs.get()) is not None:
+        future, job = item
+        del item
+        try:
+            future.set_result(job())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(exc)
+        del future, job
+
+
+def _stop(jobs: queue.SimpleQueue[_Job | None], num_threads: int) -> None:
+    for _ in range(num_threads):
+        jobs.put(None)
 
 
 def backend_modes() -> dict[str, tuple[str, ...]]:
@@ -68,6 +90,10 @@ class GuideCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[CacheKey, CompiledGuide] = OrderedDict()
         self._compiling: dict[CacheKey, Future[CompiledGuide]] = {}
+
+    def close(self) -> None:
+        """Stop the worker threads once their running compiles end (the engine's shutdown)."""
+        self._pool.close()
 
     def compile(self, spec: GuidedSpec) -> CompiledGuide:
         """The compiled guide of ``spec``; raises ``GuidedSpecError`` saying what is wrong."""
