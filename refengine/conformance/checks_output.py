@@ -14,11 +14,14 @@ from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
+#: Prompts tried in order (up to 48 tokens each) until one ends at EOS. The plain question goes
+#: first: small models end it within a dozen tokens (SmolLM2-135M-Instruct: 10), while they run
+#: past 48 on the chat-templated ones, which are there for models that need a template to stop.
 EOS_PROMPTS = [
+    "Question: What is 2 + 2?\nAnswer:",
     "<|im_start|>user\nReply with the single word OK.<|im_end|>\n<|im_start|>assistant\n",
     "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
     "[INST] Say OK. [/INST]",
-    "Question: What is 2 + 2?\nAnswer:",
 ]
 LONG_PROMPT = ("In the beginning the universe was created. This has made a lot of people very angry and been "
                "widely regarded as a bad move.")

@@ -1,0 +1,31 @@
+"""Suite-wide fixtures.
+
+``release_module_memory``: after each test module, the memory its fixtures freed goes back to
+the operating system (a full collection, then glibc's ``malloc_trim``). The servers the later
+modules start need that memory: on the 2-core VM the suite runs on, memory beyond what was
+recently in use faults in at ~100-170 MB/s (touching 1 GiB took 0.7 s, and 6-10 s while another
+process held 5 GB), and three ``refengine serve`` processes took 23 s to be READY beside a
+process holding 5 GB, against 9.4 s without. After the golden modules the pytest process held
+4.5 GB without this fixture and 2.55 GB with it (2026-12-04).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+from collections.abc import Iterator
+
+import pytest
+
+_LIBC = ctypes.util.find_library("c")
+_malloc_trim = getattr(ctypes.CDLL(_LIBC), "malloc_trim", None) if _LIBC else None  # glibc only
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_module_memory() -> Iterator[None]:
+    """Set up before the module's other fixtures, so torn down after them: collect, then trim."""
+    yield
+    gc.collect()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
