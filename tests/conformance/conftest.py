@@ -1,4 +1,4 @@
-"""A refengine server for the conformance suite, started once per session.
+"""A refengine server for the conformance suite (tests/conformance/test_conformance.py).
 
 It is started with ``start_server`` of tests/integration/conftest.py, with engine flags
 that make every rule observable quickly on CPU: a 1024-token context (G7 can fill it),
@@ -9,6 +9,9 @@ alias is accepted and serves the same model), and LoRA enabled with a temporary
 ``OECONF_TARGET=host:port`` to run the suite against an already running server instead (any
 OpenEngine implementation; ``OECONF_LORA_DIR`` and ``OECONF_LORA_MODEL_CONFIG`` then give
 the R checks a directory that server can read and its model's config.json).
+
+The server lives for its module only: with the default 1 GiB KV cache it holds ~2.6 GB, which
+the servers of later modules need (tests/conftest.py says why that matters on the test VM).
 
 ``refengine_server`` (imported from tests/integration/conftest.py) is the shared server with
 LoRA disabled: the disabled side of R5 and R6 runs against it.
@@ -43,7 +46,7 @@ def conformance_lora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
     return {"lora_dir": str(tmp_path_factory.mktemp("lora-root")), "lora_model_config": str(config)}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def conformance_server(tmp_path_factory: pytest.TempPathFactory,
                        conformance_lora: dict[str, str]) -> Iterator[ServerProcess | None]:
     """The server under test; None when OECONF_TARGET points at an external one."""
@@ -58,6 +61,6 @@ def conformance_server(tmp_path_factory: pytest.TempPathFactory,
         server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def conformance_address(conformance_server: ServerProcess | None) -> str:
     return os.environ.get("OECONF_TARGET") or conformance_server.address
