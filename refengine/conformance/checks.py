@@ -11,6 +11,8 @@ from refengine.conformance import (  # noqa: F401
     checks_generate,
     checks_guided,
     checks_health,
+    checks_kv_block_events,
+    checks_kv_connector,
     checks_kv_events,
     checks_logprobs,
     checks_lora,

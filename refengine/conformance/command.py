@@ -70,6 +70,9 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
                        "failure after acceptance (default 0: not tried)")
     named.add_argument("--slow-reader-extra", default="{}", metavar="JSON",
                        help="GenerateRequest.extra (a JSON object) of the stalled stream")
+    named.add_argument("--eviction-budget-tokens", type=int, default=16384, metavar="N",
+                       help="E3: fill the prefix cache to see evictions only when it holds at most N tokens (the "
+                       "check sends up to 2N prompt tokens; default %(default)s)")
     named.add_argument("--known-extra-keys", default="{}", metavar="JSON",
                        help='G8: known extra keys and their JSON types, e.g. {"my.knob": "number"}')
 
@@ -79,7 +82,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    slow_reader_s=args.slow_reader_seconds, slow_reader_extra=json.loads(args.slow_reader_extra),
                    known_extra_keys=json.loads(args.known_extra_keys), prefill_address=args.prefill,
                    decode_address=args.decode, lora_dir=args.lora_dir, lora_model_config=args.lora_model_config,
-                   media_placeholder_token_id=args.media_placeholder_token_id, encoder_address=args.encoder)
+                   media_placeholder_token_id=args.media_placeholder_token_id, encoder_address=args.encoder,
+                   eviction_budget_tokens=args.eviction_budget_tokens)
 
 
 def run_command(args: argparse.Namespace) -> int:

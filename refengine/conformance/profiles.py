@@ -140,8 +140,9 @@ GUIDED_CHECKS = ("D4:guided_backends_honoured", "D4:guided_modes_honoured", "G13
                  "L6:guided_logprobs_after_mask", "X1:guided_invalid_spec_refused")
 
 PROFILES: tuple[Profile, ...] = (
-    Profile("core", "discovery, request metadata, Generate, abort, health, errors; refusal of what is not "
-            "advertised", ("D", "M", "G", "A", "H", "X", "R5:disabled_lifecycle", "R6:supports_lora_means_it"),
+    Profile("core", "discovery (with the KV connector), request metadata, Generate, abort, health, errors; "
+            "refusal of what is not advertised",
+            ("D", "M", "G", "A", "H", "X", "K11", "R5:disabled_lifecycle", "R6:supports_lora_means_it"),
             _always, "always"),
     Profile("load", "GetLoad: counts, presence, back to idle", ("H4",), _load, "GetLoad answers OK"),
     Profile("logprobs", "prompt and output logprobs, candidates", ("L",), _logprobs,

@@ -43,6 +43,9 @@ class Options:
     idle_timeout_s: float = 20.0  # waiting for GetLoad to return to idle
     prompt: str = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village,"
     max_long_prompt: int = 4096  # longest prompt a check may send to reach the context limit
+    # E3: the eviction check fills the prefix cache with fresh prompts; it skips when the cache
+    # (total_kv_blocks x kv_block_size) holds more tokens than this (it sends up to twice that).
+    eviction_budget_tokens: int = 16384
     # X1/X3: stall a stream this long without reading (0 = don't); set it above the server's
     # own stall timeout to see a failure after acceptance (refengine: --stall-timeout-seconds).
     slow_reader_s: float = 0.0

@@ -30,8 +30,10 @@ import pytest  # noqa: E402
 from refengine.model import resolve_model  # noqa: E402
 from tests.integration.conftest import MODEL, ServerProcess, refengine_server, start_server  # noqa: E402, F401
 
+#: 256 KV blocks of 16 = 4 x 1024 tokens: every running request fits, and E3's eviction check
+#: fills the prefix cache with ~4k prompt tokens (with the default 1 GiB cache it would skip).
 SERVER_ARGS = ("--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
-               "--served-model-alias", "oeconf-alias")
+               "--num-kv-blocks", "256", "--served-model-alias", "oeconf-alias")
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,9 @@ from tests.conformance.toy_requests import (
 __all__ = ["Control", "Faults", "Inference", "serve"]
 TOTAL_BLOCKS = 4096
 TRACE_KEYS = ("traceparent", "tracestate")
+#: KvConnectorInfo's fields 8 and 9 of the pre-release wire (4def7c5): supports_drain = true,
+#: schema_version = 1 (a release client reads the first as schema_version, the second not at all).
+PRE_RELEASE_CONNECTOR_TAIL = bytes([8 << 3, 1, 9 << 3, 1])
 
 
 class Inference(oe.InferenceServicer):
@@ -82,7 +85,17 @@ class Control(oe.ControlServicer):
             info.capacity.total_kv_blocks = TOTAL_BLOCKS - len(self.engine.cache.blocks)
         if f.lora:
             info.capacity.max_loras = self.engine.loras.max_loras
+        info.kv_connector.CopyFrom(self.connector())
+        if f.connector_changes:  # K11's fault: a connector field that is not static
+            self.info_calls = getattr(self, "info_calls", 0) + 1
+            info.kv_connector.supports_abort_cleanup = self.info_calls % 2 == 0
+        if f.connector_pre_release:
+            info.kv_connector.MergeFromString(PRE_RELEASE_CONNECTOR_TAIL)
         return info
+
+    def connector(self) -> Any:
+        """K11: an AGGREGATED engine has no KV connector (toy_roles.py: the PREFILL/DECODE pair's)."""
+        return oe.KvConnectorInfo(enabled=False)
 
     def GetModelInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         f = self.engine.faults

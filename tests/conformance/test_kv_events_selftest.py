@@ -16,7 +16,8 @@ from refengine.conformance import Options, Status, run
 from tests.conformance.toy_kv_events import KvFaults, serve_kv
 
 E_CHECKS = ["E1:replay_expired", "E1:replay_retained", "E1:sequence_numbers_increase", "E2:snapshot_then_live",
-            "E4:stored_events_chain", "E5:failure_is_error_then_ok", "E6:kv_event_sources"]
+            "E3:removed_on_eviction", "E3:stored_full_blocks", "E4:stored_events_chain", "E5:failure_is_error_then_ok",
+            "E6:kv_event_sources"]
 
 
 def run_e(faults: KvFaults, rules: list[str]) -> dict[str, Any]:
@@ -61,12 +62,16 @@ def test_a_server_without_kv_events_claims_no_check() -> None:
     (KvFaults(silent_expired=True, retained=1), "E1:replay_expired", "skipped silently"),
     (KvFaults(gap=True), "E2:snapshot_then_live", "a gap"),
     (KvFaults(empty_snapshot=True), "E2:snapshot_then_live", "snapshot is empty"),
+    (KvFaults(partial_blocks=True), "E3:stored_full_blocks", "only full blocks enter the prefix cache"),
+    (KvFaults(silent_eviction=True), "E3:removed_on_eviction", "no BlockRemoved arrived"),
+    (KvFaults(announce_once=True), "E3:removed_on_eviction", "not stored again by a BlockStored"),
     (KvFaults(salt_ignored=True), "E4:stored_events_chain", "salt is not in the block hash"),
     (KvFaults(orphans=True), "E4:stored_events_chain", "parent_block_hash was never stored"),
     (KvFaults(status_on_failure=True), "E5:failure_is_error_then_ok", "refused with status OUT_OF_RANGE"),
     (KvFaults(wildcard_host=True), "E6:kv_event_sources", "wildcard host"),
     (KvFaults(accept_bad_ranks=True), "E6:kv_event_sources", "expected INVALID_ARGUMENT"),
-], ids=["repeat_numbers", "silent_expired", "gap", "empty_snapshot", "salt_ignored", "orphans",
+], ids=["repeat_numbers", "silent_expired", "gap", "empty_snapshot", "partial_blocks", "silent_eviction",
+        "announce_once", "salt_ignored", "orphans",
         "status_on_failure", "wildcard_host", "accept_bad_ranks"])
 def test_each_violation_is_caught(faults: KvFaults, name: str, says: str) -> None:
     result = run_e(faults, [name.split(":")[0]])[name]

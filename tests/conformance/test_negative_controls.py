@@ -41,6 +41,9 @@ PROCESSES, THREADS = 8, 5
 #: The served model's config.json for the R checks' adapters: tiny shapes (the toy reads no weights).
 MODEL_CONFIG = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
                 "num_key_value_heads": 2, "head_dim": 4, "num_hidden_layers": 1}
+#: E3's eviction check fills the toy's cache (4,096 blocks of 4) with ~20 fresh prompts: it runs
+#: for the unbroken toy and the E3 controls; for the rest it skips (over its budget of 0 tokens).
+EVICTION_BUDGET = 16384
 #: A post-acceptance failure on demand: the toy sheds a request after 3 tokens (X1, X3).
 SHED_AFTER = {"toy_fail_after": 3}
 
@@ -118,6 +121,8 @@ CONTROLS = [
     Control("gone-session-refused-by-status", "K8", broken(missing_session_status=True)),
     Control("decode-omits-finish", "K9", broken(decode_omits_finish=True)),
     Control("decode-differs", "K10", broken(decode_differs=True)),
+    Control("connector-not-static", "K11", broken(connector_changes=True)),
+    Control("connector-pre-release-wire", "K11", broken(connector_pre_release=True)),
     Control("abort-no-target-not-found", "A1", broken(abort_no_target_not_found=True)),
     Control("unknown-abort-already-finished", "A2", broken(unknown_abort_finished=True)),
     Control("abort-all-wrong-status", "A3", broken(abort_all_wrong_status=True)),
@@ -136,6 +141,9 @@ CONTROLS = [
     Control("adapter-bleeds-across-batch", "R7", broken(lora_batch_bleed=True)),
     Control("expired-replay-skipped-silently", "E1", kv=events(silent_expired=True)),
     Control("empty-snapshot", "E2", kv=events(empty_snapshot=True)),
+    Control("partial-block-stored", "E3", kv=events(partial_blocks=True)),
+    Control("eviction-unannounced", "E3", kv=events(silent_eviction=True)),
+    Control("recomputed-block-unannounced", "E3", kv=events(announce_once=True)),
     Control("salt-not-in-block-hash", "E4", kv=events(salt_ignored=True)),
     Control("replay-failure-as-status", "E5", kv=events(status_on_failure=True)),
     Control("wildcard-event-host", "E6", kv=events(wildcard_host=True)),
@@ -155,12 +163,15 @@ Outcome = tuple[str, str, str, str]  # check name, rule, status (its value), mes
 #: Checks of the re-base on the release that the toy server can exercise: they must PASS, not SKIP.
 RELEASE_CHECKS = ["D1:schema_revision", "D8:primary_model_name", "D8:model_aliases", "D9:multimodal_validated",
                   "G19:media_refused_when_unsupported", "G19:media_source_required", "H3:serving_state",
-                  "H4:load_presence", "X4:release_enum_values"]
+                  "H4:load_presence", "K11:kv_connector_static", "X4:release_enum_values"]
+#: E3's checks: the toy stores, evicts (least recently used, a chain's tail first) and stores again.
+BLOCK_EVENT_CHECKS = ["E3:stored_full_blocks", "E3:removed_on_eviction"]
 #: The guided-decoding checks: the toy server advertises five modes (llguidance), so all must PASS.
 GUIDED_CHECKS = [c.name for c in select() if "guided" in c.name]
 #: Controls that take longest (their fault makes later checks wait out the idle timeout, or
-#: runs a long request to its end): started first.
-SLOW = ("kv-block-leaked-after-cancel", "context-off-by-one")
+#: runs a long request to its end, or they fill the cache for E3): started first.
+SLOW = ("kv-block-leaked-after-cancel", "context-off-by-one", "unbroken", "partial-block-stored",
+        "eviction-unannounced", "recomputed-block-unannounced")
 
 
 def run_control(control: Control) -> list[Outcome]:
@@ -173,7 +184,8 @@ def run_control(control: Control) -> list[Outcome]:
         server, address, engine = serve_kv(control.kv, control.faults)
         pair, prefill, decode, pair_engines = serve_pair(control.faults)
         options = Options(idle_timeout_s=3.0, prefill_address=prefill, decode_address=decode, lora_dir=lora_dir,
-                          lora_model_config=config, slow_reader_s=0.2, slow_reader_extra=SHED_AFTER)
+                          lora_model_config=config, slow_reader_s=0.2, slow_reader_extra=SHED_AFTER,
+                          eviction_budget_tokens=EVICTION_BUDGET if control.rule in ("", "E3") else 0)
         try:
             results = run(address, None, options)
         finally:
@@ -240,7 +252,7 @@ def test_the_unbroken_toy_checks_every_rule_and_passes_what_it_can_exercise(
     results = outcomes["unbroken"]
     assert {rule for _, rule, _, _ in results} >= set(rules_in(rules_markdown(), COVERED_SECTIONS))
     by_name = {name: (status, message) for name, _, status, message in results}
-    not_passed = {name: by_name[name] for name in RELEASE_CHECKS + GUIDED_CHECKS
+    not_passed = {name: by_name[name] for name in RELEASE_CHECKS + GUIDED_CHECKS + BLOCK_EVENT_CHECKS
                   if by_name[name][0] != Status.PASS.value}
     assert not not_passed, not_passed
 

@@ -108,6 +108,8 @@ class Faults:
     missing_session_status: bool = False  # K8: a gone session refused by status, not an EngineError
     decode_omits_finish: bool = False  # K9: the DECODE stream ends without GenerationFinished
     decode_differs: bool = False  # K10: DECODE continues from the prompt minus its first token
+    connector_changes: bool = False  # K11: kv_connector.supports_abort_cleanup flips at every GetServerInfo
+    connector_pre_release: bool = False  # K11: kv_connector as the pre-release wire has it (fields 8 and 9)
     abort_no_target_not_found: bool = False  # A1: Abort() → NOT_FOUND
     unknown_abort_finished: bool = False  # A2: Abort(unknown request_id) → ALREADY_FINISHED
     abort_all_wrong_status: bool = False  # A3: Abort(all) with requests running answers ALREADY_FINISHED

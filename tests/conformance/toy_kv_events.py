@@ -1,11 +1,13 @@
 """The toy server with KV events (section E): a Control that serves them from refengine's own
 ``KvEventHub``. Each Generate stores its prompt's full blocks (4 ASCII tokens each) that are
-not cached yet, as one batch; ``KvFaults`` break the section-E rules on purpose.
+not cached yet, as one batch, evicting the least recently used blocks first when the cache
+(``TOTAL_BLOCKS``, as ServerInfo reports it) is full; ``KvFaults`` break the section-E rules on purpose.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +17,8 @@ from refengine.engine.kv_events import KvEventHub
 from refengine.kv.keys import block_keys
 from refengine.protocol import oe
 from refengine.server.kv_events_wire import batch_response
-from refengine.types import BlockStored
-from tests.conformance.fake_server import Control, Inference, start
+from refengine.types import BlockRemoved, BlockStored
+from tests.conformance.fake_server import TOTAL_BLOCKS, Control, Inference, start
 from tests.conformance.toy_engine import BLOCK, Faults, ToyEngine
 
 
@@ -27,6 +29,9 @@ class KvFaults:
     retained: int = 1000  # batches kept for replay
     repeat_numbers: bool = False  # E1: every batch carries the previous batch's number
     gap: bool = False  # E2: a number is skipped before every batch
+    partial_blocks: bool = False  # E3: a prompt's trailing partial block is stored too
+    silent_eviction: bool = False  # E3: evicted blocks get no BlockRemoved
+    announce_once: bool = False  # E3: a block evicted and computed again is cached but not stored again
     empty_snapshot: bool = False  # E2: include_snapshot sends an empty first batch
     salt_ignored: bool = False  # E4: the cache salt is not in the block hash
     orphans: bool = False  # E4: a prompt's first block is never stored, its children are
@@ -37,31 +42,63 @@ class KvFaults:
 
 
 class ToyKvCache:
-    """The toy's prefix cache: published blocks (no eviction) and the hub that numbers batches."""
+    """The toy's prefix cache: published blocks, least recently used first, and the hub that numbers batches."""
 
     def __init__(self, faults: KvFaults) -> None:
         self.faults = faults
         self.hub = KvEventHub(faults.retained, subscriber_buffer=1024)
         self.lock = threading.Lock()
-        self.published: dict[bytes, BlockStored] = {}
+        self.published: OrderedDict[bytes, BlockStored] = OrderedDict()
+        self.ever_published: set[bytes] = set()
 
     def store_prompt(self, token_ids: list[int], salt: str) -> None:
         extra = ("toy",) + ((f"salt:{salt}",) if salt and not self.faults.salt_ignored else ())
         keys = block_keys(token_ids, BLOCK, extra)
         with self.lock:
-            events, parent = [], None
+            stored, parent = [], None
             for i, key in enumerate(keys):
                 if key not in self.published and not (self.faults.orphans and i == 0):
-                    event = BlockStored(key, parent, tuple(token_ids[i * BLOCK:(i + 1) * BLOCK]), BLOCK, extra)
-                    events.append(event)
-                    self.published[key] = event
+                    stored.append(BlockStored(key, parent, tuple(token_ids[i * BLOCK:(i + 1) * BLOCK]), BLOCK, extra))
                 parent = key
-            if events:
+            if self.faults.partial_blocks and len(token_ids) % BLOCK:
+                stored.append(BlockStored(bytes(16), parent, tuple(token_ids[len(keys) * BLOCK:]), BLOCK, extra))
+            for key in keys:  # this prompt's cached blocks are the most recent: never evicted for it
+                if key in self.published:
+                    self.published.move_to_end(key)
+            removed = self.evict(len(self.published) + len(stored) - TOTAL_BLOCKS)
+            new = {event.block_hash: event for event in stored}
+            for key in reversed([*keys, *new.keys() - set(keys)]):  # a chain's tail is evicted before its root
+                if (event := new.get(key) or self.published.get(key)) is not None:  # None: the orphans fault
+                    self.published[key] = event
+                    self.published.move_to_end(key)
+            if self.faults.announce_once:
+                stored = [event for event in stored if event.block_hash not in self.ever_published]
+            self.ever_published.update(new)
+            if stored:
                 if self.faults.gap:
                     self.hub._last_sequence_number += 1
-                self.hub.publish(events)
+                self.hub.publish(removed + stored)
                 if self.faults.repeat_numbers:
                     self.hub._last_sequence_number -= 1
+
+    def snapshot(self) -> list[BlockStored]:
+        """The cached blocks, every parent before its children."""
+        ordered: dict[bytes, BlockStored] = {}
+
+        def visit(event: BlockStored) -> None:
+            if event.block_hash not in ordered:
+                if event.parent_hash in self.published:
+                    visit(self.published[event.parent_hash])
+                ordered[event.block_hash] = event
+
+        for event in list(self.published.values()):
+            visit(event)
+        return list(ordered.values())
+
+    def evict(self, count: int) -> list[BlockRemoved]:
+        """Forget the ``count`` least recently used blocks; their BlockRemoved events."""
+        gone = [self.published.popitem(last=False)[0] for _ in range(max(0, count))]
+        return [] if self.faults.silent_eviction else [BlockRemoved(key) for key in gone]
 
     def oldest(self) -> int:
         return self.hub._retained[0].sequence_number if self.hub._retained else self.hub.last_sequence_number + 1
@@ -101,7 +138,7 @@ class KvControl(Control):
         with cache.lock:
             if faults.silent_expired and 0 < start < cache.oldest():
                 start = cache.oldest()
-            snapshot = [] if faults.empty_snapshot else list(cache.published.values())
+            snapshot = [] if faults.empty_snapshot else cache.snapshot()
             sub = cache.hub.subscribe(ready.set, snapshot if request.include_snapshot else None, start)
         try:
             if faults.status_on_failure and sub.failure:

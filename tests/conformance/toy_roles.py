@@ -81,12 +81,26 @@ class PrefillInference(Inference):
                                                  total_tokens=len(prompt), cached_prompt_tokens=0))
 
 
+def connector(role: int, port: int) -> Any:
+    """K11: the pair's connector, the same at every call (the prefill server's sessions are pulled from it)."""
+    prefill = role == oe.ENGINE_ROLE_PREFILL
+    return oe.KvConnectorInfo(
+        enabled=True, transfer_backend=BACKEND, supported_protocols=[BACKEND],
+        local_endpoints=[oe.KvEndpoint(host="127.0.0.1", port=port, protocol=BACKEND)] if prefill else [],
+        supports_remote_prefill=prefill, supports_decode_pull=not prefill, supports_abort_cleanup=True,
+        schema_version=1)
+
+
 class PrefillControl(Control):
     role = oe.ENGINE_ROLE_PREFILL
 
     def __init__(self, engine: ToyEngine, store: SessionStore) -> None:
         super().__init__(engine)
         self.store = store
+        self.port = 0  # set once the server listens
+
+    def connector(self) -> Any:
+        return connector(self.role, self.port)
 
     def GetLoad(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         load = super().GetLoad(request, context)
@@ -135,13 +149,16 @@ class DecodeInference(Inference):
 class DecodeControl(Control):
     role = oe.ENGINE_ROLE_DECODE
 
+    def connector(self) -> Any:
+        return connector(self.role, 0)
+
 
 def serve_pair(faults: Faults) -> tuple[list[grpc.Server], str, str, list[ToyEngine]]:
     """A PREFILL and a DECODE toy sharing one session store: (servers, prefill, decode, engines)."""
     store = SessionStore()
     prefill_engine, decode_engine = ToyEngine(faults), ToyEngine(faults)
-    prefill = PrefillInference(prefill_engine, store)
-    pre_server, pre_address = start(prefill_engine, prefill, PrefillControl(prefill_engine, store))
-    prefill.port = int(pre_address.rsplit(":", 1)[1])
+    prefill, prefill_control = PrefillInference(prefill_engine, store), PrefillControl(prefill_engine, store)
+    pre_server, pre_address = start(prefill_engine, prefill, prefill_control)
+    prefill.port = prefill_control.port = int(pre_address.rsplit(":", 1)[1])
     dec_server, dec_address = start(decode_engine, DecodeInference(decode_engine, store), DecodeControl(decode_engine))
     return [pre_server, dec_server], pre_address, dec_address, [prefill_engine, decode_engine]

@@ -351,11 +351,11 @@ def test_cli_generate_through_prefill_and_decode(servers, server_address: str) -
 def test_conformance_section_k_passes_on_the_pair(servers, server_address: str) -> None:
     """refengine is the golden target of its own K checks (the aggregated server for K10)."""
     options = Options(prefill_address=servers["prefill"].address, decode_address=servers["decode"].address)
-    results = run(server_address, ["K4", "K5", "K6", "K7", "K8", "K9", "K10"], options)
+    results = run(server_address, ["K4", "K5", "K6", "K7", "K8", "K9", "K10", "K11"], options)
     print("\n" + format_matrix(results))
     for result in results:
         observe("prefill+decode", result)
-    assert len(results) == 7 and all(r.status is Status.PASS for r in results), format_matrix(results)
+    assert len(results) == 8 and all(r.status is Status.PASS for r in results), format_matrix(results)
 
 
 def test_drain_releases_sessions_and_a_dead_prefill_fails_the_decode(clients, servers) -> None:

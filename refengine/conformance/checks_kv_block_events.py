@@ -1,0 +1,221 @@
+"""E3 — what the KV events say about blocks entering and leaving the prefix cache.
+
+``BlockStored`` when a full block enters the cache: a fresh prompt's stored blocks hold
+``block_size`` tokens each (a partial block never enters), at most the full blocks its KV has,
+and at least the blocks a repeat of it reuses (``Usage.cached_prompt_tokens``): a server
+cannot hit on a block it never announced. ``BlockRemoved`` when one is evicted: fresh prompts
+of about twice the cache's size (``capacity.total_kv_blocks``) must evict, so removals must
+arrive; a subscriber's view (snapshot + live batches) never holds more blocks than the cache
+has; and a block that was evicted and is computed again is announced again. ``AllBlocksCleared``
+follows a reset, which no RPC of the release can ask for: a client cannot provoke one (refengine
+resets on SIGUSR1, tests/integration/test_kv_events_grpc.py).
+
+Filling the cache costs prompt tokens, so the eviction check skips, saying so, when the cache
+holds more than ``Options.eviction_budget_tokens``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from refengine.conformance.assertions import expect_valid
+from refengine.conformance.kv_subscriber import (
+    EVENT_WAIT_S,
+    SETTLE_S,
+    HashKey,
+    KvSubscriber,
+    KvView,
+    _block_size,
+    _key,
+    _need_text,
+    subscribe,
+)
+from refengine.conformance.registry import check, expect, skip
+from refengine.conformance.target import Target
+
+
+def _prompt(t: Target, tag: str, repeats: int) -> str:
+    """A prompt no earlier request began with: a run-unique tag, then the default prompt ``repeats`` times."""
+    return f"[{t.new_id(tag)}] " + " ".join([t.options.prompt] * repeats)
+
+
+def _usage(t: Target, prompt: str, what: str) -> Any:
+    """Send ``prompt`` (greedy, 2 tokens); its Usage."""
+    usage = expect_valid(t.generate(t.request("e3", prompt=prompt, max_tokens=2)), what=what).usage()
+    expect(usage is not None, f"{what}: no Usage in GenerationFinished")
+    return usage
+
+
+def _stored(batches: list[Any]) -> list[Any]:
+    return [e.block_stored for b in batches for e in b.events if e.WhichOneof("event") == "block_stored"]
+
+
+def _batches_after(sub: KvSubscriber, before: int, timeout: float = EVENT_WAIT_S) -> list[Any]:
+    """The batches since ``before``: wait for the first, then for the rest of a request's."""
+    sub.wait(lambda s: len(s.batches) > before, timeout)
+    time.sleep(SETTLE_S)
+    return sub.batches[before:]
+
+
+def _size_problems(stored: list[Any], block_size: int) -> list[str]:
+    problems = []
+    for event in stored:
+        if event.block_size and event.block_size != block_size:
+            problems.append(f"a BlockStored says block_size {event.block_size}; capacity.kv_block_size is "
+                            f"{block_size}")
+        size = event.block_size or block_size
+        if event.token_ids and len(event.token_ids) != size * len(event.block_hashes):
+            problems.append(f"a BlockStored of {len(event.block_hashes)} block(s) of {size} carries "
+                            f"{len(event.token_ids)} token ids: only full blocks enter the prefix cache")
+    return problems
+
+
+def _depth(view: KvView, block: HashKey) -> int | None:
+    """How many blocks the chain ending at ``block`` holds; None when a parent is unknown to the view."""
+    depth, at = 0, block
+    while at is not None:
+        if at not in view.blocks:
+            return None
+        depth, at = depth + 1, view.blocks[at]
+    return depth
+
+
+@check("E3", "BlockStored: only full blocks, no more than the KV holds, every block a repeat reuses")
+def stored_full_blocks(t: Target) -> str:
+    """E3: the batches a fresh prompt causes store full blocks only; the longest chain they end
+    (with the cached prefix it shares with earlier prompts) is at most (prompt + output - 1) //
+    block_size blocks, and at least the blocks its repeat reports as cached."""
+    _need_text(t)
+    block_size = _block_size(t)
+    sub = subscribe(t, include_snapshot=True)
+    try:
+        if not sub.batches:
+            skip(f"include_snapshot sent nothing: {sub.describe()}")
+        before, prompt = len(sub.batches), _prompt(t, "e3s", repeats=4)
+        first = _usage(t, prompt, "a fresh prompt")
+        batches = _batches_after(sub, before)
+        again = _usage(t, prompt, "the same prompt again")
+        view = KvView()
+        for batch in sub.batches[:before + len(batches)]:
+            view.apply(batch)
+    finally:
+        sub.close()
+    stored = _stored(batches)
+    if not stored:
+        skip(f"no BlockStored after a fresh prompt of {first.prompt_tokens} tokens (prefix caching off?)")
+    problems = _size_problems(stored, block_size)
+    expect(not problems, "; ".join(problems[:3]))
+    depths = [_depth(view, _key(h)) for e in stored for h in e.block_hashes]
+    if None in depths:
+        skip("a stored block's chain reaches a parent the snapshot and live batches never named (E2's or E4's "
+             "finding): its length cannot be judged")
+    longest = max(depths)
+    in_kv = first.prompt_tokens + first.completion_tokens - 1  # the last sampled token has no KV yet
+    expect(longest <= in_kv // block_size,
+           f"a fresh prompt of {first.prompt_tokens} tokens and {first.completion_tokens} output tokens ends a "
+           f"chain of {longest} stored blocks of {block_size}: more than the {in_kv // block_size} full blocks its "
+           "KV holds")
+    cached = again.cached_prompt_tokens if again.HasField("cached_prompt_tokens") else 0
+    expect(longest * block_size >= cached,
+           f"the repeat reused {cached} cached prompt tokens, but the prompt's chain of stored blocks is "
+           f"{longest} blocks of {block_size}: every block a request can hit was announced by a BlockStored")
+    return (f"{len(depths)} full blocks stored for {first.prompt_tokens} prompt tokens, a chain of {longest}; "
+            f"the repeat reused {cached} tokens")
+
+
+class _Tracker:
+    """A snapshot subscriber's view, applied batch by batch, that records removals and the
+    largest number of blocks it ever held."""
+
+    def __init__(self, sub: KvSubscriber) -> None:
+        self.sub, self.view, self.applied = sub, KvView(), 0
+        self.removed: set[HashKey] = set()
+        self.most_held = 0
+
+    def catch_up(self) -> None:
+        for batch in self.sub.batches[self.applied:]:
+            for event in batch.events:
+                if event.WhichOneof("event") == "block_removed":
+                    self.removed.update(_key(h) for h in event.block_removed.block_hashes)
+            self.view.apply(batch)
+            self.most_held = max(self.most_held, len(self.view.blocks))
+            self.applied += 1
+
+    def evicted_any(self, blocks: list[HashKey]) -> bool:
+        """Whether one of ``blocks`` was removed (any block at all, when ``blocks`` is empty)."""
+        return bool(self.removed.intersection(blocks)) if blocks else bool(self.removed)
+
+    def unknown_removals(self) -> list[str]:
+        """Removals of blocks the view never held; not judged after an empty snapshot (E2's finding)."""
+        batches = self.sub.batches
+        if not batches or not batches[0].events:
+            return []
+        return [p for p in self.view.problems if "BlockRemoved" in p]
+
+
+def _fill(t: Target, tracker: _Tracker, capacity_tokens: int) -> tuple[list[HashKey], str, int]:
+    """Fresh prompts until a block of the first one is removed (any block, when it stored none)
+    or twice the cache's tokens went in: the first prompt's stored hashes, that prompt, and the
+    prompt tokens sent."""
+    limit = min(t.max_context_length or 2048, 2048) * 3 // 4
+    sent, repeats, first_hashes, first_prompt = 0, 2, [], ""
+    while sent < 2 * capacity_tokens and not tracker.evicted_any(first_hashes):
+        prompt = _prompt(t, "e3x", repeats)
+        before = len(tracker.sub.batches)
+        usage = _usage(t, prompt, f"a fresh prompt after {sent} tokens")
+        sent += usage.prompt_tokens
+        if not first_prompt:  # its own hashes: the batches it caused, before the next prompt
+            first_prompt = prompt
+            first_hashes = [_key(h) for e in _stored(_batches_after(tracker.sub, before)) for h in e.block_hashes]
+            per_repeat = max(1, usage.prompt_tokens // (repeats + 1))
+            repeats = max(2, min(limit, capacity_tokens // 4) // per_repeat)
+        else:
+            tracker.sub.wait(lambda s, n=before: len(s.batches) > n, 2.0)
+        tracker.catch_up()
+    time.sleep(SETTLE_S)
+    tracker.catch_up()
+    return first_hashes, first_prompt, sent
+
+
+@check("E3", "BlockRemoved when a cached block is evicted; a block computed again is stored again")
+def removed_on_eviction(t: Target) -> str:
+    """E3: fresh prompts of up to twice the cache's size evict: BlockRemoved arrives, names blocks
+    that were stored, and the view never holds more than total_kv_blocks; the first prompt,
+    sent again after its blocks were evicted, stores them again."""
+    _need_text(t)
+    cap = t.server_info.capacity
+    if not cap.HasField("total_kv_blocks"):
+        skip("capacity.total_kv_blocks is not reported: an eviction cannot be sized")
+    block_size, total = _block_size(t), cap.total_kv_blocks
+    if total * block_size > t.options.eviction_budget_tokens:
+        skip(f"the cache holds {total} blocks of {block_size} tokens, more than the eviction budget of "
+             f"{t.options.eviction_budget_tokens} prompt tokens (--eviction-budget-tokens)")
+    tracker = _Tracker(subscribe(t, include_snapshot=True))
+    try:
+        if not tracker.sub.batches:
+            skip(f"include_snapshot sent nothing: {tracker.sub.describe()}")
+        first_hashes, first_prompt, sent = _fill(t, tracker, total * block_size)
+        expect(bool(tracker.removed),
+               f"{sent} tokens of fresh prompts went into a cache of {total} blocks of {block_size}, and no "
+               "BlockRemoved arrived: evicted blocks must be announced")
+        unknown = tracker.unknown_removals()
+        expect(not unknown, "; ".join(unknown[:3]))
+        expect(tracker.most_held <= total,
+               f"the subscriber's view held {tracker.most_held} blocks, more than total_kv_blocks {total}: blocks "
+               "were evicted without a BlockRemoved")
+        evicted = [h for h in first_hashes if h not in tracker.view.blocks]
+        if not evicted:
+            return (f"{len(tracker.removed)} blocks removed after {sent} prompt tokens; none of the first "
+                    "prompt's, so no recomputation to observe")
+        before = len(tracker.sub.batches)
+        _usage(t, first_prompt, "the first prompt again, after its blocks were evicted")
+        _batches_after(tracker.sub, before, timeout=2.0)  # the fill showed the server publishing promptly
+        tracker.catch_up()
+    finally:
+        tracker.sub.close()
+    missing = [h for h in evicted if h not in tracker.view.blocks]
+    expect(not missing, f"{len(missing)} of the first prompt's {len(evicted)} evicted blocks were computed again "
+                        "by its repeat but not stored again by a BlockStored")
+    return (f"{len(tracker.removed)} blocks removed after {sent} prompt tokens (cache {total} blocks); "
+            f"{len(evicted)} evicted blocks of the first prompt stored again by its repeat")
