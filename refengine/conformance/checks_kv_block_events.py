@@ -1,11 +1,12 @@
 """E3 — what the KV events say about blocks entering and leaving the prefix cache.
 
 ``BlockStored`` when a full block enters the cache: a fresh prompt's stored blocks hold
-``block_size`` tokens each (a partial block never enters), at most the full blocks its KV has,
-and at least the blocks a repeat of it reuses (``Usage.cached_prompt_tokens``): a server
-cannot hit on a block it never announced. ``BlockRemoved`` when one is evicted: fresh prompts
-of about twice the cache's size (``capacity.total_kv_blocks``) must evict, so removals must
-arrive; a subscriber's view (snapshot + live batches) never holds more blocks than the cache
+``block_size`` tokens each (a partial block never enters), and the chain they end (with the
+cached prefix the prompt shares with earlier ones) holds at most the full blocks its KV has and
+at least the blocks a repeat of it reuses (``Usage.cached_prompt_tokens``): a server cannot hit
+on a block it never announced. ``BlockRemoved`` when one is evicted: fresh prompts of up to
+twice the cache's size (``capacity.total_kv_blocks``) must evict, so removals must arrive; a
+subscriber's view (snapshot + live batches) never holds more blocks than the cache
 has; and a block that was evicted and is computed again is announced again. ``AllBlocksCleared``
 follows a reset, which no RPC of the release can ask for: a client cannot provoke one (refengine
 resets on SIGUSR1, tests/integration/test_kv_events_grpc.py).

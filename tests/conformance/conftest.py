@@ -30,10 +30,11 @@ import pytest  # noqa: E402
 from refengine.model import resolve_model  # noqa: E402
 from tests.integration.conftest import MODEL, ServerProcess, refengine_server, start_server  # noqa: E402, F401
 
-#: 256 KV blocks of 16 = 4 x 1024 tokens: every running request fits, and E3's eviction check
-#: fills the prefix cache with ~4k prompt tokens (with the default 1 GiB cache it would skip).
+#: 128 KV blocks of 16 = 2 x 1024 tokens: the checks' concurrent requests fit (four of them at
+#: the full context would preempt, which refengine handles), and E3's eviction check fills the
+#: prefix cache with ~2.5k prompt tokens (with the default 1 GiB cache, ~23k, it would skip).
 SERVER_ARGS = ("--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
-               "--num-kv-blocks", "256", "--served-model-alias", "oeconf-alias")
+               "--num-kv-blocks", "128", "--served-model-alias", "oeconf-alias")
 
 
 @pytest.fixture(scope="session")
