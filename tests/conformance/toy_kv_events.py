@@ -74,7 +74,7 @@ class ToyKvCache:
             if self.faults.announce_once:
                 stored = [event for event in stored if event.block_hash not in self.ever_published]
             self.ever_published.update(new)
-            if stored:
+            if removed or stored:
                 if self.faults.gap:
                     self.hub._last_sequence_number += 1
                 self.hub.publish(removed + stored)
