@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from refengine.conformance.assertions import expect_valid
 from refengine.conformance.kv_subscriber import (
     EVENT_WAIT_S,
     SETTLE_S,
@@ -30,20 +29,17 @@ from refengine.conformance.kv_subscriber import (
     _block_size,
     _key,
     _need_text,
+    generate,
     subscribe,
+    tagged_prompt,
 )
 from refengine.conformance.registry import check, expect, skip
 from refengine.conformance.target import Target
 
 
-def _prompt(t: Target, tag: str, repeats: int) -> str:
-    """A prompt no earlier request began with: a run-unique tag, then the default prompt ``repeats`` times."""
-    return f"[{t.new_id(tag)}] " + " ".join([t.options.prompt] * repeats)
-
-
 def _usage(t: Target, prompt: str, what: str) -> Any:
     """Send ``prompt`` (greedy, 2 tokens); its Usage."""
-    usage = expect_valid(t.generate(t.request("e3", prompt=prompt, max_tokens=2)), what=what).usage()
+    usage = generate(t, prompt)
     expect(usage is not None, f"{what}: no Usage in GenerationFinished")
     return usage
 
@@ -93,7 +89,7 @@ def stored_full_blocks(t: Target) -> str:
     try:
         if not sub.batches:
             skip(f"include_snapshot sent nothing: {sub.describe()}")
-        before, prompt = len(sub.batches), _prompt(t, "e3s", repeats=4)
+        before, prompt = len(sub.batches), tagged_prompt(t, "e3s", repeats=4)
         first = _usage(t, prompt, "a fresh prompt")
         batches = _batches_after(sub, before)
         again = _usage(t, prompt, "the same prompt again")
@@ -162,7 +158,7 @@ def _fill(t: Target, tracker: _Tracker, capacity_tokens: int) -> tuple[list[Hash
     limit = min(t.max_context_length or 2048, 2048) * 3 // 4
     sent, repeats, first_hashes, first_prompt = 0, 2, [], ""
     while sent < 2 * capacity_tokens and not tracker.evicted_any(first_hashes):
-        prompt = _prompt(t, "e3x", repeats)
+        prompt = tagged_prompt(t, "e3x", repeats)
         before = len(tracker.sub.batches)
         usage = _usage(t, prompt, f"a fresh prompt after {sent} tokens")
         sent += usage.prompt_tokens

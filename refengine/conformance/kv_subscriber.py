@@ -181,16 +181,22 @@ def fresh_prompt(t: Target, tag: str, blocks: int = 3) -> str:
     ctx = t.max_context_length
     if ctx:
         repeats = min(repeats, max(1, (ctx - 32) // 24))
+    return tagged_prompt(t, tag, repeats)
+
+
+def tagged_prompt(t: Target, tag: str, repeats: int) -> str:
+    """A prompt no earlier request began with: a run-unique tag, then the default prompt ``repeats`` times."""
     return f"[{t.new_id(tag)}] " + " ".join([t.options.prompt] * repeats)
 
 
-def generate(t: Target, prompt: str, salt: str = "") -> None:
-    """One short greedy request; it must succeed."""
+def generate(t: Target, prompt: str, salt: str = "") -> Any:
+    """One short greedy request; it must succeed. Its Usage (None when the server sent none)."""
     req = t.request("e", prompt=prompt, max_tokens=2)
     if salt:
         req.kv.cache_salt = salt
     res = t.generate(req)
     expect(res.ok and not res.of("error"), f"Generate for the KV event checks failed: {res.describe()}")
+    return res.usage()
 
 
 def _need_text(t: Target) -> None:

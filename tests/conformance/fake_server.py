@@ -67,6 +67,7 @@ class Control(oe.ControlServicer):
 
     def __init__(self, engine: ToyEngine) -> None:
         self.engine = engine
+        self.info_calls = 0  # GetServerInfo calls so far (the connector_changes fault)
 
     def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         f = self.engine.faults
@@ -87,7 +88,7 @@ class Control(oe.ControlServicer):
             info.capacity.max_loras = self.engine.loras.max_loras
         info.kv_connector.CopyFrom(self.connector())
         if f.connector_changes:  # K11's fault: a connector field that is not static
-            self.info_calls = getattr(self, "info_calls", 0) + 1
+            self.info_calls += 1
             info.kv_connector.supports_abort_cleanup = self.info_calls % 2 == 0
         if f.connector_pre_release:
             info.kv_connector.MergeFromString(PRE_RELEASE_CONNECTOR_TAIL)
