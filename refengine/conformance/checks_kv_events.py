@@ -87,12 +87,16 @@ def replay_retained(t: Target) -> str:
 
 @check("E1", "start_sequence_number no longer retained: one terminal EngineError, then OK")
 def replay_expired(t: Target) -> str:
-    """E1: replay from batch 1 after the suite's requests (and two more of its own); skips
-    while batch 1 is still retained. A refusal by status (no event) is no silent replay: E1
-    holds; that the failure should be an error event is E5's."""
-    live, batches = live_batches(t, "e1x", wanted=2)
-    live.close()
-    newest = batches[-1].sequence_number
+    """E1: replay from batch 1 once the server has published ``Options.replay_budget_batches``
+    batches (the suite's requests, then fresh ones of its own, one at a time, until then); skips
+    while batch 1 is still retained. So the outcome does not depend on how many checks ran
+    before. A refusal by status (no event) is no silent replay: E1 holds; that the failure
+    should be an error event is E5's."""
+    live, _ = live_batches(t, "e1x", wanted=2)
+    try:
+        newest = _publish_up_to(t, live, t.options.replay_budget_batches)
+    finally:
+        live.close()
     if newest <= 1:
         skip(f"the newest batch is {newest}: nothing can have expired yet")
     sub = subscribe(t, start=1)
@@ -103,7 +107,8 @@ def replay_expired(t: Target) -> str:
             number = first.batch.sequence_number
             expect(number <= 1, f"replay from 1 began at batch {number} without an error: batches 1..{number - 1} "
                                 "were skipped silently (expected a terminal EngineError)")
-            skip(f"batch 1 is still retained (newest {newest}): the retention window covers this run")
+            skip(f"batch 1 is still retained (newest {newest}): the retention window covers this run "
+                 "(--replay-budget-batches sets how many batches the check has published first)")
         if sub.wait_end(EVENT_WAIT_S) and sub.code != grpc.StatusCode.OK and not sub.responses:
             return (f"replay from 1 (newest {newest}) refused with status {sub.code.name}: not served silently (a "
                     "failure after acceptance being one error event, then OK, is E5's)")
@@ -111,6 +116,21 @@ def replay_expired(t: Target) -> str:
     finally:
         sub.close()
     return f"replay from 1 (newest {newest}): {oe.ErrorCode.Name(error.code)} {error.message!r}, then OK"
+
+
+def _publish_up_to(t: Target, live: KvSubscriber, budget: int) -> int:
+    """Fresh requests, one at a time, until ``live`` has seen batch number ``budget`` (or a
+    request caused no batch, or ``budget`` requests were sent); the newest number seen."""
+    newest = max(b.sequence_number for b in live.batches)
+    for n in range(budget):
+        if newest >= budget:
+            break
+        seen = len(live.batches)
+        generate(t, fresh_prompt(t, f"e1x{n}"))
+        if not live.wait(lambda s, seen=seen: len(s.batches) > seen, 2.0):
+            break
+        newest = max(b.sequence_number for b in live.batches)
+    return newest
 
 
 # -- E2 ------------------------------------------------------------------------------------

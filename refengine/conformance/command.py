@@ -73,6 +73,10 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
     named.add_argument("--eviction-budget-tokens", type=int, default=16384, metavar="N",
                        help="E3: fill the prefix cache to see evictions only when it holds at most N tokens (the "
                        "check sends up to 2N prompt tokens; default %(default)s)")
+    named.add_argument("--replay-budget-batches", type=int, default=32, metavar="N",
+                       help="E1: have the target publish KV event batches up to number N (fresh requests) before "
+                       "replaying from batch 1, which a server retaining fewer than N has dropped (default "
+                       "%(default)s)")
     named.add_argument("--known-extra-keys", default="{}", metavar="JSON",
                        help='G8: known extra keys and their JSON types, e.g. {"my.knob": "number"}')
 
@@ -83,7 +87,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    known_extra_keys=json.loads(args.known_extra_keys), prefill_address=args.prefill,
                    decode_address=args.decode, lora_dir=args.lora_dir, lora_model_config=args.lora_model_config,
                    media_placeholder_token_id=args.media_placeholder_token_id, encoder_address=args.encoder,
-                   eviction_budget_tokens=args.eviction_budget_tokens)
+                   eviction_budget_tokens=args.eviction_budget_tokens,
+                   replay_budget_batches=args.replay_budget_batches)
 
 
 def run_command(args: argparse.Namespace) -> int:

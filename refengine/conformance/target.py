@@ -46,6 +46,9 @@ class Options:
     # E3: the eviction check fills the prefix cache with fresh prompts; it skips when the cache
     # (total_kv_blocks x kv_block_size) holds more tokens than this (it sends up to twice that).
     eviction_budget_tokens: int = 16384
+    # E1: before replaying from batch 1, the expiry check has the server publish batches (fresh
+    # requests) until this batch number; a server retaining more skips it.
+    replay_budget_batches: int = 32
     # X1/X3: stall a stream this long without reading (0 = don't); set it above the server's
     # own stall timeout to see a failure after acceptance (refengine: --stall-timeout-seconds).
     slow_reader_s: float = 0.0

@@ -10,8 +10,8 @@ alias is accepted and serves the same model), and LoRA enabled with a temporary
 OpenEngine implementation; ``OECONF_LORA_DIR`` and ``OECONF_LORA_MODEL_CONFIG`` then give
 the R checks a directory that server can read and its model's config.json).
 
-The server lives for its module only: with the default 1 GiB KV cache it holds ~2.6 GB, which
-the servers of later modules need (tests/conftest.py says why that matters on the test VM).
+The server lives for its module only, so that its memory goes back to the servers of later
+modules (tests/conftest.py says why that matters on the test VM).
 
 ``refengine_server`` (imported from tests/integration/conftest.py) is the shared server with
 LoRA disabled: the disabled side of R5 and R6 runs against it.
@@ -33,8 +33,11 @@ from tests.integration.conftest import MODEL, ServerProcess, refengine_server, s
 #: 128 KV blocks of 16 = 2 x 1024 tokens: the checks' concurrent requests fit (four of them at
 #: the full context would preempt, which refengine handles), and E3's eviction check fills the
 #: prefix cache with ~2.5k prompt tokens (with the default 1 GiB cache, ~23k, it would skip).
+#: 16 event batches retained: E1's expiry check (which has 32 published first) sees batch 1 gone
+#: (with the default 10,000 it would skip).
 SERVER_ARGS = ("--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
-               "--num-kv-blocks", "128", "--served-model-alias", "oeconf-alias")
+               "--num-kv-blocks", "128", "--served-model-alias", "oeconf-alias",
+               "--kv-events-retained-batches", "16")
 
 
 @pytest.fixture(scope="session")
