@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from refengine.client import OpenEngineClient, generate_disaggregated, prefill
+from refengine.conformance.kv_subscriber import KvSubscriber, KvView
 from refengine.conformance.registry import Status
 from refengine.conformance.report import format_matrix
 from refengine.conformance.runner import run
@@ -130,6 +131,64 @@ def test_sixteen_prompts_equal_aggregated_greedy_and_seeded(clients, backend: st
             [t.logprob for o in agg.of("token") for t in o.tokens], abs=1e-3)
         assert dis.of("finished")[-1].reason == agg.of("finished")[-1].reason
     assert clients["decode"].load().attributes["cached_kv_blocks"] > 0, "received blocks are prefix-cache hits"
+    for name in (prefill_name, "decode"):
+        wait_idle(clients[name])
+
+
+def stored_blocks(batches: list) -> list[tuple[bytes, bytes | None, tuple[int, ...]]]:
+    """(hash, parent hash, token ids) of every block the batches store, in order."""
+    blocks = []
+    for batch in batches:
+        for event in batch.events:
+            if event.WhichOneof("event") != "block_stored":
+                continue
+            stored = event.block_stored
+            parent = bytes(stored.parent_block_hash.value) if stored.HasField("parent_block_hash") else None
+            size = len(stored.token_ids) // len(stored.block_hashes)
+            for i, block_hash in enumerate(stored.block_hashes):
+                blocks.append((bytes(block_hash.value), parent, tuple(stored.token_ids[i * size:(i + 1) * size])))
+                parent = bytes(block_hash.value)
+    return blocks
+
+
+@pytest.mark.parametrize("backend", ["grpc", "nixl"])
+def test_the_pair_announces_one_block_chain(clients, backend: str) -> None:
+    """E3/E4 across a pair. A KV-aware router matches a request's blocks by hash on every
+    worker, so both servers must name a prompt's blocks alike: the prefill server stores the
+    prompt's full blocks; the decode server stores the blocks it received under the same
+    hashes, parents and tokens, then the blocks its decoding fills, ending at
+    (prompt + output - 1) // block_size full blocks (the last token's KV is never computed).
+    Both views, snapshot then live, stay valid chains."""
+    prefill_name = "prefill" if backend == "grpc" else "prefill_nixl"
+    if prefill_name not in clients:
+        pytest.skip(f"nixl: {nixl_available()[1]}")
+    subs = {name: KvSubscriber(clients[name].control, oe.SubscribeKvEventsRequest(include_snapshot=True), 60)
+            for name in (prefill_name, "decode")}
+    try:
+        for sub in subs.values():
+            assert sub.wait_responses(1), sub.describe()
+        req = request(f"chain-{backend}", f"chain {backend} {prompt_text(11)}", max_tokens=24)
+        stream = collect(generate_disaggregated(clients[prefill_name], clients["decode"], req, timeout=120))
+        assert stream.code == grpc.StatusCode.OK and not stream.of("error"), (stream.details, stream.of("error"))
+        usage = stream.events[-1].usage
+        full = {prefill_name: usage.prompt_tokens // 16,
+                "decode": (usage.prompt_tokens + usage.completion_tokens - 1) // 16}
+        assert usage.completion_tokens == 24 and full["decode"] > full[prefill_name] >= 4, usage
+        for name, sub in subs.items():
+            sub.wait(lambda s, n=full[name]: len(stored_blocks(s.batches[1:])) >= n, 10.0)
+        new = {name: stored_blocks(sub.batches[1:]) for name, sub in subs.items()}
+        views = {name: KvView() for name in subs}
+        for name, sub in subs.items():
+            for batch in sub.batches:
+                views[name].apply(batch)
+    finally:
+        for sub in subs.values():
+            sub.close()
+    for name in subs:
+        assert len(new[name]) == full[name], (name, len(new[name]), full[name])
+        assert new[name][0][1] is None, f"{name}: the fresh prompt's first block has a parent"
+        assert not views[name].problems, (name, views[name].problems)
+    assert new["decode"][:full[prefill_name]] == new[prefill_name], "the pair names the prompt's blocks differently"
     for name in (prefill_name, "decode"):
         wait_idle(clients[name])
 
