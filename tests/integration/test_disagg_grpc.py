@@ -153,9 +153,9 @@ def stored_blocks(batches: list) -> list[tuple[bytes, bytes | None, tuple[int, .
 
 @pytest.mark.parametrize("backend", ["grpc", "nixl"])
 def test_the_pair_announces_one_block_chain(clients, backend: str) -> None:
-    """E3/E4 across a pair. A KV-aware router matches a request's blocks by hash on every
-    worker, so both servers must name a prompt's blocks alike: the prefill server stores the
-    prompt's full blocks; the decode server stores the blocks it received under the same
+    """E3/E4 across a pair. refengine's block keys are the same in every process (kv/keys.py),
+    so a KV-aware router can match a request's blocks across workers: the prefill server stores
+    the prompt's full blocks; the decode server stores the blocks it received under the same
     hashes, parents and tokens, then the blocks its decoding fills, ending at
     (prompt + output - 1) // block_size full blocks (the last token's KV is never computed).
     Both views, snapshot then live, stay valid chains."""
