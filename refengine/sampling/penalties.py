@@ -14,6 +14,12 @@ Invariants:
 - Every operation is elementwise within a row (no reduction across rows or within a row), so
   a row's result does not depend on which other rows are in the batch (RULES G17, G18).
 - The input tensor is never modified in place.
+- A penalized logit stays finite (or -inf where it was -inf: a grammar-masked token stays
+  masked). Any finite penalty and any positive repetition penalty is valid (RULES G5), and
+  the extreme ones (a repetition penalty of 1e-300, a presence penalty of -1e39) overflow
+  float32: such a logit saturates at the largest finite float32 instead of becoming inf, whose
+  softmax would be NaN (a NaN logprob, or a sampled id outside the vocabulary). Values that
+  do not overflow are computed exactly as before (bit-identical to Hugging Face's processors).
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from itertools import chain
 import torch
 
 from refengine.types import SamplingParams
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest positive normal float32
 
 
 def unique_token_counts(
@@ -67,15 +76,26 @@ def apply_penalties(
     if rep_rows:
         histories = [list(prompt_token_ids[i]) + list(output_token_ids[i]) for i in rep_rows]
         row, token, _ = unique_token_counts(histories, rep_rows, vocab_size, device)
+        # Held in float32's positive range: 1e-300 would round to 0, and 0 / 0 is NaN.
         penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[row]
+        penalty = penalty.clamp(_FLOAT32_TINY, _FLOAT32_MAX)
         seen = logits[row, token]
-        logits[row, token] = torch.where(seen < 0, seen * penalty, seen / penalty)
+        logits[row, token] = _saturate(torch.where(seen < 0, seen * penalty, seen / penalty), seen)
 
     if freq_rows:
         outputs = [output_token_ids[i] for i in freq_rows]
         row, token, count = unique_token_counts(outputs, freq_rows, vocab_size, device)
+        # Held finite, so freq * count + presence is never inf - inf (NaN).
         freq = torch.tensor([p.frequency_penalty for p in params], device=device)[row]
         presence = torch.tensor([p.presence_penalty for p in params], device=device)[row]
-        logits[row, token] -= freq * count + presence  # count > 0 for every listed token
+        seen = logits[row, token]
+        delta = freq.clamp(-_FLOAT32_MAX, _FLOAT32_MAX) * count + presence.clamp(-_FLOAT32_MAX, _FLOAT32_MAX)
+        logits[row, token] = _saturate(seen - delta, seen)  # count > 0 for every listed token
 
     return logits
+
+
+def _saturate(penalized: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """``penalized`` held within the finite float32 range, except where ``seen`` was -inf,
+    which stays -inf (-inf - (-inf) would be NaN, and a masked token must stay masked)."""
+    return torch.where(torch.isneginf(seen), seen, penalized.clamp(-_FLOAT32_MAX, _FLOAT32_MAX))

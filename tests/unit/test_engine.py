@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 
@@ -137,6 +138,32 @@ def test_seeded_sampling_reproducible_in_any_batch(tiny) -> None:
     batch = engine.run_until_done([req(f"x{i}", 50 + i, prompt(i, 4 + i)) for i in range(7)] + [req("in", 5)])
     assert batch[-1].outputs[0].token_ids == alone
     assert engine.run_until_done([req("other", 6)])[0].outputs[0].token_ids != alone
+
+
+def test_overflowing_penalties_leave_the_batch_untouched(tiny) -> None:
+    """G5 accepts any finite penalty and any positive repetition penalty; ones whose float32
+    arithmetic overflows must still give in-vocabulary tokens with finite logprobs, and must not
+    fail the step for the other requests in it (the review saw an id equal to V, then an
+    INTERNAL error that ended every running request)."""
+    engine = make_engine(tiny)
+    ids = prompt(23, 10)
+    alone = engine.run_until_done([greedy("alone", ids)])[0].outputs[0].token_ids
+    extreme = [SamplingParams(temperature=1.0, seed=2, repetition_penalty=1e-300),
+               SamplingParams(temperature=0.0, presence_penalty=-1e39),
+               SamplingParams(temperature=0.5, seed=3, frequency_penalty=-1e308, repetition_penalty=1e300)]
+    requests = [GenerationRequest(f"x{i}", prompt_token_ids=prompt(30 + i, 8), sampling=sampling,
+                                  stopping=StoppingParams(max_tokens=12, ignore_eos=True),
+                                  logprobs=LogprobParams(output_logprobs=True))
+                for i, sampling in enumerate(extreme)]
+    results = engine.run_until_done([*requests, greedy("victim", ids)])
+    for result in results:
+        assert result.error is None, result.error
+        tokens = result.outputs[0].tokens
+        assert len(tokens) == (16 if result.request_id == "victim" else 12)
+        assert all(0 <= t.token_id < VOCAB for t in tokens)
+        assert result.request_id == "victim" or all(t.logprob is not None and math.isfinite(t.logprob) for t in tokens)
+    assert results[-1].outputs[0].token_ids == alone
+    assert_idle(engine)
 
 
 def test_stop_conditions(tiny) -> None:

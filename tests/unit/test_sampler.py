@@ -99,6 +99,38 @@ def test_frequency_presence_penalties_match_counter_oracle() -> None:
         torch.testing.assert_close(ours[i], torch.tensor(expected), rtol=1e-6, atol=1e-6)
 
 
+EXTREME_PENALTIES = [  # valid by G5 (finite; repetition > 0), and each overflows float32
+    SamplingParams(temperature=0.0, repetition_penalty=1e-300),
+    SamplingParams(temperature=1.0, seed=2, repetition_penalty=1e-300),
+    SamplingParams(temperature=0.0, repetition_penalty=1e300),
+    SamplingParams(temperature=0.0, presence_penalty=-1e39),
+    SamplingParams(temperature=1.0, seed=1, presence_penalty=-1e39),
+    SamplingParams(temperature=1.0, seed=3, frequency_penalty=1e300, presence_penalty=-1e300),
+    SamplingParams(temperature=0.7, seed=4, frequency_penalty=-1e308, repetition_penalty=1e-45),
+]
+
+
+@pytest.mark.parametrize("params", EXTREME_PENALTIES, ids=range(len(EXTREME_PENALTIES)))
+def test_extreme_penalties_stay_finite_and_masked_tokens_stay_masked(params: SamplingParams) -> None:
+    """Penalties whose float32 arithmetic overflows saturate at the largest finite float32: the
+    token is in the vocabulary, its logprob and its candidates' are not NaN, and a token the
+    grammar mask removed is never chosen, though it is in the history (a masked -inf penalized
+    by -inf would be NaN). The review reproduced NaN logprobs and an id equal to V before."""
+    vocab = 64
+    logits = _logits(1, vocab, seed=5)
+    history = [0, 1, 2, 3, 3, 9]
+    penalized = apply_penalties(logits, [params], [[4, 5]], [history])
+    assert not penalized.isnan().any() and not penalized.isinf().any()
+    mask = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)  # every token allowed...
+    mask[0, 0] &= ~(1 << 3)  # ...but token 3
+    row = _row(params, _gen(params.seed or 0), prompt_token_ids=[4, 5], output_token_ids=history,
+               want_logprob=True, candidates=CandidateSpec(mode="top_n", top_n=4))
+    (token,) = Sampler(vocab)(logits, [row], token_bitmask=mask, masked_rows=[0])
+    assert 0 <= token.token_id < vocab and token.token_id != 3
+    assert token.logprob is not None and math.isfinite(token.logprob) and token.rank is not None
+    assert not any(math.isnan(lp) for _, lp, _ in token.candidates)
+
+
 def test_no_penalty_returns_input_and_never_mutates() -> None:
     logits = _logits(2, 30)
     before = logits.clone()
