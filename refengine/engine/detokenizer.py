@@ -135,6 +135,12 @@ class IncrementalDetokenizer:
         self._prefix_text = decode(self._tokenizer, self._ids)
         return delta
 
+    @property
+    def holds_text(self) -> bool:
+        """Whether tokens added since the last returned delta have text not returned yet (the
+        pieces of a character still being decoded): their text comes with a later token's."""
+        return len(self._ids) > self._read_offset
+
     def flush(self) -> str:
         """At finish: release whatever was held back (U+FFFD where bytes never completed)."""
         text = decode(self._tokenizer, self._ids)
@@ -148,6 +154,8 @@ class IncrementalDetokenizer:
 class NoTextDetokenizer:
     """For an output that sends token ids only (``detokenize = false``) and has no stop
     strings: no text is needed at all, so none is computed."""
+
+    holds_text = False
 
     def add_token(self, token_id: int) -> str:
         return ""

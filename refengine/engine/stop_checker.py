@@ -185,6 +185,7 @@ class TokenStep:
     text: str  # append to the delta's text
     finish: FinishInfo | None  # set on the output's last step; nothing follows it
     num_detokenized_chars: int = 0  # text this token added before stop-string hold-back
+    text_pending: bool = False  # its text is not decoded yet: it comes with a later token's
 
 
 def process_token(
@@ -205,44 +206,53 @@ def process_token(
     text = detokenizer.add_token(token_id) if keep_token else ""
     if finish is not None:
         text += detokenizer.flush()
+    pending = detokenizer.holds_text
     emitted, string_finish = stop.feed_text(text)
     if string_finish is not None:
-        return TokenStep(keep_token, emitted, string_finish, len(text))
+        return TokenStep(keep_token, emitted, string_finish, len(text), pending)
     if finish is not None:
         emitted += stop.finish_text()
-    return TokenStep(keep_token, emitted, finish, len(text))
+    return TokenStep(keep_token, emitted, finish, len(text), pending)
 
 
 class TokenHoldBack:
     """Tokens wait until all of their text has been emitted (G11, G14).
 
     Offsets count characters of the detokenized output. A token whose text is still
-    held back (it may become part of a stop string) is held too. When a stop string
-    matched and is excluded, the tokens whose text reaches into it are dropped;
-    when it is included, or the output ends for another reason, every held token
-    is released.
+    held back (it may become part of a stop string) is held too. A token whose text is
+    not decoded yet (``text_pending``: a piece of a multi-byte character) ends where the
+    text of the token that completes it ends. When a stop string matched and is
+    excluded, the tokens whose text reaches into it are dropped (so also the byte pieces
+    of its characters); when it is included, or the output ends for another reason,
+    every held token is released.
     """
 
     def __init__(self, include_stop_in_output: bool) -> None:
         self._include_stop = include_stop_in_output
         self._held: deque[tuple[TokenInfo, int]] = deque()  # (token, end offset of its text)
+        self._undecoded: list[TokenInfo] = []  # after the held ones: their text comes later
         self._text_end = 0  # detokenized characters so far
         self._emitted_end = 0  # characters emitted so far
 
-    def add(self, token: TokenInfo, num_chars: int) -> None:
+    def add(self, token: TokenInfo, num_chars: int, text_pending: bool = False) -> None:
         self._text_end += num_chars
-        self._held.append((token, self._text_end))
+        self._undecoded.append(token)
+        if not text_pending:  # this token's text, and that of the undecoded ones before it, ends here
+            self._held.extend((waiting, self._text_end) for waiting in self._undecoded)
+            self._undecoded.clear()
 
     def release(self, num_emitted_chars: int, finish: FinishInfo | None) -> tuple[TokenInfo, ...]:
         self._emitted_end += num_emitted_chars
         drop_rest = finish is not None and finish.stop_text is not None and not self._include_stop
         if finish is not None and not drop_rest:
-            released = tuple(token for token, _ in self._held)
+            released = (*(token for token, _ in self._held), *self._undecoded)
             self._held.clear()
+            self._undecoded.clear()
             return released
         released = []
         while self._held and self._held[0][1] <= self._emitted_end:
             released.append(self._held.popleft()[0])
         if finish is not None:
             self._held.clear()
+            self._undecoded.clear()
         return tuple(released)

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from refengine.engine.detokenizer import IncrementalDetokenizer, decode
-from refengine.engine.stop_checker import StopChecker, process_token
-from refengine.types import FinishInfo, FinishReason, StoppingParams
+from refengine.engine.stop_checker import StopChecker, TokenHoldBack, process_token
+from refengine.types import FinishInfo, FinishReason, StoppingParams, TokenInfo
 from tests.unit.tokenizer_fixture import smollm2_tokenizer
 
 EOS = 2
@@ -219,6 +219,38 @@ def generate(stopping: StoppingParams, out: list[int], max_tokens: int | None = 
     raise AssertionError("the output never finished")
 
 
+def sent(stopping: StoppingParams, out: list[int]) -> tuple[list[int], str, FinishInfo]:
+    """Drive process_token and TokenHoldBack as the engine's output processor does: returns
+    (the token ids sent, the text sent, finish)."""
+    tok = smollm2_tokenizer()
+    stop = StopChecker(stopping, (tok.eos_token_id,), len(out))
+    detok = IncrementalDetokenizer(tok, [1])
+    held = TokenHoldBack(stopping.include_stop_in_output)
+    tokens, text = [], ""
+    for n, token_id in enumerate(out, start=1):
+        step = process_token(stop, detok, token_id, n)
+        if step.keep_token:
+            held.add(TokenInfo(token_id, ""), step.num_detokenized_chars, step.text_pending)
+        tokens += [t.token_id for t in held.release(len(step.text), step.finish)]
+        text += step.text
+        if step.finish is not None:
+            return tokens, text, step.finish
+    raise AssertionError("the output never finished")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_byte_pieces_of_an_excluded_stop_string_are_not_sent(include: bool) -> None:
+    """G14: a multi-byte stop string's first byte-piece tokens add no text on their own; they
+    are held with the token that completes the character, so an excluded stop string keeps
+    them out of the tokens too (they went out before: the tokens decoded to '😀\ufffd')."""
+    tok = smollm2_tokenizer()
+    out = tok.encode("😀😃 日本語", add_special_tokens=False)
+    assert len(out) > 4, "the emoji are byte pieces in SmolLM2's vocabulary"
+    tokens, text, finish = sent(StoppingParams(stop_strings=("😃",), include_stop_in_output=include), out)
+    assert finish == FinishInfo(FinishReason.STOP, stop_text="😃")
+    assert text == ("😀😃" if include else "😀") and decode(tok, tokens) == text
+
+
 def test_eos_excluded_or_included() -> None:
     tok = smollm2_tokenizer()
     body = tok.encode("Hello 😀 world", add_special_tokens=False)
@@ -261,14 +293,21 @@ def test_random_smollm2_streams_with_stop_strings(include: bool) -> None:
         stops = rng.sample(clean, min(3, len(clean))) + ["never-there"]
         stopping = StoppingParams(stop_strings=tuple(stops), include_stop_in_output=include, ignore_eos=True)
         kept, text, finish = generate(stopping, out)
+        tokens_sent, text_sent, _ = sent(stopping, out)
+        assert text_sent == text
         match = expected_match(full, stops)
         if match is None:
             assert (text, finish, kept) == (full, FinishInfo(FinishReason.LENGTH), out)
+            assert tokens_sent == out
         else:
             end, stop_text = match
             assert text == full[: end if include else end - len(stop_text)]
             assert finish == FinishInfo(FinishReason.STOP, stop_text=stop_text)
             assert len(decode(tok, kept)) >= end  # the token completing the match is the last kept
+            # G14: the tokens sent never reach into an excluded stop string (nor, with it
+            # included, stop short of it); a byte piece alone would decode to U+FFFD here.
+            sent_text = decode(tok, tokens_sent)
+            assert text.startswith(sent_text) if not include else sent_text.startswith(text), (sent_text, text)
 
 
 def test_per_token_cost() -> None:
