@@ -5,6 +5,8 @@ Choices where the contract is silent (ref):
   output's first token (fan out on the decode side instead, with one session each);
 - prompt logprobs are computed (and sent, before ``PrefillReady``) by the prefill engine;
   a decode engine refuses them, as it never computes the prompt;
+- the server's health probe (``GenerationRequest.health_probe``, H2) runs on a decode engine
+  without a session, its prompt computed locally: the role's own path needs a prefill engine;
 - a decode request's session is checked against this engine and this prompt: schema,
   model fingerprint, block size, KV dtype and layout, block bytes, prompt length and
   prompt hash (media identities included), block count, and a backend this engine has. Any mismatch is
@@ -40,6 +42,8 @@ class RoleCheck:
             raise InvalidRequestError(f"sampling.num_sequences must be 1 on a {self.role} engine: a KV session "
                                       "carries one output's first token")
         if self.role == "decode":
+            if session is None and params.health_probe:
+                return  # H2: the probe is computed here, prompt and all (the server makes it, not a client)
             if session is None:
                 raise InvalidRequestError("role mismatch: a decode engine needs kv.session (a prefill engine's "
                                           "PrefillReady.kv_session)")

@@ -9,8 +9,11 @@ Checks, each with a state and a message:
   DRAINING state: H3);
 - ``role``       only when the request names a ``role``: NOT_READY if it is not ours;
 - ``inference_probe`` only when asked: a one-token greedy generation through the engine,
-  bounded by ``--health-probe-timeout-seconds`` (H2). Each probe uses its own request id,
-  so concurrent probes are independent.
+  bounded by ``--health-probe-timeout-seconds`` (H2), in the role's way: a prefill engine
+  prefills it into a KV session, which the probe releases at once (also after a timeout); a
+  decode engine, which takes sessions only from a prefill engine, computes the prompt itself
+  (``GenerationRequest.health_probe``). Each probe uses its own request id, so concurrent
+  probes are independent.
 
 The overall ``state`` is the worst check (H1), in the order READY < DEGRADED < STARTING <
 NOT_READY; no value outside the release's ``HealthState`` (above 4) is ever sent.
@@ -84,9 +87,15 @@ async def inference_probe(engine: EngineClient, timeout: float) -> oe.HealthChec
     loop = asyncio.get_running_loop()
     done: asyncio.Future[RequestOutput] = loop.create_future()
 
+    def finished(out: RequestOutput) -> None:  # event loop
+        if out.prefill is not None:  # nobody will pull the probe's session: free its blocks now
+            engine.abort_kv_session(out.prefill.session_id)
+        if not done.done():
+            done.set_result(out)
+
     def sink(out: RequestOutput) -> None:  # engine thread
         if out.finished:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
+            loop.call_soon_threadsafe(finished, out)
 
     info = engine.info
     first = info.bos_token_id if info.bos_token_id is not None else (list(info.eos_token_ids) or [0])[0]
@@ -97,6 +106,7 @@ async def inference_probe(engine: EngineClient, timeout: float) -> oe.HealthChec
         sampling=SamplingParams(temperature=0.0),
         stopping=StoppingParams(max_tokens=1, ignore_eos=True),
         kv=KvParams(bypass_prefix_cache=True),
+        health_probe=True,
     )
     started = time.perf_counter()
     try:

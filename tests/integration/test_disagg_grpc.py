@@ -193,6 +193,21 @@ def test_the_pair_announces_one_block_chain(clients, backend: str) -> None:
         wait_idle(clients[name])
 
 
+@pytest.mark.parametrize("name", ["prefill", "decode"])
+def test_the_inference_probe_is_role_appropriate_and_leaves_nothing_held(clients, name: str) -> None:
+    """H2 on each role, three probes at once: READY. The prefill server prefills the probe into
+    a KV session and releases it at once (nobody pulls it; held, it would keep its blocks for
+    the whole lease); the decode server computes the probe itself (it takes sessions only from
+    a prefill server, so a plain probe was refused and every probe said DEGRADED)."""
+    with futures.ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: clients[name].health(include_inference_probe=True), range(3)))
+    for health in answers:
+        probe = [c for c in health.checks if c.name == "inference_probe"]
+        assert health.state == oe.HEALTH_STATE_READY and len(probe) == 1, health
+        assert probe[0].state == oe.HEALTH_STATE_READY and "1 token" in probe[0].message, probe
+    assert wait_idle(clients[name], timeout=5.0).active_kv_sessions == 0
+
+
 def test_prefill_server_streams_only_prefill_ready(clients) -> None:
     """K4, K9, D7: no TokenOutput, PrefillReady + Usage, attributes with their JSON types."""
     stream = collect(clients["prefill"].generate(request("k4", prompt_text(3))))
