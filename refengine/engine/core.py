@@ -144,7 +144,11 @@ class EngineCore(CoreInflowMixin):
         out.status = OutputStatus.FINISHED
 
     # -- the step ----------------------------------------------------------------
-    def step(self, abort_ids: Iterable[str] = ()) -> list[RequestOutput]:
+    def step(self, abort_ids: Iterable[str] = (),
+             on_scheduled: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One step. ``on_scheduled`` runs once the step's batch is chosen, before the model
+        runs, when ``stats()`` already describes it (the engine's GetLoad snapshot: a long
+        prefill step is load, not idleness)."""
         outcome = StepOutcome()
         cancelled = FinishInfo(FinishReason.CANCELLED, message="aborted")
         for request_id in abort_ids:
@@ -162,6 +166,10 @@ class EngineCore(CoreInflowMixin):
         if sched.kv_loads:
             assert self.disagg is not None
             self.disagg.start_loads(sched.kv_loads, self.requests)
+        num_prefill = sum(1 for s in sched.scheduled if s.num_new_tokens > 1)
+        self._last_batch = (num_prefill, len(sched.scheduled) - num_prefill)
+        if on_scheduled is not None:
+            on_scheduled()
         if not sched.is_empty:
             prompt_rows = [self._wants_prompt_logits(item) for item in sched.scheduled]
             num_logit_rows = [item.num_new_tokens if all_rows else int(item.samples)
@@ -173,8 +181,6 @@ class EngineCore(CoreInflowMixin):
             targets, sampled = sample_step(self.sampler, sched, model_input, logits, self.requests)
             self.update_from_output(sched, model_input, logits, prompt_rows, list(zip(targets, sampled, strict=True)),
                                     outcome)
-        num_prefill = sum(1 for s in sched.scheduled if s.num_new_tokens > 1)
-        self._last_batch = (num_prefill, len(sched.scheduled) - num_prefill)
         outputs = self._emit(outcome)
         self._publish_kv_events()
         if self.config.debug_kv_integrity and not self.requests:

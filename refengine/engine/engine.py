@@ -118,6 +118,7 @@ class Engine(EngineKvMixin, EngineLoraMixin):
         self._sinks: dict[str, OutputSink] = {}  # touched by the step thread only
         self._new_sinks: dict[str, OutputSink] = {}  # guarded by the lock, moved with the inbox
         self._stats = self.core.stats()
+        self._num_taken = 0  # requests the running step took from the inbox, until it scheduled
         self._loop_thread: threading.Thread | None = None
         self._stopping = False
         self._woken = False  # a wake since the last step began (e.g. a cancelled pull to clean up)
@@ -195,24 +196,33 @@ class Engine(EngineKvMixin, EngineLoraMixin):
             return bool(self._active_ids)
 
     def stats(self) -> EngineStats:
-        """A snapshot taken at the end of the last step, plus the requests enqueued since."""
+        """A snapshot taken when the running step chose its batch (else at the end of the last
+        step), plus the requests enqueued since, also those a step has taken and not yet scheduled."""
         with self._lock:
-            snapshot, num_inbox = self._stats, len(self._inbox)
-        return replace(snapshot, waiting_requests=snapshot.waiting_requests + num_inbox)
+            snapshot, num_new = self._stats, len(self._inbox) + self._num_taken
+        return replace(snapshot, waiting_requests=snapshot.waiting_requests + num_new)
 
     # -- the step (engine thread) ----------------------------------------------
     def step(self) -> list[RequestOutput]:
         with self._lock:
             new, self._inbox = self._inbox, []
+            self._num_taken = len(new)
             abort_ids, self._abort_ids = self._abort_ids, set()
             self._sinks.update(self._new_sinks)
             self._new_sinks = {}
         with self._step_lock:
             for request in new:
                 self.core.add_request(request)
-            outputs = self.core.step(abort_ids)
+            outputs = self.core.step(abort_ids, on_scheduled=self._take_stats)
         self._deliver(outputs)
         return outputs
+
+    def _take_stats(self) -> None:
+        """The load snapshot GetLoad reads (engine thread, inside the step)."""
+        stats = self.core.stats()
+        with self._lock:
+            self._stats = stats
+            self._num_taken = 0
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """An engine fault: end every request with one terminal error, free all KV. Its

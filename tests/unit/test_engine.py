@@ -166,6 +166,28 @@ def test_overflowing_penalties_leave_the_batch_untouched(tiny) -> None:
     assert_idle(engine)
 
 
+def test_load_during_a_step_describes_the_step(tiny) -> None:
+    """H4: GetLoad read while a step's model runs (a long prefill takes seconds) counts that
+    step's requests and blocks; it read the snapshot of the step before, an idle engine, since
+    the step had emptied the inbox. Requests enqueued meanwhile count as waiting."""
+    engine = make_engine(tiny)
+    seen = []
+    execute = engine.core.runner.execute
+
+    def observed(*args, **kwargs):  # the model running: what would GetLoad say now?
+        if not seen:
+            engine.add_request(greedy("late", prompt(2, 6), max_tokens=2))
+        seen.append(engine.stats())
+        return execute(*args, **kwargs)
+
+    engine.core.runner.execute = observed
+    engine.run_until_done([greedy("long", prompt(1, 40), max_tokens=2)])
+    first = seen[0]
+    assert (first.running_requests, first.waiting_requests, first.prefill_batch_size) == (1, 1, 1), first
+    assert first.used_kv_blocks == 10 and first.running_tokens == 40, first  # 40 tokens, blocks of 4
+    assert_idle(engine)
+
+
 def test_stop_conditions(tiny) -> None:
     engine = make_engine(tiny)
     ids = prompt(13, 8)
