@@ -103,7 +103,7 @@ class Engine(EngineKvMixin, EngineLoraMixin):
         self.input_processor = InputProcessor(tokenizer, Limits(
             model_config.vocab_size, max_model_len, config.max_sequences_per_request, config.max_logprobs,
             config.cache.block_size, runner.num_blocks), self.guides,
-            RoleCheck(config.role, model_fingerprint, config.cache.block_size, self.block_io, tuple(backends),
+            RoleCheck(config.role, model_fingerprint, config.cache.block_size, self.block_io, backends,
                       model_config.vocab_size), self.loras, media,
             tuple(self.core.media_pulls.backends) if self.core.media_pulls else ())
         self._init_front_end()

@@ -9,20 +9,23 @@ Choices where the contract is silent (ref):
   without a session, its prompt computed locally: the role's own path needs a prefill engine;
 - a decode request's session is checked against this engine and this prompt: schema,
   model fingerprint, block size, KV dtype and layout, block bytes, prompt length and
-  prompt hash (media identities included), block count, and a backend this engine has. Any mismatch is
-  INVALID_ARGUMENT naming the attribute, before anything is allocated.
+  prompt hash (media identities included), block count, a backend this engine has, and the
+  ``transfer`` attributes that backend reads (NIXL: agent, regions of the same block bytes,
+  block ids). Any mismatch is INVALID_ARGUMENT naming the attribute, before anything is allocated.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from refengine.kv.transfer.attributes import SessionAttributes, prompt_hash
-from refengine.kv.transfer.base import BlockStore
+from refengine.kv.transfer.base import BlockStore, KvTransferBackend
 from refengine.types import GenerationRequest, InvalidRequestError, KvSessionSpec
 
 
 class RoleCheck:
     def __init__(self, role: str, fingerprint: str, block_size: int, store: BlockStore,
-                 backends: tuple[str, ...], vocab_size: int) -> None:
+                 backends: Mapping[str, KvTransferBackend], vocab_size: int) -> None:
         self.role = role
         self.fingerprint = fingerprint
         self.block_size = block_size
@@ -76,6 +79,9 @@ class RoleCheck:
                 raise InvalidRequestError(f"kv.session.attributes_struct.{key} is {got!r}, this engine and prompt "
                                           f"need {want!r}: the session was prefilled for another model, layout or "
                                           "prompt")
+        if problem := self.backends[session.transfer_backend].source_problem(attrs.transfer):
+            raise InvalidRequestError(f"kv.session.attributes_struct.transfer is unusable by the "
+                                      f"{session.transfer_backend!r} backend: {problem}")
         if not 0 <= attrs.first_token.token_id < self.vocab_size:
             raise InvalidRequestError(f"kv.session.attributes_struct.first_token.token_id "
                                       f"{attrs.first_token.token_id} is outside the vocabulary")

@@ -269,7 +269,8 @@ def decode_with(clients, req: oe.GenerateRequest, session: oe.KvSessionRef,
 
 
 @pytest.mark.parametrize("change", ["model_fingerprint", "block_size", "kv_dtype", "kv_layout", "backend",
-                                    "no_endpoint", "wildcard_endpoint", "dp_rank", "prompt"])
+                                    "nixl_without_its_attributes", "no_endpoint", "wildcard_endpoint", "dp_rank",
+                                    "prompt"])
 def test_an_incompatible_session_is_refused_before_acceptance(clients, change: str) -> None:
     """K5, M3: INVALID_ARGUMENT, no events, nothing allocated; the session stays for a good decode."""
     ready = ready_for(clients, f"bad-{change}")
@@ -282,6 +283,10 @@ def test_an_incompatible_session_is_refused_before_acceptance(clients, change: s
         session.attributes_struct["block_size"] = 32
     elif change == "backend":
         session.transfer_backend = "carrier-pigeon"
+    elif change == "nixl_without_its_attributes":  # a backend the decode server has, but no agent to read from
+        if not nixl_available()[0]:
+            pytest.skip(f"nixl: {nixl_available()[1]}")
+        session.transfer_backend = "nixl"
     elif change == "no_endpoint":
         del session.endpoints[:]
     elif change == "wildcard_endpoint":
@@ -292,6 +297,7 @@ def test_an_incompatible_session_is_refused_before_acceptance(clients, change: s
         req.prompt = prompt_text(6)
     stream = decode_with(clients, req, session, metadata)
     assert stream.code == grpc.StatusCode.INVALID_ARGUMENT and not stream.events, (stream.code, stream.details)
+    assert change != "nixl_without_its_attributes" or "nixl_agent_name" in stream.details, stream.details
     print(f"\n{change}: {stream.details}")
     good = decode_with(clients, request(f"good-{change}", prompt_text(5)), ready.prefill_ready.kv_session)
     assert good.code == grpc.StatusCode.OK and good.of("finished"), good.details

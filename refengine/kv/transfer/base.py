@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -100,6 +100,11 @@ class KvTransferBackend(ABC):
     def source_attributes(self, session_id: str, block_ids: Sequence[int]) -> dict[str, Any]:
         """Prefill side: what a puller needs besides the session id (JSON values, K9)."""
         return {}
+
+    def source_problem(self, transfer: Mapping[str, Any]) -> str:
+        """Decode side, before acceptance (K5): what makes a session's ``transfer`` attributes
+        unusable by this backend, whatever its blocks hold ("" when nothing does)."""
+        return ""
 
     @abstractmethod
     def pull(self, order: PullOrder, cancelled: threading.Event) -> None:

@@ -122,13 +122,18 @@ def _parse_source(attributes: Any) -> _Source:
     return _Source(name, raw, tuple(_parse_region(r) for r in regions), tuple(int(b) for b in block_ids))
 
 
-def _check_fit(source: _Source, store: BlockStore, order: PullOrder) -> None:
-    """The source's regions match ours byte for byte, and the order stays inside both caches."""
+def _check_regions(source: _Source, store: BlockStore) -> None:
+    """The source's regions match ours: as many, with blocks of the same bytes."""
     if len(source.regions) != len(store.regions):
         raise _fail(f"the source has {len(source.regions)} KV regions, this engine {len(store.regions)}")
     for index, (theirs, mine) in enumerate(zip(source.regions, store.regions, strict=True)):
         if theirs.block_nbytes != mine.block_nbytes:
             raise _fail(f"region {index}: source blocks of {theirs.block_nbytes} bytes, here {mine.block_nbytes}")
+
+
+def _check_fit(source: _Source, store: BlockStore, order: PullOrder) -> None:
+    """The source's regions match ours byte for byte, and the order stays inside both caches."""
+    _check_regions(source, store)
     first, count = order.first_block_index, len(order.dest_block_ids)
     if first < 0 or first + count > len(source.block_ids):
         raise _fail(f"blocks {first}..{first + count - 1} requested, the session has {len(source.block_ids)}")
@@ -235,6 +240,15 @@ class NixlKvTransfer(KvTransferBackend):
         return {"nixl_agent_name": self.agent_name, "nixl_agent_metadata": self._metadata_b64,
                 "nixl_regions": [[str(r.address), r.num_blocks, r.block_nbytes] for r in store.regions],
                 "nixl_block_ids": [int(b) for b in block_ids]}
+
+    def source_problem(self, transfer: Mapping[str, Any]) -> str:
+        try:
+            source = _parse_source(transfer)
+            if self._store is not None:
+                _check_regions(source, self._store)
+        except TransferFailure as error:
+            return str(error)
+        return ""
 
     def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
         """Validate (before any pin or transfer), then pin and READ at once; see the class docstring."""
