@@ -17,6 +17,7 @@ still running, so its KV blocks are freed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -33,6 +34,7 @@ from refengine.server.validation import ServerFacts, prompt_positions_limit, val
 from refengine.types import GenerationRequest, RequestError
 
 logger = logging.getLogger(__name__)
+RETIRE_WAIT_SECONDS = 5.0  # how long a request reusing a cancelled stream's id waits for the engine to retire it
 
 
 class InferenceServicer(oe.InferenceServicer):
@@ -62,6 +64,7 @@ class InferenceServicer(oe.InferenceServicer):
         bridge = OutputBridge(asyncio.get_running_loop(), request.request_id, settings.stream_buffer,
                               settings.stall_timeout_seconds, self._on_stall)
         try:
+            await self._wait_retired(params.request_id)
             if params.guided is None:
                 engine.add_request(params, bridge.sink)
             else:
@@ -69,6 +72,15 @@ class InferenceServicer(oe.InferenceServicer):
         except RequestError as exc:
             raise rejection_from_engine(exc) from None
         return bridge
+
+    async def _wait_retired(self, request_id: str) -> None:
+        """G2: an id is reusable once its stream ended. A stream the client cancelled ended at
+        once, but the engine retires its id with the next step: a request reusing the id waits
+        for that (bounded; after it, ALREADY_EXISTS as for any active id)."""
+        ended = self.state.retiring.get(request_id)
+        if ended is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.engine_done.wait(), RETIRE_WAIT_SECONDS)
 
     @staticmethod
     async def _add_compiling(engine: EngineClient, params: GenerationRequest, bridge: OutputBridge) -> None:
@@ -111,3 +123,15 @@ class InferenceServicer(oe.InferenceServicer):
             bridge.close()
             if not bridge.engine_finished:  # cancelled, disconnected, failed: free the KV (A5)
                 self.state.engine.abort(request.request_id)
+                self._retire(bridge)
+
+    def _retire(self, bridge: OutputBridge) -> None:
+        """Remember ``bridge`` under its id until the engine confirms the abort (G2)."""
+        retiring = self.state.retiring
+        retiring[bridge.request_id] = bridge
+
+        def forget() -> None:
+            if retiring.get(bridge.request_id) is bridge:
+                del retiring[bridge.request_id]
+
+        bridge.on_engine_done = forget

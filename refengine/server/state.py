@@ -48,6 +48,9 @@ class ServerState:
         self.load_error: str | None = None
         self.started_at = time.monotonic()
         self.streams: set[OutputBridge] = set()  # accepted Generate streams not yet ended
+        # Streams that ended (client cancel, disconnect) before their engine request did, by
+        # request id, until the engine confirms the abort: a new request reusing the id waits (G2).
+        self.retiring: dict[str, OutputBridge] = {}
         # The compatibility KV event source (--kv-events-zmq) as GetKvEventSources reports it.
         self.kv_event_source: dict | None = None
         self.kv_endpoints: tuple[KvEndpointSpec, ...] = ()  # where this (prefill) server serves its sessions

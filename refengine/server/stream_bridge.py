@@ -43,6 +43,8 @@ class OutputBridge:
         self.capacity = capacity
         self.stall_timeout = stall_timeout
         self.engine_finished = False  # the engine's final output reached the loop
+        self.engine_done = asyncio.Event()  # set with engine_finished: the engine retired the id
+        self.on_engine_done: Callable[[], None] | None = None  # called then, on the loop
         self.failure: EngineFault | None = None
         self._loop = loop
         self._on_stall = on_stall
@@ -64,6 +66,9 @@ class OutputBridge:
     def _push(self, out: RequestOutput) -> None:
         if out.finished:
             self.engine_finished = True
+            self.engine_done.set()
+            if self.on_engine_done is not None:
+                self.on_engine_done()
             self._final_usage = out.usage
             self._stop_stall_clock()
         if self.failure is None:

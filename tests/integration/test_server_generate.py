@@ -195,6 +195,23 @@ def test_duplicate_request_id_is_refused_then_reusable(client: OpenEngineClient)
     check_stream(collect(client, again), again)  # G2: reusable once the stream ended
 
 
+def test_an_id_is_reusable_as_soon_as_its_cancelled_stream_ended(client: OpenEngineClient) -> None:
+    """G2: the client cancels during a long prefill, whose step keeps the engine busy for a
+    while yet; the same id sent right away is accepted (it waits for the engine to retire the
+    old one) instead of ALREADY_EXISTS until the step ends."""
+    wait_idle(client)
+    prompt = oe.GenerateRequest(request_id="reuse-1", token_ids=oe.TokenIds(ids=[(7 * i) % 4000 + 100
+                                                                                for i in range(1800)]))
+    prompt.stopping.max_tokens = 4
+    call = client.inference.Generate(prompt, timeout=120)  # sent at once; its prefill runs
+    time.sleep(0.4)
+    call.cancel()
+    time.sleep(0.05)  # the server saw the cancel; the engine is still inside the prefill step
+    again = greedy_request("reuse-1", PROMPT, max_tokens=2)
+    check_stream(collect(client, again), again)
+    wait_idle(client)
+
+
 def _invalid_cases() -> list:
     def req(**changes: object) -> oe.GenerateRequest:
         request = greedy_request("bad-1", PROMPT, max_tokens=4)
