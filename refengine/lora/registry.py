@@ -59,6 +59,8 @@ def _check_spec(spec: LoraAdapterSpec) -> None:
         raise InvalidRequestError(f"lora_name must be a non-empty name of at most {MAX_NAME_BYTES} bytes")
     if not spec.source_path or not os.path.isabs(spec.source_path):
         raise InvalidRequestError(f"source_path must be an absolute directory, got {spec.source_path!r}")
+    if "\0" in spec.source_path:  # no file system path holds one (os.path raises on it)
+        raise InvalidRequestError(f"source_path must not contain a NUL character, got {spec.source_path!r}")
 
 
 class LoraRegistry:

@@ -46,7 +46,7 @@ from refengine.server.profiles import PROFILES_KEY, profiles_of
 from refengine.server.state import ServerState
 from refengine.server.unary import run_unary
 from refengine.server.validation import check_model
-from refengine.types import EngineStats, LoraAdapterSpec
+from refengine.types import EngineStats, LoraAdapterSpec, LoraDisabledError
 
 SCHEMA_REVISION = 1
 MINIMUM_CLIENT_REVISION = 1
@@ -219,6 +219,8 @@ class ControlServicer(oe.ControlServicer):
     async def LoadLora(self, request, context):  # noqa: ANN001, ANN201, N802
         async def build() -> oe.LoadLoraResponse:
             engine = self.state.engine_for_control()
+            if not engine.info.max_loras:  # R5 whatever the request holds, as the engine says it
+                raise LoraDisabledError("LoRA is disabled on this server (start it with --enable-lora)")
             if not request.HasField("adapter"):
                 raise invalid("adapter is required (lora_id, lora_name, source_path)")
             a = request.adapter

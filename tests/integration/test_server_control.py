@@ -152,7 +152,10 @@ def test_abort_all_requests(client: OpenEngineClient) -> None:
 @pytest.mark.parametrize("rpc,request_,code", [
     ("LoadLora", oe.LoadLoraRequest(adapter=oe.LoraAdapter(lora_id=1, lora_name="a", source_path="/tmp")),
      grpc.StatusCode.FAILED_PRECONDITION),  # R5
+    ("LoadLora", oe.LoadLoraRequest(), grpc.StatusCode.FAILED_PRECONDITION),  # R5 whatever the request holds
+    ("LoadLora", oe.LoadLoraRequest(adapter=oe.LoraAdapter(lora_id=0)), grpc.StatusCode.FAILED_PRECONDITION),
     ("UnloadLora", oe.UnloadLoraRequest(lora_name="a"), grpc.StatusCode.FAILED_PRECONDITION),
+    ("UnloadLora", oe.UnloadLoraRequest(), grpc.StatusCode.FAILED_PRECONDITION),
     ("ListLoras", oe.ListLorasRequest(), grpc.StatusCode.FAILED_PRECONDITION),
 ])
 def test_unoffered_rpcs(client: OpenEngineClient, rpc: str, request_: object, code: grpc.StatusCode) -> None:

@@ -206,7 +206,8 @@ def test_lifecycle_rules(tiny, adapters) -> None:
                          (LoraAdapterSpec(-3, "x", a.source_path), "lora_id must be > 0"),
                          (LoraAdapterSpec(7, "", a.source_path), "lora_name must be a non-empty"),
                          (LoraAdapterSpec(7, "x", "attn4"), "absolute directory"),
-                         (LoraAdapterSpec(7, "x", str(root / "missing")), "not a directory")):
+                         (LoraAdapterSpec(7, "x", str(root / "missing")), "not a directory"),
+                         (LoraAdapterSpec(7, "x", a.source_path + "\0x"), "NUL character")):
         with pytest.raises(InvalidRequestError, match=message):  # R1
             engine.load_lora(bad)
     assert engine.list_loras() == []
