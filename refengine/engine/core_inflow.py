@@ -25,7 +25,8 @@ class CoreInflowMixin:
         """An accepted request with embedding handles: pull them; it is scheduled once they are here."""
         assert self.media_pulls is not None, "handles are refused before acceptance without a pull backend"
         self._awaiting_media.add(request.request_id)
-        self.media_pulls.start(request.request_id, [run.handle for run in request.media if run.handle])
+        self.media_pulls.start(request.request_id, [run.handle for run in request.media if run.handle],
+                               request.params.trace)
 
     def _stop_media(self: EngineCore, request: Request) -> None:
         """A request ends while its handles are pulled: the pull stops, its result is dropped."""

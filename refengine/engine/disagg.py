@@ -156,7 +156,8 @@ class Disaggregation:
         for load in loads:
             session = requests[load.request_id].params.kv.session
             assert session is not None
-            self.loads.start(PullOrder(load.request_id, session, load.first_block_index, load.dest_block_ids))
+            self.loads.start(PullOrder(load.request_id, session, load.first_block_index, load.dest_block_ids,
+                                       requests[load.request_id].params.trace))
 
     def cancel_receiving(self, out: OutputState) -> None:
         """An output ends before its pull was applied: its blocks are freed, or — while the

@@ -42,13 +42,13 @@ Pulled = dict[str, torch.Tensor]  # handle id -> its rows [num_tokens, hidden]
 
 
 def pull_order(request_id: str, handle: EmbeddingHandleSpec, backends: Mapping[str, object],
-               rows: tuple[int, ...]) -> PullOrder:
+               rows: tuple[int, ...], trace: tuple[tuple[str, str], ...] = ()) -> PullOrder:
     """The KV-transfer order that fetches ``handle``'s rows into ``rows``, over its first
     offered transfer this engine has (checked before acceptance)."""
     transfer = next(t for t in handle.transfers if t.backend in backends and t.endpoints)
     session = KvSessionSpec(handle.handle_id, transfer.backend, transfer.endpoints,
                             attributes={"transfer": dict(transfer.attributes)})
-    return PullOrder(request_id, session, 0, rows)
+    return PullOrder(request_id, session, 0, rows, trace)
 
 
 class MediaPulls:
@@ -68,12 +68,13 @@ class MediaPulls:
         self._cancel: dict[str, threading.Event] = {}
         self._finished: list[tuple[str, Pulled | None, EngineFault | None]] = []
 
-    def start(self, request_id: str, handles: Sequence[EmbeddingHandleSpec]) -> None:
+    def start(self, request_id: str, handles: Sequence[EmbeddingHandleSpec],
+              trace: tuple[tuple[str, str], ...] = ()) -> None:
         unique = list({h.handle_id: h for h in handles}.values())  # a handle used twice is pulled once
         cancelled = threading.Event()
         with self._lock:
             self._cancel[request_id] = cancelled
-        self._executor.submit(self._run, request_id, unique, cancelled)
+        self._executor.submit(self._run, request_id, unique, cancelled, trace)
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -86,13 +87,14 @@ class MediaPulls:
             finished, self._finished = self._finished, []
         return finished
 
-    def _run(self, request_id: str, handles: list[EmbeddingHandleSpec], cancelled: threading.Event) -> None:
+    def _run(self, request_id: str, handles: list[EmbeddingHandleSpec], cancelled: threading.Event,
+             trace: tuple[tuple[str, str], ...]) -> None:
         pulled: Pulled | None = {}
         fault, seconds = None, 0.0
         try:
             for handle in handles:
                 started = time.perf_counter()
-                pulled[handle.handle_id] = self._pull(request_id, handle, cancelled)
+                pulled[handle.handle_id] = self._pull(request_id, handle, cancelled, trace)
                 seconds += time.perf_counter() - started
         except TransferFailure as failure:
             pulled, fault = None, EngineFault("kv_transfer_failed", f"embedding handle: {failure}", failure.retryable)
@@ -107,12 +109,13 @@ class MediaPulls:
             self._finished.append((request_id, pulled, fault))
         self._on_done()
 
-    def _pull(self, request_id: str, handle: EmbeddingHandleSpec, cancelled: threading.Event) -> torch.Tensor:
+    def _pull(self, request_id: str, handle: EmbeddingHandleSpec, cancelled: threading.Event,
+              trace: tuple[tuple[str, str], ...]) -> torch.Tensor:
         """One handle's rows, on the LM's device (the time counted: rows taken to rows copied out)."""
         rows = self._take_rows(handle.num_tokens, cancelled)
         keep_rows = False
         try:
-            order = pull_order(request_id, handle, self.backends, rows)
+            order = pull_order(request_id, handle, self.backends, rows, trace)
             self.backends[order.session.transfer_backend].pull(order, cancelled)
             return self.staging.get(rows).to(device=self.device, dtype=self.dtype)
         except TransferFailure as failure:

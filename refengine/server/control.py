@@ -41,7 +41,6 @@ from refengine.server.capabilities import (
 from refengine.server.convert import GENERATE_EXTRA_KEYS
 from refengine.server.errors import Rejection, invalid
 from refengine.server.health import ROLES, health_response
-from refengine.server.metadata import read_trace_context
 from refengine.server.profiles import PROFILES_KEY, profiles_of
 from refengine.server.state import ServerState
 from refengine.server.unary import run_unary
@@ -250,5 +249,4 @@ class ControlServicer(oe.ControlServicer):
         return await self._run(context, build)
 
     async def SubscribeKvEvents(self, request, context):  # noqa: ANN001, ANN201, N802
-        read_trace_context(context.invocation_metadata())
         await kv_events_service.subscribe(self.state, request, context)

@@ -213,6 +213,7 @@ def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata,
         lora_name=request.lora_name or None,
         media=tuple(media_input(item) for item in request.media),
         media_handles=handles_from_extra(request.extra),
+        trace=meta.trace.as_metadata() if meta.trace is not None else (),
     )
 
 

@@ -70,7 +70,7 @@ class GrpcKvTransfer(KvTransferBackend):
         request = pb.PullRequest(session_id=order.session.session_id, first_block_index=order.first_block_index,
                                  num_blocks=len(order.dest_block_ids), kv_layout=self._store.layout)
         deadline = time.monotonic() + self.pull_timeout_seconds
-        call = stub.Pull(request, timeout=self.pull_timeout_seconds)
+        call = stub.Pull(request, timeout=self.pull_timeout_seconds, metadata=order.trace)
         try:
             self._receive(order, call, cancelled)
         except grpc.RpcError as err:
@@ -79,7 +79,7 @@ class GrpcKvTransfer(KvTransferBackend):
             call.cancel()
         # Not waited for: the blocks are here, and a lost release only leaves the source's copy to its lease.
         release = stub.Release.future(pb.SessionRequest(session_id=order.session.session_id),
-                                      timeout=max(1.0, deadline - time.monotonic()))
+                                      timeout=max(1.0, deadline - time.monotonic()), metadata=order.trace)
         release.add_done_callback(functools.partial(_log_failed_release, order.session.session_id))
 
     def _receive(self, order: PullOrder, call: grpc.Call, cancelled: threading.Event) -> None:
@@ -116,9 +116,10 @@ class GrpcKvTransfer(KvTransferBackend):
             return TransferFailure("failed", where, retryable=False)
         return TransferFailure("failed", where, retryable=True)
 
-    def start_pin(self, session: KvSessionSpec, seconds: float) -> Callable[[], None]:
+    def start_pin(self, session: KvSessionSpec, seconds: float,
+                  trace: tuple[tuple[str, str], ...] = ()) -> Callable[[], None]:
         call = self._stub(session).Pin.future(pb.PinRequest(session_id=session.session_id, seconds=seconds),
-                                              timeout=self.pull_timeout_seconds)
+                                              timeout=self.pull_timeout_seconds, metadata=trace)
 
         def outcome() -> None:
             try:

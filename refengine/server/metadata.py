@@ -8,9 +8,10 @@ Keys (lowercase ASCII, at most one value each for ``openengine-*``):
   rank 0 is accepted (ref: any other rank → INVALID_ARGUMENT, the target does not exist here);
 - ``openengine-priority``       base-10 int32, higher = sooner → ``GenerationRequest.priority``
   (advertised as ``supports_priority``, M4);
-- ``traceparent``/``tracestate`` W3C trace context, accepted on every RPC and kept in
-  :data:`TRACE_CONTEXT` for downstream calls (M5). A malformed ``traceparent`` is ignored, as
-  W3C Trace Context prescribes, never an error.
+- ``traceparent``/``tracestate`` W3C trace context, accepted on every RPC (never read as an
+  error: a malformed ``traceparent`` is ignored, as W3C Trace Context prescribes). A Generate
+  request's goes into ``GenerationRequest.trace`` and is sent on the calls made for it
+  downstream, the KV and embedding pulls (M5); Control RPCs make no downstream calls.
 
 Malformed numbers, an empty routing key and a repeated ``openengine-*`` key are
 INVALID_ARGUMENT (M2). Routing/admission keys apply to Inference RPCs only; Control RPCs
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 from refengine.server.errors import invalid
@@ -52,10 +52,6 @@ class TraceContext:
         return tuple(pairs)
 
 
-#: The trace context of the RPC being served, for downstream calls made on its behalf.
-TRACE_CONTEXT: ContextVar[TraceContext | None] = ContextVar("openengine_trace_context", default=None)
-
-
 @dataclass(frozen=True)
 class RequestMetadata:
     routing_key: str | None = None
@@ -81,12 +77,6 @@ def _trace(found: dict[str, list[str]]) -> TraceContext | None:
     states = found.get(TRACESTATE, [])
     return TraceContext(parents[0].strip(), ",".join(states) if states else None)
 
-
-def read_trace_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> TraceContext | None:
-    """Trace context of any RPC (M5); also stored in :data:`TRACE_CONTEXT`."""
-    trace = _trace(_values(metadata))
-    TRACE_CONTEXT.set(trace)
-    return trace
 
 
 def _one(found: dict[str, list[str]], key: str) -> str | None:
@@ -122,5 +112,4 @@ def read_inference_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) 
     priority = None if priority_text is None else _number(PRIORITY, priority_text, _INT, INT32_MIN,
                                                           INT32_MAX, "int32")
     trace = _trace(found)
-    TRACE_CONTEXT.set(trace)
     return RequestMetadata(routing_key=routing_key, target_dp_rank=rank, priority=priority, trace=trace)

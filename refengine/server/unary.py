@@ -1,6 +1,6 @@
 """One way every unary RPC of the server reports failure (X2: a non-OK status only).
 
-``run_unary`` reads the trace context (M5), awaits the reply, and maps what the engine or
+``run_unary`` awaits the reply and maps what the engine or
 the edge raised to a status: a ``RequestError`` by its kind (``errors.REFUSAL_CODES``), a
 ``Rejection`` as it says, ``KvSessionNotFound`` to NOT_FOUND, anything else (a bug) to
 INTERNAL with the error logged; the server keeps serving.
@@ -15,7 +15,6 @@ from typing import TypeVar
 import grpc
 
 from refengine.server.errors import Rejection, rejection_from_engine
-from refengine.server.metadata import read_trace_context
 from refengine.types import KvSessionNotFound, RequestError
 
 logger = logging.getLogger(__name__)
@@ -24,7 +23,6 @@ Reply = TypeVar("Reply")
 
 async def run_unary(context: grpc.aio.ServicerContext, build: Callable[[], Awaitable[Reply]], what: str) -> Reply:
     """``await build()``, failures as statuses; ``what`` names the service in the log."""
-    read_trace_context(context.invocation_metadata())
     try:
         return await build()
     except RequestError as exc:

@@ -201,6 +201,9 @@ class GenerationRequest:
     media: tuple[MediaInput, ...] = ()  # item i fills the prompt's i-th media placeholder
     # or (never both) encoded elsewhere: handle i fills the i-th placeholder (draft profile "encoder")
     media_handles: tuple[EmbeddingHandleSpec, ...] = ()
+    # W3C trace context of the RPC (``traceparent``, ``tracestate`` pairs), sent on the calls
+    # made for the request downstream (M5: the KV and embedding pulls).
+    trace: tuple[tuple[str, str], ...] = ()
     # The server's own health probe (H2), never set from the wire: a decode engine runs it
     # here from its prompt, as it has no prefill engine's session to pull.
     health_probe: bool = False

@@ -59,6 +59,7 @@ class PullOrder:
     session: KvSessionSpec
     first_block_index: int
     dest_block_ids: tuple[int, ...]
+    trace: tuple[tuple[str, str], ...] = ()  # the request's trace context, for the transfer's RPCs (M5)
 
 
 class TransferFailure(Exception):
@@ -126,6 +127,7 @@ class SessionPinner(Protocol):
     hand-over until the pin: so a READ may run while the pin is in flight, and what it read
     is good once the pin succeeds (and discarded when it fails)."""
 
-    def start_pin(self, session: KvSessionSpec, seconds: float) -> Callable[[], None]:
-        """Send the pin; returns a function that waits for its outcome and raises
-        ``TransferFailure`` ("not_found" when the source no longer holds the session)."""
+    def start_pin(self, session: KvSessionSpec, seconds: float,
+                  trace: tuple[tuple[str, str], ...] = ()) -> Callable[[], None]:
+        """Send the pin (with ``trace`` as its metadata); returns a function that waits for its
+        outcome and raises ``TransferFailure`` ("not_found" when the source no longer holds the session)."""
