@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from refengine.args import DefaultsHelpFormatter
+from refengine.commands.generate_options import file_text
 
 __all__ = ["add_bench_parser", "run_bench"]
 
@@ -49,8 +50,7 @@ def _ratio(text: str) -> float:
 
 def _json_text(value: str) -> str:
     """``--guided-json``: a path to a schema file, else the schema as inline JSON."""
-    path = Path(value)
-    text = path.read_text(encoding="utf-8") if path.is_file() else value
+    text = file_text(value) or value
     try:
         json.loads(text)
     except ValueError as exc:

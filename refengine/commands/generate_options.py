@@ -91,10 +91,19 @@ def _image_bytes(path: str) -> bytes:
         raise UsageError(f"--image {path!r}: cannot read the file ({exc.strerror})") from None
 
 
+def file_text(value: str) -> str | None:
+    """The text of the file ``value`` names; None when it names none (inline JSON is often
+    longer than a file name may be: the OS then refuses to look, which is "no file" here)."""
+    try:
+        path = Path(value)
+        return path.read_text(encoding="utf-8") if value and path.is_file() else None
+    except OSError:
+        return None
+
+
 def _schema_text(value: str) -> str:
     """``--json-schema``: a path to a file, else inline JSON text; either must parse as JSON."""
-    path = Path(value)
-    text = path.read_text() if value and path.is_file() else value
+    text = file_text(value) or value
     try:
         json.loads(text)
     except ValueError as exc:

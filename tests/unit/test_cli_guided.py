@@ -56,8 +56,11 @@ def test_local_regex_is_followed() -> None:
         (["--choice", "maybe", "--guided-backend", "llguidance"], "maybe"),
         (["--json-schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                                        "required": ["a"], "additionalProperties": False})], r'\{"a":-?\d+\}'),
+        # longer than a file name may be (the OS refused to look it up: OSError, a traceback)
+        (["--json-schema", json.dumps({"type": "object", "description": "x" * 600, "properties": {
+            "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False})], r'\{"a":-?\d+\}'),
     ],
-    ids=["regex", "choice", "choice-backend", "inline-schema"],
+    ids=["regex", "choice", "choice-backend", "inline-schema", "inline-schema-past-name-max"],
 )
 def test_remote_guide_on_the_wire(capsys: pytest.CaptureFixture[str], toy_address: str, flags: list[str],
                                   pattern: str) -> None:

@@ -241,6 +241,22 @@ def test_guided_outputs_follow_their_grammar(tiny, oracle, backend) -> None:
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("backend", backends_for("choice"))
+def test_non_ascii_choices_come_out_whole(tiny, backend) -> None:
+    """Choices outside ASCII (an emoji outside the BMP, CJK): the output is one of them, as
+    text. xgrammar read the \\ud83d\\ude00 escapes of json.dumps as two broken characters and
+    sent six tokens decoding to U+FFFD."""
+    choices = ("😀", "日本", "😀😃")
+    engine = make_engine(tiny)
+    requests = [request(f"emoji-{seed}", GuidedSpec("choice", choices=choices, backend=backend), prompt(seed, 6),
+                        sampling=SamplingParams(temperature=0.0) if seed == 0 else
+                        SamplingParams(temperature=1.0, seed=seed)) for seed in range(4)]
+    for result in engine.run_until_done(requests):
+        output = result.outputs[0]
+        assert output.text in choices and output.finish.reason is FinishReason.STOP, (output.text, output.finish)
+    assert_idle(engine)
+
+
 # ----------------------------------------------------------------------------- num_sequences
 
 
@@ -327,6 +343,10 @@ BAD_SPECS = [
     ("choice", dict(choices=()), "choice"),
     ("structural_tag", dict(spec='{"type": "structural_tag"}'), None),
     ("structural_tag", dict(spec="not json"), None),
+    # structures / tags that are not objects (an AttributeError, INTERNAL, on xgrammar before)
+    ("structural_tag", dict(spec='{"type": "structural_tag", "structures": ["x"], "triggers": ["<"]}'), None),
+    ("structural_tag", dict(spec='{"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<"], '
+                                 '"tags": ["x"]}}'), None),
 ]
 
 

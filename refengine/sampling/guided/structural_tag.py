@@ -39,7 +39,7 @@ def parse(spec: str) -> dict[str, Any]:
 def legacy_to_current(tag: dict[str, Any]) -> dict[str, Any]:
     """The legacy form as a current ``triggered_tags`` format (xgrammar 0.2.9 takes only the latter)."""
     tags = [{"type": "tag", "begin": s.get("begin"), "content": {"type": "json_schema", "json_schema": s.get("schema")},
-             "end": s.get("end")} for s in _list(tag, "structures")]
+             "end": s.get("end")} for s in _objects(tag, "structures")]
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": _list(tag, "triggers"),
                                                  "tags": tags}}
 
@@ -56,9 +56,10 @@ def triggered_tags(tag: dict[str, Any]) -> list[TriggeredTag]:
                               "triggers, JSON-schema contents); use the xgrammar backend for other formats")
     triggers = _list(fmt, "triggers")
     out = []
-    for item in _list(fmt, "tags"):
+    for item in _objects(fmt, "tags"):
         begin, end, content = item.get("begin"), item.get("end"), item.get("content") or {}
-        if not isinstance(begin, str) or not isinstance(end, str) or content.get("type") != "json_schema":
+        if not isinstance(begin, str) or not isinstance(end, str) or not isinstance(content, dict) \
+                or content.get("type") != "json_schema":
             raise GuidedSpecError("structural tag: each tag needs a string begin and end and JSON-schema content")
         trigger = next((t for t in triggers if isinstance(t, str) and t and begin.startswith(t)), None)
         if trigger is None:
@@ -71,4 +72,12 @@ def _list(obj: dict[str, Any], key: str) -> list[Any]:
     value = obj.get(key)
     if not isinstance(value, list) or not value:
         raise GuidedSpecError(f"structural tag: {key!r} must be a non-empty list")
+    return value
+
+
+def _objects(obj: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """``obj[key]``: a non-empty list of JSON objects."""
+    value = _list(obj, key)
+    if not all(isinstance(item, dict) for item in value):
+        raise GuidedSpecError(f"structural tag: {key!r} must be a list of objects")
     return value

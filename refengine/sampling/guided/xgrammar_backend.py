@@ -53,8 +53,10 @@ def _message(exc: Exception) -> str:
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
-    """``root ::= "a" | "b"``; json.dumps gives GBNF-compatible escapes for quotes and backslashes."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    """``root ::= "a" | "b"``; json.dumps gives GBNF-compatible escapes for quotes and backslashes.
+    Non-ASCII stays as it is: GBNF reads a ``\\uXXXX`` escape as one code point, so the surrogate
+    pair json.dumps writes for an emoji would be two (broken) characters."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class XGrammarBackend(GrammarBackend):
