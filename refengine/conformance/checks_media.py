@@ -243,7 +243,8 @@ def media_placeholder_mismatch_refused(t: Target) -> str:
     image = _image(rgb_png())
     cases = {"one placeholder, two images": (1, (image, image)),
              "two placeholders, one image": (2, (image,)),
-             "no placeholder, one image": (0, (image,))}
+             "no placeholder, one image": (0, (image,)),
+             "one placeholder, no image": (1, ())}
     codes = set()
     for what, (placeholders, specs) in cases.items():
         res = t.generate(_image_request(t, "g19n", placeholders, *specs))

@@ -55,6 +55,8 @@ class InputProcessor:
         media: tuple[MediaRun, ...] = ()
         if params.media or params.media_handles:
             prompt_ids, media = self._media(params, prompt_ids)
+        elif self.media is not None:  # G19: a placeholder with no item to fill it is refused too
+            self.media.check_placeholders(prompt_ids)
         max_tokens = validate_prompt(params, prompt_ids, self.limits)
         self.role.check(params, prompt_ids, tuple((run.start, run.identity) for run in media))
         lora = None if params.lora_name is None else self.loras.get(params.lora_name)  # R4

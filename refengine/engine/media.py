@@ -91,6 +91,11 @@ class MediaInputs:
                                  self.encoder.config.num_image_tokens, hidden, dtype_name(self.encoder.dtype),
                                  layout)
 
+    def check_placeholders(self, prompt_ids: Sequence[int]) -> None:
+        """A request without media: its prompt must hold no image placeholder (InvalidRequestError)."""
+        vision = self.encoder.config
+        expand_placeholders(prompt_ids, vision.image_token_id, 0, vision.num_image_tokens)
+
     def prepare(self, prompt_ids: Sequence[int], items: Sequence[MediaInput],
                 handles: Sequence[EmbeddingHandleSpec] = (), need_rows: bool = True,
                 pull_backends: tuple[str, ...] | None = ()) -> tuple[list[int], tuple[MediaRun, ...]]:

@@ -161,6 +161,8 @@ MALFORMED = [
     ("two placeholders, one image", prompt_with(2), _images(IMAGES[0]), "placeholder"),
     ("one placeholder, two images", prompt_with(1), _images(*IMAGES), "placeholder"),
     ("no placeholder, one image", prompt_with(0), _images(IMAGES[0]), "placeholder"),
+    ("one placeholder, no image", prompt_with(1), _images(), "placeholder"),
+    ("an expanded placeholder, no image", [5, 6, *[IMAGE_TOKEN] * NUM_IMAGE_TOKENS, 7], _images(), "placeholder"),
     ("a placeholder 3 tokens long", [5, 6, *[IMAGE_TOKEN] * 3, 7], _images(IMAGES[0]), "3 tokens long"),
     ("garbage bytes", prompt_with(1), _images(b"not an image at all"), "not an image"),
     ("truncated PNG", prompt_with(1), _images(IMAGES[0][:60]), "truncated"),
