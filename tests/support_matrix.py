@@ -29,7 +29,7 @@ COLUMNS = {
     "multimodal": "aggregated tiny LLaVA with `--media-placeholder-token-id`: the multimodal checks "
                   "(tests/integration/test_media_grpc.py)",
     "prefill+decode": "the aggregated server as target with `--prefill` and `--decode` servers: profiles prefill "
-                      "and decode (tests/integration/test_disagg_grpc.py)",
+                      "and decode, and H2's probes of the named servers (tests/integration/test_disagg_grpc.py)",
     "encoder+consumer": "aggregated tiny LLaVA as target with `--encoder` (a `--role encoder` server): the encoder "
                         "profile (tests/integration/test_encoder_conformance.py)",
     "encoder": "the `--role encoder` server itself as target: the encoder profile",

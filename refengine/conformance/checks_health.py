@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import grpc
+
 from refengine.conformance.assertions import expect_valid, settled
-from refengine.conformance.registry import check, expect
+from refengine.conformance.registry import check, expect, skip
 from refengine.conformance.release import PRE_RELEASE_VALUES, RELEASE
 from refengine.conformance.streams import Background
 from refengine.conformance.target import Target
@@ -75,6 +77,38 @@ def inference_probe(t: Target) -> str:
         expect_valid(res, what="Generate next to concurrent probes")
     t.wait_idle("H2: after probes")
     return f"probe {took * 1000:.0f} ms; 6 concurrent probes + 2 requests fine"
+
+
+@check("H2", "the probe on each named PREFILL/DECODE server answers and leaves nothing held")
+def probe_on_named_roles(t: Target) -> str:
+    """H2 on the ``--prefill``/``--decode`` servers of the run (skips without them): three
+    concurrent probes each answer READY or DEGRADED in time, and afterwards the server holds no
+    more KV sessions or blocks than before. A PREFILL server's role-appropriate probe may prefill
+    into a session; nobody pulls it, so the server must release it (a router that probes every
+    second would otherwise keep one session, with its blocks, per probe for a whole lease).
+    That a DECODE server's probe reports DEGRADED for want of a session, a client cannot tell
+    from a real degradation: the check says what it got."""
+    named = [(name, address) for name, address in (("--prefill", t.options.prefill_address),
+                                                    ("--decode", t.options.decode_address)) if address]
+    if not named:
+        skip("no --prefill or --decode server is named")
+    found = []
+    for name, address in named:
+        peer = t.connect_peer(address)
+        code, before = peer.unary_code("GetLoad", oe.GetLoadRequest())
+        calls = [Background(lambda peer=peer: _health(peer, probe=True)) for _ in range(3)]
+        states = [c.join().state for c in calls]
+        expect(all(s in (READY, DEGRADED) for s in states),
+               f"{name}: a serving server's probes reported {[_name(s) for s in states]}")
+        if code != grpc.StatusCode.OK:  # no load figures: what the probes leave cannot be seen
+            found.append(f"{name}: {[_name(s) for s in states]} (GetLoad {code.name}: holdings not checked)")
+            continue
+        load = peer.wait_idle(f"H2: {name} after three probes")
+        expect(load.active_kv_sessions <= before.active_kv_sessions,
+               f"{name}: {load.active_kv_sessions} KV sessions held after three probes, {before.active_kv_sessions} "
+               "before: a probe's session must be released, nobody pulls it")
+        found.append(f"{name}: {[_name(s) for s in states]}, nothing held afterwards")
+    return "; ".join(found)
 
 
 def _unknown_states(resp: Any) -> list[str]:

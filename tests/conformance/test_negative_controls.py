@@ -131,6 +131,7 @@ CONTROLS = [
     Control("kv-block-leaked-after-cancel", "A5", broken(leak_on_cancel=True)),
     Control("ready-with-degraded-check", "H1", broken(health_check_degraded=True)),
     Control("probe-adds-no-check", "H2", broken(probe_adds_no_check=True)),
+    Control("probe-holds-a-session", "H2", broken(probe_holds_session=True)),
     Control("starting-while-serving", "H3", broken(starting_unprobed=True)),
     Control("no-per-rank-rows", "H4", broken(no_rank_rows=True)),
     Control("lora-path-unchecked", "R1", broken(lora_path_unchecked=True)),

@@ -119,6 +119,7 @@ class Faults:
     ignore_disconnect: bool = False  # A5: a cancelled call keeps running
     health_check_degraded: bool = False  # H1: overall READY with a DEGRADED check
     probe_adds_no_check: bool = False  # H2: the inference probe adds no check
+    probe_holds_session: bool = False  # H2: the PREFILL server's probe prefills into a session it never releases
     starting_unprobed: bool = False  # H3: Health without probe answers STARTING while serving
     health_state: int = oe.HEALTH_STATE_READY  # X4/H3: e.g. 5, the pre-release NOT_READY
     no_rank_rows: bool = False  # H4: include_per_rank gives no RankLoadInfo row

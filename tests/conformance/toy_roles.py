@@ -108,6 +108,12 @@ class PrefillControl(Control):
         load.active_kv_sessions = len(self.store.sessions)
         return load
 
+    def Health(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        """H2's fault (Faults.probe_holds_session): a probe leaves its session held."""
+        if request.include_inference_probe and self.engine.faults.probe_holds_session:
+            self.store.hold([1, 2, 3])
+        return super().Health(request, context)
+
     def abort_session(self, session: Any, context: grpc.ServicerContext) -> Any:
         """K7: Abort(kv_session) releases a held session (Faults.session_abort_leaks_blocks: not its KV)."""
         if self.store.take(session.session_id, leak=self.engine.faults.session_abort_leaks_blocks) is None:

@@ -334,14 +334,16 @@ def test_a_lease_expires_and_a_late_decode_gets_session_not_found(clients) -> No
 
 class FaultyProxy(pb_grpc.KvPullServicer):
     """A KvPull in front of the real one: flips a byte of the first chunk (``corrupt``) or
-    sleeps before each chunk (``delay``)."""
+    sleeps before each chunk (``delay``); ``seen`` holds each call's name and metadata."""
 
     def __init__(self, upstream: str, corrupt: bool = False, delay: float = 0.0) -> None:
         self.stub = pb_grpc.KvPullStub(grpc.insecure_channel(upstream))
         self.corrupt, self.delay = corrupt, delay
         self.cancelled = threading.Event()
+        self.seen: list[tuple[str, dict[str, str]]] = []
 
     def Pull(self, request, context):  # noqa: ANN001, ANN201, N802
+        self.seen.append(("Pull", dict(context.invocation_metadata())))
         context.add_callback(self.cancelled.set)
         for i, chunk in enumerate(self.stub.Pull(request)):
             time.sleep(self.delay)
@@ -350,15 +352,45 @@ class FaultyProxy(pb_grpc.KvPullServicer):
             yield chunk
 
     def Release(self, request, context):  # noqa: ANN001, ANN201, N802
+        self.seen.append(("Release", dict(context.invocation_metadata())))
         return self.stub.Release(request)
 
 
 def proxied(upstream: str, **faults: object) -> tuple[grpc.Server, int]:
+    server, port, _ = proxied_with(upstream, **faults)
+    return server, port
+
+
+def proxied_with(upstream: str, **faults: object) -> tuple[grpc.Server, int, FaultyProxy]:
+    proxy = FaultyProxy(upstream, **faults)
     server = grpc.server(futures.ThreadPoolExecutor(4))
-    pb_grpc.add_KvPullServicer_to_server(FaultyProxy(upstream, **faults), server)
+    pb_grpc.add_KvPullServicer_to_server(proxy, server)
     port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
     server.start()
-    return server, port
+    return server, port, proxy
+
+
+def test_the_trace_context_goes_with_the_kv_transfer(clients, servers) -> None:
+    """M5 (ref): a decode request's traceparent and tracestate are sent on its KV pull and on
+    the release that follows it."""
+    server, port, proxy = proxied_with(servers["prefill"].address)
+    trace = (("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"), ("tracestate", "ref=1"))
+    try:
+        ready = ready_for(clients, "traced", 4)
+        session = oe.KvSessionRef()
+        session.CopyFrom(ready.prefill_ready.kv_session)
+        session.endpoints[0].port = port
+        stream = decode_with(clients, request("traced-d", prompt_text(4)), session, metadata=trace)
+        assert stream.of("finished") and not stream.of("error"), stream.events
+        deadline = time.monotonic() + 5
+        while len(proxy.seen) < 2 and time.monotonic() < deadline:  # the release is not waited for
+            time.sleep(0.05)
+    finally:
+        server.stop(0)
+    assert [name for name, _ in proxy.seen] == ["Pull", "Release"], proxy.seen
+    for name, metadata in proxy.seen:
+        assert {key: metadata.get(key) for key, _ in trace} == dict(trace), (name, metadata)
+    wait_idle(clients["prefill"])
 
 
 def test_a_corrupted_chunk_fails_the_transfer_cleanly(clients, servers) -> None:
@@ -429,13 +461,14 @@ def test_cli_generate_through_prefill_and_decode(servers, server_address: str) -
 
 
 def test_conformance_section_k_passes_on_the_pair(servers, server_address: str) -> None:
-    """refengine is the golden target of its own K checks (the aggregated server for K10)."""
+    """refengine is the golden target of its own K checks (the aggregated server for K10), and
+    of H2's probes on the named servers."""
     options = Options(prefill_address=servers["prefill"].address, decode_address=servers["decode"].address)
-    results = run(server_address, ["K4", "K5", "K6", "K7", "K8", "K9", "K10", "K11"], options)
+    results = run(server_address, ["H2", "K4", "K5", "K6", "K7", "K8", "K9", "K10", "K11"], options)
     print("\n" + format_matrix(results))
     for result in results:
         observe("prefill+decode", result)
-    assert len(results) == 8 and all(r.status is Status.PASS for r in results), format_matrix(results)
+    assert len(results) == 10 and all(r.status is Status.PASS for r in results), format_matrix(results)
 
 
 def test_drain_releases_sessions_and_a_dead_prefill_fails_the_decode(clients, servers) -> None:
