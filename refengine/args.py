@@ -81,6 +81,7 @@ FIELD_FLAGS = {
     "MediaConfig.max_items": "--media-max-items",
     "MediaConfig.max_bytes": "--media-max-mib",
     "MediaConfig.max_pixels": "--media-max-pixels",
+    "MediaConfig.max_aspect_ratio": "--media-max-aspect-ratio",
     "MediaConfig.image_formats": "--media-image-format",
     "MediaConfig.url_allow_hosts": "--media-url-allow",
     "MediaConfig.url_allow_private": "--media-url-allow-private",
@@ -143,6 +144,9 @@ def _add_media_args(g: argparse._ArgumentGroup) -> None:
                    help="encoded size of one media item, MiB (default: %(default)s)")
     g.add_argument("--media-max-pixels", type=int, default=d.max_pixels,
                    help="width x height of one decoded image (default: %(default)s)")
+    g.add_argument("--media-max-aspect-ratio", type=int, default=d.max_aspect_ratio,
+                   help="long side / short side of one image: preprocessing scales the short side up, so a "
+                   "thin image costs memory its bytes do not show (default: %(default)s)")
     g.add_argument("--media-image-format", action="append", default=None, metavar="FORMAT",
                    help=f"an accepted Pillow image format, repeatable (default: {', '.join(d.image_formats)})")
     g.add_argument("--media-url-allow", action="append", default=[], metavar="HOST",
@@ -367,7 +371,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_loaded_loras=args.max_loaded_loras),
         media=MediaConfig(max_items=args.media_max_items, max_bytes=int(args.media_max_mib * (1 << 20)),
-                          max_pixels=args.media_max_pixels,
+                          max_pixels=args.media_max_pixels, max_aspect_ratio=args.media_max_aspect_ratio,
                           image_formats=tuple(args.media_image_format or MediaConfig().image_formats),
                           url_allow_hosts=tuple(args.media_url_allow), url_allow_private=args.media_url_allow_private,
                           url_timeout_seconds=args.media_url_timeout, url_max_redirects=args.media_url_max_redirects),

@@ -136,7 +136,11 @@ class MediaConfig:
     ``max_items``: media items per request. ``max_bytes``: encoded bytes of one item (a
     data URI's decoded payload, raw bytes, or a fetched body). ``max_pixels``: width x
     height of one decoded image (also Pillow's decompression-bomb limit: a larger header
-    is refused before decoding). ``image_formats``: the Pillow formats accepted.
+    is refused before decoding). ``max_aspect_ratio``: the long side over the short side of one
+    image: a vision model's preprocessing scales the short side up to its input size, so a
+    tiny 80,000 x 1 image (318 bytes of PNG) became 4.5 M pixels of float32 per channel and
+    took 2.5 GB; above this ratio an image is refused before decoding. ``image_formats``: the
+    Pillow formats accepted.
     ``url_allow_hosts``: hosts ``url`` sources may be fetched from (http and https only);
     empty = URL fetching off. ``url_allow_private``: also allow hosts that resolve to
     loopback, private, link-local or otherwise non-global addresses (an SSRF surface: off by
@@ -147,6 +151,7 @@ class MediaConfig:
     max_items: int = 8
     max_bytes: int = 20 << 20
     max_pixels: int = 16_000_000
+    max_aspect_ratio: int = 100
     image_formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
     url_allow_hosts: tuple[str, ...] = ()
     url_allow_private: bool = False
@@ -157,6 +162,7 @@ class MediaConfig:
         check_int(self, "max_items", 1, 256)
         check_int(self, "max_bytes", 1)
         check_int(self, "max_pixels", 1)
+        check_int(self, "max_aspect_ratio", 1)
         for name in ("image_formats", "url_allow_hosts"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):

@@ -172,6 +172,10 @@ def _check_header(image: Image.Image, config: MediaConfig) -> str:
     if width * height > config.max_pixels:
         raise InvalidRequestError(f"image is {width}x{height} = {width * height} pixels, "
                                   f"more than max_pixels={config.max_pixels}")
+    if max(width, height) > config.max_aspect_ratio * min(width, height):
+        raise InvalidRequestError(f"image is {width}x{height}, longer than {config.max_aspect_ratio} times its short "
+                                  "side (max_aspect_ratio): scaled to the model's input size it would take far more "
+                                  "memory than its pixels")
     return fmt
 
 

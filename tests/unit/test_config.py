@@ -201,6 +201,7 @@ FLAG_SETTINGS = [
     (["--media-max-items", "2"], "MediaConfig.max_items", 2),
     (["--media-max-mib", "1"], "MediaConfig.max_bytes", 1 << 20),
     (["--media-max-pixels", "1000"], "MediaConfig.max_pixels", 1000),
+    (["--media-max-aspect-ratio", "20"], "MediaConfig.max_aspect_ratio", 20),
     (["--media-image-format", "PNG"], "MediaConfig.image_formats", ("PNG",)),
     (["--media-url-allow", "img.example"], "MediaConfig.url_allow_hosts", ("img.example",)),
     (["--media-url-allow-private"], "MediaConfig.url_allow_private", True),

@@ -154,6 +154,16 @@ def test_max_pixels_is_checked_from_the_header_before_decoding() -> None:
     assert Image.MAX_IMAGE_PIXELS == limit
 
 
+def test_thin_images_are_refused_from_the_header() -> None:
+    """A thin image costs what its short side scaled to the model's input makes of it (80,000 x 1
+    pixels in 318 bytes took 2.5 GB to preprocess): above max_aspect_ratio it is refused before
+    decoding, either way round; at the ratio it loads."""
+    refused(raw(png_header_only(80000, 1)), "80000x1, longer than 100 times its short side")
+    refused(raw(png_header_only(3, 400)), "3x400, longer than 100 times", MediaConfig(max_aspect_ratio=100))
+    assert load_image(raw(encode(noise((300, 3)), "PNG")), MediaConfig()).image.size == (300, 3)
+    refused(raw(encode(noise((300, 3)), "PNG")), "longer than 50 times", MediaConfig(max_aspect_ratio=50))
+
+
 def test_formats_are_limited_to_image_formats() -> None:
     refused(raw(PNG), r"not an image in an accepted format \(JPEG\)", MediaConfig(image_formats=("JPEG",)))
     refused(raw(PNG), "accepted format", MediaConfig(image_formats=("HEIC",)))  # no such plugin: no crash
