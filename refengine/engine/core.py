@@ -222,8 +222,10 @@ class EngineCore(CoreInflowMixin):
         means a masking bug (or a foreign first token): it fails this request only."""
         if out.matcher is not None and not out.matcher.accept_token(token.token_id):
             self._cancel(request, FinishInfo(FinishReason.CANCELLED, message="grammar rejected a token"))
+            why = out.matcher.error()  # a limit the grammar engine hit mid-way, which it names
             outcome.faults[request.request_id] = EngineFault(
-                "internal", f"output {out.index}: the grammar rejected token {token.token_id}", False)
+                "internal", f"output {out.index}: the grammar rejected token {token.token_id}"
+                + (f" ({why})" if why else ""), False)
             return
         delta = self.outputs.append_token(request, out, token)
         if delta.finish is not None:

@@ -338,6 +338,7 @@ BAD_SPECS = [
     ("json_schema", dict(spec=""), None),
     ("regex", dict(spec="(ab"), None),
     ("regex", dict(spec="a{3,1}"), None),
+    ("regex", dict(spec=r"[^\s\S]"), "admits no output"),  # an empty language: it failed after acceptance
     ("ebnf_grammar", dict(spec='root ::= ("a"'), None),
     ("ebnf_grammar", dict(spec="root ::= undefined_rule"), None),
     ("choice", dict(choices=()), "choice"),
@@ -377,6 +378,17 @@ def test_bad_spec_refused_before_allocation(tiny, backend, mode, fields, match) 
     backend that takes the mode; a backend that does not take it refuses it too."""
     engine = make_engine(tiny)
     assert_refused(engine, GuidedSpec(mode, backend=backend, **fields), match)
+
+
+@pytest.mark.skipif("llguidance" not in MODES, reason="llguidance is not installed")
+def test_a_limit_the_grammar_engine_hits_midway_is_named(tiny) -> None:
+    """llguidance builds its lexer lazily: a{1000000} compiles, then the first token hits its
+    limit. The request fails alone, and the error says why (it said only 'rejected token 2')."""
+    engine = make_engine(tiny)
+    guided = GuidedSpec("regex", spec="a{1000000}", backend="llguidance")
+    result = engine.run_until_done([request("limit", guided, prompt(1, 5), max_tokens=8)])[0]
+    assert result.error_message is not None and "too many expressions" in result.error_message, result.error_message
+    assert_idle(engine)
 
 
 def test_unknown_backend_names_the_accepted_ones(tiny) -> None:

@@ -36,6 +36,11 @@ class GuideMatcher(ABC):
     def is_terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted: nothing may follow."""
 
+    def error(self) -> str:
+        """Why the matcher can go no further, when the backend says ("" otherwise): a limit it
+        hit (llguidance: its lexer's or parser's), reported instead of a bare rejected token."""
+        return ""
+
 
 class CompiledGuide(ABC):
     @abstractmethod

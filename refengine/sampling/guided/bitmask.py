@@ -17,6 +17,13 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((num_rows, (vocab_size + BITS - 1) // BITS), -1, dtype=torch.int32)
 
 
+def num_allowed(bitmask: torch.Tensor, row: int, vocab_size: int) -> int:
+    """How many of the first ``vocab_size`` tokens row ``row`` allows."""
+    words = bitmask[row].to(torch.int64) & 0xFFFFFFFF
+    bits = (words[:, None] >> torch.arange(BITS)) & 1
+    return int(bits.flatten()[:vocab_size].sum())
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set ``logits[r, t] = -inf`` for every token ``t`` whose bit is clear, for ``r`` in
     ``rows``, in place (xgrammar's kernel for the logits' device, CPU or CUDA, with ``bitmask`` on

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from refengine.config import GUIDED_BACKENDS, GuidedConfig
 from refengine.sampling.guided import llguidance_backend, xgrammar_backend
 from refengine.sampling.guided.base import CompiledGuide, GrammarBackend, GuidedSpecError
+from refengine.sampling.guided.bitmask import allocate_bitmask, num_allowed
 from refengine.types import GuidedSpec
 
 if TYPE_CHECKING:
@@ -140,10 +141,26 @@ class GuideCompiler:
                 backend = self._backends[name] = _BACKEND_CLASSES[name](*self._backend_args)
             return backend
 
+    def _check_start(self, compiled: CompiledGuide, spec: GuidedSpec) -> None:
+        """Refuse a guide that cannot start: a language without any string (``[^\\s\\S]``), or a
+        limit the backend hits computing the first mask (llguidance's lexer on ``a{1000000}``).
+        Accepted, it would fail after acceptance, a sampled token outside every mask."""
+        matcher = compiled.new_matcher()
+        vocab_size = self._backend_args[1]
+        mask = allocate_bitmask(1, vocab_size)
+        matcher.fill_bitmask(mask, 0)
+        error = matcher.error()
+        if num_allowed(mask, 0, vocab_size) == 0:
+            raise GuidedSpecError(f"the {spec.mode} admits no output: no token may start it"
+                                  + (f" ({error})" if error else ""))
+        if error:
+            raise GuidedSpecError(f"the {spec.mode} admits no output the grammar engine can follow: {error}")
+
     def _compile(self, key: CacheKey, name: str, spec: GuidedSpec) -> CompiledGuide:
         """On a worker: compile, cache (LRU-bounded), forget the in-flight entry."""
         try:
             compiled = self._backend(name).compile(spec)
+            self._check_start(compiled, spec)
         finally:
             with self._lock:
                 self._compiling.pop(key, None)

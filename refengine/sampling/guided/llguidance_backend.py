@@ -52,6 +52,10 @@ class _Matcher(GuideMatcher):
     def is_terminated(self) -> bool:
         return self._terminated
 
+    def error(self) -> str:
+        # Its first line: what went wrong (a dump of the parser's state follows it).
+        return self._matcher.get_error().strip().splitlines()[0] if self._matcher.is_error() else ""
+
 
 class _Compiled(CompiledGuide):
     """A matcher at the grammar's start; each output gets a deep copy (cheap), so the
