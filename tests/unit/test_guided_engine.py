@@ -27,7 +27,7 @@ import xgrammar
 
 from refengine.config import CacheConfig, EngineConfig, GuidedConfig, SchedulerConfig
 from refengine.engine.engine import Engine
-from refengine.sampling.guided import backend_modes
+from refengine.sampling.guided import GuideCompiler, GuidedSpecError, backend_modes
 from refengine.types import (
     GUIDED_MODES,
     CandidateSpec,
@@ -36,6 +36,7 @@ from refengine.types import (
     GuidedSpec,
     InvalidRequestError,
     LogprobParams,
+    OverloadedError,
     SamplingParams,
     StoppingParams,
 )
@@ -431,6 +432,28 @@ def test_compile_past_the_time_limit_is_refused(tiny, backend) -> None:
     engine = make_engine(tiny, guided=GuidedConfig(compile_timeout_seconds=limit))
     error = assert_refused(engine, GuidedSpec("json_schema", unique_slow_schema(), backend=backend))
     assert re.search(r"(?i)time", str(error)), str(error)
+
+
+def test_a_spec_that_only_waited_for_a_busy_worker_is_overloaded_not_blamed() -> None:
+    """One worker, busy past the limit with a slow schema (its request refused for taking too
+    long): a cheap regex that waited the whole limit for the worker is refused as overloaded
+    (RESOURCE_EXHAUSTED, retry), not told to simplify itself, and its job is dropped; once the
+    worker is free, the same regex compiles."""
+    compiler = GuideCompiler(TOKENIZER, VOCAB, (EOS,), GuidedConfig(compile_timeout_seconds=0.05, compile_threads=1))
+    try:
+        with pytest.raises(GuidedSpecError, match="took longer"):
+            compiler.compile(GuidedSpec("json_schema", unique_slow_schema(), backend="xgrammar"))
+        with pytest.raises(OverloadedError, match="busy"):
+            compiler.compile(GuidedSpec("regex", "[a-c]{1,4}", backend="xgrammar"))
+        deadline = time.monotonic() + 30
+        while True:  # the slow compile ends on its worker; then the cheap one gets a worker at once
+            try:
+                compiler.compile(GuidedSpec("regex", "[a-c]{1,4}", backend="xgrammar"))
+                break
+            except OverloadedError:
+                assert time.monotonic() < deadline, "the worker never became free"
+    finally:
+        compiler.close()
 
 
 def compile_threads() -> set[threading.Thread]:

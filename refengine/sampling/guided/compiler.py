@@ -3,7 +3,9 @@
 ``GuideCompiler.compile`` runs on the caller's thread (the engine front end's, before a
 request is accepted) and waits for a worker thread; the step loop never compiles. A
 compile that outlives ``compile_timeout_seconds`` refuses its request but keeps running on
-its worker, and its result is cached, so a retry of the same spec can hit. One compiler
+its worker, and its result is cached, so a retry of the same spec can hit. A compile that
+waited the whole time for a worker (every one busy with slow specs) never runs: its request
+is refused as overloaded (RESOURCE_EXHAUSTED, retry later), not blamed on its spec. One compiler
 serves one engine, so one tokenizer: the cache key is (backend, mode, spec, choices).
 """
 
@@ -14,7 +16,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
@@ -22,7 +24,7 @@ from refengine.config import GUIDED_BACKENDS, GuidedConfig
 from refengine.sampling.guided import llguidance_backend, xgrammar_backend
 from refengine.sampling.guided.base import CompiledGuide, GrammarBackend, GuidedSpecError
 from refengine.sampling.guided.bitmask import allocate_bitmask, num_allowed
-from refengine.types import GuidedSpec
+from refengine.types import GuidedSpec, OverloadedError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -64,10 +66,11 @@ def _work(jobs: queue.SimpleQueue[_Job | None]) -> None:
     while (item := jobs.get()) is not None:
         future, job = item
         del item
-        try:
-            future.set_result(job())
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-            future.set_exception(exc)
+        if future.set_running_or_notify_cancel():  # False: its waiters gave up before it started
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                future.set_exception(exc)
         del future, job
 
 
@@ -109,11 +112,20 @@ class GuideCompiler:
             if future is None:
                 future = self._compiling[key] = self._pool.submit(lambda: self._compile(key, name, spec))
         timeout = self.config.compile_timeout_seconds
+        busy = OverloadedError(f"every guide compile worker was busy for {timeout:g} s (--guided-compile-threads "
+                               f"{self.config.compile_threads}); retry later")
         try:
             return future.result(timeout)
         except FutureTimeout:
+            if future.cancel():  # it never started: nothing is known about the spec
+                with self._lock:
+                    if self._compiling.get(key) is future:
+                        del self._compiling[key]
+                raise busy from None
             raise GuidedSpecError(f"compiling the {spec.mode} took longer than {timeout:g} s "
                                   "(--guided-compile-timeout); simplify it") from None
+        except CancelledError:  # another request waiting for the same spec gave up before it started
+            raise busy from None
 
     def _check(self, spec: GuidedSpec) -> str:
         name = spec.backend or self.config.default_backend
