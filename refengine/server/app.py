@@ -270,11 +270,13 @@ class Server:
             self.state.engine.abort(bridge.request_id)
         if leftover:
             logger.info("grace period over: cancelled %d streams (retryable)", len(leftover))
+        for subscriber in list(self.state.kv_subscribers):  # they would never end on their own
+            subscriber.drain()
         # Let the terminal events be written and the engine apply the aborts (frees their KV).
         engine = self.state.engine
         flush_deadline = loop.time() + FLUSH_SECONDS
-        while (self.state.streams or engine.has_unfinished_requests or engine.stats().used_kv_blocks) \
-                and loop.time() < flush_deadline:
+        while (self.state.streams or self.state.kv_subscribers or engine.has_unfinished_requests
+               or engine.stats().used_kv_blocks) and loop.time() < flush_deadline:
             await asyncio.sleep(0.02)
 
     async def _shutdown(self) -> None:

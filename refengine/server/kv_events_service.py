@@ -90,17 +90,37 @@ async def subscribe(state: ServerState, request: oe.SubscribeKvEventsRequest,
     except RequestError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return
+    live = _Live(ready)
+    state.kv_subscribers.add(live)
     try:
-        await _stream(sub, ready, context, storage_medium(engine.info.device), state.options.stall_timeout_seconds)
+        await _stream(sub, live, context, storage_medium(engine.info.device), state.options.stall_timeout_seconds)
     finally:
+        state.kv_subscribers.discard(live)
         sub.close()
 
 
-async def _stream(sub: KvEventSubscription, ready: asyncio.Event, context: grpc.aio.ServicerContext,
+class _Live:
+    """One subscription's wake-up, and whether the server's drain ended it."""
+
+    def __init__(self, ready: asyncio.Event) -> None:
+        self.ready = ready
+        self.drained = False
+
+    def drain(self) -> None:
+        self.drained = True
+        self.ready.set()
+
+
+DRAINED = ("the server is draining: it is shutting down; resubscribe (with include_snapshot) to another "
+           "instance or after its restart")
+
+
+async def _stream(sub: KvEventSubscription, live: _Live, context: grpc.aio.ServicerContext,
                   medium: int, write_timeout: float) -> None:
     # Headers first, on their own: they are not flow-controlled, and a first write that
     # carried them could not be ended by a status if it stalled (see _write_or_disconnect).
     await context.send_initial_metadata(())
+    ready = live.ready
     ready.set()  # a snapshot or replay may already be queued
     while True:
         await ready.wait()
@@ -110,6 +130,10 @@ async def _stream(sub: KvEventSubscription, ready: asyncio.Event, context: grpc.
         if failure is not None:
             code = oe.ERROR_CODE_OVERLOADED if "too slow" in failure else oe.ERROR_CODE_INVALID_ARGUMENT
             error = oe.EngineError(code=code, message=failure, retryable=code == oe.ERROR_CODE_OVERLOADED)
+            responses.append(oe.SubscribeKvEventsResponse(error=error))
+        elif live.drained:  # X3, E5: one terminal, retryable error, then OK, as a drained Generate gets
+            failure = DRAINED
+            error = oe.EngineError(code=oe.ERROR_CODE_CANCELLED, message=DRAINED, retryable=True)
             responses.append(oe.SubscribeKvEventsResponse(error=error))
         for response in responses:
             await _write_or_disconnect(context, response, write_timeout)

@@ -16,6 +16,7 @@ import enum
 import time
 import uuid
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
@@ -28,6 +29,11 @@ from refengine.server.errors import Rejection
 from refengine.server.options import ServerOptions
 from refengine.server.stream_bridge import OutputBridge
 from refengine.types import KvEndpointSpec, KvSessionSpec
+
+
+class Drainable(Protocol):
+    def drain(self) -> None:
+        """End the stream with a terminal, retryable EngineError: the server is going away."""
 
 
 class Lifecycle(enum.Enum):
@@ -51,6 +57,8 @@ class ServerState:
         # Streams that ended (client cancel, disconnect) before their engine request did, by
         # request id, until the engine confirms the abort: a new request reusing the id waits (G2).
         self.retiring: dict[str, OutputBridge] = {}
+        # Live SubscribeKvEvents streams: each one's drain() ends it with a retryable error (X3).
+        self.kv_subscribers: set[Drainable] = set()
         # The compatibility KV event source (--kv-events-zmq) as GetKvEventSources reports it.
         self.kv_event_source: dict | None = None
         self.kv_endpoints: tuple[KvEndpointSpec, ...] = ()  # where this (prefill) server serves its sessions

@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refengine.client import OpenEngineClient
+from refengine.conformance.kv_subscriber import KvSubscriber
 from refengine.protocol import oe
 from tests.integration.conftest import (
     ServerProcess,
@@ -147,6 +148,7 @@ def test_sigterm_drains_under_load_then_exits_zero(own_server: tuple[ServerProce
                                 ignore_eos=True) for i in range(4)]
     streams = {r.request_id: Stream() for r in requests}
     with OpenEngineClient(server.address) as inference, OpenEngineClient(server.control_address) as control:
+        subscription = KvSubscriber(control.control, oe.SubscribeKvEventsRequest(), timeout=60)
         threads = []
         for request in requests:
             started = threading.Event()
@@ -172,6 +174,8 @@ def test_sigterm_drains_under_load_then_exits_zero(own_server: tuple[ServerProce
         assert "drain" in refused.details
         for thread in threads:
             thread.join(GRACE + 10)
+        # X3/E5: a live KV event subscription ends too, with one retryable error, then OK
+        assert subscription.wait_end(GRACE + 10), subscription.describe()
         code = server.proc.wait(GRACE + 10)
         elapsed = time.monotonic() - signalled
     assert code == 0, server.log_tail()
@@ -185,6 +189,10 @@ def test_sigterm_drains_under_load_then_exits_zero(own_server: tuple[ServerProce
             assert not drained, f"{request.request_id} should finish within the grace period"
         else:
             assert drained, f"{request.request_id} (1500 tokens) cannot finish within {GRACE} s"
+    assert subscription.code == grpc.StatusCode.OK and subscription.batches, subscription.describe()
+    assert subscription.kinds()[-1] == "error" and subscription.kinds().count("error") == 1, subscription.describe()
+    last = subscription.errors[-1]
+    assert last.code == oe.ERROR_CODE_CANCELLED and last.retryable and "drain" in last.message, last
     log = server.log_tail(20000)
     assert "Traceback" not in log, log
     used = re.search(r"KV pool at exit: (\d+) used", log)
