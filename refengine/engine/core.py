@@ -278,22 +278,6 @@ class EngineCore(CoreInflowMixin):
         self._retire(request)
         return RequestOutput(request.request_id, finished=True, usage=request_usage(request), error=fault)
 
-    def reset_prefix_cache(self) -> int:
-        """Between steps: free every cached block; its one ``AllBlocksCleared`` goes out now."""
-        freed = self.pool.reset_prefix_cache()
-        self._publish_kv_events()
-        return freed
-
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """An engine fault: end every request with one terminal error, free all KV."""
-        outputs = []
-        for request in list(self.requests.values()):
-            self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=message))
-            outputs.append(self._fault_output(request, EngineFault("internal", message, retryable=False)))
-        self._last_batch = (0, 0)
-        self._publish_kv_events()
-        return outputs
-
     # -- observation -------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Load figures after the last step."""

@@ -1,7 +1,7 @@
-"""What enters a request from outside the step: a decode engine's pulled KV, a consumer's pulled
-media rows, and the end of a sequence that cannot be recomputed here. A mixin of
-``EngineCore`` (it uses the core's requests, scheduler and output helpers), kept apart so
-``core.py`` reads as the step alone.
+"""What reaches requests from outside the step: a decode engine's pulled KV, a consumer's pulled
+media rows, the end of a sequence that cannot be recomputed here, and, between steps, an engine
+fault that ends them all or a reset of the prefix cache. A mixin of ``EngineCore`` (it uses the
+core's requests, scheduler and output helpers), kept apart so ``core.py`` reads as the step alone.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from refengine.types import EngineFault, FinishInfo, FinishReason
 if TYPE_CHECKING:
     from refengine.engine.core import EngineCore, StepOutcome
     from refengine.engine.request import Request
+    from refengine.types import RequestOutput
 
 
 class CoreInflowMixin:
@@ -70,6 +71,22 @@ class CoreInflowMixin:
             request.media = tuple(run if run.handle is None else replace(run, embeds=pulled[run.handle.handle_id])
                                   for run in request.media)
             self.scheduler.add(request.outputs[0].seq)
+
+    def reset_prefix_cache(self: EngineCore) -> int:
+        """Between steps: free every cached block; its one ``AllBlocksCleared`` goes out now."""
+        freed = self.pool.reset_prefix_cache()
+        self._publish_kv_events()
+        return freed
+
+    def fail_all(self: EngineCore, message: str) -> list[RequestOutput]:
+        """An engine fault: end every request with one terminal error, free all KV."""
+        outputs = []
+        for request in list(self.requests.values()):
+            self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=message))
+            outputs.append(self._fault_output(request, EngineFault("internal", message, retryable=False)))
+        self._last_batch = (0, 0)
+        self._publish_kv_events()
+        return outputs
 
     def _end_lost(self: EngineCore, request: Request, outcome: StepOutcome) -> None:
         """A preempted sequence that cannot recompute its prompt here (a decode engine has no

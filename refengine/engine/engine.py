@@ -23,6 +23,7 @@ from refengine.config import EngineConfig, ModelConfig
 from refengine.engine.core import EngineCore, KvEventSink
 from refengine.engine.disagg import Disaggregation
 from refengine.engine.engine_kv import EngineKvMixin, choose_transfer_backends
+from refengine.engine.engine_loop import EngineLoopMixin
 from refengine.engine.engine_lora import EngineLoraMixin, StepLora
 from refengine.engine.info import engine_info, kernel_paths
 from refengine.engine.input_processor import InputProcessor
@@ -55,10 +56,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FINISHED_ID_WINDOW = 4096  # finished request ids remembered for abort's ALREADY_FINISHED
-STALLED_POLL_SECONDS = 0.05  # a loop with requests but nothing to run looks again this often
 
 
-class Engine(EngineKvMixin, EngineLoraMixin):
+class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
     def __init__(
         self,
         config: EngineConfig,
@@ -254,57 +254,10 @@ class Engine(EngineKvMixin, EngineLoraMixin):
             except Exception:  # a broken consumer must not take the engine down
                 logger.exception("output sink of request %s failed", out.request_id)
 
-    # -- driving ---------------------------------------------------------------
+    # -- driving (the background loop: engine_loop.py) ------------------------------
     def run_until_done(self, requests: Seq[GenerationRequest]) -> list[Completion]:
         """Synchronous use: add ``requests``, step until all finish, return Completions."""
         streams = [self.add_request(r) for r in requests]
         while self.has_unfinished_requests:
             self.step()
         return [s.result() for s in streams]
-
-    def start(self) -> None:
-        """Run ``step`` on a background thread whenever there is work."""
-        if self._loop_thread is not None:
-            return
-        self._stopping = False
-        self._loop_thread = threading.Thread(target=self._loop, name="refengine-step-loop", daemon=True)
-        self._loop_thread.start()
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._lock.notify_all()
-        if self._loop_thread is not None:
-            self._loop_thread.join()
-            self._loop_thread = None
-        if self.core.disagg is not None:
-            self.core.disagg.loads.shutdown()
-            for backend in self.core.disagg.backends.values():
-                backend.close()
-        if self.core.media_pulls is not None:
-            self.core.media_pulls.shutdown()
-        self.guides.close()
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopping and not self._wants_step():
-                    if not self._lock.wait(self._wait_seconds()) and self._stalled:
-                        self._stalled = False  # the wait is bounded: a missed wake costs latency only
-                if self._stopping:
-                    return
-                self._woken = False
-            try:
-                self.step()
-            except Exception as exc:
-                logger.exception("engine step failed")
-                self.fail_all(f"engine fault: {type(exc).__name__}: {exc}")
-
-    def _wait_seconds(self) -> float | None:
-        due = self.kv_sessions.seconds_until_due()
-        return min(STALLED_POLL_SECONDS, due if due is not None else STALLED_POLL_SECONDS) if self._stalled else due
-
-    def _wants_step(self) -> bool:
-        """Lock held. Requests (unless the last step ran nothing and no wake came), a wake, or a due session."""
-        return (bool(self._active_ids) and not self._stalled) or bool(self._inbox) or bool(self._abort_ids) \
-            or self._woken or self.kv_sessions.seconds_until_due() == 0.0

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -86,10 +87,13 @@ class Source:
 class FakePinner:
     def __init__(self) -> None:
         self.calls: list[tuple[str, float]] = []
+        self.traces: list[tuple[tuple[str, str], ...]] = []  # each pin's metadata (M5)
         self.error: TransferFailure | None = None
 
-    def start_pin(self, session: KvSessionSpec, seconds: float) -> Callable[[], None]:
+    def start_pin(self, session: KvSessionSpec, seconds: float,
+                  trace: tuple[tuple[str, str], ...] = ()) -> Callable[[], None]:
         self.calls.append((session.session_id, seconds))
+        self.traces.append(trace)
 
         def outcome() -> None:
             if self.error is not None:
@@ -147,11 +151,12 @@ def test_pull_copies_the_blocks_and_confirms_the_session(source: Source, side: A
     backend, store, pinner = side
     attributes, expected = source.offer("s-full", [3, 7, 8, 9])
     dest = (10, 2, 3, 4)  # 2..4 <- 7..9 is one merged run, 10 <- 3 another
-    backend.pull(_order("s-full", attributes, 0, dest), threading.Event())
+    trace = (("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),)
+    backend.pull(replace(_order("s-full", attributes, 0, dest), trace=trace), threading.Event())
     assert [store.read([d]) for d in dest] == expected
     others = [b for b in range(NUM_BLOCKS) if b not in dest]
     assert store.read(others) == bytes(len(others) * store.block_nbytes)
-    assert pinner.calls == [("s-full", 10.0)]
+    assert pinner.calls == [("s-full", 10.0)] and pinner.traces == [trace]  # M5: the pin carries it
     assert source.confirmed("s-full", 5.0)
 
 

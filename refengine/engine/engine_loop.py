@@ -1,0 +1,71 @@
+"""Driving the engine: its step loop on a background thread, woken by new work, and its
+shutdown. A mixin of ``Engine`` (it uses the front end's lock, inbox and flags), kept apart so
+``engine.py`` reads as the front end alone. ``Engine.run_until_done`` steps synchronously instead.
+
+The loop steps while requests are active, unless the last step ran nothing (only pulls in
+flight: ``_stalled``), in which case it waits for a wake or polls every ``STALLED_POLL_SECONDS``;
+a KV session falling due wakes it too. A step that raises ends every request with one terminal
+error (``fail_all``) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from refengine.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+STALLED_POLL_SECONDS = 0.05  # a loop with requests but nothing to run looks again this often
+
+
+class EngineLoopMixin:
+    def start(self: Engine) -> None:
+        """Run ``step`` on a background thread whenever there is work."""
+        if self._loop_thread is not None:
+            return
+        self._stopping = False
+        self._loop_thread = threading.Thread(target=self._loop, name="refengine-step-loop", daemon=True)
+        self._loop_thread.start()
+
+    def shutdown(self: Engine) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._loop_thread is not None:
+            self._loop_thread.join()
+            self._loop_thread = None
+        if self.core.disagg is not None:
+            self.core.disagg.loads.shutdown()
+            for backend in self.core.disagg.backends.values():
+                backend.close()
+        if self.core.media_pulls is not None:
+            self.core.media_pulls.shutdown()
+        self.guides.close()
+
+    def _loop(self: Engine) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._wants_step():
+                    if not self._lock.wait(self._wait_seconds()) and self._stalled:
+                        self._stalled = False  # the wait is bounded: a missed wake costs latency only
+                if self._stopping:
+                    return
+                self._woken = False
+            try:
+                self.step()
+            except Exception as exc:
+                logger.exception("engine step failed")
+                self.fail_all(f"engine fault: {type(exc).__name__}: {exc}")
+
+    def _wait_seconds(self: Engine) -> float | None:
+        due = self.kv_sessions.seconds_until_due()
+        return min(STALLED_POLL_SECONDS, due if due is not None else STALLED_POLL_SECONDS) if self._stalled else due
+
+    def _wants_step(self: Engine) -> bool:
+        """Lock held. Requests (unless the last step ran nothing and no wake came), a wake, or a due session."""
+        return (bool(self._active_ids) and not self._stalled) or bool(self._inbox) or bool(self._abort_ids) \
+            or self._woken or self.kv_sessions.seconds_until_due() == 0.0
