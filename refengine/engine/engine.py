@@ -213,7 +213,9 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
         with self._step_lock:
             for request in new:
                 self.core.add_request(request)
-            outputs = self.core.step(abort_ids, on_scheduled=self._take_stats)
+            # A step that took new requests refreshes GetLoad's snapshot once it has scheduled them
+            # (a long prefill is load); otherwise the last step's snapshot still describes it.
+            outputs = self.core.step(abort_ids, on_scheduled=self._take_stats if new else None)
         self._deliver(outputs)
         return outputs
 

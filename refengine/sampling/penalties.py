@@ -14,12 +14,13 @@ Invariants:
 - Every operation is elementwise within a row (no reduction across rows or within a row), so
   a row's result does not depend on which other rows are in the batch (RULES G17, G18).
 - The input tensor is never modified in place.
-- A penalized logit stays finite (or -inf where it was -inf: a grammar-masked token stays
-  masked). Any finite penalty and any positive repetition penalty is valid (RULES G5), and
-  the extreme ones (a repetition penalty of 1e-300, a presence penalty of -1e39) overflow
-  float32: such a logit saturates at the largest finite float32 instead of becoming inf, whose
-  softmax would be NaN (a NaN logprob, or a sampled id outside the vocabulary). Values that
-  do not overflow are computed exactly as before (bit-identical to Hugging Face's processors).
+- A penalized logit stays within ``LOGIT_LIMIT`` (or -inf where it was -inf: a grammar-masked
+  token stays masked). Any finite penalty and any positive repetition penalty is valid (RULES
+  G5), and the extreme ones (a repetition penalty of 1e-300, a presence penalty of -1e39)
+  overflow float32: such a logit saturates instead of becoming inf, whose softmax would be NaN
+  (a NaN logprob, or a sampled id outside the vocabulary). The limit leaves room for the
+  sampler's smallest temperature, so the step needs no second pass after tempering. Values
+  that do not reach it are computed exactly as before (bit-identical to Hugging Face's processors).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from refengine.types import SamplingParams
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest positive normal float32
+#: The largest magnitude of a penalized logit: still finite in float32 once divided by the
+#: sampler's smallest temperature (``sampler.MIN_TEMPERATURE``, 1e-6).
+LOGIT_LIMIT = _FLOAT32_MAX * 1e-7  # a margin of 10 over float32 rounding
 
 
 def unique_token_counts(
@@ -96,6 +100,6 @@ def apply_penalties(
 
 
 def _saturate(penalized: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """``penalized`` held within the finite float32 range, except where ``seen`` was -inf,
-    which stays -inf (-inf - (-inf) would be NaN, and a masked token must stay masked)."""
-    return torch.where(torch.isneginf(seen), seen, penalized.clamp(-_FLOAT32_MAX, _FLOAT32_MAX))
+    """``penalized`` held within ``LOGIT_LIMIT``, except where ``seen`` was -inf, which stays
+    -inf (-inf - (-inf) would be NaN, and a masked token must stay masked)."""
+    return torch.where(torch.isneginf(seen), seen, penalized.clamp(-LOGIT_LIMIT, LOGIT_LIMIT))

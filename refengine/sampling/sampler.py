@@ -6,8 +6,8 @@ Pipeline, per row (each stage skipped for rows that do not use it):
 1. penalties (``penalties.py``): repetition over prompt + output, then frequency/presence
    over the output;
 2. suppression: ``suppressed_token_ids`` -> ``-inf`` (min_tokens keeps EOS/stop ids out);
-3. temperature: ``logits / max(T, 1e-6)``, an overflow held at the largest finite float32.
-   Greedy rows (``T == 0``) take the argmax of the logits after 1-2 (ties -> lowest id) and
+3. temperature: ``logits / max(T, 1e-6)`` (finite: penalties keep a logit within
+   ``penalties.LOGIT_LIMIT``). Greedy rows (``T == 0``) take the argmax of the logits after 1-2 (ties -> lowest id) and
    skip everything below;
 4. truncation, on the tempered distribution: top-k (0 or -1 = off; ties at the k-th value
    are kept, as HF), then top-p renormalized over the top-k set (the smallest prefix, in
@@ -51,7 +51,6 @@ __all__ = [
     "truncation_thresholds",
 ]
 
-FLOAT32_MAX = torch.finfo(torch.float32).max
 MIN_TEMPERATURE = 1e-6  # a smaller positive temperature is raised to this: logits / T stays finite
 TOP_P_PREFIX = 256  # top-p first looks for its cut among this many most likely tokens, then 8x more
 
@@ -266,8 +265,6 @@ class Sampler:
         temperatures = [1.0 if p.greedy else max(p.temperature, MIN_TEMPERATURE) for p in params]
         if any(t != 1.0 for t in temperatures):
             logits_t = logits / torch.tensor(temperatures, device=device)[:, None]
-            # A saturated penalized logit (penalties.py) over T < 1 overflows: held finite, as there.
-            torch.nan_to_num_(logits_t, nan=float("nan"), posinf=FLOAT32_MAX, neginf=float("-inf"))
         else:
             logits_t = logits
 

@@ -107,12 +107,13 @@ EXTREME_PENALTIES = [  # valid by G5 (finite; repetition > 0), and each overflow
     SamplingParams(temperature=1.0, seed=1, presence_penalty=-1e39),
     SamplingParams(temperature=1.0, seed=3, frequency_penalty=1e300, presence_penalty=-1e300),
     SamplingParams(temperature=0.7, seed=4, frequency_penalty=-1e308, repetition_penalty=1e-45),
+    SamplingParams(temperature=1e-9, seed=5, presence_penalty=-1e39),  # below the sampler's smallest temperature
 ]
 
 
 @pytest.mark.parametrize("params", EXTREME_PENALTIES, ids=range(len(EXTREME_PENALTIES)))
 def test_extreme_penalties_stay_finite_and_masked_tokens_stay_masked(params: SamplingParams) -> None:
-    """Penalties whose float32 arithmetic overflows saturate at the largest finite float32: the
+    """Penalties whose float32 arithmetic overflows saturate (penalties.LOGIT_LIMIT): the
     token is in the vocabulary, its logprob and its candidates' are not NaN, and a token the
     grammar mask removed is never chosen, though it is in the history (a masked -inf penalized
     by -inf would be NaN). The review reproduced NaN logprobs and an id equal to V before."""

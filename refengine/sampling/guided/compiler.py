@@ -112,8 +112,6 @@ class GuideCompiler:
             if future is None:
                 future = self._compiling[key] = self._pool.submit(lambda: self._compile(key, name, spec))
         timeout = self.config.compile_timeout_seconds
-        busy = OverloadedError(f"every guide compile worker was busy for {timeout:g} s (--guided-compile-threads "
-                               f"{self.config.compile_threads}); retry later")
         try:
             return future.result(timeout)
         except FutureTimeout:
@@ -121,11 +119,15 @@ class GuideCompiler:
                 with self._lock:
                     if self._compiling.get(key) is future:
                         del self._compiling[key]
-                raise busy from None
+                raise self._busy() from None
             raise GuidedSpecError(f"compiling the {spec.mode} took longer than {timeout:g} s "
                                   "(--guided-compile-timeout); simplify it") from None
         except CancelledError:  # another request waiting for the same spec gave up before it started
-            raise busy from None
+            raise self._busy() from None
+
+    def _busy(self) -> OverloadedError:
+        return OverloadedError(f"every guide compile worker was busy for {self.config.compile_timeout_seconds:g} s "
+                               f"(--guided-compile-threads {self.config.compile_threads}); retry later")
 
     def _check(self, spec: GuidedSpec) -> str:
         name = spec.backend or self.config.default_backend
