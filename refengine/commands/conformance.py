@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from refengine.conformance.command import DESCRIPTION, add_arguments, run_command
+from refengine.conformance.command import DESCRIPTION, EPILOG, add_arguments, run_command
 
 __all__ = ["add_conformance_parser", "run_conformance"]
 
 
 def add_conformance_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("conformance", help="check any OpenEngine server against the contract",
-                            description=DESCRIPTION)
+                            description=DESCRIPTION, epilog=EPILOG)
     add_arguments(parser)
 
 

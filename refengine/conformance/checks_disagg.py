@@ -15,6 +15,7 @@ from __future__ import annotations
 import grpc
 
 from refengine.conformance.assertions import settled
+from refengine.conformance.enums import enum_name
 from refengine.conformance.registry import check, expect, skip
 from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Target
@@ -28,10 +29,11 @@ def _pair(t: Target) -> tuple[Target, Target]:
     if not (t.options.prefill_address and t.options.decode_address):
         skip("needs a disaggregated pair: run with --prefill HOST:PORT --decode HOST:PORT")
     if "k_pair" not in t.cache:
-        pair = tuple(Target(a, t.options).connect() for a in (t.options.prefill_address, t.options.decode_address))
+        pair = (t.connect_peer(t.options.prefill_address, "--prefill"),
+                t.connect_peer(t.options.decode_address, "--decode"))
         roles = [p.server_info.engine_role for p in pair]
         expect(roles == [oe.ENGINE_ROLE_PREFILL, oe.ENGINE_ROLE_DECODE],
-               f"--prefill/--decode report roles {[oe.EngineRole.Name(r) for r in roles]}")
+               f"--prefill/--decode report roles {[enum_name(oe.EngineRole, r) for r in roles]}")
         t.cache["k_pair"] = pair
     return t.cache["k_pair"]
 
@@ -143,10 +145,10 @@ def decode_of_a_released_session_fails(t: Target) -> str:
     expect(out.ok and len(errors) == 1 and out.events[-1].HasField("error"),
            f"want exactly one terminal EngineError then OK: {out.describe()}")
     expect(errors[0].code in (oe.ERROR_CODE_KV_SESSION_NOT_FOUND, oe.ERROR_CODE_KV_TRANSFER_FAILED),
-           f"error code {oe.ErrorCode.Name(errors[0].code)}")
+           f"error code {enum_name(oe.ErrorCode, errors[0].code)}")
     expect(not errors[0].retryable, "X3: the unchanged request cannot succeed once its session is gone")
     dec.wait_idle()
-    return oe.ErrorCode.Name(errors[0].code)
+    return enum_name(oe.ErrorCode, errors[0].code)
 
 
 @check("K10", "greedy prefill → decode output equals the AGGREGATED target's")

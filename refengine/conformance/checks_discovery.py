@@ -7,6 +7,7 @@ from typing import Any
 import grpc
 
 from refengine.conformance.assertions import NON_OK, expect_rejected, expect_valid
+from refengine.conformance.enums import enum_name
 from refengine.conformance.guides import CASES
 from refengine.conformance.registry import check, expect, fail, not_claimed
 from refengine.conformance.release import (
@@ -176,12 +177,12 @@ def caps_guided(t: Target) -> str:
     for mode, case in CASES.items():  # the same simple specs as checks_guided.py
         req = t.request("d4g", max_tokens=4)
         case.fill(req.guided)
-        name = oe.GuidedDecodingMode.Name(mode)
+        name = enum_name(oe.GuidedDecodingMode, mode)
         if mode in modes:
             _accepted(t, req, name)
         else:
             _rejected(t, req, name)
-    return f"modes {sorted(oe.GuidedDecodingMode.Name(m) for m in modes)}"
+    return f"modes {sorted(enum_name(oe.GuidedDecodingMode, m) for m in modes)}"
 
 
 @check("D4", "multimodal input and lora_name refused when not advertised")
@@ -251,9 +252,9 @@ def engine_role(t: Target) -> str:
         req.kv.session.transfer_backend = "grpc"
         req.kv.session.endpoints.add(host="127.0.0.1", port=1, protocol="grpc")
         expect_rejected(t.generate(req), codes=NON_OK,
-                        what=f"kv.session on a {oe.EngineRole.Name(role)} engine")
+                        what=f"kv.session on a {enum_name(oe.EngineRole, role)} engine")
     elif role == oe.ENGINE_ROLE_DECODE:
         expect_rejected(t.generate(t.request("d7", max_tokens=2)),
                         codes=NON_OK,
                         what="request without kv.session on a DECODE engine")
-    return oe.EngineRole.Name(role)
+    return enum_name(oe.EngineRole, role)

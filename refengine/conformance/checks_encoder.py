@@ -43,6 +43,7 @@ from refengine.conformance.encoder_support import (
     status_of,
     unique_png,
 )
+from refengine.conformance.enums import enum_name
 from refengine.conformance.registry import check, expect, skip
 from refengine.conformance.target import Target
 from refengine.protocol import oe
@@ -66,7 +67,7 @@ def profile_listed(t: Target) -> str:
             continue
         problems += [f"{label}: {p}" for p in profile_problems(extra[PROFILES_KEY])]
         sides = claimed_sides(server)
-        role = oe.EngineRole.Name(server.server_info.engine_role)
+        role = enum_name(oe.EngineRole, server.server_info.engine_role)
         multimodal = server.model_info.HasField("supports_multimodal") and server.model_info.supports_multimodal
         if "encoder" in sides and server.server_info.engine_role != oe.ENGINE_ROLE_UNSPECIFIED:
             problems.append(f"{label} lists side 'encoder' but reports engine_role {role} (an encoder reports "
@@ -92,7 +93,7 @@ def encoder_role(t: Target) -> str:
     FAILED_PRECONDITION (R5, nothing of its own)."""
     enc = encoder_target(t)
     role = enc.server_info.engine_role
-    expect(role == oe.ENGINE_ROLE_UNSPECIFIED, f"engine_role {oe.EngineRole.Name(role)}, want UNSPECIFIED "
+    expect(role == oe.ENGINE_ROLE_UNSPECIFIED, f"engine_role {enum_name(oe.EngineRole, role)}, want UNSPECIFIED "
            "(the release has no encoder role)")
     info = enc.model_info
     inputs = [name for name in ("supports_text_input", "supports_token_ids_input")
@@ -116,7 +117,7 @@ def encoder_health_probe(t: Target) -> str:
     enc = encoder_target(t)
     before = held_handles(enc)
     health = enc.unary("Health", oe.HealthRequest(include_inference_probe=True))
-    expect(health.state == oe.HEALTH_STATE_READY, f"Health with the probe: {oe.HealthState.Name(health.state)} "
+    expect(health.state == oe.HEALTH_STATE_READY, f"Health with the probe: {enum_name(oe.HealthState, health.state)} "
            f"{[(c.name, c.message) for c in health.checks]}")
     after = held_handles(enc)
     expect(before == after, f"held_handles {before} before the probe, {after} after: the probe holds no handle")
@@ -280,7 +281,7 @@ def abort_releases_handle(t: Target) -> str:
         code, reply = enc.unary_code("Abort", oe.AbortRequest(kv_session=session))
         expect(code == grpc.StatusCode.OK and reply.status == oe.ABORT_STATUS_ABORTED,
                f"Abort(kv_session) of a live handle: {code.name} "
-               f"{oe.AbortStatus.Name(reply.status) if reply is not None else ''}, want ABORTED")
+               f"{enum_name(oe.AbortStatus, reply.status) if reply is not None else ''}, want ABORTED")
         released = m.release([handle.handle_id])
         expect(released == 0, f"Release after Abort(kv_session) counted {released}: the abort did not release it")
         code, _ = enc.unary_code("Abort", oe.AbortRequest(kv_session=session))

@@ -25,6 +25,7 @@ from refengine.conformance.encoder_support import (
     unique_png,
     with_handles,
 )
+from refengine.conformance.enums import enum_name
 from refengine.conformance.registry import CheckFailed, check, expect
 from refengine.conformance.target import Target
 from refengine.protocol import oe
@@ -160,7 +161,7 @@ def gone_handle_fails_after_acceptance(t: Target) -> str:
     expect(len(errors) == 1 and res.events[-1].WhichOneof("event") == "error",
            f"want exactly one EngineError, the last event: {res.kinds()}")
     err = errors[0]
-    expect(err.code == oe.ERROR_CODE_KV_TRANSFER_FAILED, f"EngineError {oe.ErrorCode.Name(err.code)} "
+    expect(err.code == oe.ERROR_CODE_KV_TRANSFER_FAILED, f"EngineError {enum_name(oe.ErrorCode, err.code)} "
            f"({err.message!r}), want KV_TRANSFER_FAILED")
     expect(not err.retryable, "retryable = true: the unchanged request names a handle that is gone")
     expect(err.message.startswith("embedding handle"), f"the message {err.message!r} does not begin "
@@ -168,7 +169,7 @@ def gone_handle_fails_after_acceptance(t: Target) -> str:
     problems = stream_violations(res)
     expect(not problems, "; ".join(problems[:3]))
     t.wait_idle("ENC13")
-    return f"{oe.ErrorCode.Name(err.code)}: {err.message[:60]!r}"
+    return f"{enum_name(oe.ErrorCode, err.code)}: {err.message[:60]!r}"
 
 
 # -- ENC15 -------------------------------------------------------------------------------------

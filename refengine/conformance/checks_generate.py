@@ -9,6 +9,7 @@ import grpc
 from google.protobuf import json_format
 
 from refengine.conformance.assertions import expect_finish, expect_rejected, expect_valid
+from refengine.conformance.enums import enum_name
 from refengine.conformance.registry import check, expect, not_claimed
 from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Target
@@ -177,7 +178,7 @@ def context_limit(t: Target) -> str:
     expect(len(res.tokens()) <= 3, f"{len(res.tokens())} tokens generated past a {ctx - 3}-token prompt, "
                                    f"context {ctx}")
     t.wait_idle("G7")
-    return f"limit {ctx} enforced; max_tokens unset stopped at the limit ({oe.FinishReason.Name(fin.reason)})"
+    return f"limit {ctx} enforced; max_tokens unset stopped at the limit ({enum_name(oe.FinishReason, fin.reason)})"
 
 
 @check("G8", "extra: empty valid, unknown keys ignored, known key with wrong type → INVALID_ARGUMENT")

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from refengine.conformance.assertions import NON_OK, expect_rejected, expect_valid, is_finite
+from refengine.conformance.assertions import NON_OK, expect_finish, expect_rejected, expect_valid, is_finite
 from refengine.conformance.checks_determinism import _join_all, _load_in_background
 from refengine.conformance.guides import CASES, FIELD_MODES, WORDS_CASE, GuideCase
 from refengine.conformance.registry import CheckFailed, check, expect, fail, not_claimed, skip
@@ -224,10 +224,8 @@ def guided_finish_stop(t: Target) -> str:
         res = cached[case.name]
         advertised_refusal(t.rule, res, case.name)  # cached from D4: judged by this check's rule
         expect_valid(res, what=case.name)
-        fin = res.finished()
-        expect(fin.reason == oe.FINISH_REASON_STOP,
-               f"{case.name}: output {res.text()!r} finished {oe.FinishReason.Name(fin.reason)}; the grammar was "
-               "complete, so it ends with STOP")
+        fin = expect_finish(res, oe.FINISH_REASON_STOP,
+                            what=f"{case.name}: output {res.text()!r} (the grammar was complete: it ends with STOP)")
         expect(fin.HasField("stop_match") and fin.stop_match.WhichOneof("match") is not None,
                f"{case.name}: STOP without stop_match")
     return f"{len(finite)} modes ended STOP ({', '.join(c.name for c in finite)})"

@@ -94,7 +94,7 @@ def probe_on_named_roles(t: Target) -> str:
         skip("no --prefill or --decode server is named")
     found = []
     for name, address in named:
-        peer = t.connect_peer(address)
+        peer = t.connect_peer(address, name)
         code, before = peer.unary_code("GetLoad", oe.GetLoadRequest())
         calls = [Background(lambda peer=peer: _health(peer, probe=True)) for _ in range(3)]
         states = [c.join().state for c in calls]

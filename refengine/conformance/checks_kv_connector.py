@@ -76,5 +76,5 @@ def kv_connector_static(t: Target) -> str:
     servers = [("target", t)]
     for name, address in (("--prefill", t.options.prefill_address), ("--decode", t.options.decode_address)):
         if address:
-            servers.append((name, t.connect_peer(address)))
+            servers.append((name, t.connect_peer(address, name)))
     return "; ".join(_one_server(s, name) for name, s in servers)

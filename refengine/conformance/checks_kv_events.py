@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from refengine.conformance.enums import enum_name
 from refengine.conformance.kv_subscriber import (  # noqa: F401
     _MISSING,
     EVENT_WAIT_S,
@@ -115,7 +116,7 @@ def replay_expired(t: Target) -> str:
         error = terminal_error(sub, "replay from expired sequence number 1")
     finally:
         sub.close()
-    return f"replay from 1 (newest {newest}): {oe.ErrorCode.Name(error.code)} {error.message!r}, then OK"
+    return f"replay from 1 (newest {newest}): {enum_name(oe.ErrorCode, error.code)} {error.message!r}, then OK"
 
 
 def _publish_up_to(t: Target, live: KvSubscriber, budget: int) -> int:
@@ -225,7 +226,7 @@ def failure_is_error_then_ok(t: Target) -> str:
         error = terminal_error(sub, f"replay from {start}, beyond the newest batch")
     finally:
         sub.close()
-    return f"{oe.ErrorCode.Name(error.code)} (retryable={error.retryable}) {error.message!r}, then OK"
+    return f"{enum_name(oe.ErrorCode, error.code)} (retryable={error.retryable}) {error.message!r}, then OK"
 
 
 # -- E6 ------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from refengine.conformance.assertions import NON_OK, expect_finish, expect_rejected, expect_valid, stream_violations
+from refengine.conformance.enums import enum_name
 from refengine.conformance.registry import check, expect, fail, not_claimed, skip
 from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Target
@@ -116,7 +117,7 @@ def _validated_in_time(res: StreamResult, what: str) -> str:
         return "refused"
     late = [e for e in res.of("error") if e.code in LATE_VALIDATION]
     if late:
-        fail(f"{what}: accepted, then EngineError {oe.ErrorCode.Name(late[0].code)} ({late[0].message!r}); "
+        fail(f"{what}: accepted, then EngineError {enum_name(oe.ErrorCode, late[0].code)} ({late[0].message!r}); "
              "the modality is validated before acceptance")
     problems = stream_violations(res)
     expect(not problems, f"{what}: " + "; ".join(problems[:3]))

@@ -4,28 +4,30 @@
     refengine conformance --target HOST:PORT [--profile P ...] [--rules G1,L] [--format text|markdown|json]
                           [--prefill HOST:PORT --decode HOST:PORT] [--encoder HOST:PORT] [--load N --duration S]
 
-Exit status: 0 when nothing failed, 1 when a check (or the load run) failed, 2 on a bad
-command line or when the target cannot be reached.
+Exit status (:data:`EPILOG`): 0 when nothing failed, 1 when a check (or the load run) failed,
+2 on a bad command line or when the target cannot be tested.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-
-import grpc
+from typing import Any
 
 from refengine.conformance.load import LoadOptions, run_load
 from refengine.conformance.profiles import BY_NAME, checks_of
-from refengine.conformance.registry import select
+from refengine.conformance.registry import Check, select
 from refengine.conformance.release import RELEASE
 from refengine.conformance.report import FORMATS, render
 from refengine.conformance.runner import Result, run_report
-from refengine.conformance.target import Options
+from refengine.conformance.target import ConnectError, Options
 
 DESCRIPTION = (f"Check an {RELEASE} server against contract/RULES.md and the draft profiles of docs/profiles/; "
                "print a support matrix per profile and per rule.")
+EPILOG = ("exit status: 0 when nothing failed, 1 when a check (or the load run) failed, 2 on a bad command line "
+          "or when the target cannot be tested (unreachable, or its discovery fails)")
 
 
 def add_arguments(parser: argparse.ArgumentParser, positional: bool = False) -> None:
@@ -81,27 +83,57 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
                        help='G8: known extra keys and their JSON types, e.g. {"my.knob": "number"}')
 
 
+def _json_object(option: str, text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{option}: not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option}: a JSON object is needed, got {type(value).__name__}")
+    return value
+
+
 def options_from_args(args: argparse.Namespace) -> Options:
+    """The run's options; ValueError names a bad one."""
     return Options(model=args.model, stream_timeout_s=args.timeout, rpc_timeout_s=args.rpc_timeout,
-                   slow_reader_s=args.slow_reader_seconds, slow_reader_extra=json.loads(args.slow_reader_extra),
-                   known_extra_keys=json.loads(args.known_extra_keys), prefill_address=args.prefill,
+                   slow_reader_s=args.slow_reader_seconds,
+                   slow_reader_extra=_json_object("--slow-reader-extra", args.slow_reader_extra),
+                   known_extra_keys=_json_object("--known-extra-keys", args.known_extra_keys),
+                   prefill_address=args.prefill,
                    decode_address=args.decode, lora_dir=args.lora_dir, lora_model_config=args.lora_model_config,
                    media_placeholder_token_id=args.media_placeholder_token_id, encoder_address=args.encoder,
                    eviction_budget_tokens=args.eviction_budget_tokens,
                    replay_budget_batches=args.replay_budget_batches)
 
 
+def _selected(args: argparse.Namespace) -> list[Check]:
+    """The checks --rules and --profile select together; ValueError when none or a bad id."""
+    rules = [r for r in args.rules.split(",") if r.strip()]
+    checks = select(rules or None)
+    if args.profile:
+        wanted = {c.name for c in checks_of(args.profile)}
+        checks = [c for c in checks if c.name in wanted]
+    if not checks:
+        raise ValueError(f"no check is both in --rules {args.rules} and in --profile {' '.join(args.profile)}")
+    return checks
+
+
+def _check_arguments(args: argparse.Namespace) -> tuple[list[Check], Options, LoadOptions | None]:
+    """Everything the command line says, checked before connecting: a mistake is reported at
+    once (exit 2), not after a whole run."""
+    if not (args.target or getattr(args, "address", "")):
+        raise ValueError("name the server with --target HOST:PORT")
+    if args.timeout <= 0 or args.rpc_timeout <= 0:
+        raise ValueError(f"--timeout and --rpc-timeout must be > 0 (got {args.timeout:g}, {args.rpc_timeout:g})")
+    load = LoadOptions(args.load, args.duration, args.seed) if args.load else None
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json {args.json}: no such directory")
+    return _selected(args), options_from_args(args), load
+
+
 def run_command(args: argparse.Namespace) -> int:
-    address = args.target or getattr(args, "address", "")
-    if not address:
-        print("conformance: error: name the server with --target HOST:PORT", file=sys.stderr)
-        return 2
     try:
-        rules = [r for r in args.rules.split(",") if r.strip()]
-        checks = select(rules or None)
-        if args.profile:
-            wanted = {c.name for c in checks_of(args.profile)}
-            checks = [c for c in checks if c.name in wanted]
+        checks, options, load = _check_arguments(args)
     except ValueError as err:
         print(f"conformance: error: {err}", file=sys.stderr)
         return 2
@@ -110,15 +142,14 @@ def run_command(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"{r.status.value:11} {r.name:45} {r.seconds:6.2f}s  {r.message[:90]}", file=sys.stderr, flush=True)
 
-    options = options_from_args(args)
+    address = args.target or getattr(args, "address", "")
     try:
         report = run_report(address, checks, options, on_result=progress)
-    except grpc.FutureTimeoutError:
-        print(f"conformance: error: cannot connect to {address} within {options.rpc_timeout_s:.0f} s",
-              file=sys.stderr)
+        if load is not None:
+            report = run_load(report, address, options, load)
+    except ConnectError as err:
+        print(f"conformance: error: {err}", file=sys.stderr)
         return 2
-    if args.load:
-        report = run_load(report, address, options, LoadOptions(args.load, args.duration, args.seed))
     print(render(report, args.format))
     if args.json:
         with open(args.json, "w") as f:
@@ -127,6 +158,6 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m refengine.conformance", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m refengine.conformance", description=DESCRIPTION, epilog=EPILOG)
     add_arguments(parser, positional=True)
     return run_command(parser.parse_args(argv))

@@ -17,7 +17,8 @@ from google.protobuf import json_format
 
 from refengine.conformance.assertions import expect_valid
 from refengine.conformance.checks_media import _png
-from refengine.conformance.registry import expect, fail, not_claimed, skip
+from refengine.conformance.enums import enum_name
+from refengine.conformance.registry import CheckFailed, expect, fail, not_claimed, skip
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 from refengine.protocol.v1alpha1 import media_pb2 as media
@@ -114,10 +115,10 @@ def discover(t: Target) -> Setup:
         extra = None
         if address and address != t.address:
             try:
-                extra = t.connect_peer(address)
-            except Exception as exc:  # noqa: BLE001 - any connect failure: every ENC check fails with it
-                t.cache["enc_connect_error"] = f"--encoder {address}: cannot connect: {type(exc).__name__}: {exc}"
-                fail(t.cache["enc_connect_error"])
+                extra = t.connect_peer(address, "--encoder")
+            except CheckFailed as exc:  # every ENC check fails with it
+                t.cache["enc_connect_error"] = str(exc)
+                raise
         target_sides = claimed_sides(t)
         encoder_sides = claimed_sides(extra) if extra is not None else (target_sides if address else set())
         t.cache["enc_setup"] = Setup(target_sides, extra, encoder_sides)
@@ -156,8 +157,8 @@ def consumer_target(t: Target, roles: Sequence[int] = (oe.ENGINE_ROLE_AGGREGATED
     if "consumer" not in setup.target_sides:
         missing.append(f"the target listing side 'consumer' (it lists {sorted(setup.target_sides)})")
     elif t.server_info.engine_role not in roles:
-        missing.append(f"an {'/'.join(oe.EngineRole.Name(r).removeprefix('ENGINE_ROLE_') for r in roles)} target "
-                       f"(it is {oe.EngineRole.Name(t.server_info.engine_role)}{why})")
+        missing.append(f"an {'/'.join(enum_name(oe.EngineRole, r).removeprefix('ENGINE_ROLE_') for r in roles)} target "
+                       f"(it is {enum_name(oe.EngineRole, t.server_info.engine_role)}{why})")
     if "encoder" not in (setup.encoder_sides if t.options.encoder_address else setup.target_sides):
         missing.append(f"an encoder server ({ENCODER_FLAG}, listing side 'encoder')")
     token = t.options.media_placeholder_token_id
@@ -263,7 +264,7 @@ def handle_problems(h: Any, now_ns: int) -> list[str]:
     elif not h.mm_hash:
         problems.append("mm_hash is empty")
     if h.modality != oe.MODALITY_IMAGE:
-        problems.append(f"modality {oe.Modality.Name(h.modality)}, the item was an image")
+        problems.append(f"modality {enum_name(oe.Modality, h.modality)}, the item was an image")
     if len(h.shape) != 2 or not all(h.shape):
         problems.append(f"shape {list(h.shape)} is not [num_tokens, hidden_size], both positive")
     elif h.num_tokens != h.shape[0]:

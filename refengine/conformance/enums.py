@@ -55,6 +55,12 @@ def value_name(enum: EnumDescriptor, value: int) -> str:
     return enum.values_by_number[value].name if is_known(enum, value) else str(value)
 
 
+def enum_name(enum: Any, value: int) -> str:
+    """The name of ``value`` in a generated enum (``oe.FinishReason``), or the number and "(not in
+    the release)": a check describing what a server sent must not crash on a value X4 reports."""
+    return value_name(enum.DESCRIPTOR, value) + ("" if is_known(enum.DESCRIPTOR, value) else " (not in the release)")
+
+
 class EnumLog:
     """Thread-safe record: enum full name -> value -> where it was first seen."""
 

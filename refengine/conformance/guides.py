@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from refengine.conformance.enums import enum_name
 from refengine.conformance.json_prefix import json_prefix_problem
 from refengine.protocol import oe
 
@@ -139,7 +140,7 @@ class GuideCase:
 
     @property
     def name(self) -> str:
-        return oe.GuidedDecodingMode.Name(self.mode).removeprefix("GUIDED_DECODING_MODE_")
+        return enum_name(oe.GuidedDecodingMode, self.mode).removeprefix("GUIDED_DECODING_MODE_")
 
 
 CASES: dict[int, GuideCase] = {c.mode: c for c in (

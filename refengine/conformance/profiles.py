@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from refengine.conformance.enums import enum_name
 from refengine.conformance.registry import Check, CheckFailed, CheckNotClaimed, all_checks, rule_section
 from refengine.protocol import oe
 
@@ -110,7 +111,7 @@ def _prefix_cache(t: Target) -> Claim:
 
 
 def _role(role: int, option: str, flag: str) -> Callable[[Target], Claim]:
-    name = oe.EngineRole.Name(role).removeprefix("ENGINE_ROLE_")
+    name = enum_name(oe.EngineRole, role).removeprefix("ENGINE_ROLE_")
 
     def claim(t: Target) -> Claim:
         if t.server_info.engine_role == role:

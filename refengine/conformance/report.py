@@ -11,7 +11,8 @@ The JSON form is stable (docs/conformance.md)::
      "load": null | {"streams", "duration_s", "seed", "requests", "outcomes": {kind: count}}}
 
 ``status`` is one of ``pass``, ``fail``, ``not_claimed``, ``skipped``; a profile's status is
-``fail`` when any of its checks failed, else ``not_claimed`` or ``pass``; a rule's is the worst
+``fail`` when any of its checks failed, else ``not_claimed`` (unclaimed), else ``pass`` when one
+of its checks passed, else ``skipped`` (none ran, or all skipped); a rule's is the worst
 of its checks' (fail, then pass, then skipped, then not_claimed). ``evidence`` is empty unless
 the check failed: then the last exchanges it had with the server (request, status, events).
 Nothing in it depends on timing, so two runs against the same server compare equal.

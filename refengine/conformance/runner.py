@@ -51,12 +51,15 @@ class Report:
     load: dict[str, Any] | None = None  # the load mode's counts (outcomes by kind), when it ran
 
     def profile_status(self, name: str) -> Status:
-        """fail if any of its checks failed, else not_claimed when unclaimed, else pass."""
+        """fail if any of its checks failed, else not_claimed when unclaimed, else pass when one of
+        its checks passed, else skipped: a profile none of whose checks ran (or all skipped) has
+        shown nothing."""
         mine = [r for r in self.results if r.profile == name]
         if any(r.status is Status.FAIL for r in mine):
             return Status.FAIL
-        claim = next(p for p in self.profiles if p.name == name)
-        return Status.PASS if claim.claimed else Status.NOT_CLAIMED
+        if not next(p for p in self.profiles if p.name == name).claimed:
+            return Status.NOT_CLAIMED
+        return Status.PASS if any(r.status is Status.PASS for r in mine) else Status.SKIP
 
     @property
     def failed(self) -> bool:

@@ -33,6 +33,11 @@ Metadata = Sequence[tuple[str, str]]
 IDLE_RULES = frozenset({"A4", "A5", "H4", "K7"})
 
 
+class ConnectError(Exception):
+    """The server cannot be tested at all: it does not answer, or its discovery (GetServerInfo,
+    GetModelInfo: D1) fails. The command line reports it and exits 2; no check runs."""
+
+
 @dataclass(frozen=True)
 class Options:
     """Knobs of a conformance run. ``model`` empty = the first supported model."""
@@ -106,24 +111,44 @@ class Target:
 
     # -- lifecycle -------------------------------------------------------------
     def connect(self) -> Target:
-        """Wait for the channel, then run discovery (GetServerInfo, GetModelInfo)."""
-        grpc.channel_ready_future(self.channel).result(timeout=self.options.rpc_timeout_s)
-        self.server_info = self.unary("GetServerInfo", oe.GetServerInfoRequest())
+        """Wait for the channel, then run discovery (GetServerInfo, GetModelInfo); raises
+        :class:`ConnectError` saying why the server cannot be tested. GetLoad is optional (the
+        ``load`` profile is claimed only when it answers): when it does, an idle server's used
+        KV blocks become the idle value of :meth:`wait_idle`."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=self.options.rpc_timeout_s)
+        except grpc.FutureTimeoutError:
+            raise ConnectError(f"cannot connect to {self.address} within {self.options.rpc_timeout_s:g} s") from None
+        self.server_info = self._discover("GetServerInfo", oe.GetServerInfoRequest())
         served = self.server_info.supported_models
         model = self.options.model or (served[0] if served else "")
-        self.model_info = self.unary("GetModelInfo", oe.GetModelInfoRequest(model=model))
-        load = self.load()
-        if load.running_requests == 0 and load.queued_requests == 0 and load.HasField("used_kv_blocks"):
+        if not model:
+            raise ConnectError(f"{self.address}: GetServerInfo lists no supported model; name one with --model")
+        self.model_info = self._discover("GetModelInfo", oe.GetModelInfoRequest(model=model))
+        code, load = self.unary_code("GetLoad", oe.GetLoadRequest())
+        if code == grpc.StatusCode.OK and load.running_requests == 0 and load.queued_requests == 0 \
+                and load.HasField("used_kv_blocks"):
             self.idle_used_kv_blocks = load.used_kv_blocks
         return self
 
-    def connect_peer(self, address: str) -> Target:
-        """Another server of the same run (the ``--encoder`` server), with these options, closed
-        with this one even when connecting fails: a channel left open keeps reconnecting to a
-        server that may be long gone."""
+    def _discover(self, method: str, request: Any) -> Any:
+        try:
+            return self.unary(method, request)
+        except grpc.RpcError as err:
+            raise ConnectError(f"{self.address}: discovery failed: {method}({str(request).strip() or '{}'}) "
+                               f"answered {err.code().name}: {err.details()}") from None
+
+    def connect_peer(self, address: str, role: str) -> Target:
+        """Another server of the same run (``role``: the option naming it, e.g. ``--encoder``),
+        with these options, closed with this one even when connecting fails: a channel left open
+        keeps reconnecting to a server that may be long gone. A server that cannot be tested
+        fails the check that needs it, naming the option and the address."""
         peer = Target(address, self.options)
         self._peers.append(peer)
-        return peer.connect()
+        try:
+            return peer.connect()
+        except ConnectError as err:
+            raise CheckFailed(f"{role}: {err}") from None
 
     def close(self) -> None:
         for peer in self._peers:

@@ -99,7 +99,9 @@ CONTROLS = [
     Control("no-output-index", "G10", broken(omit_output_index=True)),
     Control("cumulative-text", "G11", broken(cumulative_text=True)),
     Control("double-finish", "G12", broken(double_finish=True)),
+    Control("finish-omitted", "G12", broken(omit_finish=True)),
     Control("stop-text-without-match", "G13", broken(stop_text_without_match=True)),
+    Control("eos-without-match", "G13", broken(eos_without_match=True)),
     Control("stop-string-leaks", "G14", broken(leak_stop=True)),
     Control("min-tokens-ignored", "G15", broken(min_tokens_ignored=True)),
     Control("usage-on-every-event", "G16", broken(usage_every_event=True)),
@@ -153,6 +155,7 @@ CONTROLS = [
     Control("failure-as-empty-ok", "X2", broken(empty_ok_for_invalid_load=True)),
     Control("overload-not-retryable", "X3", broken(overload_not_retryable=True)),
     Control("unknown-role-rejected", "X4", broken(reject_unknown_role=True)),
+    Control("finish-reason-17", "X4", broken(finish_reason=17)),
 ]
 
 #: Rules with a check but no negative control, and why (none today: the draft encoder profile's

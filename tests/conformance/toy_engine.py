@@ -84,7 +84,9 @@ class Faults:
     omit_output_index: bool = False  # G10: no output_index on TokenOutput / GenerationFinished
     cumulative_text: bool = False  # G11: TokenOutput.text is the whole text so far
     double_finish: bool = False  # G12: every GenerationFinished is sent twice
+    omit_finish: bool = False  # G12: no STOP/LENGTH GenerationFinished; ends OK after an empty TokenOutput
     stop_text_without_match: bool = False  # G13: STOP by a stop string carries no stop_match
+    eos_without_match: bool = False  # G13: STOP at EOS carries no stop_match
     leak_stop: bool = False  # G14: stop strings stay in the text
     min_tokens_ignored: bool = False  # G15: stop tokens and EOS end outputs below min_tokens
     usage_every_event: bool = False  # G16: usage on every event
@@ -115,6 +117,7 @@ class Faults:
     abort_all_wrong_status: bool = False  # A3: Abort(all) with requests running answers ALREADY_FINISHED
     abort_first_output_only: bool = False  # A4: Abort finishes only the first unfinished output
     cancel_reason: int = oe.FINISH_REASON_CANCELLED  # X4: e.g. 4, a FinishReason the release lacks
+    finish_reason: int = 0  # X4: when set (e.g. 17), the reason of every GenerationFinished
     leak_on_cancel: bool = False  # A5: a client cancel leaves one KV block used
     ignore_disconnect: bool = False  # A5: a cancelled call keeps running
     health_check_degraded: bool = False  # H1: overall READY with a DEGRADED check
@@ -236,7 +239,8 @@ class ToyEngine(Streams):
         """Add ``tok`` to ``out`` (or end it); True when the whole job ended with an error."""
         st = job.req.stopping
         if tok == EOS:
-            self.finish(job, out, oe.FINISH_REASON_STOP, oe.StopMatch(eos_token_id=EOS))
+            self.finish(job, out, oe.FINISH_REASON_STOP,
+                        None if self.faults.eos_without_match else oe.StopMatch(eos_token_id=EOS))
             return False
         if tok in job.stop_ids:
             if st.include_stop_in_output:

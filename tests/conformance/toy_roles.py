@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -162,7 +163,8 @@ class DecodeControl(Control):
 def serve_pair(faults: Faults) -> tuple[list[grpc.Server], str, str, list[ToyEngine]]:
     """A PREFILL and a DECODE toy sharing one session store: (servers, prefill, decode, engines)."""
     store = SessionStore()
-    prefill_engine, decode_engine = ToyEngine(faults), ToyEngine(faults)
+    # A decode stream without its GenerationFinished is K9's finding (decode_omits_finish), not G12's.
+    prefill_engine, decode_engine = ToyEngine(faults), ToyEngine(replace(faults, omit_finish=False))
     prefill, prefill_control = PrefillInference(prefill_engine, store), PrefillControl(prefill_engine, store)
     pre_server, pre_address = start(prefill_engine, prefill, prefill_control)
     prefill.port = prefill_control.port = int(pre_address.rsplit(":", 1)[1])

@@ -92,12 +92,17 @@ class Streams:
         if out.pending or out.emitted < len(out.text):
             self.emit(job, out, len(out.text))
         out.done = True
-        fin = oe.GenerationFinished(reason=reason)
+        last = all(o.done for o in job.outputs)
+        if self.faults.omit_finish and reason in (oe.FINISH_REASON_STOP, oe.FINISH_REASON_LENGTH):
+            if last:
+                self.put(job, self.event(job, token=oe.TokenOutput(output_index=out.index)), final=True)
+                self.end(job)
+            return
+        fin = oe.GenerationFinished(reason=self.faults.finish_reason or reason)
         if not self.faults.omit_output_index:
             fin.output_index = out.index
         if match is not None:
             fin.stop_match.CopyFrom(match)
-        last = all(o.done for o in job.outputs)
         if self.faults.double_finish:
             self.put(job, self.event(job, finished=fin), final=False)
         self.put(job, self.event(job, finished=fin), final=last)

@@ -1,0 +1,184 @@
+"""``refengine conformance`` when the command line or the target is wrong: a one-line error and
+exit 2, before any check runs; and the statuses a run reports when it could observe nothing
+(skipped, never pass)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from refengine.conformance import Options, Status, run_report, select
+from refengine.conformance.command import main
+from refengine.conformance.report import to_dict
+from tests.conformance.fake_server import Control, Faults, Inference, serve, start
+from tests.conformance.toy_engine import ToyEngine
+
+#: Nothing listens there: a command line checked only after connecting would say "cannot connect".
+NOWHERE = "127.0.0.1:1"
+
+
+@pytest.fixture(scope="module")
+def toy_address() -> Iterator[str]:
+    server, address, engine = serve()
+    yield address
+    server.stop(0)
+    engine.running = False
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = main([*args, "--quiet"])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--known-extra-keys", "{bad"], "--known-extra-keys: not JSON"),
+    (["--slow-reader-extra", "[1]"], "--slow-reader-extra: a JSON object is needed, got list"),
+    (["--load", "2", "--duration", "0"], "--load needs N >= 1 and --duration > 0"),
+    (["--load", "-1"], "--load needs N >= 1"),
+    (["--json", "/nonexistent-dir/r.json"], "--json /nonexistent-dir/r.json: no such directory"),
+    (["--profile", "lora", "--rules", "G1"], "no check is both in --rules G1 and in --profile lora"),
+    (["--timeout", "0"], "--timeout and --rpc-timeout must be > 0"),
+])
+def test_a_bad_command_line_is_refused_before_connecting(capsys: pytest.CaptureFixture[str], args: list[str],
+                                                         says: str) -> None:
+    code, err = _main(capsys, NOWHERE, "--rpc-timeout", "30", *args)
+    assert code == 2 and err.startswith("conformance: error: ") and says in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+class _NoModelInfo(Control):
+    def GetModelInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "not here")
+
+
+class _NoModels(Control):
+    def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        info = super().GetServerInfo(request, context)
+        del info.supported_models[:]
+        return info
+
+
+class _NoLoad(Control):
+    def GetLoad(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "no load figures")
+
+
+class _ManySlots(Control):
+    """M4 cannot be observed: the toy ignores priority, but reports 16 running slots."""
+
+    def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        info = super().GetServerInfo(request, context)
+        info.capacity.max_running_requests = 16
+        return info
+
+
+class _SmallContext(Control):
+    """G18's chunked prompt (1.5 x max_batched_tokens 64) does not fit a 100-token context."""
+
+    def GetModelInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        info = super().GetModelInfo(request, context)
+        info.max_context_length = 100
+        return info
+
+
+def _toy_with(control: type[Control], faults: Faults | None = None) -> tuple[grpc.Server, str, ToyEngine]:
+    engine = ToyEngine(faults or Faults())
+    server, address = start(engine, Inference(engine), control(engine))
+    return server, address, engine
+
+
+def _stop(server: grpc.Server, engine: ToyEngine) -> None:
+    server.stop(0)
+    engine.running = False
+
+
+@pytest.mark.parametrize(("control", "says"), [
+    (_NoModelInfo, 'discovery failed: GetModelInfo(model: "toy") answered UNIMPLEMENTED: not here'),
+    (_NoModels, "GetServerInfo lists no supported model; name one with --model"),
+])
+def test_a_target_whose_discovery_fails_exits_2(capsys: pytest.CaptureFixture[str], control: type[Control],
+                                                says: str) -> None:
+    server, address, engine = _toy_with(control)
+    try:
+        code, err = _main(capsys, "--target", address, "--rules", "D1")
+    finally:
+        _stop(server, engine)
+    assert code == 2 and err == f"conformance: error: {address}: {says}\n", err
+
+
+def test_a_grpc_server_that_is_not_openengine_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        code, err = _main(capsys, "--target", f"127.0.0.1:{port}", "--rules", "D1")
+    finally:
+        server.stop(0)
+    assert code == 2 and "GetServerInfo({}) answered UNIMPLEMENTED" in err and err.count("\n") == 1, err
+
+
+def test_an_unknown_model_exits_2(capsys: pytest.CaptureFixture[str], toy_address: str) -> None:
+    code, err = _main(capsys, "--target", toy_address, "--model", "nosuch", "--rules", "D1")
+    assert code == 2 and 'GetModelInfo(model: "nosuch") answered NOT_FOUND' in err, err
+
+
+def test_getload_is_optional(toy_address: str) -> None:
+    """A server without GetLoad is tested; only the load profile is not claimed."""
+    server, address, engine = _toy_with(_NoLoad)
+    try:
+        report = run_report(address, select(["D1", "H4"]))
+    finally:
+        _stop(server, engine)
+    statuses = {r.name: r.status for r in report.results}
+    assert statuses["D1:schema_revision"] is Status.PASS
+    assert statuses["H4:load_presence"] is Status.NOT_CLAIMED
+    assert not next(p for p in report.profiles if p.name == "load").claimed
+
+
+def test_a_claimed_profile_none_of_whose_checks_ran_is_skipped(toy_address: str) -> None:
+    profiles = {p["name"]: p["status"] for p in to_dict(run_report(toy_address, select(["D1"])))["profiles"]}
+    assert profiles["core"] == "pass"
+    assert profiles["load"] == profiles["logprobs"] == profiles["guided"] == "skipped"
+    assert profiles["lora"] == "not_claimed"
+
+
+def test_an_unreachable_named_server_fails_naming_it(toy_address: str) -> None:
+    options = Options(prefill_address=NOWHERE, decode_address=NOWHERE, rpc_timeout_s=1.0)
+    (result, *_) = run_report(toy_address, select(["K4"]), options).results
+    assert result.status is Status.FAIL
+    assert result.message == f"--prefill: cannot connect to {NOWHERE} within 1 s", result.message
+
+
+@pytest.mark.parametrize(("control", "rule", "name", "says"), [
+    (_ManySlots, "M4", "M4:priority", "admission order cannot be observed: max_running_requests 16"),
+    (_SmallContext, "G18", "G18:greedy_chunked", "forcing chunking needs a prompt of 103 tokens"),
+])
+def test_what_cannot_be_observed_is_skipped_not_passed(control: type[Control], rule: str, name: str,
+                                                       says: str) -> None:
+    """The toy ignores priority here, so a pass would be wrong; it cannot be seen, so: skipped."""
+    server, address, engine = _toy_with(control, Faults(ignore_priority=True))
+    try:
+        results = {r.name: r for r in run_report(address, select([rule])).results}
+    finally:
+        _stop(server, engine)
+    assert results[name].status is Status.SKIP and says in results[name].message, results[name]
+
+
+def test_an_unknown_role_is_named_not_a_crash(toy_address: str) -> None:
+    class UnknownRole(Control):
+        def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+            info = super().GetServerInfo(request, context)
+            info.engine_role = 9
+            return info
+
+    server, address, engine = _toy_with(UnknownRole)
+    try:
+        results = {r.name: r for r in run_report(address, select(["D7", "X4"])).results}
+    finally:
+        _stop(server, engine)
+    assert "ValueError" not in results["D7:engine_role"].message, results["D7:engine_role"]
+    assert results["X4:release_enum_values"].status is Status.FAIL
