@@ -91,7 +91,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="host clients reach this server at, reported instead of a bind wildcard: in a prefill "
                    "server's KvSessionRef endpoints and in GetKvEventSources (default: None = the machine's "
                    "host name)")
-    g.add_argument("--log-level", default="INFO", help="logging level")
+    g.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="logging level (default: INFO)")
+
+
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
@@ -116,7 +120,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         options = options_from_args(args)

@@ -30,7 +30,7 @@ from refengine.engine.kv_events import KvEventSubscription
 from refengine.protocol import oe
 from refengine.server.errors import Rejection, invalid
 from refengine.server.kv_events_wire import batch_response, storage_medium
-from refengine.server.options import ServerOptions
+from refengine.server.options import WILDCARD_HOSTS, ServerOptions
 from refengine.server.state import ServerState
 from refengine.types import RequestError
 
@@ -160,9 +160,6 @@ async def _write_or_disconnect(context: grpc.aio.ServicerContext, response: oe.S
     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"KV event subscriber read nothing for {write_timeout:.1f} s (--stall-timeout-seconds); "
                         "disconnected: subscribe again, with start_sequence_number to resume")
-
-
-WILDCARD_HOSTS = ("", "0.0.0.0", "*", "::", "[::]")
 
 
 def advertised_host(options: ServerOptions) -> str:

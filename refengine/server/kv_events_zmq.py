@@ -55,12 +55,12 @@ import zmq
 from refengine.engine.interface import EngineClient
 from refengine.engine.kv_events import KvEventSubscription
 from refengine.kv.keys import block_hash_u64
+from refengine.server.options import WILDCARD_HOSTS
 from refengine.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 
 logger = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
 SALT_PREFIX = "salt:"
 POLL_SECONDS = 0.005  # the longest a batch waits while the thread polls the replay socket
 RESUBSCRIBE_BACKOFF_SECONDS = 0.5

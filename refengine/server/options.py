@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 MIB = 1 << 20
 ROLES = ("aggregated", "prefill", "decode", "encoder")
+#: Bind addresses that mean "every interface": never a host a client can be told to connect to (E6).
+WILDCARD_HOSTS = ("", "0.0.0.0", "*", "::", "[::]")
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class ServerOptions:
       socket, bound); ``kv_events_zmq_replay`` the ROUTER replay socket; ``kv_events_zmq_topic``
       its topic. ``None`` = no compatibility source (the native SubscribeKvEvents still works).
     - ``advertise_host``: the host clients can reach this server at, reported where a bind
-      address would be a wildcard (``GetKvEventSources``); ``None`` = the machine's host name.
+      address would be a wildcard (``GetKvEventSources``, a prefill server's ``KvSessionRef``);
+      ``None`` = the machine's host name; a wildcard itself is refused.
     """
 
     role: str = "aggregated"
@@ -54,6 +57,13 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        for name in ("port", "control_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:  # gRPC would bind port % 65536 (another server's)
+                raise ValueError(f"--{name.replace('_', '-')} must be in 0..65535 (0: a free port), got {port}")
+        if self.advertise_host is not None and self.advertise_host.strip() in WILDCARD_HOSTS:
+            raise ValueError(f"--advertise-host {self.advertise_host!r} is a bind wildcard; name a host clients "
+                             "can connect to (E6)")
         if self.stream_buffer < 1:
             raise ValueError("stream_buffer must be >= 1")
         for name in ("shutdown_grace_seconds", "stall_timeout_seconds", "health_probe_timeout_seconds"):
