@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from refengine.config import EngineConfig
-from refengine.kv.transfer.base import KvTransferBackend, PullOrder, SessionPinner, TransferFailure
+from refengine.kv.transfer.base import Cancellation, KvTransferBackend, PullOrder, SessionPinner, TransferFailure
 from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
 from refengine.model.embedding_io import EmbeddingArena
 from refengine.multimodal.embedding_rows import RowPool
@@ -65,13 +65,13 @@ class MediaPulls:
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="refengine-media-pull")
         self._on_done = on_done
         self._lock = threading.Lock()
-        self._cancel: dict[str, threading.Event] = {}
+        self._cancel: dict[str, Cancellation] = {}
         self._finished: list[tuple[str, Pulled | None, EngineFault | None]] = []
 
     def start(self, request_id: str, handles: Sequence[EmbeddingHandleSpec],
               trace: tuple[tuple[str, str], ...] = ()) -> None:
         unique = list({h.handle_id: h for h in handles}.values())  # a handle used twice is pulled once
-        cancelled = threading.Event()
+        cancelled = Cancellation()
         with self._lock:
             self._cancel[request_id] = cancelled
         self._executor.submit(self._run, request_id, unique, cancelled, trace)
@@ -117,7 +117,11 @@ class MediaPulls:
         try:
             order = pull_order(request_id, handle, self.backends, rows, trace)
             self.backends[order.session.transfer_backend].pull(order, cancelled)
-            return self.staging.get(rows).to(device=self.device, dtype=self.dtype)
+            embeds = self.staging.get(rows).to(device=self.device, dtype=self.dtype)
+            if not bool(torch.isfinite(embeds).all()):  # cheap next to the LM; NaN rows would poison its KV
+                raise TransferFailure("failed", f"handle {handle.handle_id!r}: its rows hold NaN or infinity (in "
+                                      f"the LM's {self.dtype}), which no encoder produces")
+            return embeds
         except TransferFailure as failure:
             keep_rows = failure.dest_may_change
             if keep_rows:

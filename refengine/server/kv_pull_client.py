@@ -2,15 +2,16 @@
 
 ``pull`` runs on one of the engine's transfer threads with a blocking gRPC channel (one
 per prefill endpoint, reused): it streams the blocks, checks each chunk (order, size,
-CRC-32) before writing it into the destination blocks, checks ``cancelled`` between
-chunks, and finally asks the prefill server to ``Release`` the session (without waiting for
-the answer: the blocks are already here). The bytes go
-straight into the engine's ``BlockStore``: this module never sees a tensor.
+CRC-32) before writing it into the destination blocks, stops when ``cancelled`` is set (the
+stream is cancelled, also while it waits for a chunk), and finally asks the prefill server
+to ``Release`` the session (without waiting for the answer: the blocks are already here).
+The bytes go straight into the engine's ``BlockStore``: this module never sees a tensor.
 
 Failures (``TransferFailure``; ``retryable`` = the prefill server may still hold it):
-NOT_FOUND → "not_found"; unreachable → "failed", not retryable (a restarted prefill
-server has lost its sessions); a bad chunk, a timeout, a stream cut mid-way → "failed",
-retryable. ``start_pin`` serves the NIXL backend (``SessionPinner``).
+NOT_FOUND → "not_found"; unreachable, or a server that cannot hold the session
+(``NEVER_SERVED``) → "failed", not retryable (a restarted prefill server has lost its
+sessions); a bad chunk, a timeout, a stream cut mid-way → "failed", retryable.
+``start_pin`` serves the NIXL backend (``SessionPinner``).
 """
 
 from __future__ import annotations
@@ -24,13 +25,24 @@ from collections.abc import Callable
 
 import grpc
 
-from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder, SessionConfirmed, TransferFailure
+from refengine.kv.transfer.base import (
+    BlockStore,
+    Cancellation,
+    KvTransferBackend,
+    PullOrder,
+    SessionConfirmed,
+    TransferFailure,
+)
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
 from refengine.types import KvSessionSpec
 
 logger = logging.getLogger(__name__)
 CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 80 << 20),)  # above the largest chunk (64 MiB)
+#: Answers after which the same pull can never succeed (not retryable): a malformed pull; a server
+#: that holds no sessions (still loading after a restart, which lost them all, or of another
+#: role: FAILED_PRECONDITION); an endpoint without the KvPull service (UNIMPLEMENTED).
+NEVER_SERVED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
 
 
 def _log_failed_release(session_id: str, call: grpc.Future) -> None:
@@ -71,6 +83,8 @@ class GrpcKvTransfer(KvTransferBackend):
                                  num_blocks=len(order.dest_block_ids), kv_layout=self._store.layout)
         deadline = time.monotonic() + self.pull_timeout_seconds
         call = stub.Pull(request, timeout=self.pull_timeout_seconds, metadata=order.trace)
+        if isinstance(cancelled, Cancellation):  # wakes the read below, blocked on a source that may never answer
+            cancelled.on_cancel(call.cancel)
         try:
             self._receive(order, call, cancelled)
         except grpc.RpcError as err:
@@ -112,7 +126,7 @@ class GrpcKvTransfer(KvTransferBackend):
         if code == grpc.StatusCode.UNAVAILABLE:
             return TransferFailure("failed", f"source server (prefill or encoder) unreachable, {where}",
                                    retryable=False)
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
+        if code in NEVER_SERVED:
             return TransferFailure("failed", where, retryable=False)
         return TransferFailure("failed", where, retryable=True)
 

@@ -102,12 +102,13 @@ class Loopback(KvTransferBackend):
 
 
 def consumer(directory: Path, encoder: EncoderEngine, role: str = "aggregated", delay: float = 0.0,
-             num_blocks: int = 256, kv_pull: KvTransferBackend | None = None) -> Engine:
+             num_blocks: int = 256, kv_pull: KvTransferBackend | None = None,
+             source: type[Loopback] = Loopback) -> Engine:
     cfg = replace(config(role), cache=CacheConfig(block_size=4, num_blocks=num_blocks))
     model_config, weights = load_model_config(directory), load_weights(directory)
     media = MediaInputs.from_model(directory, model_config, weights, torch.float32, "cpu", cfg.media)
     return Engine(cfg, model_config, weights, tiny_llava.TOKENIZER, model_fingerprint="tiny-llava", media=media,
-                  embedding_backends=[Loopback(encoder, delay)],
+                  embedding_backends=[source(encoder, delay)],
                   transfer_backends=[kv_pull or InProcessPull()] if role != "aggregated" else ())
 
 
@@ -248,6 +249,30 @@ def test_gone_handle_and_cancel_while_pulling(llava: TinyLlava) -> None:
     assert pulls is not None and pulls._rows.num_free == pulls.staging.num_rows
     assert engine.stats().used_kv_blocks == 0
     encoder.release_handles([live[0].handle_id])
+    idle(encoder)
+    engine.shutdown()
+    encoder.shutdown()
+
+
+class NonFinite(Loopback):
+    """A source whose rows hold NaN (the CRCs of a gRPC pull would still match)."""
+
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        assert self.store is not None
+        values = len(order.dest_block_ids) * self.store.block_nbytes // 4
+        self.store.write(order.dest_block_ids, torch.full((values,), float("nan")).numpy().tobytes())
+
+
+def test_rows_that_are_not_finite_fail_the_request(llava: TinyLlava) -> None:
+    """ENC13: pulled rows holding NaN end the request with one non-retryable kv_transfer_failed
+    fault, before any KV is computed from them; nothing is held after."""
+    encoder = make_encoder(llava.directory)
+    engine = consumer(llava.directory, encoder, source=NonFinite)
+    handles = reachable(encoder.encode(items(0)))
+    done = engine.run_until_done([request("nan", 1, media_handles=handles)])[0]
+    assert done.error is not None and done.error.code == "kv_transfer_failed" and not done.error.retryable
+    assert "NaN or infinity" in done.error.message and engine.stats().used_kv_blocks == 0
+    encoder.release_handles([handles[0].handle_id])
     idle(encoder)
     engine.shutdown()
     encoder.shutdown()

@@ -82,3 +82,16 @@ def test_release_all_and_unknown_ids(store) -> None:
         sessions.pin("nope", 1.0)
     assert sessions.release_all("drain") == 2 and len(sessions) == 0
     assert sorted(due_ids(sessions)) == ["a", "b"] and sessions.seconds_until_due() is None
+
+
+def test_releasing_an_expired_pinned_session_releases_nothing(store) -> None:
+    """ENC6: only a live handle counts as released. A pin keeps an expired session's blocks for
+    a read in flight, but the session is no longer offered; a confirmed pull still ends it."""
+    sessions, clock, _ = store
+    sessions.pin("a", 30.0)
+    sessions.pin("b", 30.0)
+    clock.now = 121.0  # both leases over, both pins running
+    assert not sessions.release("a", "released") and due_ids(sessions) == []
+    assert sessions.release("b", "pulled", pulled=True) and due_ids(sessions) == ["b"]
+    clock.now = 131.0
+    assert due_ids(sessions) == ["a"]

@@ -62,6 +62,32 @@ class PullOrder:
     trace: tuple[tuple[str, str], ...] = ()  # the request's trace context, for the transfer's RPCs (M5)
 
 
+class Cancellation(threading.Event):
+    """A pull's cancel flag that can also wake a pull blocked on the network: ``on_cancel``
+    callbacks run once, when it is set (at once if it already is). A transfer blocked reading
+    a stream registers the stream's cancel, so that a cancelled request frees its transfer
+    thread now, not when the source answers or the pull times out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks_lock = threading.Lock()
+
+    def set(self) -> None:
+        with self._callbacks_lock:
+            super().set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def on_cancel(self, callback: Callable[[], None]) -> None:
+        with self._callbacks_lock:
+            if not self.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+
 class TransferFailure(Exception):
     """A pull that did not complete. ``kind`` "not_found": the source no longer holds the
     session (KV_SESSION_NOT_FOUND, never retryable); "failed": KV_TRANSFER_FAILED, with
@@ -110,7 +136,8 @@ class KvTransferBackend(ABC):
     @abstractmethod
     def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
         """Decode side, blocking, on a transfer thread: fetch and write the blocks, then tell
-        the source (``on_confirmed`` there). Raises ``TransferFailure``."""
+        the source (``on_confirmed`` there). Raises ``TransferFailure``. ``cancelled`` is a
+        :class:`Cancellation` when the engine pulls (a test may pass a plain Event)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -96,16 +96,19 @@ class KvSessionStore:
 
     def release(self, session_id: str, reason: str, pulled: bool = False) -> bool:
         """Ask to free a session (``pulled``: its decode engine confirmed the pull, so a pin
-        ends too). False when there is no such session, or it was released already."""
+        ends too). False when there is no such session, it was released already, or (unless
+        ``pulled``) its lease is over: a pin may still keep an expired session's blocks for a
+        read in flight, but it is no longer offered, so releasing it releases nothing (ENC6)."""
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None or session.release_reason is not None:
                 return False
+            offered = self._clock() < session.expires_at
             session.release_reason = reason
             if pulled:
                 session.pinned_until = 0.0
         self._on_change()
-        return True
+        return offered or pulled
 
     def release_all(self, reason: str) -> int:
         with self._lock:
