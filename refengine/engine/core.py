@@ -38,7 +38,7 @@ from refengine.engine.engine_lora import StepLora
 from refengine.engine.input_builder import build_model_input
 from refengine.engine.media import step_embeds
 from refengine.engine.media_pulls import MediaPulls
-from refengine.engine.observe import check_idle, engine_stats, request_usage
+from refengine.engine.observe import batch_sizes, check_idle, engine_stats, request_usage
 from refengine.engine.output_processor import OutputProcessor
 from refengine.engine.request import OutputState, OutputStatus, Request
 from refengine.engine.sampling_rows import SampleTarget, sample_step
@@ -166,8 +166,7 @@ class EngineCore(CoreInflowMixin):
         if sched.kv_loads:
             assert self.disagg is not None
             self.disagg.start_loads(sched.kv_loads, self.requests)
-        num_prefill = sum(1 for s in sched.scheduled if s.num_new_tokens > 1)
-        self._last_batch = (num_prefill, len(sched.scheduled) - num_prefill)
+        self._last_batch = batch_sizes(sched.scheduled, self.requests)
         if on_scheduled is not None:
             on_scheduled()
         if not sched.is_empty:
@@ -209,6 +208,10 @@ class EngineCore(CoreInflowMixin):
         for (request, out), token in sampled:
             if request.request_id in outcome.faults:
                 continue
+            if (why := self._refused(out, token)) is not None:  # fails this request only
+                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=why))
+                outcome.faults[request.request_id] = EngineFault("internal", f"output {out.index}: {why}", False)
+                continue
             if self.config.role == "prefill":  # K4: the first token goes with the session, not out
                 assert self.disagg is not None
                 outcome.prefills[request.request_id] = self.disagg.hand_over(request, out, token)
@@ -217,16 +220,19 @@ class EngineCore(CoreInflowMixin):
                 continue
             self._append(request, out, token, outcome)
 
-    def _append(self, request: Request, out: OutputState, token: SampledToken, outcome: StepOutcome) -> None:
-        """One token onto one output: grammar, stops, finish. A token the grammar forbids
-        means a masking bug (or a foreign first token): it fails this request only."""
+    def _refused(self, out: OutputState, token: SampledToken) -> str | None:
+        """Why ``token`` cannot go onto ``out`` (None: it can). An id past the vocabulary is
+        the sampler's answer to a row of non-finite logits (an adapter or input out of range);
+        a token the grammar forbids means a masking bug (or a foreign first token)."""
+        if token.token_id >= self.sampler.vocab_size:
+            return "the model's logits are not finite (NaN or infinity); nothing can be sampled"
         if out.matcher is not None and not out.matcher.accept_token(token.token_id):
-            self._cancel(request, FinishInfo(FinishReason.CANCELLED, message="grammar rejected a token"))
             why = out.matcher.error()  # a limit the grammar engine hit mid-way, which it names
-            outcome.faults[request.request_id] = EngineFault(
-                "internal", f"output {out.index}: the grammar rejected token {token.token_id}"
-                + (f" ({why})" if why else ""), False)
-            return
+            return f"the grammar rejected token {token.token_id}" + (f" ({why})" if why else "")
+        return None
+
+    def _append(self, request: Request, out: OutputState, token: SampledToken, outcome: StepOutcome) -> None:
+        """One token onto one output (checked by :meth:`_refused`): stops, finish."""
         delta = self.outputs.append_token(request, out, token)
         if delta.finish is not None:
             self._finish_output(out, delta.finish)

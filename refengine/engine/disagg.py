@@ -28,7 +28,7 @@ from refengine.config import EngineConfig
 from refengine.engine.request import OutputState, Request
 from refengine.kv.kv_manager import KvCacheManager
 from refengine.kv.transfer.attributes import FirstToken, SessionAttributes, prompt_hash
-from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder, TransferFailure
+from refengine.kv.transfer.base import BlockStore, Cancellation, KvTransferBackend, PullOrder, TransferFailure
 from refengine.kv.transfer.sessions import KvSession, KvSessionStore
 from refengine.sampling.sampler import SampledToken
 from refengine.scheduler.scheduler import KvLoad
@@ -53,11 +53,11 @@ class KvLoads:
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="refengine-kv-pull")
         self._on_done = on_done  # wakes the step loop
         self._lock = threading.Lock()
-        self._cancel: dict[str, threading.Event] = {}
+        self._cancel: dict[str, Cancellation] = {}
         self._finished: list[tuple[str, TransferFailure | None]] = []
 
     def start(self, order: PullOrder) -> None:
-        cancelled = threading.Event()
+        cancelled = Cancellation()
         with self._lock:
             self._cancel[order.request_id] = cancelled
         self._executor.submit(self._run, order, cancelled)
@@ -136,7 +136,8 @@ class Disaggregation:
             model_fingerprint=self.fingerprint, block_size=self.kv.block_size, kv_dtype=self.store.dtype,
             kv_layout=self.store.layout, block_nbytes=self.store.block_nbytes,
             num_prompt_tokens=len(request.prompt_token_ids),
-            prompt_hash=prompt_hash(request.prompt_token_ids, request.media_identities),
+            prompt_hash=prompt_hash(request.prompt_token_ids, request.media_identities,
+                                    "" if request.lora is None else request.lora.cache_key),
             num_blocks=len(session.block_ids),
             first_token=FirstToken(token.token_id, token.logprob, token.rank, tuple(token.candidates)),
             lease_expires_unix_nanos=time.time_ns() + int(ttl * 1e9), lease_seconds=ttl,

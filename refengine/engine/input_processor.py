@@ -58,8 +58,9 @@ class InputProcessor:
         elif self.media is not None:  # G19: a placeholder with no item to fill it is refused too
             self.media.check_placeholders(prompt_ids)
         max_tokens = validate_prompt(params, prompt_ids, self.limits)
-        self.role.check(params, prompt_ids, tuple((run.start, run.identity) for run in media))
         lora = None if params.lora_name is None else self.loras.get(params.lora_name)  # R4
+        self.role.check(params, prompt_ids, tuple((run.start, run.identity) for run in media),
+                        "" if lora is None else lora.cache_key)
         return Request(params, prompt_ids, max_tokens, guide=self._compile(params), lora=lora, media=media)
 
     def _media(self, params: GenerationRequest, prompt_ids: list[int]) -> tuple[list[int], tuple[MediaRun, ...]]:

@@ -33,8 +33,10 @@ class RoleCheck:
         self.backends = backends
         self.vocab_size = vocab_size
 
-    def check(self, params: GenerationRequest, prompt_ids: list[int], media: tuple[tuple[int, str], ...] = ()) -> None:
-        """``media``: (first position, identity) of each media item in the expanded prompt."""
+    def check(self, params: GenerationRequest, prompt_ids: list[int], media: tuple[tuple[int, str], ...] = (),
+              adapter: str = "") -> None:
+        """``media``: (first position, identity) of each media item in the expanded prompt;
+        ``adapter``: the request's LoRA adapter's cache key ("" for the base model)."""
         session = params.kv.session
         if session is not None and self.role != "decode":
             raise InvalidRequestError(f"role mismatch: this is a {self.role} engine; only a decode engine takes "
@@ -52,10 +54,10 @@ class RoleCheck:
                                           "PrefillReady.kv_session)")
             if params.logprobs.prompt_logprobs or params.logprobs.prompt_candidates is not None:
                 raise InvalidRequestError("prompt logprobs are computed by the prefill engine: ask it for them")
-            self._check_session(session, prompt_ids, media)
+            self._check_session(session, prompt_ids, media, adapter)
 
     def _check_session(self, session: KvSessionSpec, prompt_ids: list[int],
-                       media: tuple[tuple[int, str], ...]) -> None:
+                       media: tuple[tuple[int, str], ...], adapter: str) -> None:
         if session.transfer_backend not in self.backends:
             raise InvalidRequestError(f"kv.session.transfer_backend {session.transfer_backend!r} is not one this "
                                       f"engine has: {list(self.backends)}")
@@ -70,15 +72,15 @@ class RoleCheck:
             "kv_layout": self.store.layout,
             "block_nbytes": self.store.block_nbytes,
             "num_prompt_tokens": len(prompt_ids),
-            "prompt_hash": prompt_hash(prompt_ids, media),
+            "prompt_hash": prompt_hash(prompt_ids, media, adapter),
             "num_blocks": -(-len(prompt_ids) // self.block_size),
         }
         for key, want in expected.items():
             got = getattr(attrs, key)
             if got != want:
                 raise InvalidRequestError(f"kv.session.attributes_struct.{key} is {got!r}, this engine and prompt "
-                                          f"need {want!r}: the session was prefilled for another model, layout or "
-                                          "prompt")
+                                          f"need {want!r}: the session was prefilled for another model, layout, "
+                                          "prompt or LoRA adapter")
         if problem := self.backends[session.transfer_backend].source_problem(attrs.transfer):
             raise InvalidRequestError(f"kv.session.attributes_struct.transfer is unusable by the "
                                       f"{session.transfer_backend!r} backend: {problem}")

@@ -7,8 +7,8 @@ What is supported is what the model's projections can take: ``peft_type`` LORA o
 ``max_lora_rank`` (per module too: ``rank_pattern``, ``alpha_pattern``), scaling
 ``lora_alpha / r`` or, with ``use_rslora``, ``lora_alpha / sqrt(r)``. Everything else that
 changes the math — DoRA, LoRA biases, ``bias`` other than "none", ``modules_to_save``,
-trainable tokens, target parameters, embedding or lm_head adapters, ``fan_in_fan_out`` —
-is refused with ``InvalidRequestError`` naming it, before any weight is kept.
+trainable tokens, target parameters, embedding or lm_head adapters, ``fan_in_fan_out``,
+activated LoRA — is refused with ``InvalidRequestError`` naming it, before any weight is kept.
 
 The result is grouped the way the engine's projections are fused (``ProjectionDeltas``:
 q, k and v under ``qkv_proj``, gate and up under ``gate_up_proj``), each module's pair
@@ -40,7 +40,8 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|ml
 # Options whose non-default values change the math in ways the engine does not implement.
 _REFUSED_OPTIONS = {"use_dora": (False, None), "bias": ("none", None), "lora_bias": (False, None),
                     "fan_in_fan_out": (False, None), "modules_to_save": (None, []), "layer_replication": (None, []),
-                    "trainable_token_indices": (None, {}, []), "target_parameters": (None, [])}
+                    "trainable_token_indices": (None, {}, []), "target_parameters": (None, []),
+                    "alora_invocation_tokens": (None, [])}  # activated LoRA: the delta applies after a marker only
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,25 @@ def _read_config(path: Path, config_file: Path) -> dict[str, Any]:
         if config.get(option, allowed[0]) not in allowed:
             raise _refuse(path, f"{option}={config[option]!r} is not supported")
     for name in ("r", "lora_alpha"):
-        value = config.get(name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise _refuse(path, f"{CONFIG_FILE}: {name} must be a number > 0, got {value!r}")
+        if not _positive(config.get(name)):
+            raise _refuse(path, f"{CONFIG_FILE}: {name} must be a finite number > 0, got {config.get(name)!r}")
     for name in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(config.get(name) or {}, dict):
+        patterns = config.get(name) or {}
+        if not isinstance(patterns, dict):
             raise _refuse(path, f"{CONFIG_FILE}: {name} must be an object")
+        for key, value in patterns.items():
+            if not _positive(value):
+                raise _refuse(path, f"{CONFIG_FILE}: {name}[{key!r}] must be a finite number > 0, got {value!r}")
+            try:
+                re.compile(key)
+            except re.error as exc:
+                raise _refuse(path, f"{CONFIG_FILE}: {name} key {key!r} is not a regular expression: {exc}") from None
     return config
+
+
+def _positive(value: Any) -> bool:
+    """A finite number > 0 (JSON's NaN and Infinity parse as floats; a bool is not a number)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
@@ -141,7 +154,10 @@ def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor
     scale = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
     if not lora_a.is_floating_point() or not lora_b.is_floating_point():
         raise _refuse(path, f"{module}: LoRA weights must be floating point")
-    return LoraPair(lora_a.float(), lora_b.float() * scale)
+    scaled_b = lora_b.float() * scale
+    if not (torch.isfinite(lora_a).all() and torch.isfinite(scaled_b).all()):
+        raise _refuse(path, f"{module}: lora_A, or lora_B times its scale {scale:g}, holds NaN or infinity")
+    return LoraPair(lora_a.float(), scaled_b)
 
 
 def _digest(*files: Path) -> str:

@@ -229,7 +229,9 @@ class Sampler:
 
         Inverse-CDF draw: token = the first ``i`` with ``cdf[i] > u * cdf[-1]``, the CDF a
         float64 sequential cumsum of the kept probabilities (exact per row, batch invariant).
-        A removed token has a zero-width interval, so it can never be drawn.
+        A removed token has a zero-width interval, so it can never be drawn. A row whose
+        probabilities are not finite (NaN logits) draws ``vocab_size``, no token: the engine
+        fails that request alone.
         """
         probs = torch.softmax(logits, dim=-1)
         thresholds = truncation_thresholds(logits, probs, [r.params for r in rows])

@@ -290,6 +290,15 @@ BROKEN = {
                   "not a LoRA A/B weight"),
     "half-pair": (None, lambda w: {k: v for k, v in w.items() if k != _first_a(w)}, "but not both lora_A and lora_B"),
     "empty": (None, lambda w: {}, "holds no LoRA weights"),
+    "alora": (dict(alora_invocation_tokens=[60, 61]), None, "alora_invocation_tokens=.60, 61. is not supported"),
+    "alpha-nan": (dict(lora_alpha=float("nan")), None, "lora_alpha must be a finite number > 0, got nan"),
+    "alpha-inf": (dict(lora_alpha=float("inf")), None, "lora_alpha must be a finite number > 0, got inf"),
+    "alpha-pattern-string": (dict(alpha_pattern={"q_proj": "16"}), None,
+                             "alpha_pattern.'q_proj'. must be a finite number > 0, got '16'"),
+    "rank-pattern-zero": (dict(rank_pattern={"q_proj": 0}), None, "rank_pattern.'q_proj'. must be a finite number"),
+    "pattern-not-regex": (dict(rank_pattern={"q_proj(": 4}), None, "key 'q_proj.' is not a regular expression"),
+    "weights-nan": (None, lambda w: w | {_first_a(w): w[_first_a(w)] * float("nan")}, "holds NaN or infinity"),
+    "scale-overflows": (dict(lora_alpha=1e300), None, "times its scale 2.5e.299, holds NaN or infinity"),
 }
 
 
@@ -401,3 +410,20 @@ def test_no_adapter_weights_without_lora(tiny, adapters) -> None:
     engine = make_engine(tiny, root, enabled=False)
     assert engine.core.lora is None
     assert all(not layer.lora_projections() for layer in engine.core.runner.model.layers)
+
+
+def test_non_finite_logits_fail_their_request_alone(tiny, adapters) -> None:
+    """An adapter that loads (finite alpha 1e30) but overflows the activations gives NaN logits:
+    its sampled request ends with one INTERNAL fault naming them; a base request in the same
+    steps keeps its solo tokens, and every KV block comes back (no step-wide failure)."""
+    root, _ = adapters
+    path = _broken(root, "overflows", dict(lora_alpha=1e30))
+    engine = make_engine(tiny, root)
+    engine.load_lora(LoraAdapterSpec(31, "overflows", str(path)))
+    base_alone = tokens(engine, [greedy("alone", PROMPTS[1])])[0]
+    sampled = GenerationRequest("nan", prompt_token_ids=PROMPTS[1], sampling=SamplingParams(temperature=0.8, seed=1),
+                                stopping=StoppingParams(max_tokens=8, ignore_eos=True), lora_name="overflows")
+    base, failed = engine.run_until_done([greedy("base", PROMPTS[1]), sampled])
+    assert base.error is None and base.outputs[0].token_ids == base_alone
+    assert failed.error is not None and failed.error.code == "internal" and "not finite" in failed.error.message
+    assert_idle(engine)

@@ -11,8 +11,8 @@ Keys (schema ``refengine.kv-session/1``):
 - ``schema``; ``model_fingerprint``: the weights that computed the KV;
 - ``block_size``, ``kv_dtype``, ``kv_layout`` (attention backend and per-block shapes),
   ``block_nbytes``: the bytes of one block over all layers (``BlockStore``);
-- ``num_prompt_tokens``, ``prompt_hash`` (u64 of the prompt's token ids, decimal
-  string), ``num_blocks``: the session holds the prompt's KV, ``num_blocks`` blocks;
+- ``num_prompt_tokens``, ``prompt_hash`` (u64 of the prompt's token ids, media and LoRA
+  adapter, decimal string), ``num_blocks``: the session holds the prompt's KV, ``num_blocks`` blocks;
 - ``first_token``: ``{token_id, logprob, rank, candidates: [[token_id, logprob, rank], …]}``
   — the token the prefill engine sampled (the decode engine emits it first);
 - ``lease_expires_unix_nanos`` (decimal string) and ``lease_seconds``;
@@ -30,11 +30,14 @@ from typing import Any
 SCHEMA = "refengine.kv-session/1"
 
 
-def prompt_hash(token_ids: Sequence[int], media: Sequence[tuple[int, str]] = ()) -> int:
+def prompt_hash(token_ids: Sequence[int], media: Sequence[tuple[int, str]] = (), adapter: str = "") -> int:
     """A u64 of the prompt's token ids (blake2b-8 over little-endian u32s) and, after them, of
-    each media item's first position and identity (its placeholder ids say nothing of the image)."""
+    each media item's first position and identity (its placeholder ids say nothing of the image)
+    and of the LoRA adapter's cache key (``adapter``, "" for the base model): both change the KV,
+    and a decode engine caches what it pulls under its own request's keys."""
     data = b"".join(int(t).to_bytes(4, "little") for t in token_ids)
     data += b"".join(f"\0media:{start}:{identity}".encode() for start, identity in media)
+    data += f"\0lora:{adapter}".encode() if adapter else b""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
