@@ -7,14 +7,26 @@ from collections.abc import Iterable, Mapping
 from refengine.engine.request import OutputStatus, Request
 from refengine.kv.block_pool import BlockPool
 from refengine.kv.kv_manager import KvCacheManager
-from refengine.scheduler.scheduler import Scheduler
+from refengine.scheduler.scheduler import ScheduledSequence, Scheduler
 from refengine.scheduler.sequence import SequenceStatus
 from refengine.types import EngineStats, Usage
 
 
+def batch_sizes(scheduled: Iterable[ScheduledSequence], requests: Mapping[str, Request]) -> tuple[int, int]:
+    """(prefill, decode) requests of a step, as ``LoadInfo`` counts them ("requests in the last
+    step"): a request computing prompt tokens, or several tokens at once (a recompute after
+    preemption), prefills, whatever its chunk's size; its outputs count once."""
+    prefill, decode = set(), set()
+    for item in scheduled:
+        prompt = len(requests[item.request_id].prompt_token_ids)
+        (prefill if item.start < prompt or item.num_new_tokens > 1 else decode).add(item.request_id)
+    return len(prefill), len(decode - prefill)
+
+
 def engine_stats(requests: Iterable[Request], pool: BlockPool, last_batch: tuple[int, int]) -> EngineStats:
-    """``last_batch``: (prefill, decode) sequences of the last step. A request counts as
-    running once any of its sequences runs; a decode request still receiving its KV waits."""
+    """``last_batch``: (prefill, decode) requests of the last step (:func:`batch_sizes`), 0 once
+    nothing runs. A request counts as running once any of its sequences runs; a decode request
+    still receiving its KV waits."""
     num_requests = num_running = running_tokens = waiting_tokens = 0
     for request in requests:
         num_requests += 1
@@ -31,8 +43,8 @@ def engine_stats(requests: Iterable[Request], pool: BlockPool, last_batch: tuple
         cached_kv_blocks=pool.num_cached,
         running_tokens=running_tokens,
         waiting_tokens=waiting_tokens,
-        prefill_batch_size=last_batch[0],
-        decode_batch_size=last_batch[1],
+        prefill_batch_size=last_batch[0] if num_running else 0,
+        decode_batch_size=last_batch[1] if num_running else 0,
     )
 
 

@@ -117,6 +117,11 @@ def validate_prompt(request: GenerationRequest, prompt_token_ids: list[int], lim
     max_tokens = request.stopping.max_tokens
     if max_tokens is None:
         max_tokens = limits.max_model_len - num_prompt
+        _require(  # G6 against the resolved limit: an unreachable min_tokens would be silently not honoured
+            request.stopping.min_tokens <= max_tokens,
+            f"min_tokens ({request.stopping.min_tokens}) exceeds what the context leaves after the prompt "
+            f"({max_tokens} = {limits.max_model_len} - {num_prompt}), the limit of an unset max_tokens",
+        )
     else:
         _require(
             num_prompt + max_tokens <= limits.max_model_len,

@@ -82,8 +82,14 @@ def _check(name: str, state: int, message: str) -> oe.HealthCheck:
     return oe.HealthCheck(name=name, state=state, message=message)
 
 
+#: Above any openengine-priority (int32) a client can send: a probe waits for no queued request,
+#: only for room, so a busy server that still serves answers READY (H3), not "no token in time".
+PROBE_PRIORITY = 2**31
+
+
 async def inference_probe(engine: EngineClient, timeout: float) -> oe.HealthCheck:
-    """H2: generate one greedy token from a one-token prompt; READY when it arrives in time."""
+    """H2: generate one greedy token from a one-token prompt, ahead of every queued request;
+    READY when it arrives in time."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[RequestOutput] = loop.create_future()
 
@@ -107,6 +113,7 @@ async def inference_probe(engine: EngineClient, timeout: float) -> oe.HealthChec
         stopping=StoppingParams(max_tokens=1, ignore_eos=True),
         kv=KvParams(bypass_prefix_cache=True),
         health_probe=True,
+        priority=PROBE_PRIORITY,
     )
     started = time.perf_counter()
     try:

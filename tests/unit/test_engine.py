@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -188,6 +189,30 @@ def test_load_during_a_step_describes_the_step(tiny) -> None:
     assert_idle(engine)
 
 
+def test_load_batch_sizes_count_requests_by_phase(tiny) -> None:
+    """H4: LoadInfo's batch sizes are "requests in the last step": a request with three outputs
+    decoding counts once; a prompt fed one token per step (budget 1) is prefilling, not decoding;
+    once nothing runs, both are 0."""
+    engine = make_engine(tiny, budget=1)
+    seen = []
+    execute = engine.core.runner.execute
+
+    def observed(*args, **kwargs):
+        seen.append(engine.stats())
+        return execute(*args, **kwargs)
+
+    engine.core.runner.execute = observed
+    three = replace(greedy("three", prompt(3, 3), max_tokens=3), sampling=SamplingParams(temperature=0.5, seed=1,
+                                                                                           num_sequences=3))
+    engine.run_until_done([three])
+    phases = [(s.prefill_batch_size, s.decode_batch_size) for s in seen]
+    assert phases[:3] == [(1, 0)] * 3, phases  # three 1-token chunks of the prompt
+    assert all(sum(p) == 1 for p in phases) and phases[-1] == (0, 1), phases  # one request, three outputs
+    idle = engine.stats()
+    assert (idle.prefill_batch_size, idle.decode_batch_size) == (0, 0)
+    assert_idle(engine)
+
+
 def test_stop_conditions(tiny) -> None:
     engine = make_engine(tiny)
     ids = prompt(13, 8)
@@ -301,6 +326,8 @@ def test_prompt_logprobs_match_transformers(tiny) -> None:
         (dict(sampling=SamplingParams(repetition_penalty=float("nan"))), "repetition_penalty"),
         (dict(prompt_token_ids=[5] * 300), "context limit"),
         (dict(stopping=StoppingParams(max_tokens=254)), "context limit"),
+        # G6 with max_tokens unset: the context leaves 256 - 3 = 253 tokens, min_tokens could never be met
+        (dict(stopping=StoppingParams(min_tokens=254)), "min_tokens .254. exceeds what the context leaves"),
     ],
 )
 def test_bad_input_raises_typed_error_and_allocates_nothing(tiny, change, message) -> None:

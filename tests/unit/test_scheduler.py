@@ -7,6 +7,7 @@ from refengine.kv.block_pool import BlockPool
 from refengine.kv.kv_manager import KvCacheManager
 from refengine.scheduler.scheduler import Scheduler
 from refengine.scheduler.sequence import Sequence, SequenceStatus
+from refengine.server.health import PROBE_PRIORITY
 
 
 def make(num_blocks: int = 64, budget: int = 32, max_seqs: int = 8, block_size: int = 4) -> Scheduler:
@@ -110,3 +111,15 @@ def test_admission_waits_for_room_without_skipping_the_head() -> None:
     assert list(run_step(s)) == ["small"]
     s.finish(s.running[0])
     assert s.kv.pool.num_used == 0
+
+
+def test_a_health_probe_is_admitted_before_every_queued_request() -> None:
+    """H3: the inference probe (PROBE_PRIORITY, above any int32 openengine-priority) waits for
+    room, not behind the queue: a busy server that still serves answers its probe in time."""
+    s = make(budget=8, max_seqs=1)
+    s.add(seq("running", 4))
+    run_step(s)
+    s.add(seq("queued", 4, priority=2**31 - 1))
+    s.add(seq("probe", 1, priority=PROBE_PRIORITY))
+    s.finish(s.running[0])
+    assert list(run_step(s)) == ["probe"]
