@@ -120,6 +120,8 @@ def encoder_health_probe(t: Target) -> str:
     expect(health.state == oe.HEALTH_STATE_READY, f"Health with the probe: {enum_name(oe.HealthState, health.state)} "
            f"{[(c.name, c.message) for c in health.checks]}")
     after = held_handles(enc)
+    if before is None or after is None:  # ENC15 fails such a server; here the rest is still judged
+        return f"READY, checks {[c.name for c in health.checks]}; held_handles not reported: holding not checked"
     expect(before == after, f"held_handles {before} before the probe, {after} after: the probe holds no handle")
     return f"READY, checks {[c.name for c in health.checks]}"
 
@@ -238,7 +240,7 @@ def lease_bounds(t: Target) -> str:
                 wrong[str(lease)] = f"{code.name} ({details[:60]!r})"
         expect(not wrong, f"lease_seconds refused with the wrong status: {wrong}, want INVALID_ARGUMENT")
         held = held_handles(enc)
-        expect(before == held, f"held_handles {before} → {held} after refused leases")
+        expect(before is None or before == held, f"held_handles {before} → {held} after refused leases")
         now = time.time_ns()
         short = m.encode_one(data, lease=30.0)
         end = (short.lease_expires_unix_nanos - now) / 1e9
@@ -246,7 +248,8 @@ def lease_bounds(t: Target) -> str:
         now = time.time_ns()
         long = m.encode_one(data, lease=1e9)
         long_end = (long.lease_expires_unix_nanos - now) / 1e9
-        expect(long_end > 0, f"lease_seconds 1e9 → the lease ends in {long_end:.1f} s")
+        # No maximum is advertised; any real one is far below 1e9 s (31 years): granted in full is unbounded.
+        expect(0 < long_end < 1e9 / 2, f"lease_seconds 1e9 → the lease ends in {long_end:.3g} s: not bounded")
     return f"4 refused; 30 s → {end:.1f} s; 1e9 s → bounded to {long_end:.0f} s"
 
 
@@ -329,7 +332,9 @@ def lease_expires(t: Target) -> str:
         while (held := held_handles(enc)) != before and time.monotonic() < deadline:
             time.sleep(0.1)
         expect(held == before, f"held_handles {held} 5 s after the lease end, {before} before the Encode")
+        # ENC15 fails a server without held_handles: then only RenewLease below tells the handle is gone.
+        held_note = "" if before is not None else "; held_handles not reported"
         code, _, details = status_of(m.renew, handle.handle_id, 30.0)
         expect(code == grpc.StatusCode.NOT_FOUND, f"RenewLease of an expired handle: {code.name} ({details!r}), "
                "want NOT_FOUND")
-    return "expired by itself, then NOT_FOUND"
+    return f"expired by itself, then NOT_FOUND{held_note}"

@@ -57,6 +57,15 @@ def _cache_hit_unreported(request: Any, context: grpc.ServicerContext, forward: 
     return reply
 
 
+def _lease_unbounded(request: Any, context: grpc.ServicerContext, forward: Forward) -> Any:
+    """ENC5: a lease above the maximum is granted in full: each handle's lease ends lease_seconds from now."""
+    reply = forward(request)
+    if request.HasField("lease_seconds"):
+        for handle in reply.handles:
+            handle.lease_expires_unix_nanos = time.time_ns() + int(request.lease_seconds * 1e9)
+    return reply
+
+
 def _zero_lease_default(request: Any, context: grpc.ServicerContext, forward: Forward) -> Any:
     """ENC5: lease_seconds 0 is read as "not given" (the default lease) instead of refused."""
     if request.HasField("lease_seconds") and request.lease_seconds == 0:
@@ -195,6 +204,7 @@ def controls() -> list[EncoderControl]:
         EncoderControl("empty-encode-accepted", "ENC3", encoder={"Media/Encode": _empty_encode_accepted}),
         EncoderControl("cache-hit-unreported", "ENC4", encoder={"Media/Encode": _cache_hit_unreported}),
         EncoderControl("zero-lease-default", "ENC5", encoder={"Media/Encode": _zero_lease_default}),
+        EncoderControl("lease-unbounded", "ENC5", encoder={"Media/Encode": _lease_unbounded}),
         EncoderControl("abort-keeps-handle", "ENC6", encoder={"Control/Abort": _abort_keeps_handle}),
         EncoderControl("zero-renewal-accepted", "ENC7", encoder={"Media/RenewLease": _zero_renewal_accepted}),
         EncoderControl("pulled-handle-stays-live", "ENC9", encoder=pulled.fault().overrides),
