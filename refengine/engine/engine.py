@@ -58,6 +58,15 @@ logger = logging.getLogger(__name__)
 FINISHED_ID_WINDOW = 4096  # finished request ids remembered for abort's ALREADY_FINISHED
 
 
+def _bounded_by_pool(max_model_len: int, pool_tokens: int) -> int:
+    """The context served: the model's, or less when the KV pool cannot hold one sequence of it
+    (every request of a longer context would be refused or wait forever); said at start-up."""
+    if pool_tokens < max_model_len:
+        logger.warning("the KV pool holds %d tokens, less than max_model_len %d: serving a %d-token context "
+                       "(raise --num-kv-blocks or --kv-memory-mib for more)", pool_tokens, max_model_len, pool_tokens)
+    return min(max_model_len, pool_tokens)
+
+
 class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
     def __init__(
         self,
@@ -80,6 +89,7 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
                             model_config.max_position_embeddings)
         backends = choose_transfer_backends(config, transfer_backends)
         runner = make_runner(config, model_config, weights, max_model_len, kv_huge_pages="nixl" in backends)
+        max_model_len = _bounded_by_pool(max_model_len, runner.num_blocks * config.cache.block_size)
         lora = config.lora
         self.loras = LoraRegistry(lora, model_config)
         self.kv_events = KvEventHub(config.kv_events.retained_batches, config.kv_events.subscriber_buffer)
@@ -101,8 +111,8 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
         self.guides = GuideCompiler(tokenizer, model_config.vocab_size, tuple(model_config.eos_token_ids),
                                     config.guided)
         self.input_processor = InputProcessor(tokenizer, Limits(
-            model_config.vocab_size, max_model_len, config.max_sequences_per_request, config.max_logprobs,
-            config.cache.block_size, runner.num_blocks), self.guides,
+            model_config.vocab_size, max_model_len, config.max_sequences_per_request, config.max_logprobs),
+            self.guides,
             RoleCheck(config.role, model_fingerprint, config.cache.block_size, self.block_io, backends,
                       model_config.vocab_size), self.loras, media,
             tuple(self.core.media_pulls.backends) if self.core.media_pulls else ())

@@ -18,12 +18,13 @@ MAX_STOP_TOKEN_IDS = 1024
 
 @dataclass(frozen=True)
 class Limits:
+    """``max_model_len``: the context a request may use, the model's bounded by the KV pool's
+    tokens (a request that could never hold its KV would wait forever; the engine sets it)."""
+
     vocab_size: int
     max_model_len: int
     max_sequences_per_request: int
     max_logprobs: int
-    kv_block_size: int
-    total_kv_blocks: int
 
 
 def _require(ok: bool, message: str) -> None:
@@ -128,7 +129,6 @@ def validate_prompt(request: GenerationRequest, prompt_token_ids: list[int], lim
             f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context limit "
             f"of {limits.max_model_len}",
         )
-    _check_fits_kv_pool(num_prompt + max_tokens, limits)
     return max_tokens
 
 
@@ -142,14 +142,4 @@ def _check_prompt_positions(request: GenerationRequest, num_prompt: int) -> None
         f"prompt logprobs for {positions} positions do not fit in one response (at most "
         f"{lp.max_prompt_positions} with these candidates under the message-size limit); raise "
         "prompt_logprob_start, select fewer candidates, or raise the server's message limit",
-    )
-
-
-def _check_fits_kv_pool(num_tokens: int, limits: Limits) -> None:
-    """A request that could never hold all its KV would wait forever: refuse it now."""
-    num_blocks = -(-num_tokens // limits.kv_block_size)
-    _require(
-        num_blocks <= limits.total_kv_blocks,
-        f"the request needs {num_blocks} KV blocks but the pool has only {limits.total_kv_blocks}; "
-        "lower max_tokens or the prompt length",
     )

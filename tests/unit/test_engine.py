@@ -340,10 +340,17 @@ def test_bad_input_raises_typed_error_and_allocates_nothing(tiny, change, messag
     assert_idle(engine)
 
 
-def test_request_that_can_never_fit_is_rejected(tiny) -> None:
+def test_the_context_is_bounded_by_the_kv_pool(tiny) -> None:
+    """A pool smaller than max_model_len (256) bounds the context served (and advertised): a
+    request that could never hold its KV is refused; an unset max_tokens runs to the pool's end."""
     engine = make_engine(tiny, num_blocks=4)  # 16 tokens in all
-    with pytest.raises(InvalidRequestError, match="KV blocks"):
+    assert engine.info.max_model_len == 16
+    with pytest.raises(InvalidRequestError, match="exceeds the context limit of 16"):
         engine.add_request(greedy("huge", prompt(1, 10), 10))
+    unset = replace(greedy("to-the-end", prompt(1, 10)), stopping=StoppingParams(ignore_eos=True))
+    done = engine.run_until_done([unset])[0]
+    assert len(done.outputs[0].token_ids) == 6 and done.outputs[0].finish.reason is FinishReason.LENGTH
+    assert_idle(engine)
 
 
 def test_duplicate_request_id_until_finished(tiny) -> None:
