@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
 import grpc
-import pytest
 
 from refengine.conformance import Options, Status, render, run_report, select
 from refengine.conformance.load import LoadOptions, run_load
@@ -24,13 +22,6 @@ from tests.conformance.toy_engine import ToyEngine
 
 RESULT_KEYS = {"rule", "check", "title", "profile", "status", "message", "evidence"}
 
-
-@pytest.fixture(scope="module")
-def toy_address() -> Iterator[str]:
-    server, address, engine = serve()
-    yield address
-    server.stop(0)
-    engine.running = False
 
 
 def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:

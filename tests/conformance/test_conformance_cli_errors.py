@@ -4,7 +4,6 @@ exit 2, before any check runs; and the statuses a run reports when it could obse
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
@@ -14,19 +13,12 @@ import pytest
 from refengine.conformance import Options, Status, run_report, select
 from refengine.conformance.command import main
 from refengine.conformance.report import to_dict
-from tests.conformance.fake_server import Control, Faults, Inference, serve, start
+from tests.conformance.fake_server import Control, Faults, Inference, start
 from tests.conformance.toy_engine import ToyEngine
 
 #: Nothing listens there: a command line checked only after connecting would say "cannot connect".
 NOWHERE = "127.0.0.1:1"
 
-
-@pytest.fixture(scope="module")
-def toy_address() -> Iterator[str]:
-    server, address, engine = serve()
-    yield address
-    server.stop(0)
-    engine.running = False
 
 
 def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -26,14 +25,6 @@ from tests.conformance.fake_server import Faults, serve
 from tests.conformance.test_conformance import REPO
 from tests.conformance.test_negative_controls import GUIDED_CHECKS
 from tests.integration.conftest import free_port
-
-
-@pytest.fixture(scope="module")
-def toy_address() -> Iterator[str]:
-    server, address, engine = serve()
-    yield address
-    server.stop(0)
-    engine.running = False
 
 
 def test_guided_checks_skip_without_guided_decoding() -> None:
