@@ -248,6 +248,9 @@ class EncoderEngine(NoGenerate):
         finally:
             self.handles.end_read(session_id)
 
+    def kv_session_content(self, session_id: str) -> str:
+        return self.handles.content(session_id)
+
     def block_nbytes(self) -> int:
         return self.arena.block_nbytes
 

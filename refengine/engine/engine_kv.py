@@ -106,6 +106,9 @@ class EngineKvMixin:
         finally:
             self.kv_sessions.end_read(session_id)
 
+    def kv_session_content(self, session_id: str) -> str:
+        return self.kv_sessions.content(session_id)
+
     def block_nbytes(self) -> int:
         return self.block_io.block_nbytes
 

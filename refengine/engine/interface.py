@@ -82,6 +82,9 @@ class EngineClient(Protocol):
     def read_kv_session(self, session_id: str, first_block_index: int, num_blocks: int) -> bytes:
         """Some of a live session's blocks, region-major (``BlockStore.read``)."""
 
+    def kv_session_content(self, session_id: str) -> str:
+        """What a live session holds (``KvSessionStore.content``): said to its puller, who checks it."""
+
     def block_nbytes(self) -> int:
         """Bytes of one KV block over all layers."""
 

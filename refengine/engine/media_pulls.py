@@ -48,7 +48,7 @@ def pull_order(request_id: str, handle: EmbeddingHandleSpec, backends: Mapping[s
     transfer = next(t for t in handle.transfers if t.backend in backends and t.endpoints)
     session = KvSessionSpec(handle.handle_id, transfer.backend, transfer.endpoints,
                             attributes={"transfer": dict(transfer.attributes)})
-    return PullOrder(request_id, session, 0, rows, trace)
+    return PullOrder(request_id, session, 0, rows, trace, content=handle.identity)
 
 
 class MediaPulls:

@@ -26,12 +26,14 @@ from collections.abc import Callable
 import grpc
 
 from refengine.kv.transfer.base import (
+    SESSION_CONTENT_KEY,
     BlockStore,
     Cancellation,
     KvTransferBackend,
     PullOrder,
     SessionConfirmed,
     TransferFailure,
+    content_digest,
 )
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
@@ -86,6 +88,8 @@ class GrpcKvTransfer(KvTransferBackend):
         if isinstance(cancelled, Cancellation):  # wakes the read below, blocked on a source that may never answer
             cancelled.on_cancel(call.cancel)
         try:
+            if order.content:
+                self._check_content(order, call)
             self._receive(order, call, cancelled)
         except grpc.RpcError as err:
             raise self._failure(err, order) from None
@@ -95,6 +99,17 @@ class GrpcKvTransfer(KvTransferBackend):
         release = stub.Release.future(pb.SessionRequest(session_id=order.session.session_id),
                                       timeout=max(1.0, deadline - time.monotonic()), metadata=order.trace)
         release.add_done_callback(functools.partial(_log_failed_release, order.session.session_id))
+
+    @staticmethod
+    def _check_content(order: PullOrder, call: grpc.Call | grpc.Future) -> None:
+        """The source's session holds what the order names (``SESSION_CONTENT_KEY``): a handle
+        whose mm_hash was changed, or whose endpoint names another source, would put rows of
+        another item into the consumer's prefix cache under this item's identity."""
+        said = dict(call.initial_metadata() or ()).get(SESSION_CONTENT_KEY)
+        if said != content_digest(order.content):
+            raise TransferFailure("failed", f"session {order.session.session_id!r} does not hold "
+                                  f"{order.content!r}: " + ("its source did not say what it holds" if said is None
+                                                           else "the source holds another item"))
 
     def _receive(self, order: PullOrder, call: grpc.Call, cancelled: threading.Event) -> None:
         assert self._store is not None
@@ -130,16 +145,19 @@ class GrpcKvTransfer(KvTransferBackend):
             return TransferFailure("failed", where, retryable=False)
         return TransferFailure("failed", where, retryable=True)
 
-    def start_pin(self, session: KvSessionSpec, seconds: float,
-                  trace: tuple[tuple[str, str], ...] = ()) -> Callable[[], None]:
+    def start_pin(self, session: KvSessionSpec, seconds: float, trace: tuple[tuple[str, str], ...] = (),
+                  content: str = "") -> Callable[[], None]:
         call = self._stub(session).Pin.future(pb.PinRequest(session_id=session.session_id, seconds=seconds),
                                               timeout=self.pull_timeout_seconds, metadata=trace)
+        order = PullOrder("", session, 0, (), content=content)
 
         def outcome() -> None:
             try:
                 call.result()
             except grpc.RpcError as err:
-                raise self._failure(err, PullOrder("", session, 0, ())) from None
+                raise self._failure(err, order) from None
+            if content:
+                self._check_content(order, call)
         return outcome
 
     def close(self) -> None:

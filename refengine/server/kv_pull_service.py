@@ -19,6 +19,7 @@ import zlib
 import grpc
 
 from refengine.engine.interface import EngineClient
+from refengine.kv.transfer.base import SESSION_CONTENT_KEY, content_digest
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
 from refengine.server.state import ServerState
@@ -42,6 +43,11 @@ class KvPullServicer(pb_grpc.KvPullServicer):
         if request.kv_layout != layout:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"kv_layout {request.kv_layout!r} differs from this server's {layout!r}")
+        try:  # the puller checks what the session holds (an embedding handle: its item, ENC8)
+            content = engine.kv_session_content(request.session_id)
+        except KvSessionNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        await context.send_initial_metadata(((SESSION_CONTENT_KEY, content_digest(content)),))
         blocks_per_chunk = max(1, self.state.engine_config.kv_transfer.chunk_bytes // engine.block_nbytes())
         end = request.first_block_index + request.num_blocks
         first = request.first_block_index
@@ -66,6 +72,9 @@ class KvPullServicer(pb_grpc.KvPullServicer):
         engine = await self._engine(context)
         seconds = min(max(request.seconds, 0.0), self.state.engine_config.kv_transfer.pull_timeout_seconds)
         try:
-            return pb.SessionReply(num_blocks=engine.pin_kv_session(request.session_id, seconds))
+            content = engine.kv_session_content(request.session_id)  # what the puller's READ reads (ENC8)
+            num_blocks = engine.pin_kv_session(request.session_id, seconds)
+            await context.send_initial_metadata(((SESSION_CONTENT_KEY, content_digest(content)),))
+            return pb.SessionReply(num_blocks=num_blocks)
         except KvSessionNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))

@@ -297,6 +297,32 @@ def test_gone_handle_fails_after_acceptance(clients, encoder: MediaClient) -> No
     check_all_idle(clients)
 
 
+def test_a_handle_naming_another_item_fails_and_poisons_nothing(clients, encoder: MediaClient) -> None:
+    """ENC8, ENC13: a handle for image 1 whose mm_hash is changed to image 0's would put image 1's
+    rows into the consumer's prefix cache under image 0's identity. The encoder says what the
+    session holds; the consumer refuses the rows (KV_TRANSFER_FAILED, not retryable), and image 0
+    sent inline afterwards still gives its own output."""
+    fresh = [png(21, (56, 56)), png(22, (56, 56))]  # never seen by the consumer (no cached rows or KV)
+    real, = encoder.encode(list(request("x", fresh[:1]).media))
+    other, = encoder.encode(list(request("y", fresh[1:]).media))
+    # Over gRPC: a NIXL pull's failed pin would keep the rows until the pin ends (the pin's own
+    # check is in tests/unit/test_kv_pull_client.py), and this test ends with everything idle.
+    forged, = over_backend([tampered(other, mm_hash=real.mm_hash)], "grpc")
+    try:
+        stream = collect(clients["aggregated"].generate(with_handles(request("poison", fresh[:1], max_tokens=4),
+                                                                     [forged]), timeout=60))
+        errors = stream.of("error")
+        assert len(errors) == 1 and errors[0].code == oe.ERROR_CODE_KV_TRANSFER_FAILED and not errors[0].retryable
+        assert "another item" in errors[0].message, errors[0].message
+    finally:
+        encoder.release([real.handle_id, other.handle_id])
+    inline = collect(clients["aggregated"].generate(request("poison-after", fresh[:1], max_tokens=4)))
+    uncached = request("poison-check", fresh[:1], max_tokens=4)
+    uncached.kv.bypass_prefix_cache = True
+    assert inline.tokens() == collect(clients["aggregated"].generate(uncached)).tokens()
+    check_all_idle(clients)
+
+
 def test_random_workload_with_cancellations_leaks_nothing(clients, encoder: MediaClient) -> None:
     """ENC13, ENC15: 24 concurrent E → aggregated and E → P → D requests, a third cancelled at a
     random point (before, while or after the pull); afterwards every server is idle."""

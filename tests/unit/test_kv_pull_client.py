@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from refengine.kv.transfer.base import Cancellation, PullOrder, TransferFailure
+from refengine.kv.transfer.base import SESSION_CONTENT_KEY, Cancellation, PullOrder, TransferFailure, content_digest
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
 from refengine.server.kv_pull_client import GrpcKvTransfer
 from refengine.types import KvEndpointSpec, KvSessionSpec
@@ -33,14 +33,18 @@ class _Store:
 
 
 class _Source(pb_grpc.KvPullServicer):
-    """Pull never sends a chunk (a stalled source) or aborts with ``code``."""
+    """Pull never sends a chunk (a stalled source) or aborts with ``code``; ``holds``: what it
+    says the session holds (None: no headers)."""
 
-    def __init__(self, code: grpc.StatusCode | None = None) -> None:
-        self.code = code
+    def __init__(self, code: grpc.StatusCode | None = None, holds: str | None = None) -> None:
+        self.code, self.holds = code, holds
         self.pull_ended = threading.Event()
 
     def Pull(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:  # noqa: N802
         context.add_callback(self.pull_ended.set)
+        if self.holds is not None:  # "": headers that say something else
+            said = ((SESSION_CONTENT_KEY, content_digest(self.holds)),) if self.holds else (("x-other", "1"),)
+            context.send_initial_metadata(said)
         if self.code is not None:
             context.abort(self.code, f"answered {self.code.name}")
         while context.is_active():
@@ -56,9 +60,9 @@ def _serve(source: _Source) -> tuple[grpc.Server, int]:
     return server, port
 
 
-def _order(port: int) -> PullOrder:
+def _order(port: int, content: str = "") -> PullOrder:
     session = KvSessionSpec("s-1", "grpc", (KvEndpointSpec(host="127.0.0.1", port=port, protocol="grpc"),))
-    return PullOrder("r-1", session, 0, (0, 1))
+    return PullOrder("r-1", session, 0, (0, 1), content=content)
 
 
 def test_a_cancel_ends_a_pull_blocked_on_a_silent_source() -> None:
@@ -98,3 +102,23 @@ def test_answers_that_can_never_succeed_are_not_retryable(code: grpc.StatusCode,
         transfer.close()
         server.stop(0)
     assert failure.value.retryable is retryable and code.name in str(failure.value)
+
+
+@pytest.mark.parametrize(("holds", "says"), [
+    ("sha256:" + "b" * 64, "the source holds another item"),  # a handle whose mm_hash was changed
+    ("", "its source did not say what it holds"),  # not a refengine source: nothing to trust
+])
+def test_rows_of_another_item_are_refused(holds: str, says: str) -> None:
+    """ENC8: the consumer keys its prefix cache by the handle's identity, so the session must hold
+    that item; anything else fails the pull before a row is written, not retryable."""
+    source = _Source(holds=holds)
+    server, port = _serve(source)
+    transfer = GrpcKvTransfer(PULL_TIMEOUT_S)
+    transfer.bind(_Store(), lambda *_: None)
+    try:
+        with pytest.raises(TransferFailure) as failure:
+            transfer.pull(_order(port, content="sha256:" + "a" * 64), Cancellation())
+    finally:
+        transfer.close()
+        server.stop(0)
+    assert says in str(failure.value) and not failure.value.retryable

@@ -90,8 +90,8 @@ class FakePinner:
         self.traces: list[tuple[tuple[str, str], ...]] = []  # each pin's metadata (M5)
         self.error: TransferFailure | None = None
 
-    def start_pin(self, session: KvSessionSpec, seconds: float,
-                  trace: tuple[tuple[str, str], ...] = ()) -> Callable[[], None]:
+    def start_pin(self, session: KvSessionSpec, seconds: float, trace: tuple[tuple[str, str], ...] = (),
+                  content: str = "") -> Callable[[], None]:
         self.calls.append((session.session_id, seconds))
         self.traces.append(trace)
 

@@ -14,6 +14,7 @@ NIXL backend both implement ``KvTransferBackend``).
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +61,18 @@ class PullOrder:
     first_block_index: int
     dest_block_ids: tuple[int, ...]
     trace: tuple[tuple[str, str], ...] = ()  # the request's trace context, for the transfer's RPCs (M5)
+    # What the source's session must hold: an embedding handle's media identity, which the
+    # consumer keys its prefix cache by (ENC8); "" = not checked (a prefill session).
+    content: str = ""
+
+
+#: The gRPC initial metadata in which a KvPull source says what a session holds, as
+#: :func:`content_digest` of ``KvSessionStore.content`` (any text, sent as ASCII hex).
+SESSION_CONTENT_KEY = "refengine-session-content"
+
+
+def content_digest(content: str) -> str:
+    return hashlib.sha256(content.encode()).hexdigest()
 
 
 class Cancellation(threading.Event):
@@ -154,7 +167,8 @@ class SessionPinner(Protocol):
     hand-over until the pin: so a READ may run while the pin is in flight, and what it read
     is good once the pin succeeds (and discarded when it fails)."""
 
-    def start_pin(self, session: KvSessionSpec, seconds: float,
-                  trace: tuple[tuple[str, str], ...] = ()) -> Callable[[], None]:
+    def start_pin(self, session: KvSessionSpec, seconds: float, trace: tuple[tuple[str, str], ...] = (),
+                  content: str = "") -> Callable[[], None]:
         """Send the pin (with ``trace`` as its metadata); returns a function that waits for its
-        outcome and raises ``TransferFailure`` ("not_found" when the source no longer holds the session)."""
+        outcome and raises ``TransferFailure`` ("not_found" when the source no longer holds the
+        session; "failed" when it does not hold ``content``, ``PullOrder.content``)."""

@@ -274,7 +274,8 @@ class NixlKvTransfer(KvTransferBackend):
         started = time.perf_counter()
         # The READ overlaps the pin's round trip (see SessionPinner); the release goes only
         # after both, or an early release would make the pin fail.
-        pin_outcome = self._pinner.start_pin(order.session, self._timeout, order.trace) if self._pinner else None
+        pin_outcome = (self._pinner.start_pin(order.session, self._timeout, order.trace, order.content)
+                       if self._pinner else None)
         peer = self._remote(source)
         if order.dest_block_ids:
             self._read(order, source, peer, cancelled, deadline)

@@ -86,6 +86,12 @@ class KvSessionStore:
             session.pinned_until = max(session.pinned_until, self._clock() + seconds)
             return session.block_ids
 
+    def content(self, session_id: str) -> str:
+        """What a live session was made for (its ``request_id``: a prefill request's id, an
+        embedding handle's media identity)."""
+        with self._lock:
+            return self._live(session_id).request_id
+
     def renew(self, session_id: str, seconds: float) -> float:
         """Set a live session's lease to end ``seconds`` from now; returns that end (the clock's time)."""
         with self._lock:
