@@ -35,8 +35,8 @@ from refengine.types import InvalidRequestError
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj"
-                  r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn\.(q|k|v|o)|mlp\.(gate|up|down))"
+                  r"_proj\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 # Options whose non-default values change the math in ways the engine does not implement.
 _REFUSED_OPTIONS = {"use_dora": (False, None), "bias": ("none", None), "lora_bias": (False, None),
                     "fan_in_fan_out": (False, None), "modules_to_save": (None, []), "layer_replication": (None, []),
@@ -102,6 +102,21 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+def _targeted(target_modules: Any, module: str) -> bool:
+    """PEFT's rule: a list names modules by their last dotted parts, a string is a regular
+    expression over the whole name ("all-linear": every projection); unset (PEFT's per-model
+    default) is not checked."""
+    if target_modules is None or target_modules == "all-linear":
+        return True
+    if isinstance(target_modules, str):
+        try:
+            return re.fullmatch(target_modules, module) is not None
+        except re.error:
+            return False
+    return isinstance(target_modules, list) and any(
+        isinstance(name, str) and (module == name or module.endswith(f".{name}")) for name in target_modules)
+
+
 def _expected_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection."""
     q_out, kv_out = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
@@ -124,10 +139,13 @@ def _read_modules(path: Path, weights_file: Path, model: ModelConfig
         if match is None:
             raise _refuse(path, f"tensor {key!r} is not a LoRA A/B weight of q/k/v/o/gate/up/down_proj "
                           "(embedding, lm_head, DoRA and bias tensors are not supported)")
-        layer, _, proj, which = match.groups()
+        layer, attention, mlp, which = match.groups()
         if int(layer) >= model.num_hidden_layers:
             raise _refuse(path, f"tensor {key!r}: the model has {model.num_hidden_layers} layers")
-        modules.setdefault((int(layer), proj), {})[which] = tensor
+        pair = modules.setdefault((int(layer), attention or mlp), {})
+        if which in pair:
+            raise _refuse(path, f"tensor {key!r}: another key names the same weight")
+        pair[which] = tensor
     if not modules:
         raise _refuse(path, f"{WEIGHTS_FILE} holds no LoRA weights")
     return modules
@@ -139,6 +157,9 @@ def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor
     module = f"model.layers.{layer}.{block}.{proj}_proj"
     if set(pair) != {"A", "B"}:
         raise _refuse(path, f"{module} has lora_{''.join(pair)} but not both lora_A and lora_B")
+    if not _targeted(config.get("target_modules"), module):
+        raise _refuse(path, f"{module}: {WEIGHTS_FILE} holds its weights, but target_modules "
+                      f"{config.get('target_modules')!r} does not name it (PEFT would ignore them)")
     lora_a, lora_b = pair["A"], pair["B"]
     in_features, out_features = shapes[proj]
     rank = lora_a.shape[0] if lora_a.dim() == 2 else -1

@@ -299,6 +299,12 @@ BROKEN = {
     "pattern-not-regex": (dict(rank_pattern={"q_proj(": 4}), None, "key 'q_proj.' is not a regular expression"),
     "weights-nan": (None, lambda w: w | {_first_a(w): w[_first_a(w)] * float("nan")}, "holds NaN or infinity"),
     "scale-overflows": (dict(lora_alpha=1e300), None, "times its scale 2.5e.299, holds NaN or infinity"),
+    "untargeted": (dict(target_modules=["q_proj"]), None, "v_proj: adapter_model.safetensors holds its weights, "
+                   "but target_modules .'q_proj'. does not name it"),
+    "attention-under-mlp": (None, lambda w: {k.replace("self_attn.q_proj", "mlp.q_proj"): v for k, v in w.items()},
+                            "not a LoRA A/B weight"),
+    "same-weight-twice": (None, lambda w: w | {_first_a(w).removeprefix("base_model.model."): w[_first_a(w)].clone()},
+                          "another key names the same weight"),
 }
 
 
