@@ -208,9 +208,9 @@ class EngineCore(CoreInflowMixin):
         for (request, out), token in sampled:
             if request.request_id in outcome.faults:
                 continue
-            if (why := self._refused(out, token)) is not None:  # fails this request only
-                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=why))
-                outcome.faults[request.request_id] = EngineFault("internal", f"output {out.index}: {why}", False)
+            if (fault := self._refused(out, token)) is not None:  # fails this request only
+                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=fault.message))
+                outcome.faults[request.request_id] = fault
                 continue
             if self.config.role == "prefill":  # K4: the first token goes with the session, not out
                 assert self.disagg is not None
@@ -220,15 +220,17 @@ class EngineCore(CoreInflowMixin):
                 continue
             self._append(request, out, token, outcome)
 
-    def _refused(self, out: OutputState, token: SampledToken) -> str | None:
-        """Why ``token`` cannot go onto ``out`` (None: it can). An id past the vocabulary is
-        the sampler's answer to a row of non-finite logits (an adapter or input out of range);
-        a token the grammar forbids means a masking bug (or a foreign first token)."""
+    def _refused(self, out: OutputState, token: SampledToken) -> EngineFault | None:
+        """Why ``token`` cannot go onto ``out`` (None: it can). An id past the vocabulary: the
+        sampler's answer to non-finite logits. A grammar limit hit mid-way: the spec's fault. Any
+        other token the grammar forbids: a masking bug (or a foreign first token)."""
+        where = f"output {out.index}: "
         if token.token_id >= self.sampler.vocab_size:
-            return "the model's logits are not finite (NaN or infinity); nothing can be sampled"
+            return EngineFault("internal", where + "the model's logits are not finite (NaN or infinity)", False)
         if out.matcher is not None and not out.matcher.accept_token(token.token_id):
-            why = out.matcher.error()  # a limit the grammar engine hit mid-way, which it names
-            return f"the grammar rejected token {token.token_id}" + (f" ({why})" if why else "")
+            if why := out.matcher.error():
+                return EngineFault("invalid_argument", where + f"the guided spec hit a grammar limit ({why})", False)
+            return EngineFault("internal", where + f"the grammar rejected token {token.token_id}", False)
         return None
 
     def _append(self, request: Request, out: OutputState, token: SampledToken, outcome: StepOutcome) -> None:

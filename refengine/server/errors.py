@@ -70,6 +70,7 @@ ERROR_CODES = {
     "cancelled": oe.ERROR_CODE_CANCELLED,
     "kv_transfer_failed": oe.ERROR_CODE_KV_TRANSFER_FAILED,
     "kv_session_not_found": oe.ERROR_CODE_KV_SESSION_NOT_FOUND,
+    "invalid_argument": oe.ERROR_CODE_INVALID_ARGUMENT,
 }
 
 #: Faults the server itself raises after acceptance (the engine never sees them).

@@ -96,7 +96,8 @@ class RequestOutput:
 class EngineFault:
     """A failure after acceptance. ``retryable``: the unchanged request could succeed later."""
 
-    code: Literal["overloaded", "internal", "cancelled", "kv_transfer_failed", "kv_session_not_found"]
+    code: Literal["overloaded", "internal", "cancelled", "kv_transfer_failed", "kv_session_not_found",
+                  "invalid_argument"]
     message: str
     retryable: bool
 

@@ -384,11 +384,13 @@ def test_bad_spec_refused_before_allocation(tiny, backend, mode, fields, match) 
 @pytest.mark.skipif("llguidance" not in MODES, reason="llguidance is not installed")
 def test_a_limit_the_grammar_engine_hits_midway_is_named(tiny) -> None:
     """llguidance builds its lexer lazily: a{1000000} compiles, then the first token hits its
-    limit. The request fails alone, and the error says why (it said only 'rejected token 2')."""
+    limit. The request fails alone, and the error says why (it said only 'rejected token 2'):
+    INVALID_ARGUMENT, not retryable, since the spec is what exceeds the limit."""
     engine = make_engine(tiny)
     guided = GuidedSpec("regex", spec="a{1000000}", backend="llguidance")
     result = engine.run_until_done([request("limit", guided, prompt(1, 5), max_tokens=8)])[0]
     assert result.error_message is not None and "too many expressions" in result.error_message, result.error_message
+    assert result.error.code == "invalid_argument" and not result.error.retryable, result.error
     assert_idle(engine)
 
 
