@@ -29,3 +29,15 @@ def release_module_memory() -> Iterator[None]:
     gc.collect()
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+
+@pytest.fixture(scope="module")
+def toy_address() -> Iterator[str]:
+    """The toy OpenEngine server (tests/conformance/fake_server.py) without faults, for one
+    module (imported here, not at the top: most modules never start it)."""
+    from tests.conformance.fake_server import serve
+
+    server, address, engine = serve()
+    yield address
+    server.stop(0)
+    engine.running = False

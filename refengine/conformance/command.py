@@ -118,22 +118,23 @@ def _selected(args: argparse.Namespace) -> list[Check]:
     return checks
 
 
-def _check_arguments(args: argparse.Namespace) -> tuple[list[Check], Options, LoadOptions | None]:
+def _check_arguments(args: argparse.Namespace) -> tuple[str, list[Check], Options, LoadOptions | None]:
     """Everything the command line says, checked before connecting: a mistake is reported at
     once (exit 2), not after a whole run."""
-    if not (args.target or getattr(args, "address", "")):
+    address = args.target or getattr(args, "address", "")
+    if not address:
         raise ValueError("name the server with --target HOST:PORT")
     if args.timeout <= 0 or args.rpc_timeout <= 0:
         raise ValueError(f"--timeout and --rpc-timeout must be > 0 (got {args.timeout:g}, {args.rpc_timeout:g})")
     load = LoadOptions(args.load, args.duration, args.seed) if args.load else None
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json}: no such directory")
-    return _selected(args), options_from_args(args), load
+    return address, _selected(args), options_from_args(args), load
 
 
 def run_command(args: argparse.Namespace) -> int:
     try:
-        checks, options, load = _check_arguments(args)
+        address, checks, options, load = _check_arguments(args)
     except ValueError as err:
         print(f"conformance: error: {err}", file=sys.stderr)
         return 2
@@ -142,7 +143,6 @@ def run_command(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"{r.status.value:11} {r.name:45} {r.seconds:6.2f}s  {r.message[:90]}", file=sys.stderr, flush=True)
 
-    address = args.target or getattr(args, "address", "")
     try:
         report = run_report(address, checks, options, on_result=progress)
         if load is not None:

@@ -28,7 +28,6 @@ from collections.abc import Iterator  # noqa: E402
 import pytest  # noqa: E402
 
 from refengine.model import resolve_model  # noqa: E402
-from tests.conformance.fake_server import serve  # noqa: E402
 from tests.integration.conftest import MODEL, ServerProcess, refengine_server, start_server  # noqa: E402, F401
 
 #: 128 KV blocks of 16 = 2 x 1024 tokens: the checks' concurrent requests fit (four of them at
@@ -71,12 +70,3 @@ def conformance_server(tmp_path_factory: pytest.TempPathFactory,
 @pytest.fixture(scope="module")
 def conformance_address(conformance_server: ServerProcess | None) -> str:
     return os.environ.get("OECONF_TARGET") or conformance_server.address
-
-
-@pytest.fixture(scope="module")
-def toy_address() -> Iterator[str]:
-    """The toy OpenEngine server (tests/conformance/fake_server.py) without faults, for one module."""
-    server, address, engine = serve()
-    yield address
-    server.stop(0)
-    engine.running = False

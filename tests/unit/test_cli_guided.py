@@ -13,13 +13,11 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from refengine.cli import main
-from tests.conformance.fake_server import serve
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -31,13 +29,6 @@ def generate(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.Compl
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out.out, out.err)
 
-
-@pytest.fixture(scope="module")
-def toy_address() -> Iterator[str]:
-    server, address, engine = serve()
-    yield address
-    server.stop(0)
-    engine.running = False
 
 
 def test_local_regex_is_followed() -> None:
