@@ -7,8 +7,8 @@ fp32: ``bf16_path`` says so, and the engine warns at start-up.
 
 The bf16 path is batch-invariant (RULES G18), as float32 is: the native bf16 GEMM sums each
 output in one fixed order (``kernels/native_gemm.py``); oneDNN's bf16 GEMM (with AMX, or
-``--no-native-kernels``) takes another kernel (another K-reduction rounding) for a single row
-than for two or more, so ``Linear`` runs a 1-row oneDNN bf16 call as two rows (``kernels/linear.py``).
+``--no-native-kernels``) takes another kernel (another K-reduction rounding) for other row
+counts, so ``Linear`` runs every oneDNN bf16 call as calls of one fixed row count (``kernels/linear.py``).
 """
 
 from __future__ import annotations

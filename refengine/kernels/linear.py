@@ -16,13 +16,18 @@ rows (``benchmarks/README.md``).
 - ``torch``: ``F.linear`` on the weight as given (GPUs, other dtypes, ``--no-onednn``).
 
 Batch invariance (G18): a row's result must not depend on how many rows share the call.
-oneDNN's GEMM on prepacked weights computes each row the same way for every row count of 2 or
-more, but takes another kernel for a single row, whose reduction over K rounds differently
-(seen at down_proj's K = 1,536 on SmolLM2: in bf16 on an Intel Xeon, with and without threads,
-and in float32 too on an AMD Zen 4, up to 4.5e-6 apart, enough to flip a greedy near-tie
-between a lone decode row and the same row in a batch). So a call with one row runs as two
-(the row twice) and keeps the first: the cost of a 1-row GEMM is its weight read, which stays
-the same.
+oneDNN picks its GEMM kernel, and with it the rounding of the reduction over K, by the row count:
+- in float32, one kernel for every count of 2 or more and another for a single row (seen at
+  down_proj's K = 1,536 on SmolLM2 on an AMD Zen 4, up to 4.5e-6 apart, enough to flip a greedy
+  near-tie between a lone decode row and the same row in a batch). So a 1-row float32 call runs
+  as two (the row twice) and keeps the first: a 1-row GEMM costs its weight read, which stays.
+- in bfloat16, on AMX (an Intel Xeon with AVX10.1 and AMX, 2026-12-05), the kernel changes over
+  whole ranges of counts, with or without threads (at gate_up 3,072x576, every count from 5 to 32
+  differed from 512). So every bf16 call runs in calls of exactly ``BF16_CALL_ROWS`` rows, the
+  last one padded with zeros: one count, one kernel, and a row's bits do not depend on its
+  neighbours or its place in the call (tested). It costs the padding (a 1-row decode projection
+  computes 32 rows, about 1.2x the 1-row call with AMX) and the extra calls of a long prefill
+  chunk (2.6x oneDNN's single call at 2,048 rows, still 3x the native GEMM there).
 
 The packed op is private torch API, so it is used only after a one-time check on
 random data agrees with ``F.linear``; otherwise (other dtypes, GPUs, a torch without
@@ -44,6 +49,8 @@ from refengine.kernels.forward_context import ForwardContext
 #: Dtypes whose weights may be prepacked: float32 always, bfloat16 where the CPU has native bf16
 #: dot products (elsewhere oneDNN emulates them, slower than ``F.linear``'s own path).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+#: Rows of every oneDNN bf16 GEMM call (see the module docstring: G18).
+BF16_CALL_ROWS = 32
 
 
 @functools.cache
@@ -109,7 +116,23 @@ class Linear:
         if self.kind == "native-bf16":
             return self.weight(x)
         if self.kind == "onednn":
+            if x.dtype == torch.bfloat16:
+                return self._onednn_in_fixed_calls(x)
             if x.dim() == 2 and x.shape[0] == 1:  # see the module docstring (G18)
-                return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), self.weight, self.bias, "none", [], "")[:1]
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+                return self._onednn(x.expand(2, -1))[:1]
+            return self._onednn(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def _onednn_in_fixed_calls(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s rows in calls of exactly ``BF16_CALL_ROWS`` rows (G18, module docstring)."""
+        rows = x.reshape(-1, self.in_features)
+        count = rows.shape[0]
+        padded = max(1, -(-count // BF16_CALL_ROWS)) * BF16_CALL_ROWS
+        if padded != count:
+            rows = F.pad(rows, (0, 0, 0, padded - count))
+        outputs = [self._onednn(rows[start:start + BF16_CALL_ROWS]) for start in range(0, padded, BF16_CALL_ROWS)]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return out[:count].reshape(*x.shape[:-1], self.out_features)

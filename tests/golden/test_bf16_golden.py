@@ -7,9 +7,9 @@ transformers in fp32 (greedy agreement, measured: tokens until the first diverge
 prompt, printed; bf16 rounding makes some divergence expected).
 
 Batch-invariant (G18), as float32 is: greedy output is identical alone, in a mixed batch of 32,
-with forced chunking, under preemption and on prefix-cache hits. oneDNN's bf16 GEMM computes a
-row the same way for every row count of 2 or more but takes another kernel for a single row;
-``kernels/linear.py`` runs a 1-row bf16 call as two rows, which is what makes these hold.
+with forced chunking, under preemption and on prefix-cache hits. oneDNN's bf16 GEMM takes
+another kernel (another rounding) for other row counts; ``kernels/linear.py`` runs every oneDNN
+bf16 call in calls of one fixed row count, which is what makes these hold where oneDNN runs them.
 """
 
 from __future__ import annotations

@@ -120,10 +120,32 @@ def test_float32_rows_do_not_depend_on_the_row_count(shape) -> None:
                     reason="the packed bf16 path needs a CPU with native bf16 and oneDNN")
 @pytest.mark.parametrize("shape", [(576, 1536), (960, 576), (3072, 576)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_bfloat16_rows_do_not_depend_on_the_row_count(shape) -> None:
-    """G18 in bf16: each row alone equals the same row in a batch of 2, 5 or 64, bit for bit
-    (oneDNN's 1-row kernel rounds its K reduction differently at 576x1536; see linear.py)."""
+    """G18 in bf16: each row alone equals the same row in a batch of 2, 5, 64 or 100, bit for bit,
+    and so does a row beside other neighbours, at another place in its call. oneDNN's kernel, and
+    its rounding, changes with the row count (a single row on a Zen 4; whole ranges of counts on
+    AMX); see linear.py."""
     generator = torch.Generator().manual_seed(1)
     layer = Linear(torch.randn(*shape, generator=generator).bfloat16(), native=False)
     assert layer.kind == "onednn"
-    x = torch.randn(64, shape[1], generator=generator).bfloat16()
-    assert_rows_do_not_depend_on_the_call(layer, x, (2, 5), 7, one_thread=False)
+    x = torch.randn(100, shape[1], generator=generator).bfloat16()
+    assert_rows_do_not_depend_on_the_call(layer, x, (2, 5, 64), 7, one_thread=False)
+    batch = layer(x)
+    neighbours = torch.randn(40, shape[1], generator=generator).bfloat16()
+    neighbours[37] = x[3]
+    assert torch.equal(layer(neighbours)[37], batch[3])
+
+
+@pytest.mark.skipif(not native_bf16() or not onednn_available(torch.bfloat16),
+                    reason="the packed bf16 path needs a CPU with native bf16 and oneDNN")
+def test_bfloat16_calls_keep_their_shape() -> None:
+    """The fixed-count bf16 calls return what ``F.linear`` would: any leading dims, zero rows."""
+    generator = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(48, 64, generator=generator).bfloat16(), torch.randn(48, generator=generator).bfloat16()
+    layer = Linear(weight, bias, native=False)
+    assert layer.kind == "onednn"
+    for shape in [(0, 64), (3, 64), (2, 35, 64)]:
+        x = torch.randn(*shape, generator=generator).bfloat16()
+        out = layer(x)
+        assert out.shape == (*shape[:-1], 48)
+        torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float(), bias.float()),
+                                   atol=0.25, rtol=2e-2)
