@@ -7,10 +7,15 @@ kinds of ``kernels.linear.Linear`` run alternately (best of ``--repeats`` passes
 machine's slow swings in speed hit them alike:
 
 - ``native-bf16``: ``kernels/cpu/gemm_bf16.c`` (AVX512-BF16, the engine's choice without AMX);
-- ``onednn-bf16``: oneDNN's bf16 GEMM on prepacked weights (the engine's choice with AMX);
+  not run on a CPU where it is unavailable (with AMX);
+- ``onednn-bf16``: oneDNN's bf16 GEMM on prepacked weights as ``Linear`` runs it (the engine's
+  choice with AMX): in calls of exactly ``BF16_CALL_ROWS`` rows, for batch invariance (G18);
+- ``onednn-bf16-one-call``: the same GEMM in one call of all the rows, the faster baseline that
+  is not batch-invariant (oneDNN's rounding changes with the row count, ``kernels/linear.py``);
 - ``onednn-fp32``: the float32 path, for scale.
 
-Prints ms per pass, GFLOP/s, the weight bytes read per second, and native / oneDNN bf16.
+Prints ms per pass, GFLOP/s, the weight bytes read per second, and each bf16 kind's speed over
+``onednn-bf16``'s.
 
     python benchmarks/cpu_gemm.py [--threads 2] [--repeats 5] [--rows 1 8 32 64 512 2048]
 """
@@ -38,6 +43,7 @@ def model_projections(kind: str) -> list[Linear]:
     generator = torch.Generator().manual_seed(0)
     dtype = torch.float32 if kind == "onednn-fp32" else torch.bfloat16
     layers = []
+    kind = kind.removesuffix("-one-call")
     for out_features, in_features in SHAPES:
         weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype)
         layers.append(Linear(weight, native=kind == "native-bf16"))
@@ -45,10 +51,18 @@ def model_projections(kind: str) -> list[Linear]:
     return layers
 
 
-def one_pass(layers: list[Linear], inputs: dict[int, torch.Tensor]) -> float:
+def one_call(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer``'s oneDNN GEMM on all of ``x`` in one call (``onednn-bf16-one-call``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+
+
+def one_pass(layers: list[Linear], inputs: dict[int, torch.Tensor], in_one_call: bool) -> float:
     started = time.perf_counter()
     for layer in layers:
-        layer(inputs[layer.in_features])
+        if in_one_call:
+            one_call(layer, inputs[layer.in_features])
+        else:
+            layer(inputs[layer.in_features])
     return time.perf_counter() - started
 
 
@@ -62,12 +76,11 @@ def main() -> int:
     reason = native_gemm.unavailable_reason()
     if reason:
         print(f"the native bf16 GEMM does not run here: {reason}")
-        return 0
-    kinds = ["native-bf16", "onednn-bf16", "onednn-fp32"]
+    kinds = ([] if reason else ["native-bf16"]) + ["onednn-bf16", "onednn-bf16-one-call", "onednn-fp32"]
     models = {kind: model_projections(kind) for kind in kinds}
     flops_per_row = sum(2 * n * k for n, k in SHAPES)
     params = sum(n * k for n, k in SHAPES)
-    print("| rows | kind | ms per pass | GFLOP/s | weight GB/s | native / oneDNN bf16 (speed) |")
+    print("| rows | kind | ms per pass | GFLOP/s | weight GB/s | speed / onednn-bf16 |")
     print("|---:|---|---:|---:|---:|---:|")
     for rows in args.rows:
         best = dict.fromkeys(kinds, float("inf"))
@@ -75,10 +88,11 @@ def main() -> int:
                          for k in (576, 1536)} for kind in kinds}
         for _ in range(args.repeats):
             for kind in kinds:
-                best[kind] = min(best[kind], one_pass(models[kind], inputs[kind]))
+                seconds = one_pass(models[kind], inputs[kind], kind.endswith("-one-call"))
+                best[kind] = min(best[kind], seconds)
         for kind in kinds:
             size = 4 if kind == "onednn-fp32" else 2
-            ratio = f"{best['onednn-bf16'] / best[kind]:.2f}" if kind == "native-bf16" else ""
+            ratio = f"{best['onednn-bf16'] / best[kind]:.2f}" if "bf16" in kind else ""
             print(f"| {rows} | {kind} | {best[kind] * 1e3:.2f} | {flops_per_row * rows / best[kind] / 1e9:.0f} | "
                   f"{params * size / best[kind] / 1e9:.1f} | {ratio} |", flush=True)
     return 0
