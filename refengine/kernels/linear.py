@@ -25,9 +25,9 @@ oneDNN picks its GEMM kernel, and with it the rounding of the reduction over K, 
   whole ranges of counts, with or without threads (at gate_up 3,072x576, every count from 5 to 32
   differed from 512). So every bf16 call runs in calls of exactly ``BF16_CALL_ROWS`` rows, the
   last one padded with zeros: one count, one kernel, and a row's bits do not depend on its
-  neighbours or its place in the call (tested). It costs the padding (a 1-row decode projection
-  computes 32 rows, about 1.2x the 1-row call with AMX) and the extra calls of a long prefill
-  chunk (2.6x oneDNN's single call at 2,048 rows, still 3x the native GEMM there).
+  neighbours or its place in the call (tested). It costs the padding and the extra calls: over
+  SmolLM2's projections, 1.42x the time of one call at 1 row, 1.12x at 32, 2.75x at 2,048
+  (``benchmarks/cpu_gemm.py``, ``benchmarks/README.md``).
 
 The packed op is private torch API, so it is used only after a one-time check on
 random data agrees with ``F.linear``; otherwise (other dtypes, GPUs, a torch without
