@@ -79,7 +79,9 @@ class LlamaModel:
                                   kernels.native_cpu_kernels)
                        for i in range(config.num_hidden_layers)]
         self.norm = weights["model.norm.weight"]
-        self.lm_head = Linear(self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"],
+        # ``lm_head.weight`` is present iff the model has its own head (loader.load_weights).
+        head = weights.get("lm_head.weight")
+        self.lm_head = Linear(self.embed_tokens if head is None else head,
                               prepack=kernels.onednn_linear, native=kernels.native_cpu_kernels)
         self.rope = RotaryEmbedding(config, max_positions, self.embed_tokens.dtype, str(self.embed_tokens.device),
                                     self.ops)

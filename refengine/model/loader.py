@@ -16,14 +16,15 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
-from refengine.config import ModelConfig, default_cache_dir
+from refengine.config import default_cache_dir
 from refengine.model.gguf_convert import ensure_converted, source_fingerprint
+from refengine.model.hf_config import load_model_config, read_json
 from refengine.model.manifest import (
     Manifest,
     ModelNotFoundError,
@@ -36,19 +37,13 @@ from refengine.model.manifest import (
     refuse_pickle_only,
     unknown_name_error,
 )
+from refengine.model.weight_shapes import check_lm_weights
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
-#: Hugging Face architectures refengine implements, with their ``model_type``.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "LlavaForConditionalGeneration": "llava",  # a vision tower + projector before a Llama-family LM
-}
 #: LLaVA checkpoints name the LM's tensors under a prefix (two spellings: the original one,
 #: and transformers 5's module tree); loaded, they are renamed to the plain LM's names.
 LLAVA_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
@@ -107,96 +102,9 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ResolvedM
 
 def _warn_on_architecture_mismatch(manifest: Manifest, path: Path) -> None:
     """A directory pointed at by an env var may hold another model than the manifest says."""
-    found = (_read_json(path / "config.json").get("architectures") or [None])[0]
+    found = (read_json(path / "config.json").get("architectures") or [None])[0]
     if found != manifest.architecture:
         logger.warning("%s: manifest says %s, %s holds %s", manifest.name, manifest.architecture, path, found)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def _token_ids(value: int | list[int] | None) -> list[int]:
-    """config files store special-token ids as an int, a list, or null."""
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
-
-
-def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from either config layout.
-
-    transformers >= 5 writes ``rope_parameters`` (theta inside); older files have
-    ``rope_theta`` plus ``rope_scaling`` (``type`` in the oldest). ``rope_scaling`` is
-    returned without theta, and only for a non-default kind (llama3 is the one we run).
-    """
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type != "llama3":
-        raise UnsupportedModelError(f"RoPE scaling {rope_type!r} is not implemented (only 'llama3')")
-    return float(theta), {"rope_type": rope_type, **params}
-
-
-def load_model_config(hf_dir: Path) -> ModelConfig:
-    """Parse ``config.json`` (and ``generation_config.json`` for stop ids) into a ModelConfig.
-
-    Qwen2 has q/k/v biases by architecture (its config has no flag for it). A sliding
-    window (Mistral v0.1) is not implemented, so the context is capped at the window,
-    where full attention computes exactly the same thing.
-    """
-    config = _read_json(hf_dir / "config.json")
-    gen_path = hf_dir / "generation_config.json"
-    generation = _read_json(gen_path) if gen_path.is_file() else {}
-    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-    architecture = (config.get("architectures") or [None])[0] or by_type.get(config.get("model_type", ""))
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{hf_dir}: architecture {architecture!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    model_type = SUPPORTED_ARCHITECTURES[architecture]
-    if model_type == "llava":  # the LM's own config; the vision part is model/vision.py's
-        config = {"eos_token_id": config.get("eos_token_id"),
-                  "tie_word_embeddings": config.get("tie_word_embeddings", False), **config["text_config"]}
-        model_type = config.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise UnsupportedModelError(f"{hf_dir}: a {model_type!r} language model is not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"{hf_dir}: activation {config['hidden_act']!r} is not supported")
-    if model_type != "qwen2" and (config.get("attention_bias") or config.get("mlp_bias")):
-        raise UnsupportedModelError(
-            f"{hf_dir}: o_proj/MLP biases (attention_bias/mlp_bias) are not supported"
-        )
-
-    rope_theta, rope_scaling = _rope(config)
-    max_positions = config["max_position_embeddings"]
-    window = config.get("sliding_window")
-    if window and (model_type == "mistral" or config.get("use_sliding_window")) and window < max_positions:
-        logger.warning("%s: sliding window %d not implemented; context capped at it", hf_dir, window)
-        max_positions = window
-    heads = config["num_attention_heads"]
-    eos = _token_ids(config.get("eos_token_id")) + _token_ids(generation.get("eos_token_id"))
-    bos = config.get("bos_token_id")
-    return ModelConfig(
-        architecture=architecture,
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_hidden_layers=config["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        max_position_embeddings=max_positions,
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2",
-        bos_token_id=bos if bos is not None else generation.get("bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(eos)),
-    )
 
 
 def weight_files(hf_dir: Path) -> list[Path]:
@@ -205,7 +113,7 @@ def weight_files(hf_dir: Path) -> list[Path]:
     refuse_pickle_only(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(_read_json(index)["weight_map"].values()))
+        names = sorted(set(_index_weight_map(index).values()))
     elif (hf_dir / "model.safetensors").is_file():
         names = ["model.safetensors"]
     else:
@@ -215,17 +123,31 @@ def weight_files(hf_dir: Path) -> list[Path]:
     return [hf_dir / name for name in names]
 
 
+def _index_weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor -> shard map. A shard must be a ``.safetensors`` file inside the model
+    directory: an index naming ``../elsewhere.safetensors`` or ``/abs/path`` is refused."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UnsupportedModelError(f"{index}: weight_map must map tensor names to file names")
+    for shard in set(weight_map.values()):
+        relative = PurePosixPath(shard)
+        if relative.is_absolute() or ".." in relative.parts or "\\" in shard or relative.suffix != ".safetensors":
+            raise UnsupportedModelError(f"{index}: shard {shard!r} is not a .safetensors file in the model directory")
+    return weight_map
+
+
 def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32,
                  prefixes: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
     """All parameters by Hugging Face name (``model.layers.0.self_attn.q_proj.weight``), on CPU;
     with ``prefixes``, only those whose name starts with one (the rest is never read).
 
-    Normalized so consumers see one shape of dict: ``lm_head.weight`` is present iff the
-    embeddings are not tied (a tied copy some files carry is dropped), and saved
-    ``rotary_emb.inv_freq`` buffers (computed, not learned) are skipped.
+    Normalized so consumers see one shape of dict: ``lm_head.weight`` is present iff the model
+    has its own head -- untied embeddings, or (as transformers 5 decides) a stored head that
+    differs from the embeddings despite ``tie_word_embeddings``; a tied copy equal to them is
+    dropped. Saved ``rotary_emb.inv_freq`` buffers (computed, not learned) are skipped. The
+    whole model's tensors are checked against config.json (``weight_shapes``).
     """
-    config = _read_json(hf_dir / "config.json")
-    tied = bool(config.get("text_config", config).get("tie_word_embeddings", config.get("tie_word_embeddings")))
+    config = read_json(hf_dir / "config.json")
     llava = "vision_config" in config
     weights: dict[str, torch.Tensor] = {}
     for path in weight_files(hf_dir):
@@ -241,18 +163,31 @@ def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32,
                 weights[name] = f.get_tensor(stored).to(dtype)
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        expected = {_llava_name(n) if llava else n for n in _read_json(index)["weight_map"]
+        expected = {_llava_name(n) if llava else n for n in _index_weight_map(index)
                     if not n.endswith("rotary_emb.inv_freq")}
         expected = {n for n in expected if prefixes is None or n.startswith(prefixes)}
         if missing := expected - weights.keys():
             raise UnsupportedModelError(f"{hf_dir}: shards lack {sorted(missing)[:5]} listed in the index")
     if prefixes is not None:
         return weights
-    if tied:
-        weights.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in weights:
-        raise UnsupportedModelError(f"{hf_dir}: no lm_head.weight and tie_word_embeddings is false")
+    model_config = load_model_config(hf_dir)
+    _drop_tied_head(weights, model_config.tie_word_embeddings, hf_dir)
+    check_lm_weights(weights, model_config, hf_dir)
     return weights
+
+
+def _drop_tied_head(weights: dict[str, torch.Tensor], tied: bool, hf_dir: Path) -> None:
+    """Keep ``lm_head.weight`` only where the model has its own head (see load_weights)."""
+    head, embeddings = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
+    if not tied:
+        if head is None:
+            raise UnsupportedModelError(f"{hf_dir}: no lm_head.weight and tie_word_embeddings is false")
+        return
+    if head is None or (embeddings is not None and head.shape == embeddings.shape and torch.equal(head, embeddings)):
+        weights.pop("lm_head.weight", None)
+        return
+    logger.warning("%s: tie_word_embeddings is true but lm_head.weight differs from the embeddings; "
+                   "using the stored head, as transformers does", hf_dir)
 
 
 def _llava_name(stored: str) -> str:
@@ -269,7 +204,10 @@ def load_tokenizer(hf_dir: Path) -> PreTrainedTokenizerFast:
         raise ModelNotFoundError(f"{hf_dir} lacks {', '.join(missing)} (refengine needs a fast tokenizer)")
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    try:  # never a tokenizer class from the model directory (``auto_map``): that would run its code
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # the Rust tokenizer raises a bare Exception on a malformed tokenizer.json
+        raise UnsupportedModelError(f"{hf_dir}: cannot load the tokenizer: {exc}") from exc
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise UnsupportedModelError(f"{hf_dir}: {type(tokenizer).__name__} is not a fast tokenizer")
     return tokenizer
@@ -281,7 +219,7 @@ def model_fingerprint(hf_dir: Path) -> str:
     Hashes the canonical config plus each weight file's name and size (not the contents,
     which would take seconds per start); the directory's location does not count.
     """
-    config = _read_json(hf_dir / "config.json")
+    config = read_json(hf_dir / "config.json")
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for path in weight_files(hf_dir):
         digest.update(f"\0{path.name}\0{path.stat().st_size}".encode())

@@ -183,8 +183,10 @@ def test_kv_events_and_offline_block_keys_carry_the_image(llava: TinyLlava) -> N
 
 def test_tied_embeddings_declared_only_at_the_top_level(tmp_path) -> None:
     """A LLaVA config.json may say ``tie_word_embeddings`` at the top level only: config and
-    weights must agree (no lm_head expected)."""
+    weights must agree: a checkpoint without lm_head loads (untied, it would be refused)."""
     import json
+
+    from safetensors.torch import load_file, save_file
 
     from refengine.model.loader import load_model_config, load_weights
     directory = tiny_llava.build_tiny_llava(tmp_path / "tied").directory
@@ -192,5 +194,8 @@ def test_tied_embeddings_declared_only_at_the_top_level(tmp_path) -> None:
     config["tie_word_embeddings"] = True
     config["text_config"].pop("tie_word_embeddings", None)
     (directory / "config.json").write_text(json.dumps(config))
+    for path in directory.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({k: v for k, v in tensors.items() if not k.endswith("lm_head.weight")}, path)
     assert load_model_config(directory).tie_word_embeddings
     assert "lm_head.weight" not in load_weights(directory)

@@ -1,0 +1,136 @@
+"""``config.json`` (and ``generation_config.json``) of a Hugging Face directory -> ModelConfig.
+
+Anything malformed -- invalid JSON, a missing or mistyped field, values ModelConfig refuses --
+raises UnsupportedModelError naming the file and the field, never a bare KeyError.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from refengine.config import ModelConfig
+from refengine.model.manifest import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+#: Hugging Face architectures refengine implements, with their ``model_type``.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlavaForConditionalGeneration": "llava",  # a vision tower + projector before a Llama-family LM
+}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; UnsupportedModelError naming the file when it is not one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UnsupportedModelError(f"{path} is not valid UTF-8 JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise UnsupportedModelError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _token_ids(value: int | list[int] | None) -> list[int]:
+    """config files store special-token ids as an int, a list, or null."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either config layout.
+
+    transformers >= 5 writes ``rope_parameters`` (theta inside); older files have
+    ``rope_theta`` plus ``rope_scaling`` (``type`` in the oldest). ``rope_scaling`` is
+    returned without theta, and only for a non-default kind (llama3 is the one we run).
+    """
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise UnsupportedModelError(f"RoPE scaling {rope_type!r} is not implemented (only 'llama3')")
+    return float(theta), {"rope_type": rope_type, **params}
+
+
+def load_model_config(hf_dir: Path) -> ModelConfig:
+    """Parse ``config.json`` (and ``generation_config.json`` for stop ids) into a ModelConfig.
+
+    Raises UnsupportedModelError (naming config.json) for a file it cannot serve.
+    """
+    try:
+        return _parse_model_config(hf_dir)
+    except UnsupportedModelError:
+        raise
+    except KeyError as exc:
+        raise UnsupportedModelError(f"{hf_dir / 'config.json'}: required field {exc} is missing") from exc
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as exc:  # a field's type or value
+        raise UnsupportedModelError(f"{hf_dir / 'config.json'}: {exc}") from exc
+
+
+def _parse_model_config(hf_dir: Path) -> ModelConfig:
+    """load_model_config's work; a missing or mistyped field surfaces as KeyError/TypeError/ValueError.
+
+    Qwen2 has q/k/v biases by architecture (its config has no flag for it). A sliding
+    window (Mistral v0.1) is not implemented, so the context is capped at the window,
+    where full attention computes exactly the same thing.
+    """
+    config = read_json(hf_dir / "config.json")
+    gen_path = hf_dir / "generation_config.json"
+    generation = read_json(gen_path) if gen_path.is_file() else {}
+    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    architecture = (config.get("architectures") or [None])[0] or by_type.get(config.get("model_type", ""))
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{hf_dir}: architecture {architecture!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    model_type = SUPPORTED_ARCHITECTURES[architecture]
+    if model_type == "llava":  # the LM's own config; the vision part is model/vision.py's
+        config = {"eos_token_id": config.get("eos_token_id"),
+                  "tie_word_embeddings": config.get("tie_word_embeddings", False), **config["text_config"]}
+        model_type = config.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise UnsupportedModelError(f"{hf_dir}: a {model_type!r} language model is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{hf_dir}: activation {config['hidden_act']!r} is not supported")
+    if model_type != "qwen2" and (config.get("attention_bias") or config.get("mlp_bias")):
+        raise UnsupportedModelError(
+            f"{hf_dir}: o_proj/MLP biases (attention_bias/mlp_bias) are not supported"
+        )
+
+    rope_theta, rope_scaling = _rope(config)
+    max_positions = config["max_position_embeddings"]
+    window = config.get("sliding_window")
+    if window and (model_type == "mistral" or config.get("use_sliding_window")) and window < max_positions:
+        logger.warning("%s: sliding window %d not implemented; context capped at it", hf_dir, window)
+        max_positions = window
+    heads = config["num_attention_heads"]
+    eos = _token_ids(config.get("eos_token_id")) + _token_ids(generation.get("eos_token_id"))
+    bos = config.get("bos_token_id")
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2",
+        bos_token_id=bos if bos is not None else generation.get("bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+    )
+
+

@@ -1,0 +1,146 @@
+"""Model loading refuses what it cannot serve, naming the file and the field, before any request runs.
+
+Tensors are checked against config.json (a contradicting ``head_dim`` used to load and then
+corrupt the heap in the native attention kernel; a smaller ``vocab_size`` silently truncated
+the vocabulary); malformed config files give UnsupportedModelError, not KeyError/TypeError;
+an index cannot name shards outside the model directory; a tied head that differs from the
+embeddings is kept, as transformers 5 does (the oracle); the tokenizer never runs code from
+the model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from refengine.model import UnsupportedModelError, load_model_config, load_tokenizer, load_weights
+from tests.unit.test_loader import save_model, tiny_model
+
+
+def edit_config(directory: Path, **changes: object) -> None:
+    path = directory / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return save_model(tiny_model(), tmp_path / "m")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"head_dim": 16}, r"q_proj\.weight has shape \[32, 32\] but config\.json implies \[64, 32\].*head_dim=16"),
+        ({"vocab_size": 100}, r"embed_tokens\.weight has shape \[\d+, 32\] but config\.json implies \[100, 32\]"),
+        ({"vocab_size": 4096}, r"embed_tokens\.weight has shape \[\d+, 32\] but config\.json implies \[4096, 32\]"),
+        ({"num_key_value_heads": 4}, r"k_proj\.weight has shape \[16, 32\] but config\.json implies \[32, 32\]"),
+        ({"intermediate_size": 64}, r"gate_proj\.weight has shape \[48, 32\] but config\.json implies \[64, 32\]"),
+        ({"num_hidden_layers": 3}, r"the weights lack model\.layers\.2\."),
+    ],
+)
+def test_weights_that_contradict_config_json_are_refused(model_dir: Path, changes: dict, message: str) -> None:
+    edit_config(model_dir, **changes)
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_weights(model_dir)
+
+
+def test_a_missing_tensor_is_named(model_dir: Path) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=r"lack model\.layers\.1\.mlp\.down_proj\.weight"):
+        load_weights(model_dir)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "config.json is not valid UTF-8 JSON"),
+        ("[1, 2]", "config.json must hold a JSON object, not list"),
+        (None, "config.json: required field 'hidden_size' is missing"),
+        ({"hidden_size": "wide"}, "config.json: "),
+        ({"num_attention_heads": 0, "head_dim": None}, "config.json: "),
+        ({"text_config": 3, "architectures": ["LlavaForConditionalGeneration"]}, "config.json: "),
+        ({"num_hidden_layers": -1}, "config.json: ModelConfig.num_hidden_layers"),
+    ],
+)
+def test_malformed_config_json_names_the_file(model_dir: Path, text: object, message: str) -> None:
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    if text is None:
+        del config["hidden_size"]
+        path.write_text(json.dumps(config))
+    elif isinstance(text, dict):
+        path.write_text(json.dumps(config | text))
+    else:
+        path.write_text(text)
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_model_config(model_dir)
+
+
+def test_non_utf8_config_is_refused(model_dir: Path) -> None:
+    (model_dir / "config.json").write_bytes(b'{"vocab_size": "\xff"}')
+    with pytest.raises(UnsupportedModelError, match="not valid UTF-8 JSON"):
+        load_model_config(model_dir)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "weights.bin"])
+def test_index_shards_stay_inside_the_model_directory(tmp_path: Path, shard: str) -> None:
+    directory = save_model(tiny_model(), tmp_path / "m", max_shard_size="20KB")
+    index = directory / "model.safetensors.index.json"
+    content = json.loads(index.read_text())
+    first = next(iter(content["weight_map"]))
+    content["weight_map"][first] = shard
+    index.write_text(json.dumps(content))
+    with pytest.raises(UnsupportedModelError, match=f"shard {shard!r} is not a .safetensors file in the model"):
+        load_weights(directory)
+
+
+def test_a_tied_head_that_differs_from_the_embeddings_is_kept_as_transformers_does(tmp_path: Path) -> None:
+    directory = save_model(tiny_model(tie=True), tmp_path / "tied")
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    torch.manual_seed(1)
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, path, metadata={"format": "pt"})
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    ours = load_weights(directory)
+    assert torch.equal(ours["lm_head.weight"], theirs.lm_head.weight.detach())
+    assert torch.equal(ours["model.embed_tokens.weight"], theirs.model.embed_tokens.weight.detach())
+
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # an equal copy: dropped
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert "lm_head.weight" not in load_weights(directory)
+
+
+def test_the_tokenizer_never_runs_code_from_the_model_directory(model_dir: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    (model_dir / "custom_tok.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "class CustomTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config |= {"tokenizer_class": "CustomTokenizer",
+               "auto_map": {"AutoTokenizer": [None, "custom_tok.CustomTokenizer"]}}
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="cannot load the tokenizer.*custom code"):
+        load_tokenizer(model_dir)  # before: transformers asked on stdin whether to run it
+    assert not marker.exists()
+
+
+def test_a_malformed_tokenizer_json_is_refused(model_dir: Path) -> None:
+    (model_dir / "tokenizer.json").write_text('{"model": {"type": "nonsense"}}')
+    with pytest.raises(UnsupportedModelError, match="cannot load the tokenizer"):
+        load_tokenizer(model_dir)
