@@ -17,6 +17,10 @@ Pipeline, per row (each stage skipped for rows that do not use it):
    cumulative kept probability exceeds ``u * total`` -- probability ``p_i / sum(kept p)``.
    (One draw per row instead of an exponential race's V draws: ~4x cheaper on CPU.)
 
+Non-finite logits (a NaN, a +inf, or every token at -inf) give a row no token: its id is
+``vocab_size``, greedy or sampled, nothing is reported for it, and the engine fails that
+request alone (the batch's other rows are unaffected).
+
 Logprobs (RULES L5, L6, ref): ``log_softmax`` of the logits after 0-3 (greedy rows use T = 1),
 *before* truncation: the distribution the token was drawn from, so a grammar-masked or
 suppressed token reports ``-inf`` and a sampled token's logprob is always finite.
@@ -224,6 +228,12 @@ class Sampler:
                 suppressed[dead] = logits[dead]
         return suppressed
 
+    def _greedy(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        """Argmax per row, or ``vocab_size``: ``max`` propagates NaN, so one reduction also
+        finds a NaN, a +inf or an all -inf row."""
+        best, ids = logits.max(-1)
+        return torch.where(torch.isfinite(best), ids, self.vocab_size).tolist()
+
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         """Tokens for non-greedy rows; ``logits`` ``[s, V]`` are penalized and tempered.
 
@@ -273,16 +283,18 @@ class Sampler:
         token_ids = [0] * n
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        for subset, pick in ((greedy, None), (sampled, self._sample)):
+        for subset, pick in ((greedy, self._greedy), (sampled, self._sample)):
             if not subset:
                 continue
             part = logits_t if len(subset) == n else logits_t[torch.tensor(subset, device=device)]
-            ids = part.argmax(-1).tolist() if pick is None else pick(part, [rows[i] for i in subset])
-            for i, token_id in zip(subset, ids, strict=True):
+            for i, token_id in zip(subset, pick(part, [rows[i] for i in subset]), strict=True):
                 token_ids[i] = token_id
 
         infos = [(None, None, ())] * n
-        reporting = [i for i, r in enumerate(rows) if r.want_logprob or r.candidates is not None]
+        # A row with non-finite logits got no token (``vocab_size``): nothing to report, and its
+        # request fails alone, while the batch's other rows report as usual.
+        reporting = [i for i, r in enumerate(rows)
+                     if (r.want_logprob or r.candidates is not None) and token_ids[i] < self.vocab_size]
         if reporting:
             part = logits_t if len(reporting) == n else logits_t[torch.tensor(reporting, device=device)]
             found = batch_logprob_info(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from refengine.types import (
     GenerationRequest,
     InvalidRequestError,
     KvEvent,
+    LogprobParams,
     LoraAdapterSpec,
     LoraConflictError,
     LoraDisabledError,
@@ -420,16 +422,27 @@ def test_no_adapter_weights_without_lora(tiny, adapters) -> None:
 
 def test_non_finite_logits_fail_their_request_alone(tiny, adapters) -> None:
     """An adapter that loads (finite alpha 1e30) but overflows the activations gives NaN logits:
-    its sampled request ends with one INTERNAL fault naming them; a base request in the same
-    steps keeps its solo tokens, and every KV block comes back (no step-wide failure)."""
+    each of its requests -- sampled or greedy, with or without logprobs -- ends with one INTERNAL
+    fault naming them; a base request (with logprobs) in the same steps keeps its solo tokens,
+    and every KV block comes back (no step-wide failure). Before, the greedy one got token 0
+    with a NaN logprob and a sampled one with logprobs failed the whole step."""
     root, _ = adapters
     path = _broken(root, "overflows", dict(lora_alpha=1e30))
     engine = make_engine(tiny, root)
     engine.load_lora(LoraAdapterSpec(31, "overflows", str(path)))
-    base_alone = tokens(engine, [greedy("alone", PROMPTS[1])])[0]
-    sampled = GenerationRequest("nan", prompt_token_ids=PROMPTS[1], sampling=SamplingParams(temperature=0.8, seed=1),
+    with_logprobs = LogprobParams(output_logprobs=True)
+    base = replace(greedy("base", PROMPTS[1]), logprobs=with_logprobs)
+    base_alone = engine.run_until_done([replace(base, request_id="alone")])[0].outputs[0]
+    broken = [GenerationRequest(f"nan-{i}", prompt_token_ids=PROMPTS[1], sampling=sampling, logprobs=logprobs,
                                 stopping=StoppingParams(max_tokens=8, ignore_eos=True), lora_name="overflows")
-    base, failed = engine.run_until_done([greedy("base", PROMPTS[1]), sampled])
-    assert base.error is None and base.outputs[0].token_ids == base_alone
-    assert failed.error is not None and failed.error.code == "internal" and "not finite" in failed.error.message
+              for i, (sampling, logprobs) in enumerate([(SamplingParams(temperature=0.8, seed=1), LogprobParams()),
+                                                        (SamplingParams(temperature=0.8, seed=1), with_logprobs),
+                                                        (SamplingParams(temperature=0.0), with_logprobs)])]
+    base_out, *failed = engine.run_until_done([base, *broken])
+    assert base_out.error is None and base_out.outputs[0].token_ids == base_alone.token_ids
+    assert [t.logprob for t in base_out.outputs[0].tokens] == [t.logprob for t in base_alone.tokens]
+    assert all(t.logprob is not None for t in base_alone.tokens)
+    for out in failed:
+        assert out.error is not None and out.error.code == "internal" and "not finite" in out.error.message, out
+        assert not out.outputs[0].token_ids
     assert_idle(engine)

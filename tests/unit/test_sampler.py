@@ -389,3 +389,32 @@ def test_reported_logprobs_are_of_the_penalized_tempered_distribution() -> None:
 def test_no_logprob_fields_unless_asked() -> None:
     out = Sampler(10)(_logits(2, 10), [_row(SamplingParams()), _row(SamplingParams(temperature=0.0))])
     assert all(s.logprob is None and s.rank is None and s.candidates == () for s in out)
+
+
+def test_non_finite_logits_give_their_row_no_token_and_spare_the_batch() -> None:
+    """A NaN, a +inf or an all -inf row gets ``vocab_size`` (no token) and reports nothing, greedy
+    or sampled, with or without logprobs; the other rows of the same call keep the tokens and
+    logprobs they get alone. Before: a greedy NaN row took token 0 with a NaN logprob, and a
+    sampled NaN row with logprobs made the whole call raise."""
+    vocab = 12
+    logits = _logits(8, vocab, seed=5)
+    logits[0, 3] = logits[1, 4] = float("nan")
+    logits[2, 5] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, 6] = float("nan")
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.9)
+    top4 = CandidateSpec(mode="top_n", top_n=4)
+    rows = [_row(greedy, want_logprob=True), _row(sampled, _gen(1), want_logprob=True, candidates=top4),
+            _row(greedy, want_logprob=True), _row(greedy), _row(sampled, _gen(2)),
+            _row(greedy, want_logprob=True, candidates=top4), _row(sampled, _gen(3), want_logprob=True),
+            _row(greedy, want_logprob=True)]
+    out = Sampler(vocab)(logits, rows)
+    for bad in range(5):
+        assert (out[bad].token_id, out[bad].logprob, out[bad].rank, out[bad].candidates) == (vocab, None, None, ())
+    for good in range(5, 8):
+        fresh = [_row(r.params, _gen(3) if good == 6 else None, want_logprob=r.want_logprob,
+                      candidates=r.candidates) for r in rows[good:good + 1]]
+        alone = Sampler(vocab)(logits[good:good + 1], fresh)[0]
+        assert out[good] == alone
+        tempered = logits[good] / (0.9 if good == 6 else 1.0)
+        assert out[good].logprob == pytest.approx(torch.log_softmax(tempered, -1)[out[good].token_id].item(), abs=1e-6)
