@@ -34,11 +34,20 @@ Metadata = Sequence[tuple[str, str]]
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # receives ``all``-candidate outputs of large vocabularies
 
 
+def error_code_name(code: int) -> str:
+    """``ERROR_CODE_…`` for a known code; a proto3 enum is open, so a newer server may send a
+    code this release does not name (X4): ``ErrorCode(17)`` then, never a ValueError."""
+    try:
+        return oe.ErrorCode.Name(code)
+    except ValueError:
+        return f"ErrorCode({code})"
+
+
 class GenerationError(RuntimeError):
     """An accepted request ended with an ``EngineError``."""
 
     def __init__(self, error: oe.EngineError) -> None:
-        super().__init__(f"{oe.ErrorCode.Name(error.code)}: {error.message}")
+        super().__init__(f"{error_code_name(error.code)}: {error.message}")
         self.error = error
 
 
@@ -90,7 +99,9 @@ class OpenEngineClient:
         timeout: float | None = None,
     ) -> Iterator[oe.GenerateResponse]:
         """Stream one request's events. Either pass a full ``request`` or the common
-        fields. Cancelling: close the returned iterator (``.close()``) or break out of it."""
+        fields. Cancelling: close the returned iterator (``.close()``, or iterate it inside
+        ``contextlib.closing``); breaking out of a ``for`` loop cancels only once the iterator
+        is garbage-collected."""
         if request is None:
             request = oe.GenerateRequest(request_id=request_id or f"client-{uuid.uuid4().hex}", model=model)
             if prompt is not None:
@@ -190,28 +201,61 @@ class PrefillFailed(RuntimeError):
 
 
 def prefill(client: OpenEngineClient, request: oe.GenerateRequest, timeout: float | None = None,
-            metadata: Metadata | None = None) -> oe.GenerateResponse:
-    """Run ``request`` on a prefill server; returns its terminal ``PrefillReady`` event
-    (prompt logprobs, when asked for, come before it and are dropped here)."""
+            metadata: Metadata | None = None,
+            prompt_events: list[oe.GenerateResponse] | None = None) -> oe.GenerateResponse:
+    """Run ``request`` on a prefill server; returns its terminal ``PrefillReady`` event. The
+    events before it (the ``PromptOutput``, when prompt logprobs were asked for) are appended
+    to ``prompt_events`` when it is given, else dropped."""
     for event in client.generate(request, timeout=timeout, metadata=metadata):
         kind = event.WhichOneof("event")
         if kind == "prefill_ready":
             return event
         if kind == "error":
-            raise PrefillFailed(f"prefill failed: {oe.ErrorCode.Name(event.error.code)}: {event.error.message}",
+            raise PrefillFailed(f"prefill failed: {error_code_name(event.error.code)}: {event.error.message}",
                                 event)
         if kind in ("token", "finished"):
             raise PrefillFailed(f"not a prefill server: it sent a {kind} event (K4)", event)
+        if prompt_events is not None:
+            prompt_events.append(event)
     raise PrefillFailed("the prefill stream ended without PrefillReady")
+
+
+def decode_request_for(request: oe.GenerateRequest, ready: oe.GenerateResponse) -> oe.GenerateRequest:
+    """The decode hop's request: ``request`` with the session forwarded unchanged (K9). Prompt
+    logprobs were the prefill's to compute (a decode server never has the prompt's logits and
+    refuses them, D4), so their options are cleared here."""
+    decode_request = oe.GenerateRequest()
+    decode_request.CopyFrom(request)
+    decode_request.kv.session.CopyFrom(ready.prefill_ready.kv_session)
+    for field in ("return_prompt_logprobs", "prompt_candidates", "prompt_logprob_start"):
+        decode_request.response.ClearField(field)
+    return decode_request
 
 
 def generate_disaggregated(prefill_client: OpenEngineClient, decode_client: OpenEngineClient,
                            request: oe.GenerateRequest, timeout: float | None = None,
                            metadata: Metadata | None = None) -> Iterator[oe.GenerateResponse]:
-    """Prefill on one server, decode on another; yields the decode server's events. The
-    session is forwarded unchanged (K9); the decode request targets the session's rank (M3)."""
-    ready = prefill(prefill_client, request, timeout, metadata)
-    decode_request = oe.GenerateRequest()
-    decode_request.CopyFrom(request)
-    decode_request.kv.session.CopyFrom(ready.prefill_ready.kv_session)
-    yield from decode_client.generate(decode_request, timeout=timeout, metadata=metadata)
+    """Prefill on one server, decode on another; yields the request's events as one server
+    would: the prefill's ``PromptOutput`` (when prompt logprobs were asked for), then the decode
+    server's events. The decode request targets the session's rank (M3). Unless the decode
+    stream ends with its ``Finished`` events, the session is aborted on the prefill server
+    (best effort), so a refused, failed or abandoned decode leaves no KV held until the lease."""
+    prompt_events: list[oe.GenerateResponse] = []
+    ready = prefill(prefill_client, request, timeout, metadata, prompt_events)
+    yield from prompt_events
+    decoded = False
+    try:
+        for event in decode_client.generate(decode_request_for(request, ready), timeout=timeout, metadata=metadata):
+            decoded = event.WhichOneof("event") == "finished"
+            yield event
+    finally:
+        if not decoded:
+            _abort_session(prefill_client, ready.prefill_ready.kv_session)
+
+
+def _abort_session(client: OpenEngineClient, session: oe.KvSessionRef) -> None:
+    """Release a session the decode did not consume; NOT_FOUND (already pulled or expired) is fine."""
+    try:
+        client.abort(kv_session=session)
+    except grpc.RpcError:
+        pass

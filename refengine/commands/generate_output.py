@@ -3,8 +3,9 @@
 Text: output 0 streams to stdout as it arrives, flushed per delta. With several outputs
 each is labelled: ``[0] `` before the streamed output 0, then one ``[i] text`` line per
 other output once the stream ended (they arrive interleaved, so they are collected).
-``--logprobs`` / ``--prompt-logprobs`` add a per-token table (position, token, logprob,
-rank, candidates) on stderr after the text; a usage line ends stderr.
+``--logprobs`` / ``--prompt-logprobs`` each add a per-token table (position, token, logprob,
+rank, candidates) on stderr after the text -- a prompt table's positions start at
+``--prompt-logprob-start`` -- and a usage line ends stderr.
 
 JSON (``--json``): one JSON object per line on stdout, nothing on stderr but errors. From a
 server each ``GenerateResponse`` in proto3 JSON (``json_format``, lowerCamelCase names);
@@ -49,9 +50,9 @@ def _engine_row(info: TokenInfo) -> TokenRow:
     return TokenRow(info.text, info.logprob, info.rank, tuple((c.text, c.logprob) for c in info.candidates))
 
 
-def _print_table(title: str, rows: list[TokenRow]) -> None:
+def _print_table(title: str, rows: list[TokenRow], first_position: int = 0) -> None:
     print(f"{title}:\n  pos token                logprob  rank  candidates", file=sys.stderr)
-    for position, row in enumerate(rows):
+    for position, row in enumerate(rows, start=first_position):
         logprob = "-" if row.logprob is None else f"{row.logprob:.4f}"
         rank = "-" if row.rank is None else str(row.rank)
         top = ", ".join(f"{text!r} {value:.3f}" for text, value in row.candidates)
@@ -59,11 +60,16 @@ def _print_table(title: str, rows: list[TokenRow]) -> None:
 
 
 class TextPrinter:
-    """Streams output 0, collects the others; tables and the usage line go to stderr."""
+    """Streams output 0, collects the others; tables and the usage line go to stderr.
 
-    def __init__(self, num_sequences: int, tables: bool) -> None:
+    ``output_tables``: collect the output tokens' logprob tables (``--logprobs``);
+    ``prompt_start``: the first prompt position the server reports (``--prompt-logprob-start``).
+    """
+
+    def __init__(self, num_sequences: int, output_tables: bool, prompt_start: int = 0) -> None:
         self.others = {index: "" for index in range(1, num_sequences)}
-        self.tables = tables
+        self.tables = output_tables
+        self.prompt_start = prompt_start
         self.prompt_rows: list[TokenRow] | None = None
         self.rows: dict[int, list[TokenRow]] = {}
         self.completion_tokens: int | None = None
@@ -103,7 +109,7 @@ class TextPrinter:
             print(f"[{index}] {self.others[index]}")
         sys.stdout.flush()
         if self.prompt_rows is not None:
-            _print_table("prompt logprobs", self.prompt_rows)
+            _print_table("prompt logprobs", self.prompt_rows, self.prompt_start)
         for index in sorted(self.rows):
             _print_table(f"output {index} logprobs", self.rows[index])
         if self.completion_tokens is not None:

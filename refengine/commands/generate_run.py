@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import uuid
+from contextlib import closing
 from typing import TYPE_CHECKING
 
 from refengine.commands.generate_options import USAGE_ERROR, GenerateOptions
@@ -28,8 +29,7 @@ REFUSED = 1  # a server or the engine refused or failed the request
 def _printer(args: argparse.Namespace, options: GenerateOptions) -> Printer:
     if args.json:
         return JsonPrinter()
-    tables = options.logprobs is not None or options.prompt_logprobs is not None
-    return TextPrinter(options.num_sequences or 1, tables)
+    return TextPrinter(options.num_sequences or 1, options.logprobs is not None, options.prompt_logprob_start or 0)
 
 
 def run_remote(args: argparse.Namespace, options: GenerateOptions) -> int:
@@ -50,10 +50,21 @@ def run_remote(args: argparse.Namespace, options: GenerateOptions) -> int:
                 return USAGE_ERROR
             request = wire_request(options, prompt, f"cli-{uuid.uuid4().hex}")
             printer = _printer(args, options)
-            for event in _events(client, prefill_client, encoder_client, request, wire_metadata(options)):
-                printer.wire(event)
-                if event.WhichOneof("event") == "error":
-                    raise GenerationError(event.error)
+            unfinished = set(range(options.num_sequences or 1))
+            # closing(): the hops' cleanup (aborting an unconsumed KV session, releasing media
+            # handles) runs now, while their channels are open, not whenever the GC gets to it.
+            with closing(_events(client, prefill_client, encoder_client, request, wire_metadata(options))) as events:
+                for event in events:
+                    printer.wire(event)
+                    kind = event.WhichOneof("event")
+                    if kind == "error":
+                        raise GenerationError(event.error)
+                    if kind == "finished":
+                        unfinished.discard(event.finished.output_index)
+            if unfinished:
+                print(f"\nrefengine generate: the stream ended before output(s) {sorted(unfinished)} finished",
+                      file=sys.stderr)
+                return REFUSED
             printer.close()
     except grpc.RpcError as exc:  # refused before acceptance, e.g. INVALID_ARGUMENT for a bad regex
         print(f"refengine generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -96,6 +107,7 @@ def run_local(args: argparse.Namespace, options: GenerateOptions) -> int:
     """In this process, on an engine built from the engine flags."""
     from refengine.args import engine_config_from_args
     from refengine.engine.engine import Engine
+    from refengine.model import ModelNotFoundError, UnsupportedModelError
     from refengine.runtime import apply_process_settings
     from refengine.types import RequestError
 
@@ -105,7 +117,11 @@ def run_local(args: argparse.Namespace, options: GenerateOptions) -> int:
         print(f"refengine generate: {exc}", file=sys.stderr)
         return USAGE_ERROR
     apply_process_settings(config)
-    engine = Engine.from_config(config)
+    try:
+        engine = Engine.from_config(config)
+    except (ModelNotFoundError, UnsupportedModelError) as exc:
+        print(f"refengine generate: {exc}", file=sys.stderr)
+        return USAGE_ERROR
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template(

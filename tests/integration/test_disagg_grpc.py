@@ -258,6 +258,36 @@ def test_capabilities_are_role_correct_and_prefill_sends_prompt_logprobs(clients
     wait_idle(clients["decode"])
 
 
+def test_the_two_hop_client_streams_prompt_logprobs_and_aborts_a_refused_session(clients) -> None:
+    """generate_disaggregated yields what one aggregated server would: the prefill's PromptOutput
+    (the decode request drops the prompt-logprob options, which a decode server refuses, D4),
+    then the decode's events -- the same prompt logprobs and tokens as the aggregated server.
+    A refused decode aborts the session on the prefill server at once, not at lease expiry.
+    Before, every two-hop request with prompt logprobs was refused and left its session held."""
+    req = request("two-hop-plp", prompt_text(3))
+    req.response.return_prompt_logprobs = True
+    req.response.prompt_candidates.top_n = 2
+    req.response.prompt_logprob_start = 2
+    two_hop = collect(generate_disaggregated(clients["prefill"], clients["decode"], req))
+    req.request_id = "two-hop-plp-aggregated"
+    aggregated = collect(clients["aggregated"].generate(req))
+    assert two_hop.code == grpc.StatusCode.OK, two_hop.details
+    kinds = [e.WhichOneof("event") for e in two_hop.events]
+    assert kinds[0] == "prompt" and kinds.count("prompt") == 1 and kinds[-1] == "finished", kinds
+    ours, theirs = two_hop.of("prompt")[0].tokens, aggregated.of("prompt")[0].tokens
+    assert [t.token_id for t in ours] == [t.token_id for t in theirs] and len(ours) > 2
+    assert [t.logprob for t in ours] == pytest.approx([t.logprob for t in theirs], abs=1e-4)
+    assert [len(t.candidates) for t in ours] == [len(t.candidates) for t in theirs]
+    assert two_hop.tokens() == aggregated.tokens()
+    wait_idle(clients["prefill"])
+    wait_idle(clients["decode"])
+
+    refused = collect(generate_disaggregated(clients["prefill"], clients["aggregated"],
+                                             request("two-hop-refused", prompt_text(4))))
+    assert refused.code != grpc.StatusCode.OK and not refused.events, "K6: not a decode server"
+    wait_idle(clients["prefill"], timeout=SESSION_TTL_S / 3)
+
+
 def ready_for(clients, rid: str, i: int = 5) -> oe.GenerateResponse:
     return prefill(clients["prefill"], request(rid, prompt_text(i)))
 
@@ -455,6 +485,16 @@ def test_cli_generate_through_prefill_and_decode(servers, server_address: str) -
 
     disaggregated = cli("--prefill", servers["prefill"].address, "--decode", servers["decode"].address)
     assert disaggregated.strip() and disaggregated == cli("--remote", server_address)
+    with_prompt_logprobs = subprocess.run(
+        [sys.executable, "-m", "refengine.cli", "generate", prompt_text(4), "--max-tokens", "8", "--prompt-logprobs",
+         "1", "--prompt-logprob-start", "3", "--prefill", servers["prefill"].address, "--decode",
+         servers["decode"].address], capture_output=True, text=True, timeout=120, env={**os.environ,
+         "HF_HUB_OFFLINE": "1"})
+    assert with_prompt_logprobs.returncode == 0, with_prompt_logprobs.stderr[-2000:]
+    assert with_prompt_logprobs.stdout == disaggregated
+    table = with_prompt_logprobs.stderr.split("prompt logprobs:\n")[1].splitlines()
+    assert table[1].split()[0] == "3", "positions start at --prompt-logprob-start"
+    assert "output 0 logprobs" not in with_prompt_logprobs.stderr, "no output table without --logprobs"
     half = subprocess.run([sys.executable, "-m", "refengine.cli", "generate", "x", "--prefill",
                            servers["prefill"].address], capture_output=True, text=True, timeout=60)
     assert half.returncode != 0 and "--decode" in half.stderr

@@ -48,6 +48,7 @@ from refengine.types import (
 
 IMAGE = b"\x89PNG not really an image"
 REFUSE, FAIL = "refuse me", "fail me"  # prompts the recording server refuses / fails after acceptance
+CUT, ODD_CODE = "cut me", "odd code"  # it ends the stream without Finished / fails with an unnamed code
 HANDLES_KEY = "refengine.v1alpha1.media_handles"
 
 
@@ -75,9 +76,11 @@ class Recorder(oe.InferenceServicer, oe.ControlServicer):
         for index in range(count):
             yield oe.GenerateResponse(request_id=rid, token=oe.TokenOutput(
                 output_index=index, text="ok" if index == 0 else f"ok{index}", tokens=_tokens(request)))
-        if request.prompt == FAIL:
-            yield oe.GenerateResponse(request_id=rid, error=oe.EngineError(code=oe.ERROR_CODE_INTERNAL,
-                                                                           message="failed on purpose"))
+        if request.prompt in (FAIL, ODD_CODE):
+            code = oe.ERROR_CODE_INTERNAL if request.prompt == FAIL else 999  # X4: a code from a newer release
+            yield oe.GenerateResponse(request_id=rid, error=oe.EngineError(code=code, message="failed on purpose"))
+            return
+        if request.prompt == CUT:
             return
         for index in range(count):
             yield oe.GenerateResponse(
@@ -377,6 +380,27 @@ def test_server_refusal_and_failure_exit_1(servers: Servers, capsys: pytest.Capt
     assert json.loads(out.out.splitlines()[-1])["error"]["message"] == "failed on purpose"  # printed first
 
 
+def test_an_unnamed_error_code_and_a_cut_stream_exit_1(servers: Servers, capsys: pytest.CaptureFixture[str]) -> None:
+    """X4: an ErrorCode this release does not name is printed by number (it raised ValueError);
+    a stream that ends before its outputs finished is a failure, not a success."""
+    remote = servers.addresses["@remote"]
+    assert main(["generate", ODD_CODE, "--remote", remote]) == 1
+    assert "refengine generate: ErrorCode(999): failed on purpose" in capsys.readouterr().err
+    assert main(["generate", CUT, "--remote", remote, "--num-sequences", "2"]) == 1
+    assert "the stream ended before output(s) [0, 1] finished" in capsys.readouterr().err
+
+
+def test_an_unservable_model_in_process_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --model that does not resolve or cannot be served is a one-line usage error, not a traceback."""
+    assert main(["generate", "hi", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "refengine generate: " in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{broken")
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text("")
+    assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    assert "config.json is not valid UTF-8 JSON" in capsys.readouterr().err
+
+
 # -- the in-process path, without an engine ---------------------------------------------
 
 def _options(*flags: str) -> Any:
@@ -427,7 +451,7 @@ def _engine_outputs() -> list[RequestOutput]:
 
 
 def test_in_process_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
-    text = TextPrinter(num_sequences=2, tables=True)
+    text = TextPrinter(num_sequences=2, output_tables=True)
     for out in _engine_outputs():
         text.engine(out)
     text.close()
