@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
+from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from refengine.protocol import oe
 
@@ -34,13 +35,17 @@ Metadata = Sequence[tuple[str, str]]
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # receives ``all``-candidate outputs of large vocabularies
 
 
-def error_code_name(code: int) -> str:
-    """``ERROR_CODE_…`` for a known code; a proto3 enum is open, so a newer server may send a
-    code this release does not name (X4): ``ErrorCode(17)`` then, never a ValueError."""
+def enum_name(enum: EnumTypeWrapper, value: int) -> str:
+    """``value``'s name in ``enum``; a proto3 enum is open, so a newer server may send a value
+    this release does not name (X4): ``ErrorCode(17)`` then, never a ValueError."""
     try:
-        return oe.ErrorCode.Name(code)
+        return enum.Name(value)
     except ValueError:
-        return f"ErrorCode({code})"
+        return f"{enum.DESCRIPTOR.name}({value})"
+
+
+def error_code_name(code: int) -> str:
+    return enum_name(oe.ErrorCode, code)
 
 
 class GenerationError(RuntimeError):
@@ -165,7 +170,7 @@ class OpenEngineClient:
                 health = self.control.Health(oe.HealthRequest(), timeout=min(5.0, timeout))
                 if health.state == oe.HEALTH_STATE_READY:
                     return health
-                last = oe.HealthState.Name(health.state)
+                last = enum_name(oe.HealthState, health.state)
             except grpc.RpcError as exc:
                 last = f"{exc.code().name}: {exc.details()}"
             time.sleep(poll)

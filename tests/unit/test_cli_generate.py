@@ -90,6 +90,9 @@ class Recorder(oe.InferenceServicer, oe.ControlServicer):
     def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> oe.ServerInfo:  # noqa: N802
         return oe.ServerInfo(supported_models=["toy"])
 
+    def Health(self, request: Any, context: grpc.ServicerContext) -> oe.HealthResponse:  # noqa: N802
+        return oe.HealthResponse(state=77)  # a state from a newer release (X4)
+
 
 def _tokens(request: oe.GenerateRequest) -> list[oe.TokenInfo]:
     if not request.response.return_output_logprobs:
@@ -388,6 +391,14 @@ def test_an_unnamed_error_code_and_a_cut_stream_exit_1(servers: Servers, capsys:
     assert "refengine generate: ErrorCode(999): failed on purpose" in capsys.readouterr().err
     assert main(["generate", CUT, "--remote", remote, "--num-sequences", "2"]) == 1
     assert "the stream ended before output(s) [0, 1] finished" in capsys.readouterr().err
+
+
+def test_the_client_names_a_health_state_it_does_not_know(servers: Servers) -> None:
+    from refengine.client import OpenEngineClient
+
+    with OpenEngineClient(servers.addresses["@remote"]) as client:
+        with pytest.raises(TimeoutError, match=r"HealthState\(77\)"):
+            client.wait_until_ready(timeout=0.3, poll=0.05)
 
 
 def test_an_unservable_model_in_process_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
