@@ -16,12 +16,11 @@ import grpc
 
 from refengine.conformance.assertions import settled
 from refengine.conformance.enums import enum_name
+from refengine.conformance.hosts import is_routable
 from refengine.conformance.registry import check, expect, skip
 from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Target
 from refengine.protocol import oe
-
-WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]", "*")
 
 
 def _pair(t: Target) -> tuple[Target, Target]:
@@ -65,8 +64,7 @@ def prefill_ready_only(t: Target) -> str:
            "no GenerationFinished follows")
     session = _session(stream)
     expect(bool(session.session_id) and bool(session.transfer_backend), "session_id and transfer_backend are set")
-    expect(bool(session.endpoints) and all(e.host not in WILDCARD_HOSTS and 0 < e.port < 65536
-                                           for e in session.endpoints),
+    expect(bool(session.endpoints) and all(is_routable(e.host, e.port) for e in session.endpoints),
            f"endpoints must be routable host:port: {list(session.endpoints)}")
     expect(stream.events[-1].HasField("usage") and stream.events[-1].usage.prompt_tokens > 0,
            "PrefillReady carries Usage")

@@ -23,11 +23,11 @@ from typing import Any
 import grpc
 
 from refengine.conformance.enums import enum_name
+from refengine.conformance.hosts import is_wildcard_host
 from refengine.conformance.kv_subscriber import (  # noqa: F401
     _MISSING,
     EVENT_WAIT_S,
     SETTLE_S,
-    WILDCARD_HOSTS,
     HashKey,
     KvSubscriber,
     KvView,
@@ -246,7 +246,7 @@ def _source_problems(sources: Any) -> list[str]:
     problems = []
     for s in sources:
         host = s.endpoint_addr.host
-        if host.strip("[]") in WILDCARD_HOSTS or host in WILDCARD_HOSTS:
+        if is_wildcard_host(host):
             problems.append(f"source for rank {s.data_parallel_rank} advertises wildcard host {host!r}")
         if not 0 < s.endpoint_addr.port < 65536:
             problems.append(f"source for rank {s.data_parallel_rank} has port {s.endpoint_addr.port}")

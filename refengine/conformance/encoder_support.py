@@ -18,6 +18,7 @@ from google.protobuf import json_format
 from refengine.conformance.assertions import expect_valid
 from refengine.conformance.checks_media import _png
 from refengine.conformance.enums import enum_name
+from refengine.conformance.hosts import is_routable
 from refengine.conformance.registry import CheckFailed, expect, fail, not_claimed, skip
 from refengine.conformance.target import Target
 from refengine.protocol import oe
@@ -34,7 +35,6 @@ ACCOUNTING = ("held_handles", "held_rows", "cached_rows", "free_rows", "total_ro
               "cache_hits", "cache_misses")
 ALGORITHMS = ("refengine-rgb8-sha256", "uuid")
 DTYPES = ("float32", "bfloat16", "float16")
-WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]", "*")
 ENCODER_FLAG, PLACEHOLDER_FLAG = "--encoder HOST:PORT", "--media-placeholder-token-id N"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _images = itertools.count()
@@ -282,8 +282,7 @@ def handle_problems(h: Any, now_ns: int) -> list[str]:
     for transfer in h.transfers:
         if not transfer.backend:
             problems.append("a transfer without backend")
-        if not transfer.endpoints or not all(e.host not in WILDCARD_HOSTS and 0 < e.port < 65536
-                                             for e in transfer.endpoints):
+        if not transfer.endpoints or not all(is_routable(e.host, e.port) for e in transfer.endpoints):
             problems.append(f"transfer {transfer.backend!r}: endpoints {[(e.host, e.port) for e in transfer.endpoints]}"
                             " are not a routable host:port")
     if h.transfers and "grpc" not in [tr.backend for tr in h.transfers]:

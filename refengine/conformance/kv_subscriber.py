@@ -14,7 +14,6 @@ from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 HashKey = tuple[bytes, str]  # KvBlockHash (value, encoding)
-WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]", "*", "0:0:0:0:0:0:0:0"}
 SETTLE_S = 0.3  # a live subscription sends nothing until an event: time for it to be set up (or refused)
 EVENT_WAIT_S = 10.0  # for a batch that a finished request caused
 

@@ -30,7 +30,7 @@ from refengine.engine.kv_events import KvEventSubscription
 from refengine.protocol import oe
 from refengine.server.errors import Rejection, invalid
 from refengine.server.kv_events_wire import batch_response, storage_medium
-from refengine.server.options import WILDCARD_HOSTS, ServerOptions
+from refengine.server.options import ServerOptions, is_wildcard_host
 from refengine.server.state import ServerState
 from refengine.types import RequestError
 
@@ -166,7 +166,7 @@ def advertised_host(options: ServerOptions) -> str:
     """E6: a host clients can connect to, never a bind wildcard."""
     if options.advertise_host:
         return options.advertise_host
-    return options.host if options.host not in WILDCARD_HOSTS else socket.gethostname()
+    return socket.gethostname() if is_wildcard_host(options.host) else options.host
 
 
 def start_compatibility_source(state: ServerState, engine: EngineClient) -> ZmqSource | None:

@@ -55,7 +55,7 @@ import zmq
 from refengine.engine.interface import EngineClient
 from refengine.engine.kv_events import KvEventSubscription
 from refengine.kv.keys import block_hash_u64
-from refengine.server.options import WILDCARD_HOSTS
+from refengine.server.options import is_wildcard_host
 from refengine.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 
 logger = logging.getLogger(__name__)
@@ -126,14 +126,15 @@ def _bind(socket: zmq.Socket, endpoint: str) -> tuple[str, int]:
     host, port = _split_tcp(endpoint)
     if ":" in host:
         socket.setsockopt(zmq.IPV6, 1)
-    address = "*" if host in ("", "::") else host  # "*" with IPV6 on: every IPv4 and IPv6 address
+    # "*" with IPV6 on: every IPv4 and IPv6 address, for any spelling of "::" (or no host)
+    address = "*" if host == "" or (":" in host and is_wildcard_host(host)) else host
     socket.bind(_tcp(address, "*" if port in ("0", "*") else port))
     bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)
     return host, int(bound.rpartition(":")[2])
 
 
 def _advertised(host: str, advertise_host: str) -> str:
-    return advertise_host if host in WILDCARD_HOSTS else host
+    return advertise_host if is_wildcard_host(host) else host
 
 
 # -- the publisher ---------------------------------------------------------------

@@ -3,12 +3,26 @@ shown by ``refengine serve --help``. Engine settings live in ``refengine.config`
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 MIB = 1 << 20
 ROLES = ("aggregated", "prefill", "decode", "encoder")
-#: Bind addresses that mean "every interface": never a host a client can be told to connect to (E6).
-WILDCARD_HOSTS = ("", "0.0.0.0", "*", "::", "[::]")
+
+
+def is_wildcard_host(host: str) -> bool:
+    """A bind address meaning "every interface", never a host a client can be told to connect
+    to (E6): empty, ``*``, or any spelling of an unspecified IP -- ``0.0.0.0``, ``::``, ``[::]``,
+    ``::0``, ``0:0:0:0:0:0:0:0``, ``::ffff:0.0.0.0``."""
+    host = host.strip()
+    if host in ("", "*"):
+        return True
+    try:
+        ip = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:  # a name, not an IP literal
+        return False
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,7 @@ class ServerOptions:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:  # gRPC would bind port % 65536 (another server's)
                 raise ValueError(f"--{name.replace('_', '-')} must be in 0..65535 (0: a free port), got {port}")
-        if self.advertise_host is not None and self.advertise_host.strip() in WILDCARD_HOSTS:
+        if self.advertise_host is not None and is_wildcard_host(self.advertise_host):
             raise ValueError(f"--advertise-host {self.advertise_host!r} is a bind wildcard; name a host clients "
                              "can connect to (E6)")
         if self.stream_buffer < 1:

@@ -27,6 +27,7 @@ from refengine.protocol import oe
 from refengine.server.capabilities import Capabilities
 from refengine.server.errors import Rejection, invalid
 from refengine.server.metadata import RequestMetadata
+from refengine.server.options import is_wildcard_host
 
 #: Conservative wire size of one candidate (``LogProb``) and of one ``TokenInfo`` without them.
 CANDIDATE_BYTES = 40
@@ -59,7 +60,7 @@ def _check_session(session: oe.KvSessionRef, backends: tuple[str, ...]) -> None:
     if not session.endpoints:
         raise invalid("kv.session.endpoints is empty: the session names no prefill server to pull from")
     for endpoint in session.endpoints:
-        if not endpoint.host or endpoint.host in ("0.0.0.0", "::", "*") or not 0 < endpoint.port < 65536:
+        if is_wildcard_host(endpoint.host) or not 0 < endpoint.port < 65536:
             raise invalid(f"kv.session endpoint {endpoint.host!r}:{endpoint.port} is not a routable host:port")
     if session.transfer_backend not in backends:
         raise invalid(f"kv.session.transfer_backend {session.transfer_backend!r} is not supported "

@@ -17,6 +17,11 @@ from refengine.cli import build_parser, main
     (["--advertise-host", "0.0.0.0"], "--advertise-host '0.0.0.0' is a bind wildcard"),
     (["--advertise-host", "::"], "--advertise-host '::' is a bind wildcard"),
     (["--advertise-host", " "], "is a bind wildcard"),
+    (["--advertise-host", "::0"], "--advertise-host '::0' is a bind wildcard"),
+    (["--advertise-host", "0:0:0:0:0:0:0:0"], "is a bind wildcard"),
+    (["--advertise-host", "[::]"], "is a bind wildcard"),
+    (["--advertise-host", "::ffff:0.0.0.0"], "is a bind wildcard"),
+    (["--advertise-host", "*"], "is a bind wildcard"),
 ])
 def test_settings_refused_at_start(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
     assert main(["serve", *args]) == 2
@@ -29,3 +34,20 @@ def test_log_level_is_one_of_the_known_levels(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", "--log-level", "FOO"])
     assert exc.value.code == 2 and "invalid choice: 'FOO'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("host", "wildcard"), [
+    ("", True), ("*", True), ("0.0.0.0", True), ("::", True), ("[::]", True), ("::0", True), ("[::0]", True),
+    ("0:0:0:0:0:0:0:0", True), ("::ffff:0.0.0.0", True), (" 0.0.0.0 ", True),
+    ("127.0.0.1", False), ("::1", False), ("10.0.0.7", False), ("prefill-0.cluster.local", False), ("0", False),
+])
+def test_every_spelling_of_a_wildcard_is_one(host: str, wildcard: bool) -> None:
+    """E6: the server checks advertised hosts (ServerInfo, KV event sources, KV session endpoints)
+    and the endpoints a decode request names with one helper, the conformance suite (which
+    imports nothing of the engine) with its own: both agree. ``::0`` passed both before."""
+    from refengine.conformance import hosts
+    from refengine.server import options
+
+    assert options.is_wildcard_host(host) is wildcard
+    assert hosts.is_wildcard_host(host) is wildcard
+    assert hosts.is_routable(host, 50051) is not wildcard
