@@ -3,8 +3,10 @@
 Each stored event is its own ``BlockStored`` with one hash (a consumer applies events in
 order, parents first). Block hashes are ``KvBlockHash{value: 32-byte key, encoding:
 "bytes"}`` (``refengine/kv/keys.py`` says how keys are computed). ``extra_keys`` carries the
-block's hash inputs besides tokens (the model fingerprint, then ``salt:<salt>``) as one
-``OpaqueKeyTuple``. Blocks live in host memory on CPU (medium unspecified) and in device
+block's hash inputs besides tokens and parent as one ``OpaqueKeyTuple``: the model
+fingerprint, then ``salt:<salt>`` and ``lora:<digest>`` when the request had them, then one
+``media:<identity>`` per media item with positions in the block -- everything a router needs
+to recompute the key. Blocks live in host memory on CPU (medium unspecified) and in device
 memory on CUDA (``STORAGE_MEDIUM_GPU``).
 """
 

@@ -3,7 +3,10 @@
 The publisher follows one live engine subscription (``subscribe_kv_events``) and sends
 each engine ``KvEventBatch`` that has events as one message; it never slows the step loop.
 
-Wire format (what a vLLM consumer reads unchanged):
+Wire format (what a vLLM consumer reads unchanged): the layout of vLLM's current msgspec
+types in ``vllm/distributed/kv_events.py`` -- ``EventBatch`` ``array_like`` (an array),
+``KVCacheEvent`` a map tagged by ``"type"``. Older vLLM releases made the events
+``array_like`` too; decoders written for those read neither this nor current vLLM's output.
 
 - PUB socket, one multipart message per batch: ``[topic, seq, payload]``. ``topic`` is the
   UTF-8 topic (empty by default), ``seq`` an 8-byte big-endian unsigned integer counted by
