@@ -26,8 +26,11 @@ oneDNN picks its GEMM kernel, and with it the rounding of the reduction over K, 
   differed from 512). So every bf16 call runs in calls of exactly ``BF16_CALL_ROWS`` rows, the
   last one padded with zeros: one count, one kernel, and a row's bits do not depend on its
   neighbours or its place in the call (tested). It costs the padding and the extra calls: over
-  SmolLM2's projections, 1.42x the time of one call at 1 row, 1.12x at 32, 2.75x at 2,048
-  (``benchmarks/cpu_gemm.py``, ``benchmarks/README.md``).
+  SmolLM2's projections, 1.8x the time of one call at 1 row, 1.15x at 64, 2.2x at 2,048
+  (``benchmarks/cpu_gemm.py``). 64 rather than 32: end to end (``benchmarks/cpu_bf16.py``, the
+  mixed 64-request workload) bf16 ran at 1.63-1.65x float32 with 64-row calls against 1.48-1.50x
+  with 32, its prefill steps 16 % faster and a 64-row decode step 23 % faster, at the price of
+  a 1-row decode step 27 % slower (``benchmarks/README.md``).
 
 The packed op is private torch API, so it is used only after a one-time check on
 random data agrees with ``F.linear``; otherwise (other dtypes, GPUs, a torch without
@@ -50,7 +53,7 @@ from refengine.kernels.forward_context import ForwardContext
 #: dot products (elsewhere oneDNN emulates them, slower than ``F.linear``'s own path).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 #: Rows of every oneDNN bf16 GEMM call (see the module docstring: G18).
-BF16_CALL_ROWS = 32
+BF16_CALL_ROWS = 64
 
 
 @functools.cache
