@@ -6,7 +6,7 @@ Pipeline, per row (each stage skipped for rows that do not use it):
 1. penalties (``penalties.py``): repetition over prompt + output, then frequency/presence
    over the output;
 2. suppression: ``suppressed_token_ids`` -> ``-inf`` (min_tokens keeps EOS/stop ids out);
-3. temperature: ``logits / max(T, 1e-6)`` (finite: penalties keep a logit within
+3. temperature: ``logits / clamp(T, 1e-6, 1e30)`` (finite: penalties keep a logit within
    ``penalties.LOGIT_LIMIT``). Greedy rows (``T == 0``) take the argmax of the logits after 1-2 (ties -> lowest id) and
    skip everything below;
 4. truncation, on the tempered distribution: top-k (0 or -1 = off; ties at the k-th value
@@ -56,6 +56,9 @@ __all__ = [
 ]
 
 MIN_TEMPERATURE = 1e-6  # a smaller positive temperature is raised to this: logits / T stays finite
+#: A larger temperature is lowered to this. Temperatures are float32 tensors, where 1e300 would be
+#: inf and a masked token's -inf / inf NaN; at 1e30 any logit within ``LOGIT_LIMIT`` is below 34.
+MAX_TEMPERATURE = 1e30
 TOP_P_PREFIX = 256  # top-p first looks for its cut among this many most likely tokens, then 8x more
 
 
@@ -128,7 +131,9 @@ def truncation_cutoffs(
             in_top_k = rows[b] >= k_cut[b, None]
             mass[b] = torch.where(in_top_k, probs[index[b]], 0.0).cumsum(-1)[:, -1]
         kept = (before < (top_p * mass)[:, None]) & (values >= k_cut[:, None])
-        n_kept = kept.sum(-1)  # >= 1: the first token has 0 mass before it
+        # Never fewer than one token: the first has 0 mass before it, but a top_p so small that
+        # ``top_p * mass`` rounds to 0 in float32 (1e-300 does) would otherwise keep none.
+        n_kept = kept.sum(-1).clamp_min(1)
         p_cut = values.gather(1, (n_kept - 1)[:, None])[:, 0]
         row_cut = torch.maximum(k_cut, torch.where(top_p < 1.0, p_cut, float("-inf")))
         # Exact once the cut is inside the prefix; with top-k on it always is (size >= k, and
@@ -274,7 +279,8 @@ class Sampler:
         params = [r.params for r in rows]
         logits = apply_penalties(logits, params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows])
         logits = self._suppress(logits, rows, masked_rows)
-        temperatures = [1.0 if p.greedy else max(p.temperature, MIN_TEMPERATURE) for p in params]
+        temperatures = [1.0 if p.greedy else min(max(p.temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
+                        for p in params]
         if any(t != 1.0 for t in temperatures):
             logits_t = logits / torch.tensor(temperatures, device=device)[:, None]
         else:

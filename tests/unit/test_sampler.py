@@ -418,3 +418,31 @@ def test_non_finite_logits_give_their_row_no_token_and_spare_the_batch() -> None
         assert out[good] == alone
         tempered = logits[good] / (0.9 if good == 6 else 1.0)
         assert out[good].logprob == pytest.approx(torch.log_softmax(tempered, -1)[out[good].token_id].item(), abs=1e-6)
+
+
+def test_a_top_p_that_underflows_float32_keeps_the_most_likely_token() -> None:
+    """G5 allows any 0 < top_p <= 1. top_p = 1e-300 is 0 in float32: no token was kept, the
+    sampler gathered index -1 and the step's exception failed every request on the server.
+    Oracle: transformers' TopPLogitsWarper keeps the single most likely token."""
+    vocab, rows = 256, 64
+    logits = _logits(rows, vocab, seed=11)
+    for top_p in (1e-300, 5e-324, 1e-46):
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        tokens = [s.token_id for s in Sampler(vocab)(logits, [_row(params, _gen(i)) for i in range(rows)])]
+        hf = TopPLogitsWarper(top_p=top_p)(torch.zeros(rows, 1, dtype=torch.long), logits.clone())
+        assert tokens == hf.argmax(-1).tolist() == logits.argmax(-1).tolist()
+
+
+def test_a_temperature_beyond_float32_stays_finite_beside_masked_tokens() -> None:
+    """temperature = 1e300 is finite and >= 0 (G5), but inf in float32: a suppressed token's
+    -inf / inf was NaN and the request failed as "logits not finite". It now samples
+    (all but) uniformly among the allowed tokens, with finite logprobs."""
+    vocab, draws = 8, 4000
+    logits = _logits(draws, vocab, seed=12)
+    row = _row(SamplingParams(temperature=1e300), suppressed_token_ids=(3,), want_logprob=True)
+    out = Sampler(vocab)(logits, [row] * draws)
+    counts = Counter(s.token_id for s in out)
+    assert set(counts) == set(range(vocab)) - {3}
+    expected = draws / (vocab - 1)
+    assert sum((c - expected) ** 2 / expected for c in counts.values()) < CHI2_CRIT_001[7]  # 6 dof: looser bound
+    assert all(math.isfinite(s.logprob) and s.logprob == pytest.approx(-math.log(vocab - 1), abs=1e-5) for s in out)
