@@ -21,6 +21,7 @@ read just the trace context. Unknown ``openengine-*`` keys are ignored (forward 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -89,17 +90,26 @@ def _one(found: dict[str, list[str]], key: str) -> str | None:
 
 
 def _number(key: str, text: str, pattern: re.Pattern[str], low: int, high: int, kind: str) -> int:
-    if not pattern.fullmatch(text) or not low <= int(text) <= high:
-        raise invalid(f"metadata {key!r} must be a base-10 {kind}, got {text!r}")
-    return int(text)
+    """``text`` as an int in [low, high]. Leading zeros are stripped before ``int()``: Python
+    refuses more than 4,300 digits (a ValueError, which became INTERNAL), and no int32 or uint32
+    has more than 10."""
+    digits = text.removeprefix("-").lstrip("0") or "0"
+    if pattern.fullmatch(text) and len(digits) <= 10:
+        value = -int(digits) if text.startswith("-") else int(digits)
+        if low <= value <= high:
+            return value
+    shown = text if len(text) <= 32 else text[:32] + "..."
+    raise invalid(f"metadata {key!r} must be a base-10 {kind}, got {shown!r}")
 
 
 def read_inference_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> RequestMetadata:
     """Parse and check the metadata of an Inference RPC (M1–M3). Raises ``Rejection``."""
+    metadata = list(metadata or ())
+    # Counted before _values drops the bytes of "-bin" keys: a repeated openengine-*-bin key is repeated too.
+    for key, count in Counter(key.lower() for key, _ in metadata).items():
+        if key.startswith("openengine-") and count > 1:
+            raise invalid(f"metadata key {key!r} was sent {count} times; send it at most once")
     found = _values(metadata)
-    for key, values in found.items():
-        if key.startswith("openengine-") and len(values) > 1:
-            raise invalid(f"metadata key {key!r} was sent {len(values)} times; send it at most once")
     routing_key = _one(found, ROUTING_KEY)
     if routing_key is not None and (not routing_key or not routing_key.isascii()):
         raise invalid(f"metadata {ROUTING_KEY!r} must be a non-empty ASCII string")

@@ -42,11 +42,18 @@ LENGTH = FinishInfo(FinishReason.LENGTH)
     ((("openengine-routing-key", "a"), ("openengine-routing-key", "b")), False),
     ((("openengine-unknown", "x"),), True),  # unknown openengine-* keys are ignored
     ((("traceparent", "garbage"),), True),  # a malformed trace context is ignored, never an error
+    # M2: more than Python's 4,300-digit int() limit (a ValueError, which was INTERNAL); leading
+    # zeros are still a base-10 number, and a repeated -bin key is repeated.
+    ((("openengine-priority", "1" * 5000),), False),
+    ((("openengine-target-dp-rank", "9" * 11),), False),
+    ((("openengine-priority", "-" + "0" * 5000 + "7"),), True),
+    ((("openengine-target-dp-rank", "0" * 4400),), True),
+    ((("openengine-foo-bin", b"a"), ("openengine-foo-bin", b"b")), False),
 ])
 def test_metadata(metadata: tuple, ok: bool) -> None:
     if ok:
         meta = read_inference_metadata(metadata)
-        assert meta.priority in (None, -7)
+        assert meta.priority in (None, -7) and meta.target_dp_rank in (None, 0)
     else:
         with pytest.raises(Rejection) as info:
             read_inference_metadata(metadata)
