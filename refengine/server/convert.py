@@ -87,7 +87,7 @@ def _number(extra: struct_pb2.Struct, key: str) -> float | None:
 def stream_settings(extra: struct_pb2.Struct, server: StreamSettings) -> StreamSettings:
     """G8: read the known ``extra`` keys; unknown keys are ignored."""
     buffer = _number(extra, EXTRA_STREAM_BUFFER)
-    if buffer is not None and not (buffer == int(buffer) and 1 <= buffer <= server.stream_buffer):
+    if buffer is not None and not (buffer.is_integer() and 1 <= buffer <= server.stream_buffer):  # NaN, inf: False
         raise invalid(f"extra[{EXTRA_STREAM_BUFFER!r}] must be an integer in [1, {server.stream_buffer}], "
                       f"got {buffer}")
     stall = _number(extra, EXTRA_STALL_TIMEOUT)
@@ -218,13 +218,18 @@ def to_engine_request(request: oe.GenerateRequest, meta: RequestMetadata,
 
 
 def session_spec(ref: oe.KvSessionRef) -> KvSessionSpec:
-    """``KvSessionRef`` → the engine's ``KvSessionSpec`` (attributes as JSON values, K9)."""
+    """``KvSessionRef`` → the engine's ``KvSessionSpec`` (attributes as JSON values, K9). A NaN or
+    infinity in ``attributes_struct`` is no JSON value: the session is malformed (K5)."""
+    try:
+        attributes = json_format.MessageToDict(ref.attributes_struct)
+    except ValueError as exc:
+        raise invalid(f"kv.session.attributes_struct is not JSON: {exc}") from None
     return KvSessionSpec(
         session_id=ref.session_id,
         transfer_backend=ref.transfer_backend,
         endpoints=tuple(KvEndpointSpec(e.host, e.port, e.protocol) for e in ref.endpoints),
         dp_rank=ref.dp_rank,
-        attributes=json_format.MessageToDict(ref.attributes_struct),
+        attributes=attributes,
     )
 
 

@@ -68,7 +68,7 @@ def handles_from_extra(extra: struct_pb2.Struct) -> tuple[EmbeddingHandleSpec, .
         handle = media.EmbeddingHandle()
         try:
             json_format.ParseDict(json_format.MessageToDict(entry.struct_value), handle, ignore_unknown_fields=True)
-        except json_format.ParseError as exc:
+        except (json_format.ParseError, ValueError) as exc:  # ValueError: a NaN or infinity, which JSON lacks
             raise invalid(f"extra[{EXTRA_MEDIA_HANDLES!r}][{index}] is not an EmbeddingHandle: {exc}") from None
         handles.append(handle_from_pb(handle))
     return tuple(handles)

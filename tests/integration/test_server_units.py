@@ -91,7 +91,8 @@ def test_extra_stream_settings() -> None:
     assert stream_settings(extra, server) == StreamSettings(2, 0.5)
     assert stream_settings(struct_pb2.Struct(), server) == server  # G8: empty is always valid
     for bad in ({"refengine.stream_buffer": 9}, {"refengine.stream_buffer": 1.5},
-                {"refengine.stall_timeout_seconds": True}, {"refengine.stall_timeout_seconds": 0}):
+                {"refengine.stall_timeout_seconds": True}, {"refengine.stall_timeout_seconds": 0},
+                {"refengine.stream_buffer": float("inf")}, {"refengine.stream_buffer": float("nan")}):
         extra = struct_pb2.Struct()
         extra.update(bad)
         with pytest.raises(Rejection):
@@ -172,3 +173,17 @@ def test_bridge_never_overrides_a_finished_request() -> None:
         return refused and out.finished and out.error is None
 
     assert asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_session_whose_attributes_are_not_json_is_invalid_argument(value: float) -> None:
+    """K5: a malformed session is INVALID_ARGUMENT before acceptance; a NaN or infinity in
+    attributes_struct (no JSON value) raised ValueError, which was INTERNAL."""
+    from refengine.server.convert import session_spec
+
+    ref = oe.KvSessionRef(session_id="s", transfer_backend="grpc",
+                          endpoints=[oe.KvEndpoint(host="prefill.local", port=5000, protocol="grpc")])
+    ref.attributes_struct.update({"block_size": 16, "x": value})
+    with pytest.raises(Rejection) as refused:
+        session_spec(ref)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "attributes_struct" in refused.value.message

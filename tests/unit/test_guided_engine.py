@@ -349,6 +349,9 @@ BAD_SPECS = [
     ("structural_tag", dict(spec='{"type": "structural_tag", "structures": ["x"], "triggers": ["<"]}'), None),
     ("structural_tag", dict(spec='{"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<"], '
                                  '"tags": ["x"]}}'), None),
+    # Nesting deeper than Python's recursion limit: a RecursionError was INTERNAL on llguidance.
+    ("json_schema", dict(spec="[" * 5000 + "]" * 5000), None),
+    ("structural_tag", dict(spec='{"type": "structural_tag", "x": ' + "[" * 5000 + "]" * 5000 + "}"), None),
 ]
 
 

@@ -37,7 +37,8 @@ def test_round_trip_in_both_json_spellings() -> None:
 
 
 @pytest.mark.parametrize("value", ["a handle", {"handleId": "x"}, [1], [{"shape": "wide"}],
-                                   [{"shape": [16, 64], "numTokens": 3}]])
+                                   [{"shape": [16, 64], "numTokens": 3}],
+                                   [{"shape": [float("nan")]}], [{"future": float("inf")}]])  # not JSON: was INTERNAL
 def test_malformed_values_are_invalid_argument(value: object) -> None:
     with pytest.raises(Rejection) as refused:
         handles_from_extra(extra_of(value))

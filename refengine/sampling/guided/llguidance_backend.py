@@ -88,7 +88,7 @@ class LlguidanceBackend(GrammarBackend):
             grammar = self._grammar(spec)
         except GuidedSpecError:
             raise
-        except (ValueError, TypeError, KeyError, AssertionError, AttributeError) as exc:
+        except (ValueError, TypeError, KeyError, AssertionError, AttributeError, RecursionError) as exc:  # deep nesting
             raise GuidedSpecError(f"llguidance cannot compile this {spec.mode}: {exc}") from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:

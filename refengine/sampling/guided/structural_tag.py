@@ -29,7 +29,7 @@ class TriggeredTag:
 def parse(spec: str) -> dict[str, Any]:
     try:
         tag = json.loads(spec)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser's stack
         raise GuidedSpecError(f"guided.structural_tag is not JSON: {exc}") from None
     if not isinstance(tag, dict) or tag.get("type") != "structural_tag":
         raise GuidedSpecError('guided.structural_tag must be a JSON object with "type": "structural_tag"')
