@@ -37,6 +37,19 @@ logger = logging.getLogger(__name__)
 RETIRE_WAIT_SECONDS = 5.0  # how long a request reusing a cancelled stream's id waits for the engine to retire it
 
 
+#: Prompts up to this many characters (or token ids) are added on the event loop: tokenizing
+#: them takes about a millisecond. A 2 MB prompt took seconds, and every stream of the server
+#: stalled meanwhile.
+INLINE_PROMPT_LENGTH = 1024
+
+
+def _cheap_to_add(params: GenerationRequest) -> bool:
+    """Whether ``add_request`` is quick enough for the event loop: no grammar, no media, a short prompt."""
+    prompt_length = len(params.prompt) if params.prompt is not None else len(params.prompt_token_ids or ())
+    return (params.guided is None and not params.media and not params.media_handles
+            and prompt_length <= INLINE_PROMPT_LENGTH)
+
+
 class InferenceServicer(oe.InferenceServicer):
     def __init__(self, state: ServerState) -> None:
         self.state = state
@@ -65,10 +78,10 @@ class InferenceServicer(oe.InferenceServicer):
                               settings.stall_timeout_seconds, self._on_stall)
         try:
             await self._wait_retired(params.request_id)
-            if params.guided is None:
+            if _cheap_to_add(params):
                 engine.add_request(params, bridge.sink)
             else:
-                await self._add_compiling(engine, params, bridge)
+                await self._add_on_worker(engine, params, bridge)
         except RequestError as exc:
             raise rejection_from_engine(exc) from None
         return bridge
@@ -83,10 +96,11 @@ class InferenceServicer(oe.InferenceServicer):
                 await asyncio.wait_for(ended.engine_done.wait(), RETIRE_WAIT_SECONDS)
 
     @staticmethod
-    async def _add_compiling(engine: EngineClient, params: GenerationRequest, bridge: OutputBridge) -> None:
-        """A guided request's grammar compiles in ``add_request`` (bounded by the compile time
-        limit): on a worker thread, so the event loop keeps serving. A client that goes away
-        meanwhile leaves nothing behind: its request is aborted as soon as it is accepted."""
+    async def _add_on_worker(engine: EngineClient, params: GenerationRequest, bridge: OutputBridge) -> None:
+        """``add_request`` on a worker thread, so the event loop keeps serving every other stream
+        while it tokenizes a long prompt, decodes media or compiles a grammar (the tokenizer and
+        the grammar engines release the GIL). A client that goes away meanwhile leaves nothing
+        behind: its request is aborted as soon as it is accepted."""
         adding = asyncio.ensure_future(asyncio.to_thread(engine.add_request, params, bridge.sink))
         try:
             await asyncio.shield(adding)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -347,3 +348,35 @@ def test_unparseable_request_is_invalid_argument(client: OpenEngineClient, paylo
         list(generate(payload, timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "openengine.v1.GenerateRequest" in info.value.details()
+
+
+def test_a_huge_prompt_does_not_stall_other_streams(client: OpenEngineClient) -> None:
+    """A 2.4 MB prompt takes the tokenizer seconds before it is refused (far past max_model_len).
+    That ran on the event loop, and every other stream of the server stalled for as long; it now
+    runs on a worker thread. The bound is relative: the other stream's largest gap between tokens
+    must stay well under the refusal's own latency (it was about equal)."""
+    wait_idle(client)
+    huge = greedy_request("huge-prompt", "the quick brown fox jumps over the lazy dog " * 55_000, max_tokens=1)
+    refusal: dict[str, object] = {}
+
+    def send_huge() -> None:
+        started = time.monotonic()
+        refusal["code"] = collect(client, huge).code
+        refusal["seconds"] = time.monotonic() - started
+
+    with OpenEngineClient(client.address, channel_options=[("grpc.use_local_subchannel_pool", 1)]) as own:
+        events = own.generate(_long_request("beside-huge"), timeout=120)
+        _read_tokens(events, 3)
+        arrivals = [time.monotonic()]  # the gap before the first token after the send counts too
+        sender = threading.Thread(target=send_huge)
+        sender.start()
+        for _ in events:
+            arrivals.append(time.monotonic())
+            if not sender.is_alive() and len(arrivals) > 3:
+                break
+        sender.join()
+        events.close()
+    largest_gap = max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False))
+    assert refusal["code"] == grpc.StatusCode.INVALID_ARGUMENT and refusal["seconds"] > 0.5, refusal
+    assert largest_gap < refusal["seconds"] / 2, (largest_gap, refusal)
+    wait_idle(client)
