@@ -155,11 +155,11 @@ def main(argv: list[str] | None = None) -> int:
             workloads = {n: workload.random_requests(sizes[n], input_len, output_len, ratio, args.seed + n, vocab)
                          for n in levels}
             warmup = workload.random_requests(2, 16, 4, 0.0, 12345, vocab)
-            warm = workload.RequestOptions(MODEL, seed=12345, ignore_eos=True)
-            measure("warmup-gRPC", 2, warmup, runner.grpc_sender(client, warm))
-            for n in levels:  # the seed only names the request ids (bench-{seed}-{i}): one per level
-                options = workload.RequestOptions(MODEL, seed=args.seed + n, ignore_eos=True)
-                results.append(measure("gRPC", n, workloads[n], runner.grpc_sender(client, options)))
+            warm = workload.RequestOptions(MODEL, ignore_eos=True)
+            measure("warmup-gRPC", 2, warmup, runner.GrpcSender(client, warm))
+            for n in levels:  # a fresh request-id prefix per level (RequestOptions draws one)
+                options = workload.RequestOptions(MODEL, ignore_eos=True)
+                results.append(measure("gRPC", n, workloads[n], runner.GrpcSender(client, options)))
     finally:
         proc.terminate()
         proc.wait(timeout=60)

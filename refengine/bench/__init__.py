@@ -6,3 +6,5 @@ and metrics of vllm's ``bench serve``, so that engines can be compared through o
 ``report`` turns the records into the metrics (the JSON keys are listed there). It talks to
 the server only through the generated stubs and ``refengine.client``.
 """
+
+UINT32_MAX = 2**32 - 1  # token ids, max_tokens and top_n are uint32 on the wire (here: the CLI imports it cheaply)

@@ -13,6 +13,7 @@ __all__ = ["Progress"]
 class Progress:
     def __init__(self, total: int, stream: TextIO | None = None, width: int = 30) -> None:
         self.total, self.width, self.done = total, width, 0
+        self.closed = False  # after an interrupted run, the cancelled requests still end: draw them no more
         self.stream = stream or sys.stderr
         self.lock = threading.Lock()
         self._draw()
@@ -25,10 +26,12 @@ class Progress:
     def advance(self) -> None:
         with self.lock:
             self.done += 1
-            self._draw()
+            if not self.closed:
+                self._draw()
 
     def close(self) -> None:
         """End the line, so that what follows starts on a fresh one."""
         with self.lock:
+            self.closed = True
             self.stream.write("\n")
             self.stream.flush()

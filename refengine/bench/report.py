@@ -12,9 +12,9 @@ JSON keys (``refengine bench --json``), all at the top level:
 - ``request_throughput`` (req/s), ``output_throughput`` and ``total_token_throughput``
   (tok/s, input + output): over ``duration``
 - ``mean_X_ms``, ``median_X_ms``, ``p90_X_ms``, ``p99_X_ms`` for X in ``ttft`` (send to the
-  first token), ``tpot`` (per request: (end - send - TTFT) / (output tokens - 1)) and ``itl``
-  (gaps between token-bearing events, shared evenly by the tokens of one event); null when
-  no request gave a sample
+  first token), ``tpot`` (per request: (last token-bearing event - first token) / (output
+  tokens - 1)) and ``itl`` (one sample per token-bearing event after the first: the gap since
+  the previous one, however many tokens it holds); null when no request gave a sample
 - ``errors``: kind -> count. The failure kinds are gRPC status names (``RESOURCE_EXHAUSTED``,
   ``DEADLINE_EXCEEDED``...), ``EngineError`` codes (``ERROR_CODE_OVERLOADED``...),
   ``no_finish`` (the stream ended without a terminal event) or a client exception's class
@@ -73,10 +73,8 @@ def summarize(result: RunResult, meta: dict[str, Any]) -> dict[str, Any]:
     per_s = 1 / duration if duration > 0 else 0.0
     summary.update(request_throughput=len(done) * per_s, output_throughput=output_tokens * per_s,
                    total_token_throughput=(input_tokens + output_tokens) * per_s)
-    tpot = [(r.ended - r.sent - r.ttft) / (r.output_tokens - 1) for r in done
-            if r.ttft is not None and r.output_tokens > 1]
     summary |= _stats("ttft", [r.ttft for r in done if r.ttft is not None])
-    summary |= _stats("tpot", tpot)
+    summary |= _stats("tpot", [tpot for r in done if (tpot := r.tpot) is not None])
     summary |= _stats("itl", [gap for r in done for gap in r.itl])
     kinds = Counter(r.error for r in result.records if r.error is not None)
     kinds.update(note for r in done for note in r.notes)

@@ -5,10 +5,14 @@ A request's clock starts when it is sent, not when it arrives: one that waits fo
 slot under ``--max-concurrency`` does not count the wait in its TTFT (vllm's semantics).
 The send itself is a :data:`Sender`, so the same scheduling and recording measure any
 path that streams tokens (``benchmarks/serving.py`` also drives an in-process engine).
+
+An interrupted run (Ctrl-C) neither waits for its streams nor sends what is still queued:
+it cancels every call in flight, so that each server aborts its requests, and re-raises.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +25,7 @@ from refengine.bench.workload import BenchRequest, RequestOptions, to_message
 from refengine.client import OpenEngineClient
 from refengine.protocol import oe
 
-__all__ = ["RequestRecord", "RunResult", "Sender", "grpc_sender", "record_stream", "run"]
+__all__ = ["GrpcSender", "RequestRecord", "RunResult", "Sender", "record_stream", "run"]
 
 clock = time.perf_counter
 
@@ -41,16 +45,17 @@ class RequestRecord:
     finished: bool = False
     error: str | None = None  # the failure kind; None = completed
     notes: list[str] = field(default_factory=list)  # kinds noted on a completed request
-    _last_token: float | None = None
+    last_token: float | None = None  # when the last token-bearing event arrived
 
     def tokens(self, count: int, at: float) -> None:
-        """``count`` tokens arrived at ``at``. The gap since the previous delta is shared
-        evenly among them (vllm's ITL); the extra tokens of the first delta add no gap."""
-        if self._last_token is None:
+        """``count`` tokens arrived in one event at ``at``. Each event after the first adds
+        one ITL sample, the gap since the previous one, however many tokens it holds
+        (vllm's ITL: one gap per chunk received)."""
+        if self.last_token is None:
             self.ttft = at - self.sent
         else:
-            self.itl.extend([(at - self._last_token) / count] * count)
-        self._last_token = at
+            self.itl.append(at - self.last_token)
+        self.last_token = at
         self.counted_tokens += count
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
@@ -77,6 +82,15 @@ class RequestRecord:
     def output_tokens(self) -> int:
         """The reported count (Usage), else the counted one."""
         return self.counted_tokens if self.completion_tokens is None else self.completion_tokens
+
+    @property
+    def tpot(self) -> float | None:
+        """(last token-bearing event - first token) / (output tokens - 1), vllm's TPOT; None
+        under two tokens. It ends at the last token, not at the stream's end: the terminal
+        event may come a step later with no token (an EOS stop), and is no token's time."""
+        if self.ttft is None or self.last_token is None or self.output_tokens < 2:
+            return None
+        return (self.last_token - self.sent - self.ttft) / (self.output_tokens - 1)
 
 
 #: Streams one request into its record (tokens, usage, finish or failure); may raise.
@@ -105,17 +119,40 @@ def record_stream(events: Iterable[oe.GenerateResponse], record: RequestRecord) 
             record.fail(_error_kind(event.error))
 
 
-def grpc_sender(client: OpenEngineClient, options: RequestOptions, timeout: float | None = None) -> Sender:
-    """Streaming Generate on ``client``; a refused call or a broken stream fails the record
-    with the gRPC status code's name."""
-    def send(request: BenchRequest, record: RequestRecord) -> None:
+class GrpcSender:
+    """The :data:`Sender` of streaming Generate calls on ``client``: a refused call or a
+    broken stream fails the record with the gRPC status code's name. :meth:`cancel` ends
+    the run's calls: those in flight, and any started after it."""
+
+    def __init__(self, client: OpenEngineClient, options: RequestOptions, timeout: float | None = None) -> None:
+        self.client, self.options, self.timeout = client, options, timeout
+        self.lock = threading.Lock()
+        self.calls: set[grpc.Call] = set()  # the calls in flight
+        self.cancelled = False
+
+    def __call__(self, request: BenchRequest, record: RequestRecord) -> None:
+        # the stub's call, not ``client.generate``: only the call object can be cancelled from another thread
+        call = self.client.inference.Generate(to_message(request, self.options), metadata=self.client.metadata,
+                                              timeout=self.timeout)
+        with self.lock:
+            self.calls.add(call)
+            if self.cancelled:
+                call.cancel()
         try:
-            record_stream(client.generate(to_message(request, options), timeout=timeout), record)
+            record_stream(call, record)
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
             record.fail(code.name)
+        finally:
+            call.cancel()  # a no-op once the stream ended; ends it if recording broke off
+            with self.lock:
+                self.calls.discard(call)
 
-    return send
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+            for call in self.calls:
+                call.cancel()
 
 
 @dataclass(frozen=True)
@@ -136,18 +173,29 @@ def _send_one(send: Sender, request: BenchRequest, record: RequestRecord, progre
 
 
 def run(requests: Sequence[BenchRequest], arrivals: Sequence[float], send: Sender,
-        max_concurrency: int | None = None, progress: Progress | None = None) -> RunResult:
+        max_concurrency: int | None = None, progress: Progress | None = None,
+        cancel: Callable[[], None] | None = None) -> RunResult:
     """Send every request at ``arrivals[i]`` s after the start (or as soon as one of the
-    ``max_concurrency`` workers is free; None = one worker per request), wait for all."""
+    ``max_concurrency`` workers is free; None = one worker per request), wait for all.
+    On KeyboardInterrupt the queued requests are dropped, ``cancel`` ends the streams in
+    flight (``GrpcSender.cancel``) and the interrupt propagates."""
     records = [RequestRecord(r.index) for r in requests]
     workers = max(1, min(max_concurrency or len(requests), len(requests)))
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench")
     start = clock()
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench") as pool:
+    try:
         for request, record, at in zip(requests, records, arrivals, strict=True):
             delay = start + at - clock()
             if delay > 0:
                 time.sleep(delay)
             pool.submit(_send_one, send, request, record, progress)
-    if progress is not None:
-        progress.close()
+        pool.shutdown(wait=True)
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)  # waiting would last as long as the streams
+        if cancel is not None:
+            cancel()
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
     return RunResult(records, max((r.ended for r in records), default=start) - start)

@@ -3,7 +3,9 @@ times, and the ``GenerateRequest`` each becomes.
 
 Everything random is drawn from ``random.Random`` seeded by ``--seed``, so a seed names one
 workload: the same prompts, the same lengths and the same arrival schedule on every run
-and against every server (the point of comparing engines through one contract).
+and against every server (the point of comparing engines through one contract). The request
+ids are not part of the workload: each run draws a prefix of its own, so that two runs of
+one seed can load the same server at once (it refuses a request id that is still active).
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from refengine.bench import UINT32_MAX
 from refengine.protocol import oe
 
 __all__ = ["BenchRequest", "RequestOptions", "WorkloadError", "arrival_times", "dataset_requests",
-           "random_requests", "to_message"]
+           "random_requests", "random_request_id_prefix", "to_message"]
 
 LOWEST_TOKEN_ID = 10  # below are the special tokens of most vocabularies (BOS, EOS, padding)
 #: Random text prompts (for servers that take no token ids): common words, each about one
@@ -42,12 +47,17 @@ class BenchRequest:
     token_ids: tuple[int, ...] | None = None
 
 
+def random_request_id_prefix() -> str:
+    """``bench-<8 hex>-``, vllm's default ``--request-id-prefix``: fresh for every run."""
+    return f"bench-{secrets.token_hex(4)}-"
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     """What every request of a run shares (the flags that are not about the workload)."""
 
     model: str
-    seed: int = 0
+    request_id_prefix: str = field(default_factory=random_request_id_prefix)
     temperature: float = 0.0
     ignore_eos: bool = False
     guided_regex: str | None = None
@@ -83,6 +93,11 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
     return requests
 
 
+def _is_uint32(value: Any, low: int = 0) -> bool:
+    """An integer in [low, UINT32_MAX]; JSON's true and false are not (Python's bool is an int)."""
+    return type(value) is int and low <= value <= UINT32_MAX
+
+
 def _dataset_request(index: int, line: str, where: str, output_len: int) -> BenchRequest:
     try:
         row = json.loads(line)
@@ -90,16 +105,21 @@ def _dataset_request(index: int, line: str, where: str, output_len: int) -> Benc
         raise WorkloadError(f"{where}: not JSON ({exc})") from None
     if not isinstance(row, dict) or ("prompt" in row) == ("token_ids" in row):
         raise WorkloadError(f"{where}: expected an object with exactly one of \"prompt\" and \"token_ids\"")
-    n_out = row.get("output_len", row.get("max_tokens", output_len))
-    if not isinstance(n_out, int) or n_out < 1:
-        raise WorkloadError(f"{where}: output_len/max_tokens must be a positive integer, got {n_out!r}")
+    key = "output_len" if "output_len" in row else "max_tokens"
+    n_out = row.get(key, output_len)
+    if not _is_uint32(n_out, low=1):
+        raise WorkloadError(f"{where}: \"{key}\" must be an integer in [1, {UINT32_MAX}], got {json.dumps(n_out)}")
     if "prompt" in row:
         if not isinstance(row["prompt"], str) or not row["prompt"]:
             raise WorkloadError(f"{where}: \"prompt\" must be a non-empty string")
         return BenchRequest(index, n_out, prompt=row["prompt"])
     ids = row["token_ids"]
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-        raise WorkloadError(f"{where}: \"token_ids\" must be a non-empty list of non-negative integers")
+    if not isinstance(ids, list) or not ids:
+        raise WorkloadError(f"{where}: \"token_ids\" must be a non-empty list of token ids")
+    for position, token in enumerate(ids):
+        if not _is_uint32(token):
+            raise WorkloadError(f"{where}: \"token_ids\"[{position}] must be an integer in [0, {UINT32_MAX}], "
+                                f"got {json.dumps(token)}")
     return BenchRequest(index, n_out, token_ids=tuple(ids))
 
 
@@ -111,6 +131,8 @@ def dataset_requests(path: Path, num_prompts: int, output_len: int) -> list[Benc
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise WorkloadError(f"--dataset {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"--dataset {path}: not UTF-8 text (byte {exc.start} of the file)") from None
     requests: list[BenchRequest] = []
     for number, line in enumerate(lines, start=1):
         if len(requests) == num_prompts:
@@ -147,8 +169,8 @@ def _guided(options: RequestOptions) -> oe.GuidedDecoding | None:
 
 
 def to_message(request: BenchRequest, options: RequestOptions) -> oe.GenerateRequest:
-    """The wire request; its id ``bench-{seed}-{index}`` is unique within a run."""
-    message = oe.GenerateRequest(request_id=f"bench-{options.seed}-{request.index}", model=options.model,
+    """The wire request; its id ``{request_id_prefix}{index}`` is unique within a run."""
+    message = oe.GenerateRequest(request_id=f"{options.request_id_prefix}{request.index}", model=options.model,
                                  lora_name=options.lora_name)
     if request.token_ids is not None:
         message.token_ids.ids.extend(request.token_ids)

@@ -10,47 +10,48 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from refengine.args import DefaultsHelpFormatter
+from refengine.bench import UINT32_MAX
 from refengine.commands.generate_options import file_text
 
 __all__ = ["add_bench_parser", "run_bench"]
 
 USAGE_ERROR, UNREACHABLE = 2, 1  # 2: argparse's own status for a bad command line
+T = TypeVar("T")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _arg_type(convert: Callable[[str], T], accepts: Callable[[T], bool], expected: str) -> Callable[[str], T]:
+    """An argparse type that refuses with what it ``expected`` (argparse would name the
+    function instead when ``convert`` fails: "invalid parse value")."""
+    def parse(text: str) -> T:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not accepts(value):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _ratio(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+_positive_int = _arg_type(int, lambda v: v >= 1, "an integer >= 1")
+_token_count = _arg_type(int, lambda v: 1 <= v <= UINT32_MAX, f"an integer in [1, {UINT32_MAX}]")  # a uint32 field
+_top_n = _arg_type(int, lambda v: 0 <= v <= UINT32_MAX, f"an integer in [0, {UINT32_MAX}]")
+_positive_float = _arg_type(float, lambda v: v > 0, "a number > 0")  # also refuses nan
+_ratio = _arg_type(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
 def _json_text(value: str) -> str:
     """``--guided-json``: a path to a schema file, else the schema as inline JSON."""
-    text = file_text(value) or value
+    try:
+        text = file_text(value) or value
+    except UnicodeDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{value}: not UTF-8 text (byte {exc.start} of the file)") from None
     try:
         json.loads(text)
     except ValueError as exc:
@@ -66,10 +67,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the OpenEngine server")
     p.add_argument("--model", default="", help="model to name (default: the server's first supported model)")
     p.add_argument("--num-prompts", type=_positive_int, default=100, help="requests to send")
-    p.add_argument("--input-len", type=_positive_int, default=256, help="random prompts: tokens per prompt")
-    p.add_argument("--output-len", type=_positive_int, default=128,
+    p.add_argument("--input-len", "--random-input-len", type=_positive_int, default=256,
+                   help="random prompts: tokens per prompt")
+    p.add_argument("--output-len", "--random-output-len", type=_token_count, default=128,
                    help="max_tokens of each request (a dataset line may set its own)")
-    p.add_argument("--range-ratio", type=_ratio, default=0.0,
+    p.add_argument("--range-ratio", "--random-range-ratio", type=_ratio, default=0.0,
                    help="random lengths uniform in [len*(1-R), len*(1+R)]")
     p.add_argument("--max-concurrency", type=_positive_int, default=None,
                    help="requests in flight at most (default: unlimited)")
@@ -87,24 +89,45 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help="constrain outputs to a JSON schema (default: unguided)")
     guide.add_argument("--guided-choice", action="append", default=None, metavar="TEXT",
                        help="one allowed output; repeat for each (default: unguided)")
-    p.add_argument("--logprobs", type=_count, default=None, metavar="N",
+    p.add_argument("--logprobs", type=_top_n, default=None, metavar="N",
                    help="ask for output logprobs with the top N candidates (default: none)")
     p.add_argument("--lora-name", default="", help="LoRA adapter to name in every request (default: none)")
+    p.add_argument("--request-id-prefix", default=None, metavar="TEXT",
+                   help="request ids are TEXT followed by the request's index (default: bench-<8 random hex>-, "
+                        "new for every run, so that runs can share a server)")
     p.add_argument("--timeout", type=_positive_float, default=None,
                    help="deadline of each request, s (default: none)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the results as JSON to PATH; without PATH, print JSON instead of the table "
                         "(default: table only)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-progress", "--disable-tqdm", action="store_true", help="no progress bar on stderr")
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why the results could not be written to ``path``, asked before the run rather than
+    found after it; a file created to ask is removed."""
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        path.unlink()
+    return None
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """0 when the run completed (whatever its requests' outcomes), 2 on a bad workload,
+    """0 when the run completed (whatever its requests' outcomes), 2 on a bad workload or --json PATH,
     1 when the target cannot be benchmarked."""
     from refengine.bench import report, runner, target, workload
     from refengine.bench.progress import Progress
     from refengine.client import OpenEngineClient
 
+    why = _unwritable(Path(args.json)) if args.json not in (None, "-") else None
+    if why is not None:
+        print(f"refengine bench: --json {args.json}: {why}", file=sys.stderr)
+        return USAGE_ERROR
     try:  # a dataset needs no server: check it before connecting
         requests = (workload.dataset_requests(args.dataset, args.num_prompts, args.output_len)
                     if args.dataset is not None else None)
@@ -127,13 +150,15 @@ def run_bench(args: argparse.Namespace) -> int:
             except workload.WorkloadError as exc:  # the server's vocabulary is too small for random ids
                 print(f"refengine bench: {exc}", file=sys.stderr)
                 return UNREACHABLE
+        prefix = workload.random_request_id_prefix() if args.request_id_prefix is None else args.request_id_prefix
         options = workload.RequestOptions(
-            model=found.model, seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos,
+            model=found.model, request_id_prefix=prefix, temperature=args.temperature, ignore_eos=args.ignore_eos,
             guided_regex=args.guided_regex, guided_json=args.guided_json,
             guided_choice=tuple(args.guided_choice or ()), logprobs=args.logprobs, lora_name=args.lora_name)
         progress = Progress(len(requests)) if not args.no_progress and sys.stderr.isatty() else None
-        result = runner.run(requests, workload.arrival_times(len(requests), args.request_rate, args.seed),
-                            runner.grpc_sender(client, options, args.timeout), args.max_concurrency, progress)
+        send = runner.GrpcSender(client, options, args.timeout)
+        result = runner.run(requests, workload.arrival_times(len(requests), args.request_rate, args.seed), send,
+                            args.max_concurrency, progress, cancel=send.cancel)
     summary = report.summarize(result, {"target": args.target, "model": found.model, "num_prompts": len(requests),
                                         "seed": args.seed, "max_concurrency": args.max_concurrency,
                                         "request_rate": args.request_rate})

@@ -53,19 +53,22 @@ class ReportingControl(Control):
 
 
 class WatchedInference(Inference):
-    """Counts the Generate calls in flight (the peak) and keeps the input kind of each."""
+    """Counts the Generate calls in flight (the peak) and keeps the input kind and the
+    request id of each."""
 
     def __init__(self, engine: ToyEngine) -> None:
         super().__init__(engine)
         self.lock = threading.Lock()
         self.in_flight = self.peak = 0
         self.inputs: list[str] = []
+        self.ids: list[str] = []
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:  # noqa: N802
         with self.lock:
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
             self.inputs.append(request.WhichOneof("input"))
+            self.ids.append(request.request_id)
         try:
             yield from super().Generate(request, context)
         finally:
@@ -224,11 +227,11 @@ def test_text_prompts_for_a_server_without_token_ids(tmp_path: Path) -> None:
 
 def test_guides_logprobs_and_lora_reach_the_request(toy: Toy, tmp_path: Path) -> None:
     request = workload.BenchRequest(4, 7, token_ids=(11, 12))
-    options = workload.RequestOptions("m", seed=9, temperature=0.5, ignore_eos=True, guided_choice=("yes", "no"),
-                                      logprobs=3, lora_name="ad")
+    options = workload.RequestOptions("m", request_id_prefix="run-", temperature=0.5, ignore_eos=True,
+                                      guided_choice=("yes", "no"), logprobs=3, lora_name="ad")
     message = workload.to_message(request, options)
     assert (message.request_id, message.model, message.lora_name, list(message.token_ids.ids)) == \
-        ("bench-9-4", "m", "ad", [11, 12])
+        ("run-4", "m", "ad", [11, 12])
     assert (message.stopping.max_tokens, message.stopping.ignore_eos, message.sampling.temperature) == (7, True, 0.5)
     assert list(message.guided.choice.choices) == ["yes", "no"]
     assert message.response.return_output_logprobs and message.response.output_candidates.top_n == 3
@@ -274,16 +277,16 @@ def test_percentiles_and_latencies_on_known_inputs() -> None:
     assert report.percentile([7], 99) == 7 and report.percentile([], 50) is None
     record = runner.RequestRecord(0, sent=0.0, finished=True)
     record.tokens(1, 0.5)  # TTFT 0.5
-    record.tokens(3, 1.1)  # one delta of 3 tokens after 0.6 s: 3 gaps of 0.2
+    record.tokens(3, 1.1)  # one delta of 3 tokens after 0.6 s: one ITL sample of 0.6
     record.tokens(1, 1.2)
     record.usage(10, 5)
-    record.close(1.3)
-    assert record.itl == pytest.approx([0.2, 0.2, 0.2, 0.1]) and record.notes == []
+    record.close(1.3)  # the Finished, a step after the last token
+    assert record.itl == pytest.approx([0.6, 0.1]) and record.notes == []
     summary = report.summarize(runner.RunResult([record], 2.0), {"request_rate": math.inf})
     assert summary["mean_ttft_ms"] == pytest.approx(500)
-    assert summary["mean_tpot_ms"] == pytest.approx(1000 * (1.3 - 0.5) / 4)
-    assert summary["median_itl_ms"] == pytest.approx(200) and summary["p99_itl_ms"] == pytest.approx(200)
-    assert summary["mean_itl_ms"] == pytest.approx(175)
+    assert summary["mean_tpot_ms"] == pytest.approx(1000 * (1.2 - 0.5) / 4)  # to the last token, not the end
+    assert summary["median_itl_ms"] == pytest.approx(350) and summary["p99_itl_ms"] == pytest.approx(595)
+    assert summary["mean_itl_ms"] == pytest.approx(350)
     assert (summary["request_throughput"], summary["total_token_throughput"]) == (0.5, 7.5)
     assert summary["request_rate"] == "inf"
     assert "Mean TTFT (ms):" in report.format_table({**summary, "target": "t", "model": "m"})
