@@ -110,8 +110,8 @@ def validate_prompt(request: GenerationRequest, prompt_token_ids: list[int], lim
         f"the prompt has {num_prompt} tokens; the context limit is {limits.max_model_len} "
         "and at least one token must be generated",
     )
-    _require(
-        request.logprobs.prompt_logprob_start < num_prompt,
+    _require(  # (ref) only when prompt logprobs are asked for: otherwise the start selects nothing
+        not request.logprobs.prompt_logprobs or request.logprobs.prompt_logprob_start < num_prompt,
         f"prompt_logprob_start ({request.logprobs.prompt_logprob_start}) must be < the prompt length ({num_prompt})",
     )
     _check_prompt_positions(request, num_prompt)

@@ -308,6 +308,14 @@ def test_prompt_logprobs_match_transformers(tiny) -> None:
         "lp1", prompt_token_ids=ids, stopping=StoppingParams(max_tokens=1),
         logprobs=LogprobParams(prompt_logprobs=True, prompt_logprob_start=5))])[0]
     assert [t.token_id for t in ended_at_prompt.prompt_tokens] == ids[5:]
+    # A start past the prompt is refused only when prompt logprobs are asked for (ref): it selects nothing else.
+    start_alone = engine.run_until_done([GenerationRequest(
+        "lp2", prompt_token_ids=ids, stopping=StoppingParams(max_tokens=1),
+        logprobs=LogprobParams(prompt_logprob_start=2**32 - 1))])[0]
+    assert start_alone.error is None and start_alone.prompt_tokens is None and len(start_alone.outputs[0].tokens) == 1
+    with pytest.raises(InvalidRequestError, match=r"prompt_logprob_start \(4294967295\) must be < the prompt length"):
+        engine.add_request(GenerationRequest("lp3", prompt_token_ids=ids, logprobs=LogprobParams(
+            prompt_logprobs=True, prompt_logprob_start=2**32 - 1)))
     first = result.outputs[0].tokens[0]
     assert first.rank == 1 and first.logprob == pytest.approx(reference[-1].max().item(), abs=1e-4)
 
