@@ -52,13 +52,14 @@ class InputProcessor:
             prompt_ids = list(self.tokenizer.encode(params.prompt, add_special_tokens=False))
         else:
             prompt_ids = list(params.prompt_token_ids or [])
+        # R4 before the media: an unknown adapter is refused without decoding and encoding any image.
+        lora = None if params.lora_name is None else self.loras.get(params.lora_name)
         media: tuple[MediaRun, ...] = ()
         if params.media or params.media_handles:
             prompt_ids, media = self._media(params, prompt_ids)
         elif self.media is not None:  # G19: a placeholder with no item to fill it is refused too
             self.media.check_placeholders(prompt_ids)
         max_tokens = validate_prompt(params, prompt_ids, self.limits)
-        lora = None if params.lora_name is None else self.loras.get(params.lora_name)  # R4
         self.role.check(params, prompt_ids, tuple((run.start, run.identity) for run in media),
                         "" if lora is None else lora.cache_key)
         return Request(params, prompt_ids, max_tokens, guide=self._compile(params), lora=lora, media=media)

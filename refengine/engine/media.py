@@ -33,6 +33,7 @@ import torch
 
 from refengine.config import MediaConfig, ModelConfig
 from refengine.model.embedding_io import dtype_name, embedding_layout
+from refengine.model.manifest import UnsupportedModelError
 from refengine.model.vision import VisionEncoder, load_vision_config
 from refengine.multimodal.encoder_cache import EncoderCache
 from refengine.multimodal.handles import HandleExpectation, check_handles
@@ -69,7 +70,13 @@ class MediaInputs:
         self.encoder = encoder
         self.config = config
         # backend "pil": the processor without torchvision (numpy and Pillow), which is what refengine installs
-        self.image_processor = AutoImageProcessor.from_pretrained(hf_dir, local_files_only=True, backend="pil")
+        # trust_remote_code=False: never a processor class from the model directory (``auto_map``), whose
+        # code transformers would otherwise offer to run (asking on stdin when it has a terminal)
+        try:
+            self.image_processor = AutoImageProcessor.from_pretrained(hf_dir, local_files_only=True, backend="pil",
+                                                                      trust_remote_code=False)
+        except (OSError, ValueError) as exc:
+            raise UnsupportedModelError(f"{hf_dir}: cannot load the image processor: {exc}") from exc
         self.cache: EncoderCache[torch.Tensor] = EncoderCache(ENCODER_CACHE_ENTRIES)
         self._encode_lock = threading.Lock()  # one encode at a time: the step thread runs the LM meanwhile
         self.expectation = self._expectation_of()

@@ -13,6 +13,9 @@ from refengine.types import CandidateSpec, GenerationRequest, InvalidRequestErro
 
 MAX_STOP_STRINGS = 1024
 MAX_STOP_STRING_CHARS = 1024
+#: All of a request's stop strings together: the matcher's automaton takes about 260 bytes per
+#: character, so 1,024 strings of 1,024 characters cost 260 MB each (and 64 are cached).
+MAX_STOP_CHARS_TOTAL = 16384
 MAX_STOP_TOKEN_IDS = 1024
 
 
@@ -68,8 +71,12 @@ def validate_stopping(request: GenerationRequest, limits: Limits) -> None:
         _require(st.min_tokens <= st.max_tokens, f"min_tokens ({st.min_tokens}) > max_tokens ({st.max_tokens})")
     _require(len(st.stop_strings) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
     _require(len(st.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
-    for text in st.stop_strings:
-        _require(0 < len(text) <= MAX_STOP_STRING_CHARS, f"stop strings must have 1-{MAX_STOP_STRING_CHARS} characters")
+    for index, text in enumerate(st.stop_strings):
+        _require(0 < len(text) <= MAX_STOP_STRING_CHARS,
+                 f"stop string {index} has {len(text)} characters; each must have 1-{MAX_STOP_STRING_CHARS}")
+    total = sum(len(text) for text in st.stop_strings)
+    _require(total <= MAX_STOP_CHARS_TOTAL,
+             f"the stop strings have {total} characters in all; at most {MAX_STOP_CHARS_TOTAL}")
     for token_id in st.stop_token_ids:
         _require(0 <= token_id < limits.vocab_size, f"stop token id {token_id} is not in the vocabulary")
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import regex
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -35,6 +36,8 @@ from refengine.types import InvalidRequestError
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
+PATTERN_SECONDS = 0.1  # the longest one target_modules / rank_pattern / alpha_pattern match may take
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn\.(q|k|v|o)|mlp\.(gate|up|down))"
                   r"_proj\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 # Options whose non-default values change the math in ways the engine does not implement.
@@ -63,7 +66,7 @@ def _read_config(path: Path, config_file: Path) -> dict[str, Any]:
         raise _refuse(path, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         config = json.loads(config_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: deep nesting
         raise _refuse(path, f"{CONFIG_FILE} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise _refuse(path, f"{CONFIG_FILE} must hold a JSON object")
@@ -83,8 +86,8 @@ def _read_config(path: Path, config_file: Path) -> dict[str, Any]:
             if not _positive(value):
                 raise _refuse(path, f"{CONFIG_FILE}: {name}[{key!r}] must be a finite number > 0, got {value!r}")
             try:
-                re.compile(key)
-            except re.error as exc:
+                regex.compile(key)
+            except regex.error as exc:
                 raise _refuse(path, f"{CONFIG_FILE}: {name} key {key!r} is not a regular expression: {exc}") from None
     return config
 
@@ -94,25 +97,35 @@ def _positive(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+def _matches(path: Path, pattern: str, module: str) -> bool:
+    """``re.fullmatch(pattern, module)`` under ``PATTERN_SECONDS``: the patterns come from the
+    adapter's files, and Python's ``re`` backtracks exponentially on some (``(.*)*(.*)*x``) while
+    holding the GIL -- one LoadLora froze the whole server. The ``regex`` module can time out."""
+    try:
+        return regex.fullmatch(pattern, module, timeout=PATTERN_SECONDS) is not None
+    except regex.error:
+        return False
+    except TimeoutError:
+        raise _refuse(path, f"{CONFIG_FILE}: the pattern {pattern[:64]!r} took over {PATTERN_SECONDS} s "
+                            f"to match {module!r}") from None
+
+
+def _pattern_value(path: Path, patterns: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's rule: a pattern key applies to a module whose name ends with it (at a dot)."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        if _matches(path, rf"(.*\.)?({key})", module):
             return value
     return default
 
 
-def _targeted(target_modules: Any, module: str) -> bool:
+def _targeted(path: Path, target_modules: Any, module: str) -> bool:
     """PEFT's rule: a list names modules by their last dotted parts, a string is a regular
     expression over the whole name ("all-linear": every projection); unset (PEFT's per-model
     default) is not checked."""
     if target_modules is None or target_modules == "all-linear":
         return True
     if isinstance(target_modules, str):
-        try:
-            return re.fullmatch(target_modules, module) is not None
-        except re.error:
-            return False
+        return _matches(path, target_modules, module)
     return isinstance(target_modules, list) and any(
         isinstance(name, str) and (module == name or module.endswith(f".{name}")) for name in target_modules)
 
@@ -157,7 +170,7 @@ def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor
     module = f"model.layers.{layer}.{block}.{proj}_proj"
     if set(pair) != {"A", "B"}:
         raise _refuse(path, f"{module} has lora_{''.join(pair)} but not both lora_A and lora_B")
-    if not _targeted(config.get("target_modules"), module):
+    if not _targeted(path, config.get("target_modules"), module):
         raise _refuse(path, f"{module}: {WEIGHTS_FILE} holds its weights, but target_modules "
                       f"{config.get('target_modules')!r} does not name it (PEFT would ignore them)")
     lora_a, lora_b = pair["A"], pair["B"]
@@ -166,15 +179,16 @@ def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor
     if lora_a.shape != (rank, in_features) or lora_b.shape != (out_features, rank):
         raise _refuse(path, f"{module}: lora_A {tuple(lora_a.shape)} / lora_B {tuple(lora_b.shape)} do not fit "
                       f"the model's projection (in {in_features}, out {out_features})")
-    expected_rank = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
+    expected_rank = _pattern_value(path, config.get("rank_pattern") or {}, module, config["r"])
     if rank != expected_rank:
         raise _refuse(path, f"{module}: rank {rank} but {CONFIG_FILE} says r={expected_rank}")
     if rank > max_rank:
         raise _refuse(path, f"{module}: rank {rank} is above this server's --max-lora-rank {max_rank}")
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
+    alpha = _pattern_value(path, config.get("alpha_pattern") or {}, module, config["lora_alpha"])
     scale = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
-    if not lora_a.is_floating_point() or not lora_b.is_floating_point():
-        raise _refuse(path, f"{module}: LoRA weights must be floating point")
+    if lora_a.dtype not in WEIGHT_DTYPES or lora_b.dtype not in WEIGHT_DTYPES:
+        raise _refuse(path, f"{module}: LoRA weights must be float16, bfloat16, float32 or float64, "
+                            f"not {lora_a.dtype} / {lora_b.dtype}")
     scaled_b = lora_b.float() * scale
     if not (torch.isfinite(lora_a).all() and torch.isfinite(scaled_b).all()):
         raise _refuse(path, f"{module}: lora_A, or lora_B times its scale {scale:g}, holds NaN or infinity")

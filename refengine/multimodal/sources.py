@@ -54,6 +54,9 @@ from refengine.types import InvalidRequestError, MediaInput
 
 SUPPORTED_MODALITIES = ("image",)
 MAX_UUID_BYTES = 256
+#: ``data:<media type>;base64,`` before the payload: far longer than any real media type, and
+#: bounded so that a megabyte of ``;x=y`` parameters is refused before any regex runs over it.
+MAX_DATA_URI_HEADER = 256
 SOURCES = ("url", "data_uri", "raw_bytes")
 #: Formats Pillow reports for a file one of the accepted plugins opened, and the format they count as.
 FORMAT_ALIASES = {"MPO": "JPEG"}
@@ -115,9 +118,9 @@ def decode_data_uri(uri: str, max_bytes: int) -> bytes:
     form = "data:<type>/<subtype>;base64,<payload>"
     if not isinstance(uri, str) or uri[:5].lower() != "data:":
         raise InvalidRequestError(f"data_uri must start with 'data:' ({form})")
-    comma = uri.find(",")
+    comma = uri.find(",", 0, MAX_DATA_URI_HEADER + 1)  # the header is short: never scan a whole payload for it
     if comma < 0:
-        raise InvalidRequestError(f"data_uri has no ',' before its payload ({form})")
+        raise InvalidRequestError(f"data_uri has no ',' within its first {MAX_DATA_URI_HEADER} characters ({form})")
     media_type, _, encoding = uri[5:comma].rpartition(";")
     if encoding.lower() != "base64":
         raise InvalidRequestError(f"data_uri must be base64-encoded ({form})")

@@ -32,6 +32,9 @@ from refengine.server.options import is_wildcard_host
 #: Conservative wire size of one candidate (``LogProb``) and of one ``TokenInfo`` without them.
 CANDIDATE_BYTES = 40
 TOKEN_INFO_BYTES = 48
+#: (ref) The longest ``request_id``: every event echoes it (G9) and finished ids are remembered
+#: for ALREADY_FINISHED (A2), so an 8 MB id cost 8 MB per event and stayed in memory.
+MAX_REQUEST_ID_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,8 @@ def validate_generate(request: oe.GenerateRequest, meta: RequestMetadata, facts:
     """All edge checks, in the order a client would want to hear about them. Raises ``Rejection``."""
     if not request.request_id:
         raise invalid("request_id must be non-empty")  # G2
+    if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:  # ref: it is kept after the request (A2)
+        raise invalid(f"request_id has {len(request.request_id.encode())} bytes; at most {MAX_REQUEST_ID_BYTES}")
     check_model(request.model, facts.caps)
     check_role(request, facts.role, meta, facts.transfer_backends)
     check_features(request, facts.caps)

@@ -244,6 +244,9 @@ def _invalid_cases() -> list:
     return [
         ("no input", oe.GenerateRequest(request_id="bad-1"), (), invalid),  # G1
         ("empty request_id", req(request_id=""), (), invalid),  # G2
+        ("request_id over 1,024 bytes", req(request_id="é" * 513), (), invalid),  # ref: a bound, as on lora_name
+        ("stop strings over 16,384 characters in all", with_(lambda r: [
+            r.stopping.conditions.add(stop_text=f"{i:04d}" + "x" * 1020) for i in range(17)]), (), invalid),
         ("unknown model", req(model="no-such-model"), (), not_found),  # G3
         ("num_sequences 0", req(sampling__num_sequences=0), (), invalid),  # G4
         ("num_sequences over max", req(sampling__num_sequences=17), (), invalid),

@@ -300,6 +300,9 @@ BROKEN = {
     "rank-pattern-zero": (dict(rank_pattern={"q_proj": 0}), None, "rank_pattern.'q_proj'. must be a finite number"),
     "pattern-not-regex": (dict(rank_pattern={"q_proj(": 4}), None, "key 'q_proj.' is not a regular expression"),
     "weights-nan": (None, lambda w: w | {_first_a(w): w[_first_a(w)] * float("nan")}, "holds NaN or infinity"),
+    # float8 has no isfinite on CPU: it was INTERNAL (NotImplementedError)
+    "weights-float8": (None, lambda w: w | {_first_a(w): w[_first_a(w)].to(torch.float8_e4m3fn)},
+                       "must be float16, bfloat16, float32 or float64"),
     "scale-overflows": (dict(lora_alpha=1e300), None, "times its scale 2.5e.299, holds NaN or infinity"),
     "untargeted": (dict(target_modules=["q_proj"]), None, "v_proj: adapter_model.safetensors holds its weights, "
                    "but target_modules .'q_proj'. does not name it"),
@@ -343,7 +346,30 @@ def test_rank_limit_pickle_and_garbage_files_are_refused(tiny, adapters) -> None
     (garbage / "adapter_config.json").write_text("{not json")
     with pytest.raises(InvalidRequestError, match="not valid JSON"):
         engine.load_lora(LoraAdapterSpec(32, "garbage", str(garbage)))
+    (garbage / "adapter_config.json").write_text("[" * 200_000 + "]" * 200_000)  # RecursionError: was INTERNAL
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        engine.load_lora(LoraAdapterSpec(32, "garbage", str(garbage)))
     assert engine.list_loras() == []
+
+
+@pytest.mark.timeout(60)
+def test_adapter_patterns_are_matched_with_a_time_limit(tiny, adapters, monkeypatch) -> None:
+    """rank_pattern, alpha_pattern and a target_modules string are regular expressions from the
+    adapter's files. Python's re backtracked for ever on ``(.*)*(.*)*...x`` while holding the GIL
+    (one LoadLora froze the server); they run in the regex module under a time limit, refused past it."""
+    from refengine.lora import peft
+
+    root, _ = adapters
+    backtracking = "(.*)*(.*)*(.*)*(.*)*(.*)*(.*)*(.*)*x"
+    engine = make_engine(tiny, root)
+    path = _broken(root, "backtracking", dict(rank_pattern={backtracking: 4}, alpha_pattern={backtracking: 8}))
+    engine.load_lora(LoraAdapterSpec(33, "backtracking", str(path)))  # matches nothing, at once: r and lora_alpha
+    assert [a.lora_name for a in engine.list_loras()] == ["backtracking"]
+    monkeypatch.setattr(peft, "PATTERN_SECONDS", 1e-9)
+    slow = _broken(root, "slow-pattern", dict(target_modules=".*_proj"))
+    with pytest.raises(InvalidRequestError, match=r"the pattern '\.\*_proj' took over 1e-09 s to match"):
+        engine.load_lora(LoraAdapterSpec(34, "slow", str(slow)))
+    assert [a.lora_name for a in engine.list_loras()] == ["backtracking"]
 
 
 def test_per_module_ranks_and_alphas_match_peft(tiny, adapters) -> None:

@@ -199,3 +199,42 @@ def test_tied_embeddings_declared_only_at_the_top_level(tmp_path) -> None:
         save_file({k: v for k, v in tensors.items() if not k.endswith("lm_head.weight")}, path)
     assert load_model_config(directory).tie_word_embeddings
     assert "lm_head.weight" not in load_weights(directory)
+
+
+def test_an_unknown_adapter_is_refused_before_any_image_is_decoded(llava) -> None:
+    """R4 before the media: with an unknown lora_name, bytes that are no image get NOT_FOUND for
+    the adapter (the images were decoded and encoded first, 1.7 s for 8 large ones)."""
+    from refengine.types import LoraNotFoundError
+
+    engine = make_engine(llava)
+    bad = request("x", prompt_with(1), [b"not an image"])
+    bad.lora_name = "no-such-adapter"
+    with pytest.raises(LoraNotFoundError):
+        engine.add_request(bad)
+
+
+def test_no_image_processor_code_from_the_model_directory_runs(tmp_path, monkeypatch) -> None:
+    """An ``auto_map`` in preprocessor_config.json names a class in the model directory; its code
+    must never run. The processor loads with trust_remote_code=False (without it, transformers
+    asks on stdin whether to run such code when it has no class of its own for the model, and runs
+    it on "y"), so the model's own processor type is used."""
+    import json
+
+    from transformers import AutoImageProcessor
+
+    directory = tiny_llava.build_tiny_llava(tmp_path / "evil").directory
+    marker = tmp_path / "ran"
+    (directory / "evil_mod.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n"
+                                           "from transformers import CLIPImageProcessor\n"
+                                           "class EvilProcessor(CLIPImageProcessor):\n    pass\n")
+    config_path = directory / "preprocessor_config.json"
+    config = json.loads(config_path.read_text()) | {"auto_map": {"AutoImageProcessor": "evil_mod.EvilProcessor"}}
+    config_path.write_text(json.dumps(config))
+    calls: list[dict] = []
+    load = AutoImageProcessor.from_pretrained
+    monkeypatch.setattr(AutoImageProcessor, "from_pretrained", lambda *args, **kwargs: calls.append(kwargs)
+                        or load(*args, **kwargs))
+    engine = tiny_llava.make_engine(directory)
+    assert type(engine.media.image_processor).__module__.startswith("transformers.")
+    assert [call.get("trust_remote_code") for call in calls] == [False]
+    assert not marker.exists()
