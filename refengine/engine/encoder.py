@@ -40,7 +40,7 @@ from refengine.kv.transfer.sessions import KvSession, KvSessionStore
 from refengine.model.embedding_io import EmbeddingArena
 from refengine.multimodal.embedding_rows import EmbeddingEntries, RowPool
 from refengine.multimodal.handles import split_identity
-from refengine.multimodal.sources import LoadedImage, load_image
+from refengine.multimodal.sources import LoadedImage
 from refengine.types import (
     EmbeddingHandleSpec,
     EmbeddingTransferSpec,
@@ -117,7 +117,11 @@ class EncoderEngine(NoGenerate):
         if len(items) > self.config.media.max_items:
             raise InvalidRequestError(f"{len(items)} media items; at most {self.config.media.max_items} per request")
         lease = self._lease(lease_seconds)
-        images = [load_image(item, self.config.media) for item in items]
+        data = self.media.fetch(items)
+        with self.media.decoding:  # from decoded to encoded: the pixels' memory is bounded
+            return self._encode_and_hold(self.media.decode(items, data), lease)
+
+    def _encode_and_hold(self, images: list[LoadedImage], lease: float) -> list[EmbeddingHandleSpec]:
         identities = [image.identity for image in images]
         with self._lock:
             hits = [self.entries.acquire(identity) for identity in identities]

@@ -38,7 +38,7 @@ from refengine.model.vision import VisionEncoder, load_vision_config
 from refengine.multimodal.encoder_cache import EncoderCache
 from refengine.multimodal.handles import HandleExpectation, check_handles
 from refengine.multimodal.placeholders import expand_placeholders
-from refengine.multimodal.sources import LoadedImage, load_image
+from refengine.multimodal.sources import LoadedImage, check_item, encoded_bytes, image_of
 from refengine.scheduler.scheduler import SchedulerOutput
 from refengine.types import EmbeddingHandleSpec, InvalidRequestError, MediaInput
 
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from refengine.engine.request import Request
 
 ENCODER_CACHE_ENTRIES = 256
+MEDIA_DECODES = 2  # requests decoding and encoding images at once (``MediaInputs.decoding``)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ class MediaInputs:
             raise UnsupportedModelError(f"{hf_dir}: cannot load the image processor: {exc}") from exc
         self.cache: EncoderCache[torch.Tensor] = EncoderCache(ENCODER_CACHE_ENTRIES)
         self._encode_lock = threading.Lock()  # one encode at a time: the step thread runs the LM meanwhile
+        # Requests whose images are between decoded and encoded at once: their pixels (up to
+        # max_items x max_pixels x 3 bytes, and the processor's float copies) are what a burst of
+        # image requests costs in memory; without a bound, 3 requests of 8 large PNGs took 2 GB.
+        self.decoding = threading.BoundedSemaphore(MEDIA_DECODES)
         self.expectation = self._expectation_of()
 
     @classmethod
@@ -121,10 +126,23 @@ class MediaInputs:
             return expanded, tuple(MediaRun(start, handle.identity, vision.num_image_tokens, None,
                                             handle if need_rows else None)
                                    for start, handle in zip(starts, handles, strict=True))
-        images = [load_image(item, self.config) for item in items]
-        embeds = self._embeds(images) if need_rows else [None] * len(images)
+        data = self.fetch(items)
+        with self.decoding:
+            images = self.decode(items, data)
+            embeds = self._embeds(images) if need_rows else [None] * len(images)
         return expanded, tuple(MediaRun(start, image.identity, vision.num_image_tokens, rows)
                                for start, image, rows in zip(starts, images, embeds, strict=True))
+
+    def fetch(self, items: Sequence[MediaInput]) -> list[bytes]:
+        """Each item checked, then its encoded bytes (at most ``max_bytes``): network waits happen
+        here, outside ``decoding``, so a slow URL holds no decode slot."""
+        for item in items:
+            check_item(item)
+        return [encoded_bytes(item, self.config) for item in items]
+
+    def decode(self, items: Sequence[MediaInput], data: Sequence[bytes]) -> list[LoadedImage]:
+        """The images of ``fetch``'s bytes; call it holding ``decoding`` until they are encoded."""
+        return [image_of(item, item_data, self.config) for item, item_data in zip(items, data, strict=True)]
 
     def encode_images(self, images: Sequence[LoadedImage]) -> torch.Tensor:
         """``[len(images), num_image_tokens, hidden]``: preprocess and encode, no cache."""

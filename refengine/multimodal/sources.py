@@ -79,12 +79,21 @@ class LoadedImage:
 
 def load_image(item: MediaInput, config: MediaConfig) -> LoadedImage:
     """Fetch or decode ``item``'s bytes and decode the image, refusing anything the policy forbids."""
+    check_item(item)
+    return image_of(item, encoded_bytes(item, config), config)
+
+
+def check_item(item: MediaInput) -> None:
+    """Rule 1: what the item is, before any of its bytes are fetched or decoded."""
     if item.modality not in SUPPORTED_MODALITIES:
         accepted = ", ".join(SUPPORTED_MODALITIES)
         raise InvalidRequestError(f"modality {item.modality!r} is not supported (this model accepts: {accepted})")
     if not isinstance(item.uuid, str) or len(item.uuid.encode()) > MAX_UUID_BYTES:
         raise InvalidRequestError(f"media uuid must be a string of at most {MAX_UUID_BYTES} bytes")
-    data = encoded_bytes(item, config)
+
+
+def image_of(item: MediaInput, data: bytes, config: MediaConfig) -> LoadedImage:
+    """Rules 4-5: ``item``'s encoded bytes (``encoded_bytes``) decoded."""
     image, fmt = decode_image(data, config)
     return LoadedImage(image=image, identity=_identity(item.uuid, image), num_bytes=len(data), format=fmt)
 

@@ -238,3 +238,39 @@ def test_no_image_processor_code_from_the_model_directory_runs(tmp_path, monkeyp
     assert type(engine.media.image_processor).__module__.startswith("transformers.")
     assert [call.get("trust_remote_code") for call in calls] == [False]
     assert not marker.exists()
+
+
+def test_at_most_two_requests_hold_decoded_images_at_once(llava, monkeypatch) -> None:
+    """Pre-acceptance media work runs on the server's worker threads; each request's decoded
+    pixels live until they are encoded. Without a bound, 3 requests of 8 large PNGs took 2 GB;
+    now at most MEDIA_DECODES requests are between decoding and encoding at once."""
+    import threading
+    import time
+
+    from refengine.engine import media as media_module
+
+    engine = make_engine(llava)
+    inside, most, lock = [0], [0], threading.Lock()
+    decode = media_module.MediaInputs.decode
+
+    def slow_decode(self, items, data):  # noqa: ANN001, ANN202 - the method it wraps
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        with lock:
+            inside[0] -= 1
+        return decode(self, items, data)
+
+    monkeypatch.setattr(media_module.MediaInputs, "decode", slow_decode)
+    streams = []
+    threads = [threading.Thread(target=lambda i=i: streams.append(engine.add_request(
+        request(f"r{i}", prompt_with(1), [IMAGES[i % 3]], n=2)))) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] <= media_module.MEDIA_DECODES == 2 and len(streams) == 6
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert_idle(engine)
