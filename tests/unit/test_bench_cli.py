@@ -39,9 +39,17 @@ def until(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
     return True
 
 
+def _default_sigint() -> None:
+    """A process started in the background by a non-interactive shell (as CI may run the suite)
+    inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the child
+    gets SIGINT's default back, as a terminal's foreground job has it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def refengine(*args: str, stdout: int = subprocess.PIPE) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "refengine.cli", *args], cwd=REPO, stdout=stdout,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            preexec_fn=_default_sigint)
 
 
 def interrupted(toy: Toy, streams: int, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -70,6 +78,16 @@ def test_ctrl_c_cancels_the_streams_and_exits_promptly(toy: Toy) -> None:
     assert len(toy.inference.ids) < 20  # what was still to come was never sent
 
 
+@pytest.fixture
+def sigint_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in this process, even when the suite runs with SIGINT
+    ignored (see ``_default_sigint``)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("sigint_raises")
 def test_an_interrupted_run_cancels_its_calls(toy: Toy) -> None:
     """In the runner itself: the channel stays open, yet the server's streams end at once;
     the progress bar, closed, does not draw the cancelled requests after its last line."""
