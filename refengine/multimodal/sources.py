@@ -1,7 +1,8 @@
 """One ``GenerateRequest.media`` item -> a decoded RGB image, under the ``MediaConfig`` policy.
 
 Rules, in the order they are checked; every refusal is an ``InvalidRequestError`` that says
-what is wrong, and no other exception escapes ``load_image``:
+what is wrong, and no other exception escapes ``check_item`` (rule 1), ``encoded_bytes`` (2-3)
+or ``image_of`` (4-5), which a caller runs in that order (``engine/media.py``):
 
 1. ``modality`` must be ``"image"``; ``uuid``, when given, at most ``MAX_UUID_BYTES`` bytes.
 2. Exactly one source. ``url``: fetched by ``url_fetch.fetch_url`` under the URL policy.
@@ -75,12 +76,6 @@ class LoadedImage:
     identity: str
     num_bytes: int
     format: str
-
-
-def load_image(item: MediaInput, config: MediaConfig) -> LoadedImage:
-    """Fetch or decode ``item``'s bytes and decode the image, refusing anything the policy forbids."""
-    check_item(item)
-    return image_of(item, encoded_bytes(item, config), config)
 
 
 def check_item(item: MediaInput) -> None:

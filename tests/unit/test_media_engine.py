@@ -165,8 +165,8 @@ def test_kv_events_and_offline_block_keys_carry_the_image(llava: TinyLlava) -> N
     with the public ``block_keys`` from the expanded prompt and the media spans."""
     from refengine.config import MediaConfig
     from refengine.kv.keys import block_keys, engine_extra_keys
-    from refengine.multimodal.sources import load_image
     from refengine.types import BlockStored
+    from tests.unit.media_helpers import load_image
     events: list = []
     engine = tiny_llava.make_engine(llava.directory, kv_event_sink=events.extend)
     ids = prompt_with(1, 30)  # 5 text ids, the placeholder, 3 text ids: the image is positions 5-20

@@ -15,8 +15,9 @@ import pytest
 from PIL import Image
 
 from refengine.config import MediaConfig
-from refengine.multimodal.sources import LoadedImage, decode_data_uri, load_image
+from refengine.multimodal.sources import LoadedImage, decode_data_uri
 from refengine.types import InvalidRequestError, MediaInput
+from tests.unit.media_helpers import load_image
 
 DEFAULT = MediaConfig()
 RED, BLUE = (255, 0, 0), (0, 0, 255)

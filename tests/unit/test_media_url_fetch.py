@@ -19,9 +19,9 @@ import pytest
 
 from refengine.config import MediaConfig
 from refengine.multimodal import url_fetch
-from refengine.multimodal.sources import load_image
 from refengine.multimodal.url_fetch import address_refusal, fetch_url
 from refengine.types import InvalidRequestError, MediaInput
+from tests.unit.media_helpers import load_image
 from tests.unit.test_media_sources import DEFAULT, PNG
 
 
