@@ -6,10 +6,12 @@ gate/up 3,072 x 576 and down 576 x 1,536, then the LM head 49,152 x 576) on rand
 kinds of ``kernels.linear.Linear`` run alternately (best of ``--repeats`` passes each), so the
 machine's slow swings in speed hit them alike:
 
+- ``amx-bf16``: ``kernels/cpu/gemm_amx.c`` (the engine's choice with AMX); not run without AMX;
 - ``native-bf16``: ``kernels/cpu/gemm_bf16.c`` (AVX512-BF16, the engine's choice without AMX);
   not run on a CPU where it is unavailable (with AMX);
-- ``onednn-bf16``: oneDNN's bf16 GEMM on prepacked weights as ``Linear`` runs it (the engine's
-  choice with AMX): in calls of exactly ``BF16_CALL_ROWS`` rows, for batch invariance (G18);
+- ``onednn-bf16``: oneDNN's bf16 GEMM on prepacked weights as ``Linear`` runs it where neither
+  native GEMM takes the weight (``--no-native-kernels``): in calls of exactly ``BF16_CALL_ROWS``
+  rows, for batch invariance (G18);
 - ``onednn-bf16-one-call``: the same GEMM in one call of all the rows, the faster baseline that
   is not batch-invariant (oneDNN's rounding changes with the row count, ``kernels/linear.py``);
 - ``onednn-fp32``: the float32 path, for scale.
@@ -32,11 +34,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from refengine.kernels import native_gemm  # noqa: E402
+from refengine.kernels import amx_gemm, native_gemm  # noqa: E402
 from refengine.kernels.linear import Linear  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)
 SHAPES = LAYER_SHAPES * 30 + [(49152, 576)]
+NATIVE_KINDS = ("amx-bf16", "native-bf16")  # the project's own GEMMs (Linear's native kinds)
 
 
 def model_projections(kind: str) -> list[Linear]:
@@ -46,8 +49,9 @@ def model_projections(kind: str) -> list[Linear]:
     kind = kind.removesuffix("-one-call")
     for out_features, in_features in SHAPES:
         weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype)
-        layers.append(Linear(weight, native=kind == "native-bf16"))
-        assert layers[-1].kind == ("native-bf16" if kind == "native-bf16" else "onednn"), (kind, layers[-1].kind)
+        native = kind in NATIVE_KINDS
+        layers.append(Linear(weight, native=native))
+        assert layers[-1].kind == (kind if native else "onednn"), (kind, layers[-1].kind)
     return layers
 
 
@@ -68,10 +72,14 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 512, 2048])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    reason = native_gemm.unavailable_reason()
-    if reason:
-        print(f"the native bf16 GEMM does not run here: {reason}")
-    kinds = ([] if reason else ["native-bf16"]) + ["onednn-bf16", "onednn-bf16-one-call", "onednn-fp32"]
+    kinds = []
+    native_kinds = (("amx-bf16", amx_gemm.unavailable_reason()), ("native-bf16", native_gemm.unavailable_reason()))
+    for kind, reason in native_kinds:
+        if reason:
+            print(f"{kind} does not run here: {reason}")
+        else:
+            kinds.append(kind)
+    kinds += ["onednn-bf16", "onednn-bf16-one-call", "onednn-fp32"]
     models = {kind: model_projections(kind) for kind in kinds}
     flops_per_row = sum(2 * n * k for n, k in SHAPES)
     params = sum(n * k for n, k in SHAPES)

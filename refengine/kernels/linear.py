@@ -1,6 +1,10 @@
 """Dense projections, ``x @ weight.T + bias``, with the weight prepared once.
 
-Three kinds, chosen per weight at load (``Linear.kind``):
+Four kinds, chosen per weight at load (``Linear.kind``):
+- ``amx-bf16``: bf16 weights on a CPU with AMX-BF16 run in the project's AMX GEMM
+  (``kernels/amx_gemm.py``, ``kernels/cpu/gemm_amx.c``), batch-invariant by construction and
+  faster there than oneDNN's bf16 calls of fixed size below; needs
+  ``KernelConfig.native_cpu_kernels`` and a shape of [16n, 32k].
 - ``native-bf16``: bf16 weights on a CPU with AVX512-BF16 and no AMX run in the project's own
   GEMM (``kernels/native_gemm.py``, ``kernels/cpu/gemm_bf16.c``), faster than oneDNN's there;
   needs ``KernelConfig.native_cpu_kernels`` and a shape of [16n, 2k].
@@ -23,7 +27,8 @@ oneDNN picks its GEMM kernel, and with it the rounding of the reduction over K, 
   as two (the row twice) and keeps the first: a 1-row GEMM costs its weight read, which stays.
 - in bfloat16, on AMX (an Intel Xeon with AVX10.1 and AMX, 2026-12-05), the kernel changes over
   whole ranges of counts, with or without threads (at gate_up 3,072x576, every count from 5 to 32
-  differed from 512). So every bf16 call runs in calls of exactly ``BF16_CALL_ROWS`` rows, the
+  differed from 512). So every oneDNN bf16 call (a weight neither native GEMM takes, or
+  ``--no-native-kernels``) runs in calls of exactly ``BF16_CALL_ROWS`` rows, the
   last one padded with zeros: one count, one kernel, and a row's bits do not depend on its
   neighbours or its place in the call (tested). It costs the padding and the extra calls: over
   SmolLM2's projections, 1.8x the time of one call at 1 row, 1.15x at 64, 2.2x at 2,048
@@ -35,7 +40,7 @@ oneDNN picks its GEMM kernel, and with it the rounding of the reduction over K, 
 The packed op is private torch API, so it is used only after a one-time check on
 random data agrees with ``F.linear``; otherwise (other dtypes, GPUs, a torch without
 oneDNN, ``prepack=False`` from ``KernelConfig.onednn_linear`` / ``--no-onednn``) the
-projection is plain ``F.linear``. The native GEMM passes a self-check of its own.
+projection is plain ``F.linear``. The native GEMMs pass self-checks of their own.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from refengine.kernels import native_gemm
+from refengine.kernels import amx_gemm, cpu_features, native_gemm
 from refengine.kernels.cpu_features import native_bf16
 from refengine.kernels.forward_context import ForwardContext
 
@@ -80,6 +85,11 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
 def bf16_gemm(native: bool = True) -> str:
     """Which GEMM runs bf16 projections on this CPU, for start-up logs and ServerInfo;
     ``native`` is ``KernelConfig.native_cpu_kernels``."""
+    amx_reason = amx_gemm.unavailable_reason(native)
+    if not amx_reason:
+        return "the native AMX GEMM (kernels/cpu/gemm_amx.c)"
+    if "amx_bf16" in cpu_features.cpu_flags():  # the AVX512-BF16 GEMM stands aside for AMX: say why AMX's does not run
+        return f"oneDNN ({amx_reason})"
     reason = native_gemm.unavailable_reason(native)
     return "the native AVX512-BF16 GEMM (kernels/cpu/gemm_bf16.c)" if not reason else f"oneDNN ({reason})"
 
@@ -100,7 +110,11 @@ class Linear:
         self.bias = bias
         on_cpu = weight.device.type == "cpu"
         self.applies_silu_and_mul = False
-        if (on_cpu and weight.dtype == torch.bfloat16 and native_gemm.supports_shape(*weight.shape)
+        if (on_cpu and weight.dtype == torch.bfloat16 and amx_gemm.supports_shape(*weight.shape)
+                and not amx_gemm.unavailable_reason(native)):
+            self.kind = "amx-bf16"
+            self.weight = amx_gemm.PackedAmxWeight(weight, bias)
+        elif (on_cpu and weight.dtype == torch.bfloat16 and native_gemm.supports_shape(*weight.shape)
                 and not native_gemm.unavailable_reason(native)):
             self.kind = "native-bf16"
             self.applies_silu_and_mul = (silu_and_mul and bias is None
@@ -116,7 +130,7 @@ class Linear:
     def __call__(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """``x @ weight.T + bias``. ``ctx`` carries the step's per-token facts; a plain
         projection needs none of them (``LoraLinear`` reads ``ctx.lora``)."""
-        if self.kind == "native-bf16":
+        if self.kind in ("amx-bf16", "native-bf16"):
             return self.weight(x)
         if self.kind == "onednn":
             if x.dtype == torch.bfloat16:

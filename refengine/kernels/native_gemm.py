@@ -2,10 +2,10 @@
 
 ``Linear`` takes this path for bf16 weights on a CPU that has AVX512-BF16 and no AMX; there it
 ran SmolLM2's projections 1.06-1.6x as fast as oneDNN's bf16 GEMM at 1 to 2,048 rows
-(``benchmarks/cpu_gemm.py``, ``benchmarks/README.md``). With AMX, oneDNN's AMX kernels are several times faster, so
-``unavailable_reason`` sends those CPUs to oneDNN. Each output element sums its k pairs in one
-fixed order, so a row's result does not depend on the other rows of the call (RULES G18), and
-no 1-row special case is needed.
+(``benchmarks/cpu_gemm.py``, ``benchmarks/README.md``). With AMX, tile instructions are several
+times faster, so ``unavailable_reason`` leaves those CPUs to ``kernels/amx_gemm.py``. Each output
+element sums its k pairs in one fixed order, so a row's result does not depend on the other rows
+of the call (RULES G18), and no 1-row special case is needed.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def unavailable_reason(enabled: bool = True) -> str:
         return cpu.DISABLED.reason
     flags = cpu_features.cpu_flags()
     if "amx_bf16" in flags:
-        return "this CPU has AMX-BF16, where oneDNN's AMX kernels are faster"
+        return "this CPU has AMX-BF16, where the AMX GEMM (kernels/cpu/gemm_amx.c) is faster"
     if "avx512_bf16" not in flags:
         return "this CPU has no avx512_bf16"
     return _library()[1] or _self_check()

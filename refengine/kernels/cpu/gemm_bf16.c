@@ -3,8 +3,8 @@
  * Why our own GEMM: on a CPU with AVX512-BF16 and no AMX, this kernel ran SmolLM2's 121
  * projections 1.06-1.6x as fast as oneDNN's bf16 GEMM on prepacked weights, at every row count
  * from 1 to 2,048, on the project's 2-core machine (benchmarks/cpu_gemm.py, benchmarks/README.md).
- * Where the CPU has AMX, oneDNN's AMX kernels are several times faster and are used instead
- * (kernels/linear.py decides).
+ * Where the CPU has AMX, tile instructions are several times faster and gemm_amx.c is used
+ * instead (kernels/linear.py decides).
  *
  * Layout. The weight is packed once into panels of 16 output columns (one zmm of fp32 sums);
  * inside a panel, for each pair of k, the 16 columns' two weights sit side by side:
