@@ -10,12 +10,17 @@ Decode role: an admitted request's blocks are allocated at once and its pull run
 transfer thread (``KvLoads``); between steps the core takes the finished pulls. A
 good one publishes the received blocks like computed ones and appends the first
 token from the attributes; a failed one ends the request with one ``EngineFault``. A
-request cancelled mid-pull hands its blocks to a ``load:`` owner, released only when
-the pull has stopped writing (``base.KvTransferBackend``'s invariant).
+request that ends before the core took its pull's end (cancelled mid-pull, or its pull ended
+during the step that cancels it) hands its blocks to a ``load:`` owner, released when the core
+takes that end: only then has the pull surely stopped writing (``base.KvTransferBackend``'s
+invariant), and its outcome is dropped, never applied to the ended request. Each pull has its
+own key: a request id is reusable once its stream ended, possibly while its cancelled
+namesake's pull still runs or waits for a transfer thread.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import threading
@@ -37,12 +42,9 @@ from refengine.types import EngineFault, EngineStats, KvSessionSpec
 logger = logging.getLogger(__name__)
 
 
-def load_owner(request_id: str) -> str:
-    return f"load:{request_id}"
-
-
 class KvLoads:
-    """Decode role: pulls on transfer threads; finished ones wait for ``take_finished``."""
+    """Decode role: pulls on transfer threads, each under its own key (``start`` returns it);
+    finished ones wait for ``take_finished``."""
 
     def __init__(self, backends: Mapping[str, KvTransferBackend], num_threads: int,
                  on_done: Callable[[], None], block_nbytes: int) -> None:
@@ -53,16 +55,19 @@ class KvLoads:
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="refengine-kv-pull")
         self._on_done = on_done  # wakes the step loop
         self._lock = threading.Lock()
-        self._cancel: dict[str, Cancellation] = {}
-        self._finished: list[tuple[str, TransferFailure | None]] = []
+        self._keys = itertools.count()
+        self._cancel: dict[int, Cancellation] = {}  # the pulls not finished yet
+        self._finished: list[tuple[int, str, TransferFailure | None]] = []  # (key, request id, failure)
 
-    def start(self, order: PullOrder) -> None:
+    def start(self, order: PullOrder) -> int:
         cancelled = Cancellation()
         with self._lock:
-            self._cancel[order.request_id] = cancelled
-        self._executor.submit(self._run, order, cancelled)
+            key = next(self._keys)
+            self._cancel[key] = cancelled
+        self._executor.submit(self._run, key, order, cancelled)
+        return key
 
-    def _run(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def _run(self, key: int, order: PullOrder, cancelled: threading.Event) -> None:
         failure = None
         started = time.perf_counter()
         try:
@@ -79,24 +84,20 @@ class KvLoads:
             if failure is None:
                 self.pulled_bytes += len(order.dest_block_ids) * self.block_nbytes
                 self.pull_seconds += seconds
-            del self._cancel[order.request_id]
-            self._finished.append((order.request_id, failure))
+            del self._cancel[key]
+            self._finished.append((key, order.request_id, failure))
         self._on_done()
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, key: int) -> None:
         with self._lock:
-            event = self._cancel.get(request_id)
+            event = self._cancel.get(key)
         if event is not None:
             event.set()
 
-    def take_finished(self) -> list[tuple[str, TransferFailure | None]]:
+    def take_finished(self) -> list[tuple[int, str, TransferFailure | None]]:
         with self._lock:
             finished, self._finished = self._finished, []
         return finished
-
-    def is_in_flight(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._cancel
 
     def shutdown(self) -> None:
         with self._lock:
@@ -118,7 +119,9 @@ class Disaggregation:
         self.sessions = sessions
         self.backends = backends
         self.loads = KvLoads(backends, config.kv_transfer.num_transfer_threads, on_load_done, store.block_nbytes)
-        self._quarantined: set[str] = set()  # requests whose destination blocks may still change
+        self._receiving: dict[str, int] = {}  # request id -> its pull's key, until the core takes the pull's end
+        self._ended: dict[int, str] = {}  # pull key -> the owner of the blocks of its request, ended before that
+        self._unstoppable: set[str] = set()  # receiving requests whose pull may still write into their blocks
 
     def add_stats(self, stats: EngineStats) -> EngineStats:
         return replace(stats, active_kv_sessions=len(self.sessions), kv_pulled_bytes=self.loads.pulled_bytes,
@@ -157,33 +160,47 @@ class Disaggregation:
         for load in loads:
             session = requests[load.request_id].params.kv.session
             assert session is not None
-            self.loads.start(PullOrder(load.request_id, session, load.first_block_index, load.dest_block_ids,
-                                       requests[load.request_id].params.trace))
+            self._receiving[load.request_id] = self.loads.start(PullOrder(
+                load.request_id, session, load.first_block_index, load.dest_block_ids,
+                requests[load.request_id].params.trace))
 
     def cancel_receiving(self, out: OutputState) -> None:
-        """An output ends before its pull was applied: its blocks are freed, or — while the
-        pull may still write into them — handed to the pull's owner until it stops."""
+        """An output ends before its pull was applied: its blocks are freed when its pull's end
+        was taken, else — while the pull may still write into them — handed to an owner until then."""
         request_id = out.seq.request_id
-        if request_id in self._quarantined:  # a write into them may still land: never reuse them
-            self.kv.transfer(out.seq, f"quarantine:{request_id}")
-        elif self.loads.is_in_flight(request_id):
-            self.kv.transfer(out.seq, load_owner(request_id))
-            self.loads.cancel(request_id)
+        key = self._receiving.pop(request_id, None)
+        if request_id in self._unstoppable:  # a write into them may still land: never reuse them
+            self._unstoppable.discard(request_id)
+            self.kv.transfer(out.seq, self._owner_name("quarantine", request_id))
+        elif key is not None:
+            self._ended[key] = self._owner_name("load", request_id)
+            self.kv.transfer(out.seq, self._ended[key])
+            self.loads.cancel(key)
         else:
             self.kv.free(out.seq)
 
+    def _owner_name(self, kind: str, request_id: str) -> str:
+        """``kind:request_id``, numbered when a namesake's blocks are still held."""
+        name, n = f"{kind}:{request_id}", 1
+        while name in self.kv.owners:
+            name, n = f"{kind}:{request_id}#{n}", n + 1
+        return name
+
     def take_finished_loads(self) -> list[tuple[str, TransferFailure | None]]:
-        """Finished pulls, but not of cancelled requests: those free their blocks here."""
+        """Finished pulls of requests still receiving; those of ended requests free their blocks here."""
         finished = []
-        for request_id, failure in self.loads.take_finished():
-            if failure is not None and failure.dest_may_change:
+        for key, request_id, failure in self.loads.take_finished():
+            may_change = failure is not None and failure.dest_may_change
+            if may_change:
                 logger.error("request %s: KV blocks withheld from reuse until restart: %s", request_id, failure)
-                self._quarantined.add(request_id)  # a cancelled one keeps its load: owner for good
-            if load_owner(request_id) in self.kv.owners:
-                if request_id not in self._quarantined:
-                    self.kv.release(load_owner(request_id))
-            else:
+            owner = self._ended.pop(key, None)
+            if owner is None:  # its request still receives: the core applies the outcome
+                del self._receiving[request_id]
+                if may_change:
+                    self._unstoppable.add(request_id)  # the core ends it now: cancel_receiving withholds them
                 finished.append((request_id, failure))
+            elif not may_change:  # its request ended: free them (a write may still land: their owner keeps them)
+                self.kv.release(owner)
         return finished
 
 

@@ -8,6 +8,8 @@ transfer backends, unchanged: a handle is pulled like a KV session whose blocks 
 and a successful pull releases the handle on the encoder), the rows are copied out in the
 LM's dtype and device, and the staging rows are free again. Between steps the core takes the
 finished pulls (``take_finished``): the request is then scheduled, or ended with one fault.
+A cancelled pull's end is dropped: its request ended, and its id, reusable from then on, may
+already name a new request with a pull of its own.
 
 Failures (ENC13): a handle the encoder no longer holds (released, expired, encoder restarted)
 or an unreachable encoder → ``kv_transfer_failed``, not retryable (the unchanged request
@@ -17,6 +19,7 @@ the handle → retryable. Staging rows a READ may still write into are never reu
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -65,7 +68,9 @@ class MediaPulls:
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="refengine-media-pull")
         self._on_done = on_done
         self._lock = threading.Lock()
-        self._cancel: dict[str, Cancellation] = {}
+        self._keys = itertools.count()
+        self._cancel: dict[int, Cancellation] = {}  # the pulls not finished yet, by key
+        self._current: dict[str, int] = {}  # request id -> the key of its pull, unless cancelled
         self._finished: list[tuple[str, Pulled | None, EngineFault | None]] = []
 
     def start(self, request_id: str, handles: Sequence[EmbeddingHandleSpec],
@@ -73,12 +78,14 @@ class MediaPulls:
         unique = list({h.handle_id: h for h in handles}.values())  # a handle used twice is pulled once
         cancelled = Cancellation()
         with self._lock:
-            self._cancel[request_id] = cancelled
-        self._executor.submit(self._run, request_id, unique, cancelled, trace)
+            key = next(self._keys)
+            self._cancel[key] = cancelled
+            self._current[request_id] = key
+        self._executor.submit(self._run, key, request_id, unique, cancelled, trace)
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
-            event = self._cancel.get(request_id)
+            event = self._cancel.get(self._current.pop(request_id, -1))
         if event is not None:
             event.set()
 
@@ -87,7 +94,7 @@ class MediaPulls:
             finished, self._finished = self._finished, []
         return finished
 
-    def _run(self, request_id: str, handles: list[EmbeddingHandleSpec], cancelled: threading.Event,
+    def _run(self, key: int, request_id: str, handles: list[EmbeddingHandleSpec], cancelled: threading.Event,
              trace: tuple[tuple[str, str], ...]) -> None:
         pulled: Pulled | None = {}
         fault, seconds = None, 0.0
@@ -105,8 +112,10 @@ class MediaPulls:
             if pulled is not None:
                 self.pulled_bytes += sum(t.numel() * t.element_size() for t in pulled.values())
                 self.pull_seconds += seconds
-            del self._cancel[request_id]
-            self._finished.append((request_id, pulled, fault))
+            del self._cancel[key]
+            if self._current.get(request_id) == key:
+                del self._current[request_id]
+                self._finished.append((request_id, pulled, fault))
         self._on_done()
 
     def _pull(self, request_id: str, handle: EmbeddingHandleSpec, cancelled: threading.Event,

@@ -5,7 +5,9 @@ is *due*: released (the decode engine confirmed its pull, or ``Abort(kv_session)
 drain) or past its lease — and, in both cases, not being read. Reads are of two kinds:
 an in-process read of some blocks (the gRPC pull, ``begin_read``/``end_read``) and a
 *pin* (``pin``: a one-sided NIXL READ from the decode engine that this engine cannot see
-end; it lasts ``seconds`` or until the confirmation). A due session's blocks are freed by
+end; it lasts ``seconds`` or until the confirmation — with several pins, e.g. two decode
+engines pulling one session, until every pinner confirmed: one's confirmation cannot end
+another's READ). A due session's blocks are freed by
 the step thread (``take_due``), the only one that touches the pool, so a block is never
 reused while a read of it can still be in flight.
 
@@ -30,6 +32,7 @@ class KvSession:
     expires_at: float  # time.monotonic() of the lease's end
     readers: int = 0  # in-process reads in progress
     pinned_until: float = 0.0  # a remote one-sided read may run until then
+    pins: int = 0  # pins whose pull has not been confirmed: the last confirmation ends the pin early
     release_reason: str | None = None  # set: free as soon as nothing reads it
 
     @property
@@ -84,6 +87,7 @@ class KvSessionStore:
         with self._lock:
             session = self._live(session_id)
             session.pinned_until = max(session.pinned_until, self._clock() + seconds)
+            session.pins += 1
             return session.block_ids
 
     def content(self, session_id: str) -> str:
@@ -101,20 +105,25 @@ class KvSessionStore:
         return session.expires_at
 
     def release(self, session_id: str, reason: str, pulled: bool = False) -> bool:
-        """Ask to free a session (``pulled``: its decode engine confirmed the pull, so a pin
-        ends too). False when there is no such session, it was released already, or (unless
-        ``pulled``) its lease is over: a pin may still keep an expired session's blocks for a
-        read in flight, but it is no longer offered, so releasing it releases nothing (ENC6)."""
+        """Ask to free a session (``pulled``: a decode engine confirmed its pull, so its pin
+        ends too, and the pin with the last one). False when there is no such session, it was
+        released already, or (unless ``pulled``) its lease is over: a pin may still keep an
+        expired session's blocks for a read in flight, but it is no longer offered, so releasing
+        it releases nothing (ENC6)."""
         with self._lock:
             session = self._sessions.get(session_id)
-            if session is None or session.release_reason is not None:
+            if session is None:
                 return False
+            if pulled:  # another pinner's READ may still run until its own confirmation
+                session.pins = max(0, session.pins - 1)
+                if not session.pins:
+                    session.pinned_until = 0.0
+            first = session.release_reason is None
             offered = self._clock() < session.expires_at
-            session.release_reason = reason
-            if pulled:
-                session.pinned_until = 0.0
+            if first:
+                session.release_reason = reason
         self._on_change()
-        return offered or pulled
+        return first and (offered or pulled)
 
     def release_all(self, reason: str) -> int:
         with self._lock:
