@@ -52,6 +52,12 @@ class CoreInflowMixin:
             token = first_sampled_token(request.params.kv.session)
             if out.generator is not None:  # the prefill engine made this output's first draw
                 torch.rand(1, dtype=torch.float64, generator=out.generator)
+            # The grammar takes the prefill's token as its own first (K10: the same output as
+            # aggregated); one it forbids came from a prefill that did not follow this spec.
+            if (fault := self._refused(out, token)) is not None:
+                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=fault.message))
+                outcome.faults[request_id] = fault
+                continue
             self._append(request, out, token, outcome)
 
     def _attach_pulled_media(self: EngineCore, outcome: StepOutcome) -> None:

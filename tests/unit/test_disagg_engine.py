@@ -11,6 +11,7 @@ The gRPC and NIXL backends between real server processes are integration tests.
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from dataclasses import replace
@@ -18,11 +19,13 @@ from dataclasses import replace
 import pytest
 
 from refengine.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
+from refengine.engine.disagg import first_sampled_token
 from refengine.engine.engine import Engine
 from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder, SessionConfirmed, TransferFailure
 from refengine.types import (
     CandidateSpec,
     GenerationRequest,
+    GuidedSpec,
     InvalidRequestError,
     KvParams,
     KvSessionNotFound,
@@ -275,3 +278,40 @@ def test_blocks_a_pull_may_still_write_are_never_reused(tiny) -> None:
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+GUIDED_REGEX = r"[a-e]{2,5}(\.[a-e]{1,3}){1,3}"
+
+
+def test_a_guided_request_decodes_as_aggregated(trio) -> None:
+    """K10 with a grammar: the decode engine's matcher takes the prefill's first token as its own,
+    so the output is the aggregated one and follows the regex (oracle: ``re``). Before, the decode
+    side's grammar started over after that token and two of these four prompts broke the regex."""
+    aggregated, prefill, decode, _ = trio
+    for i, prompt in enumerate(PROMPTS[:4]):
+        params = replace(request(f"g{i}", prompt, None, 0.0, max_tokens=24, logprobs=False),
+                         guided=GuidedSpec("regex", GUIDED_REGEX))
+        want, got = run(aggregated, params), disaggregated(prefill, decode, params)
+        assert got.error is None, got.error
+        text = TOKENIZER.decode(got.outputs[0].token_ids)
+        assert re.fullmatch(GUIDED_REGEX, text), f"prompt {i}: {text!r}"
+        assert got.outputs[0].tokens == want.outputs[0].tokens, f"prompt {i}"
+    for engine in (prefill, decode):
+        wait_idle(engine)
+        engine.core.check_idle()
+
+
+def test_a_first_token_the_grammar_forbids_fails_only_that_request(trio) -> None:
+    """A session prefilled without the decode request's grammar: when its first token is one the
+    grammar forbids, the decode request fails with a fault naming the grammar, and frees every block."""
+    _, prefill, decode, _ = trio
+    plain = request("f", PROMPTS[2], None, 0.0, logprobs=False)
+    handoff = run(prefill, plain)
+    first_text = TOKENIZER.decode([first_sampled_token(handoff.prefill).token_id])
+    forbidden = next(c for c in "xyz" if not first_text.startswith(c)) * 3  # a choice that token cannot begin
+    guided = replace(plain, guided=GuidedSpec("choice", choices=(forbidden,)), kv=KvParams(session=handoff.prefill))
+    result = run(decode, guided)
+    assert result.error is not None and "grammar rejected token" in result.error.message, result
+    for engine in (prefill, decode):
+        wait_idle(engine)
+        engine.core.check_idle()
