@@ -1,7 +1,7 @@
 """The CPU bf16 path against float32, each next to its roofline measured in the same run.
 
 SmolLM2-135M-Instruct on this CPU, ``--threads`` torch threads (default 2). Two engines (float32,
-bfloat16: bf16 weights in the native AVX512-BF16 GEMM, or oneDNN's where the CPU has AMX, and a
+bfloat16: bf16 weights in the native AVX512-BF16 GEMM, or the native AMX GEMM where the CPU has AMX, and a
 bf16 KV cache read by the native attention kernel), the same mixed workload as ``throughput.py``
 (64 requests, prompts 32–512, outputs 16–256, EOS ignored, greedy).
 

@@ -38,8 +38,10 @@ class StoppingParams:
     """When an output ends.
 
     ``max_tokens`` ``None`` = until the context limit. ``min_tokens`` suppresses EOS
-    and stop tokens (not stop strings' matching, which cannot happen before any
-    text exists) until that many tokens were produced.
+    and stop tokens until that many tokens were produced (RULES G15 names those two). A stop
+    string still ends an output before ``min_tokens``: it is found in the text, which the
+    sampler cannot mask, and holding the match back would emit text the request asked to stop
+    at. (vLLM instead skips its stop-string check until ``min_tokens``.)
     """
 
     max_tokens: int | None = None
