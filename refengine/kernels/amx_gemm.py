@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from refengine.kernels import cpu, cpu_features
+from refengine.kernels.native_gemm import alternate_panels
 
 COLUMNS, K_STEP = 16, 32  # a weight is [16n, 32k]: whole B tiles (gemm_amx.c)
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
@@ -34,6 +35,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     library.gemm_amx_pack.restype = None
     library.gemm_amx.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _POINTER, _POINTER]
     library.gemm_amx.restype = None
+    library.gemm_amx_silu_mul.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _POINTER]
+    library.gemm_amx_silu_mul.restype = None
     return library, ""
 
 
@@ -60,26 +63,39 @@ def _self_check() -> str:
     return ""
 
 
-def supports_shape(out_features: int, in_features: int) -> bool:
-    """Whether a ``[out_features, in_features]`` weight is whole B tiles."""
-    return out_features % COLUMNS == 0 and in_features % K_STEP == 0 and in_features > 0
+def supports_shape(out_features: int, in_features: int, silu_and_mul: bool = False) -> bool:
+    """Whether a ``[out_features, in_features]`` weight is whole B tiles (with the SiLU epilogue,
+    the gate and up halves must each be whole panels)."""
+    panel_columns = 2 * COLUMNS if silu_and_mul else COLUMNS
+    return out_features % panel_columns == 0 and in_features % K_STEP == 0 and in_features > 0
 
 
 class PackedAmxWeight:
     """A ``[out_features, in_features]`` bf16 weight packed into AMX tiles, and its bias in
-    float32 (added before the one rounding to bf16). Callable: ``x @ weight.T + bias``."""
+    float32 (added before the one rounding to bf16). Callable: ``x @ weight.T + bias``.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    With ``silu_and_mul`` the weight is an MLP's ``[gate | up]`` (no bias) and the call returns
+    ``silu(x @ gate.T) * (x @ up.T)``, ``[..., out_features / 2]``, from the GEMM's epilogue, with
+    the arithmetic of ``native_gemm.PackedBf16Weight``'s (``silu_store.h``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool = False) -> None:
         library, reason = _library()
         if library is None:
             raise RuntimeError(reason)
         self.out_features, self.in_features = weight.shape
-        if not supports_shape(self.out_features, self.in_features) or weight.dtype != torch.bfloat16:
-            raise ValueError(f"gemm_amx takes bf16 weights of [16n, 32k], not {weight.dtype} {tuple(weight.shape)}")
-        weight = weight.contiguous()  # held in a local: the kernel reads its memory
+        if not supports_shape(self.out_features, self.in_features, silu_and_mul) or weight.dtype != torch.bfloat16:
+            columns = "32n" if silu_and_mul else "16n"
+            raise ValueError(f"gemm_amx takes bf16 weights of [{columns}, 32k], not {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        if silu_and_mul and bias is not None:
+            raise ValueError("the SiLU epilogue takes no bias")
+        # Held in a local: the kernel reads its memory.
+        weight = (alternate_panels(weight) if silu_and_mul else weight).contiguous()
         self.packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
         library.gemm_amx_pack(weight.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features)
         self.bias = None if bias is None else bias.float().contiguous()
+        self.silu_and_mul = silu_and_mul
+        self.out_columns = self.out_features // 2 if silu_and_mul else self.out_features
         self._library = library
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,9 +106,12 @@ class PackedAmxWeight:
         if rows.dtype != torch.bfloat16:
             rows = rows.to(torch.bfloat16)
         rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
-        if rows.shape[0]:
+        out = torch.empty(rows.shape[0], self.out_columns, dtype=torch.bfloat16)
+        if rows.shape[0] and self.silu_and_mul:
+            self._library.gemm_amx_silu_mul(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
+                                            self.out_features, out.data_ptr())
+        elif rows.shape[0]:
             self._library.gemm_amx(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
                                    self.out_features, None if self.bias is None else self.bias.data_ptr(),
                                    out.data_ptr())
-        return out if flat else out.reshape(*x.shape[:-1], self.out_features)
+        return out if flat else out.reshape(*x.shape[:-1], self.out_columns)

@@ -100,7 +100,7 @@ class Linear:
     ``KernelConfig.onednn_linear``: False keeps the weight as given and uses ``F.linear``
     (unless the native bf16 GEMM takes it); ``native`` is ``KernelConfig.native_cpu_kernels``.
 
-    ``silu_and_mul`` offers an MLP's ``[gate | up]`` weight the native GEMM's SiLU epilogue; where
+    ``silu_and_mul`` offers an MLP's ``[gate | up]`` weight the native GEMMs' SiLU epilogue; where
     that kind takes the weight, ``applies_silu_and_mul`` is True and a call returns
     ``silu(gate) * up`` (``[..., out_features / 2]``), else it returns ``[gate | up]`` as usual."""
 
@@ -113,7 +113,9 @@ class Linear:
         if (on_cpu and weight.dtype == torch.bfloat16 and amx_gemm.supports_shape(*weight.shape)
                 and not amx_gemm.unavailable_reason(native)):
             self.kind = "amx-bf16"
-            self.weight = amx_gemm.PackedAmxWeight(weight, bias)
+            self.applies_silu_and_mul = (silu_and_mul and bias is None
+                                         and amx_gemm.supports_shape(*weight.shape, silu_and_mul=True))
+            self.weight = amx_gemm.PackedAmxWeight(weight, bias, self.applies_silu_and_mul)
         elif (on_cpu and weight.dtype == torch.bfloat16 and native_gemm.supports_shape(*weight.shape)
                 and not native_gemm.unavailable_reason(native)):
             self.kind = "native-bf16"

@@ -72,9 +72,10 @@ def supports_shape(out_features: int, in_features: int, silu_and_mul: bool = Fal
     return out_features % panel_columns == 0 and in_features % 2 == 0 and in_features > 0
 
 
-def _alternate_panels(gate_up: torch.Tensor) -> torch.Tensor:
+def alternate_panels(gate_up: torch.Tensor) -> torch.Tensor:
     """The rows of ``[gate | up]`` reordered as gate panel 0, up panel 0, gate panel 1, ...: the
-    layout ``gemm_bf16_silu_mul`` reads (one tile holds both halves of its output columns)."""
+    layout the SiLU epilogues read (``gemm_bf16_silu_mul``, ``gemm_amx_silu_mul``: one tile holds both
+    halves of its output columns)."""
     gate, up = gate_up.chunk(2)
     return torch.stack([gate.view(-1, LANES, gate.shape[1]), up.view(-1, LANES, up.shape[1])], dim=1).reshape(
         gate_up.shape)
@@ -100,7 +101,7 @@ class PackedBf16Weight:
                              f"{tuple(weight.shape)}")
         if silu_and_mul and bias is not None:
             raise ValueError("the SiLU epilogue takes no bias")
-        weight = (_alternate_panels(weight) if silu_and_mul else weight).contiguous()
+        weight = (alternate_panels(weight) if silu_and_mul else weight).contiguous()
         self.packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
         library.gemm_bf16_pack(weight.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features)
         self.bias = None if bias is None else bias.float().contiguous()

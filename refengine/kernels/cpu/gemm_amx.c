@@ -15,6 +15,10 @@
  * step of 32 k, one 1 KB tile, packed[panel][k step][k pair][column][2], the steps of a panel
  * contiguous, so a panel streams from memory in one run. A is read in place (k a multiple of 32).
  *
+ * SiLU epilogue (gemm_amx_silu_mul): for an MLP's gate/up projection the weight's panels alternate
+ * gate, up (as gemm_bf16.c packs them), so each block's two panels are a (gate, up) pair and it
+ * writes silu(gate) * up (silu_store.h, the same arithmetic as gemm_bf16.c's epilogue).
+ *
  * Micro-kernel: up to 2 row tiles x 2 column panels (32 x 32 outputs) in four C tiles, two A
  * tiles and two B tiles; each k step is 4 tile loads and 4 TDPBF16PS. Each thread takes a
  * contiguous range of column-panel pairs; within it, rows go in chunks of ROW_CHUNK, so a
@@ -38,6 +42,8 @@
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "silu_store.h"
 #endif
 
 enum { TILE_ROWS = 16, TILE_COLUMNS = 16, K_STEP = 32, ROW_CHUNK = 256 };
@@ -92,21 +98,26 @@ static void configure(int rows0, int rows1)
     _tile_loadconfig(&config);
 }
 
-/* rows[r] of the 32 x 32 block in `sums` (fp32, row stride 32) + bias, rounded to bf16, into c. */
-static void store_block(const float *sums, int rows, int panels, const float *bias, uint16_t *c, int64_t ldc)
+/* rows[r] of the 32 x 32 block in `sums` (fp32, row stride 32) + bias, rounded to bf16, into c;
+ * with `silu` the two panels are a (gate, up) pair and c gets silu(gate) * up, 16 columns. */
+static void store_block(const float *sums, int rows, int panels, int silu, const float *bias, uint16_t *c,
+                        int64_t ldc)
 {
     for (int r = 0; r < rows; r++)
-        for (int p = 0; p < panels; p++) {
-            __m512 value = _mm512_loadu_ps(sums + r * 32 + p * TILE_COLUMNS);
-            if (bias)
-                value = _mm512_add_ps(value, _mm512_loadu_ps(bias + p * TILE_COLUMNS));
-            _mm256_storeu_si256((__m256i *)(c + r * ldc + p * TILE_COLUMNS), (__m256i)_mm512_cvtneps_pbh(value));
-        }
+        if (silu)
+            silu_mul_store(_mm512_loadu_ps(sums + r * 32), _mm512_loadu_ps(sums + r * 32 + TILE_COLUMNS), c + r * ldc);
+        else
+            for (int p = 0; p < panels; p++) {
+                __m512 value = _mm512_loadu_ps(sums + r * 32 + p * TILE_COLUMNS);
+                if (bias)
+                    value = _mm512_add_ps(value, _mm512_loadu_ps(bias + p * TILE_COLUMNS));
+                _mm256_storeu_si256((__m256i *)(c + r * ldc + p * TILE_COLUMNS), (__m256i)_mm512_cvtneps_pbh(value));
+            }
 }
 
 /* One block: `rows` rows of A (1-32) x `panels` panels (1-2) from panel b0 (b1 = the next). */
-static void block(const uint16_t *a, int64_t k, int rows, int panels, const uint16_t *b0, const uint16_t *b1,
-                  const float *bias, uint16_t *c, int64_t ldc)
+static void block(const uint16_t *a, int64_t k, int rows, int panels, int silu, const uint16_t *b0,
+                  const uint16_t *b1, const float *bias, uint16_t *c, int64_t ldc)
 {
     const int64_t steps = k / K_STEP, lda = k * 2, tile_elements = TILE_COLUMNS * K_STEP;
     const uint16_t *a1 = a + TILE_ROWS * k;
@@ -134,16 +145,17 @@ static void block(const uint16_t *a, int64_t k, int rows, int panels, const uint
     _tile_stored(1, sums + TILE_COLUMNS, 128);
     _tile_stored(2, sums + TILE_ROWS * 32, 128);
     _tile_stored(3, sums + TILE_ROWS * 32 + TILE_COLUMNS, 128);
-    store_block(sums, rows, panels, bias, c, ldc);
+    store_block(sums, rows, panels, silu, bias, c, ldc);
 }
 #endif
 
-/* c [m, n] bf16 = a [m, k] @ w^T (+ bias, fp32 [n] or NULL); packed by gemm_amx_pack. */
-void gemm_amx(const uint16_t *a, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
-              uint16_t *c)
-{
 #ifdef HAVE_AMX
+/* gemm_amx's body; with `silu`, panels come in (gate, up) pairs and c is [m, n / 2]. */
+static void gemm(const uint16_t *a, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
+                 int silu, uint16_t *c)
+{
     const int64_t panel_elements = k * TILE_COLUMNS, panels = n / TILE_COLUMNS, pairs = (panels + 1) / 2;
+    const int64_t ldc = silu ? n / 2 : n;
 #pragma omp parallel
     {
         const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
@@ -162,16 +174,36 @@ void gemm_amx(const uint16_t *a, int64_t m, int64_t k, const uint16_t *packed, i
                         rows0 = want0;
                         rows1 = want1;
                     }
-                    block(a + row * k, k, rows, count, packed + panel * panel_elements,
+                    block(a + row * k, k, rows, count, silu, packed + panel * panel_elements,
                           packed + (panel + count - 1) * panel_elements, bias ? bias + panel * TILE_COLUMNS : NULL,
-                          c + row * n + panel * TILE_COLUMNS, n);
+                          c + row * ldc + (silu ? pair : panel) * TILE_COLUMNS, ldc);
                 }
             }
         }
         if (rows0 >= 0)
             _tile_release();
     }
+}
+#endif
+
+/* c [m, n] bf16 = a [m, k] @ w^T (+ bias, fp32 [n] or NULL); packed by gemm_amx_pack. */
+void gemm_amx(const uint16_t *a, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
+              uint16_t *c)
+{
+#ifdef HAVE_AMX
+    gemm(a, m, k, packed, n, bias, 0, c);
 #else
     (void)a, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)c;
+#endif
+}
+
+/* c [m, n / 2] = silu(gate) * up, where packed holds [n, k] with gate and up panels alternating
+ * (n a multiple of 32; kernels/native_gemm.alternate_panels) and no bias. */
+void gemm_amx_silu_mul(const uint16_t *a, int64_t m, int64_t k, const uint16_t *packed, int64_t n, uint16_t *c)
+{
+#ifdef HAVE_AMX
+    gemm(a, m, k, packed, n, NULL, 1, c);
+#else
+    (void)a, (void)m, (void)k, (void)packed, (void)n, (void)c;
 #endif
 }

@@ -46,8 +46,6 @@
 #include <omp.h>
 #include <string.h>
 
-#include "silu.h"
-
 #define LANES 16
 #define ROWS_PER_TILE 4
 #define PANELS_PER_TILE 6
@@ -62,6 +60,7 @@ int gemm_bf16_supported(void)
 }
 
 #if defined(__AVX512BF16__)
+#include "silu_store.h"
 
 /* w: [n, k] row-major bf16 bits; packed: n * k elements. */
 void gemm_bf16_pack(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k)
@@ -85,25 +84,6 @@ typedef struct {
     int64_t bytes;
     int lines_per_pair;
 } Ahead;
-
-static inline __m512 round_to_bf16(__m512 x)
-{
-    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x));
-}
-
-/* out[0:16] = bf16(round(g / (1 + e^-g)) * u), g and u the sums rounded to bf16 first: the
- * arithmetic of silu_and_mul_bf16 (fused_ops_steps.h) on the rounded GEMM output, and the same
- * silu_of (silu.h). */
-static void silu_mul_store(__m512 gate_sum, __m512 up_sum, uint16_t *out)
-{
-    float gate[LANES], silu[LANES];
-    _mm512_storeu_ps(gate, round_to_bf16(gate_sum));
-#pragma omp simd simdlen(16)
-    for (int i = 0; i < LANES; ++i)
-        silu[i] = silu_of(gate[i]);
-    const __m512 product = _mm512_mul_ps(round_to_bf16(_mm512_loadu_ps(silu)), round_to_bf16(up_sum));
-    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(product));
-}
 
 /* One tile: `rows` rows of A x `panels` panels; both are constants after inlining, so the
  * loops unroll and the accumulators live in registers. With `silu`, panels come in (gate, up)
