@@ -122,10 +122,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.kv.free(seq)
 
-    def fits_alone(self, num_tokens: int) -> bool:
-        """Whether a sequence of ``num_tokens`` could ever hold all its KV."""
-        return self.kv.num_blocks_for(num_tokens) <= self.kv.pool.num_blocks
-
     # -- one step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
