@@ -44,10 +44,12 @@ from refengine.model.runner import make_runner
 from refengine.sampling.guided import GuideCompiler
 from refengine.types import (
     DuplicateRequestError,
+    EngineFault,
     EngineStats,
     GenerationRequest,
     OverloadedError,
     RequestOutput,
+    Usage,
 )
 
 if TYPE_CHECKING:
@@ -127,6 +129,7 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
         self._finished_ids: OrderedDict[str, None] = OrderedDict()
         self._sinks: dict[str, OutputSink] = {}  # touched by the step thread only
         self._new_sinks: dict[str, OutputSink] = {}  # guarded by the lock, moved with the inbox
+        self._unadmitted: list[Request] = []  # taken by a step that failed before the core had them
         self._stats = self.core.stats()
         self._num_taken = 0  # requests the running step took from the inbox, until it scheduled
         self._loop_thread: threading.Thread | None = None
@@ -221,8 +224,12 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
             self._sinks.update(self._new_sinks)
             self._new_sinks = {}
         with self._step_lock:
-            for request in new:
-                self.core.add_request(request)
+            for index, request in enumerate(new):
+                try:
+                    self.core.add_request(request)
+                except Exception:  # the loop's fail_all ends these too: the core never got them
+                    self._unadmitted = [r for r in new[index:] if r.request_id not in self.core.requests]
+                    raise
             # A step that took new requests refreshes GetLoad's snapshot once it has scheduled them
             # (a long prefill is load); otherwise the last step's snapshot still describes it.
             outputs = self.core.step(abort_ids, on_scheduled=self._take_stats if new else None)
@@ -237,10 +244,15 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
             self._num_taken = 0
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """An engine fault: end every request with one terminal error, free all KV. Its
-        KV events are published under the step lock, like a step's (never inside a snapshot)."""
+        """An engine fault: end every request with one terminal error, free all KV; also those a
+        failed step took and never handed to the core. Its KV events are published under the step
+        lock, like a step's (never inside a snapshot)."""
         with self._step_lock:
             outputs = self.core.fail_all(message)
+            fault = EngineFault("internal", message, retryable=False)
+            outputs += [RequestOutput(r.request_id, finished=True, error=fault,
+                                      usage=Usage(len(r.prompt_token_ids), 0, 0)) for r in self._unadmitted]
+            self._unadmitted = []
         self._deliver(outputs)
         return outputs
 
