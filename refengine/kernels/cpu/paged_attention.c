@@ -39,6 +39,7 @@
  * subtracts its row maximum first.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

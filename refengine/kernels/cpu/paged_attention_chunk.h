@@ -25,6 +25,7 @@
 
 #ifndef CHUNK_TILE_CONSTANTS
 #define CHUNK_TILE_CONSTANTS
+enum { ROW_ITEMS_PER_THREAD = 2 };
 enum { TILE = 8, KEY_TILE = 256, MAX_HEAD_DIM = 256, PREFETCH_POSITIONS = 64, WHOLE_BLOCKS_AHEAD = 6 };
 #define MASKED_SCORE (-1e30f) /* finite, as -ffast-math assumes: exp(MASKED_SCORE - max) is 0 */
 
@@ -55,9 +56,10 @@ typedef struct {
  * With s->whole_blocks_ahead (set for the first KV head's item of a decode row, in a call with
  * several sequences: chunk_attention, run_item) it also requests the whole block that many
  * ahead, every KV head's keys and values. A decode row's items read each block once, a part of
- * it each (a third with 3 KV heads), spread over both threads. With the whole blocks requested
- * early by one of them, the others find theirs on chip, and DRAM serves each block as two runs
- * instead of six pieces. bf16 decode attention over 30 cold layers got 1.04-1.15x faster from 4
+ * it each (a third with 3 KV heads). With the whole blocks requested early by the first, the
+ * others find theirs on chip, and DRAM serves each block as two runs instead of six pieces; in a
+ * call of enough rows, one item runs all of a row's KV heads on one core (chunk_attention), so
+ * they find them in its own L2. bf16 decode attention over 30 cold layers got 1.04-1.15x faster from 4
  * rows on, a whole decode step 1.00-1.04x (benchmarks/README.md). Prefill items read their keys
  * again and again from the caches and only lost by it (0.92-0.97x); 3 or 10 blocks ahead
  * instead of 6 were slower. */
@@ -220,7 +222,15 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
                          num_selected > 1 ? WHOLE_BLOCKS_AHEAD : 0};
     const int group = num_heads / num_kv_heads;
     /* Items are numbered sequence after sequence, KV head after KV head within one; item_starts[i]
-     * is the first of selected sequence i. A sequence has ceil(rows * group / TILE) per KV head. */
+     * is the first of selected sequence i. A sequence has ceil(rows * group / TILE) per KV head,
+     * except a decode row in a call of at least ROW_ITEMS_PER_THREAD rows per thread: one item
+     * runs all its KV heads, one after another on one thread. Its first KV head's pass requests
+     * whole blocks ahead (prefetch_blocks), so the others read them from this core's L2 instead of
+     * another core's requests landing late or twice. bf16 decode attention over 30 cold layers
+     * (a step's): 17.2-17.6 -> 14.8-15.3 ms at 64 x 128, 29.6-30.0 -> 26.8-27.3 ms at 16 x 1,024
+     * (an AMX Xeon, 2 threads, alternating; benchmarks/README.md). A lone row keeps its items on
+     * both threads. Each vector's arithmetic is the same either way: results do not change. */
+    const int row_items = num_selected >= ROW_ITEMS_PER_THREAD * omp_get_max_threads();
     int64_t *item_starts = malloc(sizeof(int64_t) * (num_selected + 1));
     if (!item_starts)
         return -1;
@@ -228,7 +238,8 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
     for (int i = 0; i < num_selected; i++) {
         const int seq = seq_ids[i];
         const int64_t vectors = (int64_t)(query_start_loc[seq + 1] - query_start_loc[seq]) * group;
-        item_starts[i + 1] = item_starts[i] + (vectors + TILE - 1) / TILE * num_kv_heads;
+        const int whole_row = row_items && vectors == group; /* one query row: a decode row */
+        item_starts[i + 1] = item_starts[i] + (whole_row ? 1 : (vectors + TILE - 1) / TILE * num_kv_heads);
     }
     const int64_t num_items = item_starts[num_selected];
     int failed = 0;
@@ -243,10 +254,15 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
         for (int64_t item = 0; item < num_items; item++) {
             if (!scratch)
                 continue;
-            const int lo = owner_of(item_starts, num_selected, item);
-            KV_NAME(run_item)(item - item_starts[lo], (item_starts[lo + 1] - item_starts[lo]) / num_kv_heads,
-                              seq_ids[lo], out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                              max_blocks, q_row_stride, &shape, scratch);
+            const int lo = owner_of(item_starts, num_selected, item), seq = seq_ids[lo];
+            const int whole_row = row_items && query_start_loc[seq + 1] - query_start_loc[seq] == 1;
+            const int64_t per_head =
+                whole_row ? (group + TILE - 1) / TILE : (item_starts[lo + 1] - item_starts[lo]) / num_kv_heads;
+            const int64_t first = whole_row ? 0 : item - item_starts[lo];
+            const int64_t last = whole_row ? per_head * num_kv_heads : first + 1;
+            for (int64_t sub = first; sub < last; sub++) /* the sequence's own item numbers */
+                KV_NAME(run_item)(sub, per_head, seq, out, q, k_cache, v_cache, block_tables, query_start_loc,
+                                  seq_lens, max_blocks, q_row_stride, &shape, scratch);
         }
         free(scratch);
     }
