@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from refengine.kernels import cpu, cpu_features
-from refengine.kernels.native_gemm import alternate_panels
+from refengine.kernels.native_gemm import PackedBf16Weight, whole_panels
 
 COLUMNS, K_STEP = 16, 32  # a weight is [16n, 32k]: whole B tiles (gemm_amx.c)
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
@@ -64,54 +64,17 @@ def _self_check() -> str:
 
 
 def supports_shape(out_features: int, in_features: int, silu_and_mul: bool = False) -> bool:
-    """Whether a ``[out_features, in_features]`` weight is whole B tiles (with the SiLU epilogue,
-    the gate and up halves must each be whole panels)."""
-    panel_columns = 2 * COLUMNS if silu_and_mul else COLUMNS
-    return out_features % panel_columns == 0 and in_features % K_STEP == 0 and in_features > 0
+    """Whether a ``[out_features, in_features]`` weight is whole B tiles (16 columns, 32 k)."""
+    return whole_panels(out_features, in_features, K_STEP, silu_and_mul)
 
 
-class PackedAmxWeight:
-    """A ``[out_features, in_features]`` bf16 weight packed into AMX tiles, and its bias in
-    float32 (added before the one rounding to bf16). Callable: ``x @ weight.T + bias``.
+class PackedAmxWeight(PackedBf16Weight):
+    """A ``[out_features, in_features]`` bf16 weight packed into AMX tiles: ``PackedBf16Weight``
+    (bias in float32, the SiLU epilogue with ``silu_and_mul``, the same call) over
+    ``gemm_amx.c``, whose epilogue has the same arithmetic (``silu_store.h``)."""
 
-    With ``silu_and_mul`` the weight is an MLP's ``[gate | up]`` (no bias) and the call returns
-    ``silu(x @ gate.T) * (x @ up.T)``, ``[..., out_features / 2]``, from the GEMM's epilogue, with
-    the arithmetic of ``native_gemm.PackedBf16Weight``'s (``silu_store.h``)."""
+    KERNEL, K_STEP = "gemm_amx", K_STEP
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool = False) -> None:
-        library, reason = _library()
-        if library is None:
-            raise RuntimeError(reason)
-        self.out_features, self.in_features = weight.shape
-        if not supports_shape(self.out_features, self.in_features, silu_and_mul) or weight.dtype != torch.bfloat16:
-            columns = "32n" if silu_and_mul else "16n"
-            raise ValueError(f"gemm_amx takes bf16 weights of [{columns}, 32k], not {weight.dtype} "
-                             f"{tuple(weight.shape)}")
-        if silu_and_mul and bias is not None:
-            raise ValueError("the SiLU epilogue takes no bias")
-        # Held in a local: the kernel reads its memory.
-        weight = (alternate_panels(weight) if silu_and_mul else weight).contiguous()
-        self.packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
-        library.gemm_amx_pack(weight.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features)
-        self.bias = None if bias is None else bias.float().contiguous()
-        self.silu_and_mul = silu_and_mul
-        self.out_columns = self.out_features // 2 if silu_and_mul else self.out_features
-        self._library = library
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # The model's calls pass [rows, in_features] bf16: a no-op reshape or .to() would still
-        # cost a dispatch each (~1 us), so they are skipped (as in native_gemm.PackedBf16Weight).
-        flat = x.dim() == 2 and x.shape[1] == self.in_features
-        rows = x if flat else x.reshape(-1, self.in_features)
-        if rows.dtype != torch.bfloat16:
-            rows = rows.to(torch.bfloat16)
-        rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_columns, dtype=torch.bfloat16)
-        if rows.shape[0] and self.silu_and_mul:
-            self._library.gemm_amx_silu_mul(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
-                                            self.out_features, out.data_ptr())
-        elif rows.shape[0]:
-            self._library.gemm_amx(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
-                                   self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                                   out.data_ptr())
-        return out if flat else out.reshape(*x.shape[:-1], self.out_columns)
+    @staticmethod
+    def _load() -> tuple[ctypes.CDLL | None, str]:
+        return _library()

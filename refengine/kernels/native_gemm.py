@@ -65,11 +65,17 @@ def _self_check() -> str:
     return ""
 
 
-def supports_shape(out_features: int, in_features: int, silu_and_mul: bool = False) -> bool:
-    """Whether a ``[out_features, in_features]`` weight fits the kernel (with the SiLU epilogue, the
-    gate and up halves must each be whole panels)."""
+def whole_panels(out_features: int, in_features: int, k_step: int, silu_and_mul: bool) -> bool:
+    """Whether a ``[out_features, in_features]`` weight is whole panels of 16 columns and whole k
+    steps (with the SiLU epilogue, the gate and up halves must each be whole panels): the shape
+    rule of both native GEMMs, which differ only in ``k_step``."""
     panel_columns = 2 * LANES if silu_and_mul else LANES
-    return out_features % panel_columns == 0 and in_features % 2 == 0 and in_features > 0
+    return out_features % panel_columns == 0 and in_features % k_step == 0 and in_features > 0
+
+
+def supports_shape(out_features: int, in_features: int, silu_and_mul: bool = False) -> bool:
+    """Whether a ``[out_features, in_features]`` weight fits the kernel (k in pairs)."""
+    return whole_panels(out_features, in_features, 2, silu_and_mul)
 
 
 def alternate_panels(gate_up: torch.Tensor) -> torch.Tensor:
@@ -88,26 +94,40 @@ class PackedBf16Weight:
     With ``silu_and_mul`` the weight is an MLP's ``[gate | up]`` (no bias) and the call returns
     ``silu(x @ gate.T) * (x @ up.T)``, ``[..., out_features / 2]``, from the GEMM's epilogue in one
     pass: within one bf16 step of what ``FusedOps.silu_and_mul`` gives on the plain call's output
-    (``gemm_bf16.c`` says why)."""
+    (``gemm_bf16.c`` says why).
+
+    The AMX GEMM (``amx_gemm.PackedAmxWeight``) is this class over another library: a subclass
+    names its C functions' prefix (``KERNEL``: ``<KERNEL>``, ``<KERNEL>_pack``,
+    ``<KERNEL>_silu_mul``, same signatures), its k step and its loader."""
+
+    KERNEL, K_STEP = "gemm_bf16", 2
+
+    @staticmethod
+    def _load() -> tuple[ctypes.CDLL | None, str]:
+        return _library()
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool = False) -> None:
-        library, reason = _library()
+        library, reason = self._load()
         if library is None:
             raise RuntimeError(reason)
         self.out_features, self.in_features = weight.shape
-        if not supports_shape(self.out_features, self.in_features, silu_and_mul) or weight.dtype != torch.bfloat16:
+        if (not whole_panels(self.out_features, self.in_features, self.K_STEP, silu_and_mul)
+                or weight.dtype != torch.bfloat16):
             columns = "32n" if silu_and_mul else "16n"
-            raise ValueError(f"gemm_bf16 takes bf16 weights of [{columns}, 2k], not {weight.dtype} "
+            raise ValueError(f"{self.KERNEL} takes bf16 weights of [{columns}, {self.K_STEP}k], not {weight.dtype} "
                              f"{tuple(weight.shape)}")
         if silu_and_mul and bias is not None:
             raise ValueError("the SiLU epilogue takes no bias")
+        # Held in a local: the kernel reads its memory.
         weight = (alternate_panels(weight) if silu_and_mul else weight).contiguous()
         self.packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
-        library.gemm_bf16_pack(weight.data_ptr(), self.packed.data_ptr(), self.out_features, self.in_features)
+        getattr(library, self.KERNEL + "_pack")(weight.data_ptr(), self.packed.data_ptr(), self.out_features,
+                                                self.in_features)
         self.bias = None if bias is None else bias.float().contiguous()
         self.silu_and_mul = silu_and_mul
         self.out_columns = self.out_features // 2 if silu_and_mul else self.out_features
-        self._library = library
+        self._gemm = getattr(library, self.KERNEL)
+        self._gemm_silu_mul = getattr(library, self.KERNEL + "_silu_mul")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # A no-op reshape or .to() still costs a dispatch (~1 us each; a decode step makes ~120
@@ -119,10 +139,9 @@ class PackedBf16Weight:
         rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_columns, dtype=torch.bfloat16)
         if rows.shape[0] and self.silu_and_mul:
-            self._library.gemm_bf16_silu_mul(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
-                                             self.out_features, out.data_ptr())
+            self._gemm_silu_mul(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
+                                self.out_features, out.data_ptr())
         elif rows.shape[0]:
-            self._library.gemm_bf16(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(),
-                                    self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                                    out.data_ptr())
+            self._gemm(rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(), self.out_features,
+                       None if self.bias is None else self.bias.data_ptr(), out.data_ptr())
         return out if flat else out.reshape(*x.shape[:-1], self.out_columns)
