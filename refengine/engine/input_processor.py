@@ -31,11 +31,31 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+#: How much a tokenizer's normalizer may shrink a text (in characters) before the bound below
+#: still holds: composing a base letter and its combining marks, or three Hangul jamo into one
+#: syllable, shrinks by up to 3; NFKC and lowercasing do not shrink further.
+NORMALIZER_SHRINK = 4
+
+
+def max_prompt_chars(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int:
+    """The longest prompt text that could tokenize to fewer than ``max_model_len`` tokens.
+
+    Why: tokenizing is linear but slow (16 MB of text took 16 s of a core here, and the gRPC limit
+    lets a prompt be that long), and the context check can only run after it. Every token spells
+    at most ``longest`` characters of the normalized text (byte-level BPE: one per byte; SentencePiece:
+    one per character; the vocabulary's own strings, added tokens included), and these tokenizers
+    spell every character, so a text of n characters has at least n / (NORMALIZER_SHRINK * longest)
+    tokens: longer than this, it cannot fit, whatever it says."""
+    longest = max(len(token) for token in tokenizer.get_vocab())
+    return max_model_len * longest * NORMALIZER_SHRINK
+
+
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits, guides: GuideCompiler,
                  role: RoleCheck, loras: LoraRegistry, media: MediaInputs | None = None,
                  handle_backends: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self.max_prompt_chars = max_prompt_chars(tokenizer, limits.max_model_len)
         self.loras = loras
         self.media = media
         self.handle_backends = handle_backends  # what embedding handles can be pulled with here
@@ -49,6 +69,7 @@ class InputProcessor:
         validate_stopping(params, self.limits)
         validate_logprobs(params, self.limits)
         if params.prompt is not None:
+            self._check_prompt_chars(params.prompt)
             prompt_ids = list(self.tokenizer.encode(params.prompt, add_special_tokens=False))
         else:
             prompt_ids = list(params.prompt_token_ids or [])
@@ -63,6 +84,14 @@ class InputProcessor:
         self.role.check(params, prompt_ids, tuple((run.start, run.identity) for run in media),
                         "" if lora is None else lora.cache_key)
         return Request(params, prompt_ids, max_tokens, guide=self._compile(params), lora=lora, media=media)
+
+    def _check_prompt_chars(self, prompt: str) -> None:
+        """G7 before tokenizing, for a text too long to fit whatever its tokens (max_prompt_chars)."""
+        if len(prompt) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} characters, more than the context limit of "
+                f"{self.limits.max_model_len} tokens can hold (at most {self.max_prompt_chars} characters "
+                "with this tokenizer)")
 
     def _media(self, params: GenerationRequest, prompt_ids: list[int]) -> tuple[list[int], tuple[MediaRun, ...]]:
         """The expanded prompt and its media (G19, D9; ENC10): only a model with a vision path.
