@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from refengine.config import ModelConfig
+from refengine.model.manifest import UnsupportedModelError
 
 TOWER_PREFIX, PROJECTOR_PREFIX = "vision_tower.", "multi_modal_projector."
 ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
@@ -88,6 +89,26 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def _check_projector(projector: Mapping[str, torch.Tensor], tower_hidden: int, num_layers: int,
+                     lm_hidden: int) -> None:
+    """The projector maps the tower's selected features (its hidden size x the feature layers)
+    through linear_1 and linear_2 to the LM's hidden size. Checked at load, naming the tensor: a
+    mismatch would otherwise fail the first image request, not the start."""
+    for name in ("linear_1.weight", "linear_2.weight"):
+        if name not in projector or projector[name].dim() != 2:
+            raise UnsupportedModelError(f"the weights lack {PROJECTOR_PREFIX}{name} (a matrix)")
+    features = tower_hidden * num_layers
+    inner = projector["linear_1.weight"].shape[0]
+    expected = {"linear_1.weight": (inner, features), "linear_1.bias": (inner,),
+                "linear_2.weight": (lm_hidden, inner), "linear_2.bias": (lm_hidden,)}
+    for name, shape in expected.items():
+        if name in projector and tuple(projector[name].shape) != shape:
+            raise UnsupportedModelError(
+                f"{PROJECTOR_PREFIX}{name} has shape {list(projector[name].shape)}, expected {list(shape)}: the "
+                f"tower gives {features} features ({tower_hidden} x {num_layers} layer(s) selected), the LM takes "
+                f"{lm_hidden}")
+
+
 class VisionEncoder:
     def __init__(self, vision: VisionConfig, text: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype, device: str) -> None:
@@ -97,19 +118,21 @@ class VisionEncoder:
                  for name, w in weights.items() if name.startswith(TOWER_PREFIX)}
         if any(name.startswith("vision_model.") for name in tower.state_dict()):  # a module tree with the wrapper
             state = {f"vision_model.{name}": w for name, w in state.items()}
-        missing, unexpected = tower.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = tower.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # a tensor shaped other than vision_config implies
+            detail = " ".join(str(exc).split())  # torch's message, on one line for the log
+            raise UnsupportedModelError(f"vision tower weights do not match its config: {detail}") from None
         missing = [m for m in missing if not m.endswith("position_ids")]
         if missing or unexpected:
-            raise ValueError(f"vision tower weights do not match its config: missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]}")
+            raise UnsupportedModelError(f"vision tower weights do not match its config: missing {missing[:4]}, "
+                                        f"unexpected {unexpected[:4]}")
         self.tower = tower.to(dtype=dtype, device=device).eval()
         projector = {name[len(PROJECTOR_PREFIX):]: w.to(dtype=dtype, device=device)
                      for name, w in weights.items() if name.startswith(PROJECTOR_PREFIX)}
+        _check_projector(projector, tower.config.hidden_size, len(vision.feature_layers), text.hidden_size)
         self.linear_1 = (projector["linear_1.weight"], projector.get("linear_1.bias"))
         self.linear_2 = (projector["linear_2.weight"], projector.get("linear_2.bias"))
-        if self.linear_2[0].shape[0] != text.hidden_size:
-            raise ValueError(f"the projector outputs {self.linear_2[0].shape[0]} features, the LM takes "
-                             f"{text.hidden_size}")
         self.dtype, self.device = dtype, device
         self.weights_digest = weights_digest(weights)
 

@@ -20,7 +20,7 @@ from refengine.model.manifest import UnsupportedModelError
 logger = logging.getLogger(__name__)
 
 #: Names under these prefixes belong to the language model; anything else (a LLaVA vision tower,
-#: its projector) is another component's to check.
+#: its projector) is another component's to check (model/vision.py checks those at load).
 LM_PREFIXES = ("model.", "lm_head.")
 
 
