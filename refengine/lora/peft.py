@@ -27,7 +27,8 @@ from typing import Any
 
 import regex
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
 
 from refengine.config import ModelConfig
 from refengine.kernels.lora_linear import FUSED_PROJECTIONS, LoraPair, ProjectionDeltas
@@ -61,11 +62,23 @@ def _refuse(path: Path, message: str) -> InvalidRequestError:
     return InvalidRequestError(f"LoRA adapter {str(path)!r}: {message}")
 
 
-def _read_config(path: Path, config_file: Path) -> dict[str, Any]:
-    if config_file.stat().st_size > MAX_CONFIG_BYTES:
-        raise _refuse(path, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+def _read_bytes(path: Path, file: Path, limit: int, why: str) -> bytes:
+    """The whole of ``file``, read once (refused past ``limit`` bytes: ``why``). Its digest and
+    its parsed contents then come from the same bytes, whatever happens to the file meanwhile
+    (an adapter rewritten in place by a training job, a directory swapped under the load)."""
     try:
-        config = json.loads(config_file.read_text())
+        with file.open("rb") as stream:
+            data = stream.read(limit + 1)
+    except OSError as exc:  # unreadable or gone: R1's "not visible to the engine", not an engine fault
+        raise _refuse(path, f"{file.name} cannot be read: {exc}") from None
+    if len(data) > limit:
+        raise _refuse(path, f"{file.name} is larger than {why} ({limit} bytes)")
+    return data
+
+
+def _read_config(path: Path, data: bytes) -> dict[str, Any]:
+    try:
+        config = json.loads(data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: deep nesting
         raise _refuse(path, f"{CONFIG_FILE} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
@@ -118,16 +131,33 @@ def _pattern_value(path: Path, patterns: dict[str, Any], module: str, default: A
     return default
 
 
-def _targeted(path: Path, target_modules: Any, module: str) -> bool:
-    """PEFT's rule: a list names modules by their last dotted parts, a string is a regular
-    expression over the whole name ("all-linear": every projection); unset (PEFT's per-model
-    default) is not checked."""
+def _named(names: Any, module: str) -> bool:
+    """``module`` is in the list ``names``, in full or by its last dotted parts."""
+    return isinstance(names, list) and any(
+        isinstance(name, str) and (module == name or module.endswith(f".{name}")) for name in names)
+
+
+def _targeted(path: Path, config: dict[str, Any], module: str, layer: int) -> bool:
+    """PEFT's rule (``check_target_module_exists``): ``exclude_modules`` (a list or a regular
+    expression) wins; a ``target_modules`` list names modules by their last dotted parts,
+    narrowed to ``layers_to_transform`` when set (the engine's layers are ``model.layers.<i>``,
+    so ``layers_pattern`` is not checked); a string is a regular expression over the whole
+    name ("all-linear": every projection); unset (PEFT's per-model default) is not checked."""
+    excluded, target_modules = config.get("exclude_modules"), config.get("target_modules")
+    if _matches(path, excluded, module) if isinstance(excluded, str) else _named(excluded, module):
+        return False
     if target_modules is None or target_modules == "all-linear":
         return True
     if isinstance(target_modules, str):
         return _matches(path, target_modules, module)
-    return isinstance(target_modules, list) and any(
-        isinstance(name, str) and (module == name or module.endswith(f".{name}")) for name in target_modules)
+    if not isinstance(target_modules, list):
+        return False
+    if module in target_modules:  # a full name: PEFT applies no layer filter to it
+        return True
+    layers = config.get("layers_to_transform")
+    in_layers = layers in (None, []) or (layer == layers if isinstance(layers, int) else
+                                         isinstance(layers, list) and layer in layers)
+    return in_layers and _named(target_modules, module)
 
 
 def _expected_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -138,14 +168,12 @@ def _expected_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}
 
 
-def _read_modules(path: Path, weights_file: Path, model: ModelConfig
-                  ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+def _read_modules(path: Path, data: bytes, model: ModelConfig) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """(layer, projection letter) -> {"A": tensor, "B": tensor}, every key checked."""
     try:
-        with safe_open(str(weights_file), framework="pt") as file:
-            tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (no __iter__)
-    except (OSError, SafetensorError) as exc:
-        raise _refuse(path, f"{WEIGHTS_FILE} cannot be read: {exc}") from None
+        tensors = load_safetensors(data)
+    except (SafetensorError, KeyError, ValueError, RuntimeError) as exc:  # KeyError: a dtype torch lacks
+        raise _refuse(path, f"{WEIGHTS_FILE} cannot be read: {exc!r}") from None
     modules: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
@@ -170,9 +198,11 @@ def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor
     module = f"model.layers.{layer}.{block}.{proj}_proj"
     if set(pair) != {"A", "B"}:
         raise _refuse(path, f"{module} has lora_{''.join(pair)} but not both lora_A and lora_B")
-    if not _targeted(path, config.get("target_modules"), module):
-        raise _refuse(path, f"{module}: {WEIGHTS_FILE} holds its weights, but target_modules "
-                      f"{config.get('target_modules')!r} does not name it (PEFT would ignore them)")
+    if not _targeted(path, config, module, layer):
+        options = {key: config[key] for key in ("target_modules", "layers_to_transform", "exclude_modules")
+                   if config.get(key) is not None}
+        raise _refuse(path, f"{module}: {WEIGHTS_FILE} holds its weights, but {options} does not target it "
+                            "(PEFT would ignore them)")
     lora_a, lora_b = pair["A"], pair["B"]
     in_features, out_features = shapes[proj]
     rank = lora_a.shape[0] if lora_a.dim() == 2 else -1
@@ -192,15 +222,13 @@ def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor
     scaled_b = lora_b.float() * scale
     if not (torch.isfinite(lora_a).all() and torch.isfinite(scaled_b).all()):
         raise _refuse(path, f"{module}: lora_A, or lora_B times its scale {scale:g}, holds NaN or infinity")
-    return LoraPair(lora_a.float(), scaled_b)
+    return LoraPair(lora_a.to(torch.float32, copy=True), scaled_b)  # not a view of the read-only file bytes
 
 
-def _digest(*files: Path) -> str:
+def _digest(*contents: bytes) -> str:
     digest = hashlib.sha256()
-    for file in files:
-        with file.open("rb") as stream:
-            for chunk in iter(lambda s=stream: s.read(1 << 20), b""):
-                digest.update(chunk)
+    for data in contents:
+        digest.update(data)
     return digest.hexdigest()[:32]
 
 
@@ -213,15 +241,21 @@ def read_peft_adapter(path: Path, model: ModelConfig, max_rank: int) -> PeftAdap
         pickled = (path / "adapter_model.bin").exists()
         raise _refuse(path, f"no {WEIGHTS_FILE}" + (" (adapter_model.bin is pickle, which is never loaded)"
                                                     if pickled else ""))
-    config = _read_config(path, config_file)
+    config_bytes = _read_bytes(path, config_file, MAX_CONFIG_BYTES, "the most a config may hold")
+    config = _read_config(path, config_bytes)
     shapes = _expected_shapes(model)
     # Every module at the largest rank in float64, plus a header: a bigger file cannot be a
-    # valid adapter, and is refused before it is read into memory.
+    # valid adapter, and is refused before more than that is read into memory.
     limit = 8 * max_rank * model.num_hidden_layers * sum(i + o for i, o in shapes.values()) + MAX_CONFIG_BYTES
-    if weights_file.stat().st_size > limit:
-        raise _refuse(path, f"{WEIGHTS_FILE} is larger ({weights_file.stat().st_size} bytes) than any adapter of "
+    try:
+        size = weights_file.stat().st_size
+    except OSError as exc:
+        raise _refuse(path, f"{WEIGHTS_FILE} cannot be read: {exc}") from None
+    if size > limit:  # before reading: a sparse 1 TB file costs nothing to refuse
+        raise _refuse(path, f"{WEIGHTS_FILE} is larger ({size} bytes) than any adapter of "
                       f"rank <= {max_rank} for this model can be ({limit} bytes)")
-    modules = _read_modules(path, weights_file, model)
+    weights_bytes = _read_bytes(path, weights_file, limit, f"any adapter of rank <= {max_rank} for this model can be")
+    modules = _read_modules(path, weights_bytes, model)
     pairs = {key: _scaled_pair(path, *key, pair, config, shapes, max_rank) for key, pair in sorted(modules.items())}
     layers: list[dict[str, ProjectionDeltas]] = []
     for layer in range(model.num_hidden_layers):
@@ -232,4 +266,5 @@ def read_peft_adapter(path: Path, model: ModelConfig, max_rank: int) -> PeftAdap
                 fused[name] = ProjectionDeltas(parts)
         layers.append(fused)
     max_used = max(pair.lora_a.shape[0] for pair in pairs.values())
-    return PeftAdapter(tuple(layers), max_used, _digest(config_file, weights_file))
+    # The key of its KV blocks: the digest of exactly the bytes its weights came from.
+    return PeftAdapter(tuple(layers), max_used, _digest(config_bytes, weights_bytes))

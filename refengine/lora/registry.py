@@ -1,12 +1,13 @@
 """The loaded adapters: the LoRA lifecycle rules (R1–R5) and path confinement.
 
-``load`` checks the request (R1), resolves ``source_path`` (following symlinks) and
-refuses it unless it lies inside one of the configured roots, then compares it with what
-is loaded: the same id, name and path → ``already_loaded`` (R2); any one of them shared
-with a different adapter → ``LoraConflictError`` (R3). Only then are the files read
-(``peft.read_peft_adapter``), outside the registry's lock, so a slow load never blocks
-generation; loads and unloads are serialized among themselves. A load that fails leaves
-nothing behind.
+``load`` checks the request (R1); exactly the id, name and ``source_path`` of a loaded
+adapter is ``already_loaded`` at once (R2, even if its files have gone since). Otherwise
+it resolves ``source_path`` (following symlinks) and refuses it unless it lies inside one
+of the configured roots, then compares it with what is loaded: the same id, name and
+resolved path → ``already_loaded`` (R2); any one of them shared with a different adapter
+→ ``LoraConflictError`` (R3). Only then are the files read (``peft.read_peft_adapter``),
+outside the registry's lock, so a slow load never blocks generation; loads and unloads
+are serialized among themselves. A load that fails leaves nothing behind.
 
 Unloading removes the name at once: new requests naming it get ``LoraNotFoundError``
 (R4). Requests already accepted keep their ``LoadedLora`` (and its weights) and finish
@@ -107,6 +108,9 @@ class LoraRegistry:
         """R1–R3; returns the adapter and whether it was loaded already."""
         self._enabled()
         _check_spec(spec)
+        identical = self._identical(spec)
+        if identical is not None:
+            return identical, True
         resolved = self.confine(spec.source_path)
         with self._lifecycle:
             with self._lock:
@@ -116,14 +120,30 @@ class LoraRegistry:
                 if len(self._by_name) >= self.config.max_loaded_loras:
                     raise OverloadedError(f"{len(self._by_name)} LoRA adapters are loaded, the most this server "
                                           f"holds (--max-loaded-loras): unload one first")
-            for entry in os.scandir(resolved):  # nor may its files (a symlinked weight file)
-                if not self._inside_roots(os.path.realpath(entry.path)):
-                    raise InvalidRequestError(f"{entry.path!r} leads outside the allowed LoRA roots (a symlink?)")
+            self._confine_entries(resolved)
             adapter = read_peft_adapter(Path(resolved), self.model, self.config.max_lora_rank)
             loaded = LoadedLora(spec, next(self._keys), resolved, adapter)
             with self._lock:
                 self._by_name[spec.lora_name] = loaded
             return loaded, False
+
+    def _identical(self, spec: LoraAdapterSpec) -> LoadedLora | None:
+        """The adapter loaded with exactly this id, name and ``source_path`` (R2), checked before
+        the path is: its files were confined when it was loaded, and may be gone since (the
+        weights are in memory), yet a client retrying the same LoadLora must get already_loaded."""
+        with self._lock:
+            loaded = self._by_name.get(spec.lora_name)
+        return loaded if loaded is not None and loaded.spec == spec else None
+
+    def _confine_entries(self, resolved: str) -> None:
+        """Nor may the directory's files lead outside the roots (a symlinked weight file)."""
+        try:
+            entries = list(os.scandir(resolved))
+        except OSError as exc:  # unreadable or gone since ``confine``: not visible to the engine (R1)
+            raise InvalidRequestError(f"source_path {resolved!r} cannot be listed: {exc}") from None
+        for entry in entries:
+            if not self._inside_roots(os.path.realpath(entry.path)):
+                raise InvalidRequestError(f"{entry.path!r} leads outside the allowed LoRA roots (a symlink?)")
 
     def unload(self, name: str) -> LoraAdapterSpec:
         self._enabled()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -305,7 +306,13 @@ BROKEN = {
                        "must be float16, bfloat16, float32 or float64"),
     "scale-overflows": (dict(lora_alpha=1e300), None, "times its scale 2.5e.299, holds NaN or infinity"),
     "untargeted": (dict(target_modules=["q_proj"]), None, "v_proj: adapter_model.safetensors holds its weights, "
-                   "but target_modules .'q_proj'. does not name it"),
+                   "but {'target_modules': .'q_proj'.} does not target it"),
+    # PEFT narrows a target_modules list to layers_to_transform and drops exclude_modules: it
+    # would ignore the other weights, so applying them would not be PEFT's model.
+    "outside-layers": (dict(layers_to_transform=[0]), None, "layers.1.self_attn.q_proj: .* 'layers_to_transform': .0."),
+    "outside-layer-int": (dict(layers_to_transform=1), None, "layers.0.self_attn.q_proj: .* does not target it"),
+    "excluded": (dict(exclude_modules=["v_proj"]), None, "layers.0.self_attn.v_proj: .* 'exclude_modules'"),
+    "excluded-regex": (dict(exclude_modules=r".*\.0\.self_attn\.q_proj"), None, "layers.0.self_attn.q_proj: .*"),
     "attention-under-mlp": (None, lambda w: {k.replace("self_attn.q_proj", "mlp.q_proj"): v for k, v in w.items()},
                             "not a LoRA A/B weight"),
     "same-weight-twice": (None, lambda w: w | {_first_a(w).removeprefix("base_model.model."): w[_first_a(w)].clone()},
@@ -471,4 +478,156 @@ def test_non_finite_logits_fail_their_request_alone(tiny, adapters) -> None:
     for out in failed:
         assert out.error is not None and out.error.code == "internal" and "not finite" in out.error.message, out
         assert not out.outputs[0].token_ids
+    assert_idle(engine)
+
+
+def test_layer_and_exclude_options_peft_writes_load_and_match_peft(tiny, adapters) -> None:
+    """The other side of "outside-layers" / "excluded": what PEFT itself saves with
+    layers_to_transform and exclude_modules loads, and computes PEFT's model."""
+    root, _ = adapters
+    peft_model = make_adapter(tiny[0], root / "narrowed", 4, ALL, seed=11, layers_to_transform=[1],
+                              exclude_modules=["o_proj"])
+    config = json.loads((root / "narrowed" / "adapter_config.json").read_text())
+    assert config["layers_to_transform"] == [1] and config["exclude_modules"] == ["o_proj"]
+    engine = make_engine(tiny, root)
+    engine.load_lora(LoraAdapterSpec(61, "narrowed", str(root / "narrowed")))
+    expected = hf_greedy(peft_model, PROMPTS[2])
+    assert tokens(engine, [greedy("n", PROMPTS[2], "narrowed")]) == [expected]
+    assert expected != hf_greedy(tiny[0], PROMPTS[2])
+
+
+def test_r2_a_retried_load_is_already_loaded_after_its_files_are_gone(tiny, adapters, tmp_path) -> None:
+    """R2: the weights are in memory once loaded, so deleting the directory (a download
+    cleaned up) must not turn an identical retried LoadLora into INVALID_ARGUMENT; it was,
+    because the path was checked before the loaded adapters were."""
+    root, made = adapters
+    shutil.copytree(root / "attn4", root / "transient")
+    transient = LoraAdapterSpec(62, "transient", str(root / "transient"))
+    engine = make_engine(tiny, root)
+    assert engine.load_lora(transient) == (transient, False)
+    shutil.rmtree(root / "transient")
+    assert engine.load_lora(transient) == (transient, True)
+    assert tokens(engine, [greedy("t", PROMPTS[0], "transient")]) == [hf_greedy(made["attn4"][1], PROMPTS[0])]
+    with pytest.raises(LoraConflictError):  # R3 still holds: its id and name on another path
+        engine.load_lora(replace(transient, source_path=spec("all8", root).source_path))
+    with pytest.raises(InvalidRequestError, match="not a directory"):  # R1 for anything else on that path
+        engine.load_lora(LoraAdapterSpec(64, "other", transient.source_path))
+
+
+def test_the_cache_key_is_the_digest_of_the_bytes_the_weights_came_from(tiny, adapters, monkeypatch) -> None:
+    """E4: an adapter rewritten in place while it loads (a training job saving checkpoints)
+    must get the key of the weights it computes with. The files were read twice -- once
+    for the weights, again for the digest -- so the load kept the old weights under the new
+    files' key, and a later load of the new files reused the old adapter's KV blocks."""
+    from refengine.lora import peft
+
+    root, _ = adapters
+    _copy_adapter(root, "attn4", "rewritten", 70)
+    original_key = make_engine(tiny, root).loras.load(_copy_adapter(root, "attn4", "pristine", 71))[0].cache_key
+    scaled_pair = peft._scaled_pair
+
+    def rewrite_then_scale(path: Path, *args, **kwargs):  # noqa: ANN202
+        if path.name == "rewritten":  # mid-load: the weights are read, the digest (was) not yet
+            (path / "adapter_model.safetensors").write_bytes((root / "all8" / "adapter_model.safetensors").read_bytes())
+        return scaled_pair(path, *args, **kwargs)
+
+    monkeypatch.setattr(peft, "_scaled_pair", rewrite_then_scale)
+    loaded, _ = make_engine(tiny, root).loras.load(LoraAdapterSpec(70, "rewritten", str(root / "rewritten")))
+    assert loaded.cache_key == original_key
+    (root / "rewritten" / "adapter_config.json").write_bytes((root / "all8" / "adapter_config.json").read_bytes())
+    now = make_engine(tiny, root).loras.load(LoraAdapterSpec(72, "now", str(root / "rewritten")))[0].cache_key
+    assert now == make_engine(tiny, root).loras.load(spec("all8", root))[0].cache_key != original_key
+
+
+def test_unreadable_adapter_files_are_invalid_argument(tiny, adapters, monkeypatch) -> None:
+    """R1: a directory or file the engine cannot read (permissions; gone mid-load) is "not
+    visible to the engine": INVALID_ARGUMENT, not the INTERNAL an uncaught OSError became."""
+    import os
+
+    root, _ = adapters
+    engine = make_engine(tiny, root)
+    real_open, real_scandir = Path.open, os.scandir
+
+    def no_config(self: Path, *args, **kwargs):  # noqa: ANN202
+        if self.name == "adapter_config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", no_config)
+    with pytest.raises(InvalidRequestError, match="adapter_config.json cannot be read: .*Permission denied"):
+        engine.load_lora(spec("attn4", root))
+    monkeypatch.setattr(Path, "open", real_open)
+    monkeypatch.setattr(os, "scandir", lambda path: real_scandir(str(root / "gone")))
+    with pytest.raises(InvalidRequestError, match="cannot be listed: .*No such file"):
+        engine.load_lora(spec("attn4", root))
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    assert engine.list_loras() == [] and engine.load_lora(spec("attn4", root))[1] is False
+
+
+def test_e4_block_hashes_differ_per_adapter_for_the_same_tokens(tiny, adapters) -> None:
+    """E4: the same prompt on the base model and on two adapters stores three disjoint sets of
+    block hashes (so a KV-aware router never mixes them), each event naming its adapter."""
+    root, _ = adapters
+    events: list[KvEvent] = []
+    engine = make_engine(tiny, root, sink=events.extend)
+    for name in ("attn4", "all8"):
+        engine.load_lora(spec(name, root))
+    hashes: dict[str | None, set[bytes]] = {}
+    for lora in (None, "attn4", "all8"):
+        before = len(events)
+        engine.run_until_done([greedy(f"h-{lora}", PROMPTS[4], lora, n=1)])
+        stored = [e for e in events[before:] if isinstance(e, BlockStored)]
+        assert stored and all(e.lora == (None if lora is None else spec(lora, root)) for e in stored)
+        hashes[lora] = {e.block_hash for e in stored}
+    assert len(hashes[None]) == len(hashes["attn4"]) == len(hashes["all8"])
+    assert not (hashes[None] & hashes["attn4"] or hashes[None] & hashes["all8"] or hashes["attn4"] & hashes["all8"])
+    assert_idle(engine)
+
+
+def test_a_name_reloaded_with_other_files_while_its_requests_wait(tiny, adapters) -> None:
+    """Unload, then load the same id and name from other files, while requests on the first
+    load still wait for the one slot: those finish on the first load's weights, the new ones
+    run on the new files, neither reuses the other's KV blocks (same prompt), and every block
+    comes back."""
+    root, made = adapters
+    engine = make_engine(tiny, root, max_loras=1)
+    engine.load_lora(LoraAdapterSpec(80, "swap", str(root / "attn4")))
+    engine.load_lora(spec("mlp8rs", root))
+    ids = PROMPTS[4]
+    first = [engine.add_request(greedy(f"old{i}", ids, "swap" if i else "mlp8rs")) for i in range(3)]
+    engine.step()  # mlp8rs holds the only slot: the two "swap" requests wait
+    assert {seq.request_id for seq in engine.core.scheduler.waiting} == {"old1", "old2"}
+    engine.unload_lora("swap")
+    assert engine.load_lora(LoraAdapterSpec(80, "swap", str(root / "all8")))[1] is False
+    second = [engine.add_request(greedy(f"new{i}", ids, "swap")) for i in range(2)]
+    while engine.has_unfinished_requests:
+        engine.step()
+    old, new = hf_greedy(made["attn4"][1], ids), hf_greedy(made["all8"][1], ids)
+    assert old != new
+    assert [s.result().outputs[0].token_ids for s in first[1:]] == [old, old]
+    assert [s.result().outputs[0].token_ids for s in second] == [new, new]
+    assert second[0].result().usage.cached_prompt_tokens == 0  # the first load's blocks are not the new files'
+    assert_idle(engine)
+
+
+def test_chunked_prefills_and_preemptions_in_a_mixed_batch_match_peft(tiny, adapters) -> None:
+    """R7 under pressure: a 7-token budget cuts every prompt into chunks that share steps with
+    other adapters' decodes (unequal segments), and a 24-block pool preempts and recomputes;
+    each request still gets PEFT's (or the base model's) greedy tokens, and the pool ends empty."""
+    root, made = adapters
+    _, config, weights = tiny
+    engine = Engine(EngineConfig(max_model_len=96, cache=CacheConfig(block_size=4, num_blocks=24),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=7, max_num_seqs=16),
+                                 lora=LoraConfig(enabled=True, roots=(str(root),), max_loras=2)),
+                    config, weights, TOKENIZER, model_fingerprint="tiny")
+    for name in ADAPTERS:
+        engine.load_lora(spec(name, root))
+    preempt, preempted = engine.core.scheduler._preempt, []
+    engine.core.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))
+    names = [None, *ADAPTERS]
+    requests = [greedy(f"c{i}", PROMPTS[i % len(PROMPTS)], names[i % len(names)], n=20) for i in range(10)]
+    expected = [hf_greedy(tiny[0] if r.lora_name is None else made[r.lora_name][1], r.prompt_token_ids, 20)
+                for r in requests]
+    assert tokens(engine, requests) == expected
+    assert preempted, "no preemption: the test would not cover recompute under an adapter"
     assert_idle(engine)
