@@ -175,10 +175,13 @@ class GuideCompiler:
         try:
             compiled = self._backend(name).compile(spec)
             self._check_start(compiled, spec)
-        finally:
+        except BaseException:
             with self._lock:
                 self._compiling.pop(key, None)
+            raise
+        # Cached and no longer in flight at once: a caller in between would compile it again.
         with self._lock:
+            self._compiling.pop(key, None)
             self._cache[key] = compiled
             while len(self._cache) > self.config.cache_size:
                 self._cache.popitem(last=False)

@@ -3,6 +3,19 @@
 EBNF grammars use xgrammar's GBNF dialect (``root ::= ...``); a choice list becomes a
 grammar of quoted alternatives; ``json_object`` is xgrammar's built-in JSON grammar
 restricted to an object at the top (a JSON Schema ``{"type": "object"}``).
+
+Where xgrammar 0.2.9 departs from what a guide means, this backend corrects it, so both
+backends (and the oracles users check outputs with) agree:
+- special tokens (``<|im_start|>``, ``<unk>``, reserved ones) are never allowed in a JSON
+  schema, JSON object, regex or choice: xgrammar detects none in a Hugging Face vocabulary
+  and treats them as their literal text, so they appeared inside JSON strings and regex
+  matches (llguidance never allows them). EBNF grammars and structural tags keep them: they
+  may spell a model's control tokens;
+- a regex's ``.`` matches any character but a newline, as in Python's ``re``, Rust's regex
+  (llguidance) and JSON Schema's ECMA-262 (xgrammar's matched ``\n`` too);
+- a JSON string bounded by ``minLength``/``maxLength`` holds JSON characters (an escape
+  counts as one): xgrammar's bounded repeat admitted raw control characters (a TAB: invalid
+  JSON) and no escapes (xgrammar issue #800).
 """
 
 from __future__ import annotations
@@ -22,6 +35,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _LOG_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")
+# The rule xgrammar 0.2.9 writes for one character of a length-bounded JSON string, and the
+# JSON character (RFC 8259) it should be; a later xgrammar that writes another rule is left alone.
+_BOUNDED_STRING_CHAR = re.compile(r'^(\w+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_JSON_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
 MODES = ("json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag", "choice")
 
 
@@ -59,6 +76,51 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The tokenizer's special tokens: its named ones and every added token marked special
+    (what llguidance reads from the same tokenizer as special)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return set(tokenizer.all_special_ids) | {i for i, token in added.items() if getattr(token, "special", False)}
+
+
+def without_special_tokens(info: xgrammar.TokenizerInfo, special: set[int]) -> xgrammar.TokenizerInfo:
+    """``info`` with the ``special`` tokens other than its stop tokens marked special, which
+    xgrammar never allows: it marks a token special when its text is empty."""
+    special = special - set(info.stop_token_ids)
+    if not special:
+        return info
+    vocab = [b"" if i in special else text for i, text in enumerate(info.decoded_vocab)]
+    return xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=info.vocab_size,
+                                  stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
+
+
+def dot_excludes_newline(pattern: str) -> str:
+    """``pattern`` with each ``.`` outside a character class as ``[^\\n]``: the ``.`` of
+    Python, Rust and ECMA-262 regexes, where xgrammar's also matches a newline."""
+    out, in_class, i = [], False, 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":  # an escape, whatever follows (``\\.`` is a literal dot)
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+            # A ``]`` first in the class (after an optional ``^``) is a literal, not its end.
+            start = i + 2 if pattern.startswith("^", i + 1) else i + 1
+            if pattern.startswith("]", start):
+                out.append(pattern[i:start + 1])
+                i = start + 1
+                continue
+        elif char == ".":
+            char = "[^\\n]"
+        out.append(char)
+        i += 1
+    return "".join(out)
+
+
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
     modes = MODES
@@ -67,7 +129,11 @@ class XGrammarBackend(GrammarBackend):
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids))
         # xgrammar's own cache is off: refengine's compile cache is the one, bounded, cache.
+        # Grammars and structural tags may spell a model's control tokens (``<|python_tag|>``),
+        # so they keep them; the text modes (schemas, regexes, choices) never allow them.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._text_compiler = xgrammar.GrammarCompiler(without_special_tokens(info, special_token_ids(tokenizer)),
+                                                       max_threads=1, cache_enabled=False)
 
     def compile(self, spec: GuidedSpec) -> CompiledGuide:
         try:
@@ -75,21 +141,32 @@ class XGrammarBackend(GrammarBackend):
         except GuidedSpecError:
             raise
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors for a bad spec
-            raise GuidedSpecError(f"xgrammar cannot compile this {spec.mode}: {_message(exc)}") from None
+            # Some refusals carry no text (a schema number past float range: 1e400).
+            reason = _message(exc) or "xgrammar gave no reason (a number out of range?)"
+            raise GuidedSpecError(f"xgrammar cannot compile this {spec.mode}: {reason}") from None
 
     def _compile(self, spec: GuidedSpec) -> xgrammar.CompiledGrammar:
-        compiler = self._compiler
+        compiler = self._text_compiler
         if spec.mode == "json_schema":
             json.loads(spec.spec)  # a clear "not JSON" error before xgrammar's
-            return compiler.compile_json_schema(spec.spec, any_whitespace=False)
+            return self._compile_json_schema(spec.spec)
         if spec.mode == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.mode == "regex":
-            return compiler.compile_regex(spec.spec)
+            return compiler.compile_regex(dot_excludes_newline(spec.spec))
         if spec.mode == "ebnf_grammar":
-            return compiler.compile_grammar(spec.spec)
+            return self._compiler.compile_grammar(spec.spec)
         if spec.mode == "structural_tag":
             tag = structural_tag.parse(spec.spec)
-            return compiler.compile_structural_tag(json.dumps(tag if "format" in tag
+            return self._compiler.compile_structural_tag(json.dumps(tag if "format" in tag
                                                               else structural_tag.legacy_to_current(tag)))
         return compiler.compile_grammar(choice_grammar(spec.choices))
+
+    def _compile_json_schema(self, schema: str) -> xgrammar.CompiledGrammar:
+        """The schema's grammar, its length-bounded strings made of JSON characters (see the
+        module docstring); a schema without such strings compiles as it is."""
+        ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
+        fixed, count = _BOUNDED_STRING_CHAR.subn(lambda m: f"{m.group(1)} ::= {_JSON_CHAR}", ebnf)
+        if not count:
+            return self._text_compiler.compile_json_schema(schema, any_whitespace=False)
+        return self._text_compiler.compile_grammar(fixed)
