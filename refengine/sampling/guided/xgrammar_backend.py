@@ -13,6 +13,8 @@ backends (and the oracles users check outputs with) agree:
   may spell a model's control tokens;
 - a regex's ``.`` matches any character but a newline, as in Python's ``re``, Rust's regex
   (llguidance) and JSON Schema's ECMA-262 (xgrammar's matched ``\n`` too);
+- a JSON schema using a keyword xgrammar compiles but ignores (``not``, ``if``, ``contains``,
+  an ``allOf`` of several subschemas...) is refused (``schema_support``);
 - a JSON string bounded by ``minLength``/``maxLength`` holds JSON characters (an escape
   counts as one): xgrammar's bounded repeat admitted raw control characters (a TAB: invalid
   JSON) and no escapes (xgrammar issue #800).
@@ -29,6 +31,7 @@ import xgrammar
 
 from refengine.sampling.guided import structural_tag
 from refengine.sampling.guided.base import CompiledGuide, GrammarBackend, GuidedSpecError, GuideMatcher
+from refengine.sampling.guided.schema_support import unenforced_use
 from refengine.types import GuidedSpec
 
 if TYPE_CHECKING:
@@ -148,7 +151,10 @@ class XGrammarBackend(GrammarBackend):
     def _compile(self, spec: GuidedSpec) -> xgrammar.CompiledGrammar:
         compiler = self._text_compiler
         if spec.mode == "json_schema":
-            json.loads(spec.spec)  # a clear "not JSON" error before xgrammar's
+            unenforced = unenforced_use(json.loads(spec.spec))  # json.loads: a clear "not JSON" error first
+            if unenforced is not None:
+                raise GuidedSpecError(f"xgrammar does not enforce {unenforced}: refused rather than produce output "
+                                      "the schema rejects (llguidance enforces some such keywords)")
             return self._compile_json_schema(spec.spec)
         if spec.mode == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
