@@ -103,3 +103,30 @@ def test_the_refusal_reaches_the_client_as_invalid_argument_and_loses_nothing(ti
         engine.add_request(bad)
     assert not engine.has_unfinished_requests
     assert_idle(engine)
+
+
+def _tag(schema: dict) -> str:
+    """A structural tag: free text in which ``<f`` opens ``<f>`` JSON of ``schema`` ``</f>``."""
+    return json.dumps({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [
+        {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</f>"}]}})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_structural_tag_schemas_are_sound_or_refused(compiler, backend: str) -> None:
+    """The JSON-schema contents of a structural tag: an ignored keyword is refused by xgrammar,
+    and a length-bounded string takes no raw TAB (strict JSON) on either backend."""
+    ignored = GuidedSpec("structural_tag", _tag({"type": "integer", "not": {"const": 3}}), backend=backend)
+    if backend == "xgrammar":
+        with pytest.raises(GuidedSpecError, match=r"xgrammar does not enforce 'not' at #"):
+            compiler.compile(ignored)
+    else:
+        try:
+            compiler.compile(ignored)
+        except GuidedSpecError:
+            pass
+        else:
+            assert not accepts_whole(compiler, ignored, "<f>3</f>")
+    bounded = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"]}
+    spec = GuidedSpec("structural_tag", _tag(bounded), backend=backend)
+    assert not _accepted(compiler, spec, 'say <f>{"a":"a\tb"}</f>')
+    assert _accepted(compiler, spec, 'say <f>{"a":"ab"}</f> done')

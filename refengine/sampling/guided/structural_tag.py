@@ -44,6 +44,18 @@ def legacy_to_current(tag: dict[str, Any]) -> dict[str, Any]:
                                                  "tags": tags}}
 
 
+def json_schemas(node: Any) -> list[Any]:
+    """The schemas of every JSON-schema content in a current-form tag (``{"type": "json_schema",
+    "json_schema": ...}`` at any depth of its format)."""
+    if isinstance(node, list):
+        return [schema for item in node for schema in json_schemas(item)]
+    if not isinstance(node, dict):
+        return []
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        return [node["json_schema"]]
+    return [schema for value in node.values() for schema in json_schemas(value)]
+
+
 def triggered_tags(tag: dict[str, Any]) -> list[TriggeredTag]:
     """The tags of a legacy spec or of a current ``triggered_tags`` spec with JSON-schema
     contents; anything else raises ``GuidedSpecError`` (not expressible as triggered tags)."""

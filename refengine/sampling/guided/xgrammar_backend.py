@@ -18,13 +18,15 @@ backends (and the oracles users check outputs with) agree:
 - a JSON string bounded by ``minLength``/``maxLength`` holds JSON characters (an escape
   counts as one): xgrammar's bounded repeat admitted raw control characters (a TAB: invalid
   JSON) and no escapes (xgrammar issue #800).
+The last two hold for the JSON-schema contents of structural tags as well.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xgrammar
@@ -151,11 +153,10 @@ class XGrammarBackend(GrammarBackend):
     def _compile(self, spec: GuidedSpec) -> xgrammar.CompiledGrammar:
         compiler = self._text_compiler
         if spec.mode == "json_schema":
-            unenforced = unenforced_use(json.loads(spec.spec))  # json.loads: a clear "not JSON" error first
-            if unenforced is not None:
-                raise GuidedSpecError(f"xgrammar does not enforce {unenforced}: refused rather than produce output "
-                                      "the schema rejects (llguidance enforces some such keywords)")
-            return self._compile_json_schema(spec.spec)
+            _refuse_unenforced(json.loads(spec.spec))  # json.loads: a clear "not JSON" error first
+            return _with_json_characters(
+                xgrammar.Grammar.from_json_schema(spec.spec, any_whitespace=False), compiler,
+                lambda: compiler.compile_json_schema(spec.spec, any_whitespace=False))
         if spec.mode == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.mode == "regex":
@@ -163,16 +164,28 @@ class XGrammarBackend(GrammarBackend):
         if spec.mode == "ebnf_grammar":
             return self._compiler.compile_grammar(spec.spec)
         if spec.mode == "structural_tag":
-            tag = structural_tag.parse(spec.spec)
-            return self._compiler.compile_structural_tag(json.dumps(tag if "format" in tag
-                                                              else structural_tag.legacy_to_current(tag)))
+            return self._compile_structural_tag(structural_tag.parse(spec.spec))
         return compiler.compile_grammar(choice_grammar(spec.choices))
 
-    def _compile_json_schema(self, schema: str) -> xgrammar.CompiledGrammar:
-        """The schema's grammar, its length-bounded strings made of JSON characters (see the
-        module docstring); a schema without such strings compiles as it is."""
-        ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
-        fixed, count = _BOUNDED_STRING_CHAR.subn(lambda m: f"{m.group(1)} ::= {_JSON_CHAR}", ebnf)
-        if not count:
-            return self._text_compiler.compile_json_schema(schema, any_whitespace=False)
-        return self._text_compiler.compile_grammar(fixed)
+    def _compile_structural_tag(self, tag: dict[str, Any]) -> xgrammar.CompiledGrammar:
+        """Its JSON-schema contents checked and corrected as a json_schema guide's are."""
+        current = json.dumps(tag if "format" in tag else structural_tag.legacy_to_current(tag))
+        for schema in structural_tag.json_schemas(json.loads(current)):
+            _refuse_unenforced(schema)
+        return _with_json_characters(xgrammar.Grammar.from_structural_tag(current), self._compiler,
+                                     lambda: self._compiler.compile_structural_tag(current))
+
+
+def _refuse_unenforced(schema: Any) -> None:
+    unenforced = unenforced_use(schema)
+    if unenforced is not None:
+        raise GuidedSpecError(f"xgrammar does not enforce {unenforced}: refused rather than produce output "
+                              "the schema rejects (llguidance enforces some such keywords)")
+
+
+def _with_json_characters(grammar: xgrammar.Grammar, compiler: xgrammar.GrammarCompiler,
+                          as_is: Callable[[], xgrammar.CompiledGrammar]) -> xgrammar.CompiledGrammar:
+    """``grammar`` with its length-bounded JSON strings made of JSON characters (see the module
+    docstring), compiled; a grammar without such strings compiles ``as_is``."""
+    fixed, count = _BOUNDED_STRING_CHAR.subn(lambda m: f"{m.group(1)} ::= {_JSON_CHAR}", str(grammar))
+    return compiler.compile_grammar(fixed) if count else as_is()
