@@ -12,6 +12,7 @@ The image placeholder is the last vocabulary id (:data:`IMAGE_TOKEN`), the token
 
 from __future__ import annotations
 
+import copy
 import io
 import random
 from pathlib import Path
@@ -28,7 +29,7 @@ from refengine.engine.media import MediaInputs
 from refengine.model.loader import load_model_config, load_weights
 from tests.unit.tokenizer_fixture import byte_fallback_tokenizer
 
-TOKENIZER = byte_fallback_tokenizer()
+TOKENIZER = copy.deepcopy(byte_fallback_tokenizer())  # a copy: the cached one is shared by other tests
 TOKENIZER.add_special_tokens({"additional_special_tokens": ["<image>"]})  # the text marker of the placeholder
 VOCAB = len(TOKENIZER)
 IMAGE_TOKEN = VOCAB - 1

@@ -357,9 +357,11 @@ def test_a_huge_prompt_does_not_stall_other_streams(client: OpenEngineClient) ->
     """A 2.4 MB prompt takes the tokenizer seconds before it is refused (far past max_model_len).
     That ran on the event loop, and every other stream of the server stalled for as long; it now
     runs on a worker thread. The bound is relative: the other stream's largest gap between tokens
-    must stay well under the refusal's own latency (it was about equal)."""
+    must stay well under the refusal's own latency (it was about equal). The prompt is 600,000
+    emoji, under the character bound that refuses longer texts untokenized (2,048 tokens x 81
+    characters x 4: ``input_processor.max_prompt_chars``), and 1.8 million tokens."""
     wait_idle(client)
-    huge = greedy_request("huge-prompt", "the quick brown fox jumps over the lazy dog " * 55_000, max_tokens=1)
+    huge = greedy_request("huge-prompt", "\U0001f600" * 600_000, max_tokens=1)
     refusal: dict[str, object] = {}
 
     def send_huge() -> None:
