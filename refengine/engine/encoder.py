@@ -143,9 +143,26 @@ class EncoderEngine(NoGenerate):
                 for identity in held:
                     self.entries.drop(identity)
             raise
-        handles = [self._new_handle(identity, rows_of[identity], rows is not None, lease)
-                   for identity, rows in zip(identities, hits, strict=True)]
+        handles = self._make_handles(identities, [rows_of[identity] for identity in identities],
+                                     [rows is not None for rows in hits], lease)
         self._wake_sweeper()  # its wait now ends at the first of these leases
+        return handles
+
+    def _make_handles(self, identities: list[str], rows: list[tuple[int, ...]], cached: list[bool],
+                      lease: float) -> list[EmbeddingHandleSpec]:
+        """One handle per item, each taking over one of the item's holds; all or nothing (ENC3):
+        when one cannot be made, the handles made are released and the other holds dropped, so
+        nothing stays held by a handle no client knows of."""
+        handles: list[EmbeddingHandleSpec] = []
+        try:
+            for identity, item_rows, hit in zip(identities, rows, cached, strict=True):
+                handles.append(self._new_handle(identity, item_rows, hit, lease))
+        except BaseException:
+            self.release_handles([handle.handle_id for handle in handles])
+            with self._lock:
+                for identity in identities[len(handles):]:
+                    self.entries.drop(identity)
+            raise
         return handles
 
     def _store(self, identity: str, values: torch.Tensor) -> tuple[int, ...]:
@@ -163,11 +180,12 @@ class EncoderEngine(NoGenerate):
 
     def _new_handle(self, identity: str, rows: tuple[int, ...], cached: bool, lease: float) -> EmbeddingHandleSpec:
         handle_id = secrets.token_hex(16)
+        # the transfers first: the handle exists (and owns its hold on the rows) only once nothing can fail
+        transfers = tuple(EmbeddingTransferSpec(name, (), backend.source_attributes(handle_id, rows))
+                          for name, backend in self.backends.items())
         self.handles.add(KvSession(handle_id, identity, rows, time.monotonic() + lease))
         mm_hash, algorithm = split_identity(identity)
         expected = self.expectation
-        transfers = tuple(EmbeddingTransferSpec(name, (), backend.source_attributes(handle_id, rows))
-                          for name, backend in self.backends.items())
         return EmbeddingHandleSpec(handle_id, mm_hash, algorithm, "image", (len(rows), expected.hidden_size),
                                    expected.dtype, expected.layout, expected.fingerprint, transfers,
                                    time.time_ns() + int(lease * 1e9), cached)

@@ -23,8 +23,9 @@ for items it decodes the image to learn its identity, and never encodes it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,7 +39,7 @@ from refengine.model.vision import VisionEncoder, load_vision_config
 from refengine.multimodal.encoder_cache import EncoderCache
 from refengine.multimodal.handles import HandleExpectation, check_handles
 from refengine.multimodal.placeholders import expand_placeholders
-from refengine.multimodal.sources import LoadedImage, check_item, encoded_bytes, image_of
+from refengine.multimodal.sources import LoadedImage, check_item, fetched_bytes, image_of, local_bytes
 from refengine.scheduler.scheduler import SchedulerOutput
 from refengine.types import EmbeddingHandleSpec, InvalidRequestError, MediaInput
 
@@ -134,15 +135,28 @@ class MediaInputs:
                                for start, image, rows in zip(starts, images, embeds, strict=True))
 
     def fetch(self, items: Sequence[MediaInput]) -> list[bytes]:
-        """Each item checked, then its encoded bytes (at most ``max_bytes``): network waits happen
-        here, outside ``decoding``, so a slow URL holds no decode slot."""
-        for item in items:
-            check_item(item)
-        return [encoded_bytes(item, self.config) for item in items]
+        """Each item's encoded bytes (at most ``max_bytes``). Every item is checked as far as it
+        can be without the network before any URL is fetched, so a bad item costs no download;
+        network waits happen here, outside ``decoding``, so a slow URL holds no decode slot.
+        A refusal names the item (``media item <index>: ...``)."""
+        local: list[bytes | None] = []
+        for index, item in enumerate(items):
+            with _naming_item(index):
+                check_item(item)
+                local.append(local_bytes(item, self.config))
+        data: list[bytes] = []
+        for index, (item, item_data) in enumerate(zip(items, local, strict=True)):
+            with _naming_item(index):
+                data.append(item_data if item_data is not None else fetched_bytes(item, self.config))
+        return data
 
     def decode(self, items: Sequence[MediaInput], data: Sequence[bytes]) -> list[LoadedImage]:
         """The images of ``fetch``'s bytes; call it holding ``decoding`` until they are encoded."""
-        return [image_of(item, item_data, self.config) for item, item_data in zip(items, data, strict=True)]
+        images: list[LoadedImage] = []
+        for index, (item, item_data) in enumerate(zip(items, data, strict=True)):
+            with _naming_item(index):
+                images.append(image_of(item, item_data, self.config))
+        return images
 
     def encode_images(self, images: Sequence[LoadedImage]) -> torch.Tensor:
         """``[len(images), num_image_tokens, hidden]``: preprocess and encode, no cache."""
@@ -156,9 +170,20 @@ class MediaInputs:
         if missing:
             encoded = self.encode_images([images[i] for i in missing])
             for row, i in enumerate(missing):
-                found[i] = encoded[row]
-                self.cache.put(images[i].identity, encoded[row])
+                # a copy: a view of ``encoded`` would keep the whole batch alive as long as any one
+                # of its entries stays cached (the cache bounds entries, not batches)
+                found[i] = encoded[row].clone() if len(missing) > 1 else encoded[row]
+                self.cache.put(images[i].identity, found[i])
         return [rows for rows in found if rows is not None]
+
+
+@contextlib.contextmanager
+def _naming_item(index: int) -> Iterator[None]:
+    """An ``InvalidRequestError`` raised inside says which of the request's items it is about."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"media item {index}: {exc}") from None
 
 
 def step_embeds(sched: SchedulerOutput, requests: Mapping[str, Request]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -14,7 +14,8 @@ already name a new request with a pull of its own.
 Failures (ENC13): a handle the encoder no longer holds (released, expired, encoder restarted)
 or an unreachable encoder → ``kv_transfer_failed``, not retryable (the unchanged request
 names a handle that is gone); a timeout or a corrupt chunk while the encoder may still hold
-the handle → retryable. Staging rows a READ may still write into are never reused.
+the handle → retryable, unless another handle of the request was pulled (and so consumed)
+before it. Staging rows a READ may still write into are never reused.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class MediaPulls:
                 pulled[handle.handle_id] = self._pull(request_id, handle, cancelled, trace)
                 seconds += time.perf_counter() - started
         except TransferFailure as failure:
-            pulled, fault = None, EngineFault("kv_transfer_failed", f"embedding handle: {failure}", failure.retryable)
+            pulled, fault = None, _fault_of(failure, consumed=len(pulled or {}))
         except Exception as exc:  # a backend bug must still end the request
             logger.exception("media pull of request %s failed", request_id)
             pulled, fault = None, EngineFault("internal", f"embedding pull: {type(exc).__name__}: {exc}", False)
@@ -164,6 +165,16 @@ class MediaPulls:
         self._executor.shutdown(wait=True)
         for backend in self.backends.values():
             backend.close()
+
+
+def _fault_of(failure: TransferFailure, consumed: int) -> EngineFault:
+    """ENC13's fault. Retryable only while the unchanged request could still succeed: a handle
+    pulled before the failure is consumed (released on its encoder), so a retry would find it gone."""
+    if consumed and failure.retryable:
+        return EngineFault("kv_transfer_failed", f"embedding handle: {failure}; {consumed} handle(s) of this "
+                           "request were pulled (consumed) before it, so the same request cannot succeed: encode "
+                           "the media again", False)
+    return EngineFault("kv_transfer_failed", f"embedding handle: {failure}", failure.retryable)
 
 
 def make_media_pulls(config: EngineConfig, media: MediaInputs | None, given: Sequence[KvTransferBackend],

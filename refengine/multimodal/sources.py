@@ -1,8 +1,9 @@
 """One ``GenerateRequest.media`` item -> a decoded RGB image, under the ``MediaConfig`` policy.
 
 Rules, in the order they are checked; every refusal is an ``InvalidRequestError`` that says
-what is wrong, and no other exception escapes ``check_item`` (rule 1), ``encoded_bytes`` (2-3)
-or ``image_of`` (4-5), which a caller runs in that order (``engine/media.py``):
+what is wrong, and no other exception escapes ``check_item`` (rule 1), ``encoded_bytes`` (2-3:
+``local_bytes`` without the network, then ``fetched_bytes`` for a url) or ``image_of`` (4-5),
+which a caller runs in that order (``engine/media.py``, every item's ``local_bytes`` first):
 
 1. ``modality`` must be ``"image"``; ``uuid``, when given, at most ``MAX_UUID_BYTES`` bytes.
 2. Exactly one source. ``url``: fetched by ``url_fetch.fetch_url`` under the URL policy.
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 from PIL import Image, UnidentifiedImageError
 
 from refengine.config import MediaConfig
-from refengine.multimodal.url_fetch import fetch_url
+from refengine.multimodal.url_fetch import check_url, fetch_url
 from refengine.types import InvalidRequestError, MediaInput
 
 SUPPORTED_MODALITIES = ("image",)
@@ -95,23 +96,45 @@ def image_of(item: MediaInput, data: bytes, config: MediaConfig) -> LoadedImage:
 
 def encoded_bytes(item: MediaInput, config: MediaConfig) -> bytes:
     """The item's encoded image bytes, from its one source, within ``max_bytes``."""
+    data = local_bytes(item, config)
+    return data if data is not None else fetched_bytes(item, config)
+
+
+def local_bytes(item: MediaInput, config: MediaConfig) -> bytes | None:
+    """Rules 2-3 as far as they go without the network: the bytes of a ``data_uri`` or
+    ``raw_bytes`` item; None for a ``url`` item, whose form and host are checked, not fetched
+    (``fetched_bytes``). So a request's every item can be checked before any URL is fetched."""
+    source = _the_source(item)
+    if source == "url":
+        if not isinstance(item.url, str) or not item.url:
+            raise InvalidRequestError("media url must be a non-empty string")
+        check_url(item.url, config)
+        return None
+    if source == "data_uri":
+        return _within_limits(decode_data_uri(item.data_uri, config.max_bytes), source, config)
+    raw = item.raw_bytes
+    if not isinstance(raw, bytes | bytearray):
+        raise InvalidRequestError(f"media raw_bytes must be bytes, got {type(raw).__name__}")
+    return _within_limits(bytes(raw), source, config)
+
+
+def fetched_bytes(item: MediaInput, config: MediaConfig) -> bytes:
+    """The body at a ``url`` item's URL (``local_bytes`` returned None for it)."""
+    assert item.url is not None, "only a url item is fetched"
+    return _within_limits(fetch_url(item.url, config), "url", config)
+
+
+def _the_source(item: MediaInput) -> str:
     given = [name for name in SOURCES if getattr(item, name) is not None]
     if len(given) != 1:
         raise InvalidRequestError("a media item needs exactly one source (url, data_uri or raw_bytes), "
                                   f"got {', '.join(given) if given else 'none'}")
-    if item.url is not None:
-        if not isinstance(item.url, str) or not item.url:
-            raise InvalidRequestError("media url must be a non-empty string")
-        data = fetch_url(item.url, config)
-    elif item.data_uri is not None:
-        data = decode_data_uri(item.data_uri, config.max_bytes)
-    else:
-        raw = item.raw_bytes
-        if not isinstance(raw, bytes | bytearray):
-            raise InvalidRequestError(f"media raw_bytes must be bytes, got {type(raw).__name__}")
-        data = bytes(raw)
+    return given[0]
+
+
+def _within_limits(data: bytes, source: str, config: MediaConfig) -> bytes:
     if not data:
-        raise InvalidRequestError(f"media {given[0]} holds no bytes (an empty image)")
+        raise InvalidRequestError(f"media {source} holds no bytes (an empty image)")
     if len(data) > config.max_bytes:
         raise InvalidRequestError(f"media item is {len(data)} bytes, more than max_bytes={config.max_bytes}")
     return data

@@ -59,10 +59,16 @@ _RESOLVER = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_pre
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-def fetch_url(url: str, config: MediaConfig) -> bytes:
-    """The body of ``url``, fetched under ``config``'s URL policy (see the module docstring)."""
+def check_url(url: str, config: MediaConfig) -> None:
+    """Rules 1 and 2 for ``url``, without the network (``fetch_url`` checks them again)."""
     if not config.url_allow_hosts:
         raise InvalidRequestError("url media sources are disabled on this server (--media-url-allow HOST enables them)")
+    _parse(url, config)
+
+
+def fetch_url(url: str, config: MediaConfig) -> bytes:
+    """The body of ``url``, fetched under ``config``'s URL policy (see the module docstring)."""
+    check_url(url, config)
     deadline = time.monotonic() + config.url_timeout_seconds
     current, seen = url, {url}
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 
 import grpc
 
@@ -22,6 +23,7 @@ from refengine.server.media_wire import handle_to_pb
 from refengine.server.state import ServerState
 from refengine.server.unary import run_unary
 from refengine.server.validation import check_model
+from refengine.types import EmbeddingHandleSpec, MediaInput
 
 
 class MediaServicer(media_grpc.MediaServicer):
@@ -46,7 +48,7 @@ class MediaServicer(media_grpc.MediaServicer):
                 check_model(request.model, self.state.caps)
             lease = request.lease_seconds if request.HasField("lease_seconds") else None
             items = [media_input(item) for item in request.items]
-            handles = await asyncio.to_thread(engine.encode, items, lease)
+            handles = await _encode_owned(engine, items, lease)
             return media.EncodeResponse(handles=[handle_to_pb(h, self.state.kv_endpoints) for h in handles])
 
         return await self._run(context, build)
@@ -68,3 +70,23 @@ class MediaServicer(media_grpc.MediaServicer):
             return media.RenewLeaseResponse(lease_expires_unix_nanos=expires)
 
         return await self._run(context, build)
+
+
+async def _encode_owned(engine, items: Sequence[MediaInput],  # noqa: ANN001 - the EncoderEngine
+                        lease: float | None) -> list[EmbeddingHandleSpec]:
+    """``engine.encode`` on a worker thread. When the RPC ends first (the client cancelled, its
+    deadline passed), the thread still finishes and makes handles whose ids no client will ever
+    learn, so nothing but their leases would free them: they are released as soon as it is done."""
+    work = asyncio.ensure_future(asyncio.to_thread(engine.encode, items, lease))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        work.add_done_callback(lambda done: _release_orphans(engine, done))
+        raise
+
+
+def _release_orphans(engine, work: asyncio.Future) -> None:  # noqa: ANN001 - the EncoderEngine
+    if work.cancelled() or work.exception() is not None:  # nothing held (ENC3: all or nothing)
+        return
+    orphans = [handle.handle_id for handle in work.result()]
+    asyncio.get_running_loop().run_in_executor(None, engine.release_handles, orphans)

@@ -368,3 +368,69 @@ def test_epd_in_process_and_decode_preemption(llava: TinyLlava) -> None:
         engine.shutdown()
     idle(encoder)
     encoder.shutdown()
+
+
+class AttributesFail(Loopback):
+    """A transfer backend whose handle attributes fail from the ``fail_from``-th call on (as
+    NIXL's do once closed, e.g. when an Encode runs into shutdown)."""
+
+    def __init__(self, fail_from: int) -> None:
+        super().__init__(None)  # type: ignore[arg-type] - never pulls
+        self.calls, self.fail_from = 0, fail_from
+
+    def source_attributes(self, session_id: str, block_ids: object) -> dict[str, object]:
+        self.calls += 1
+        if self.calls >= self.fail_from:
+            raise RuntimeError("backend closed")
+        return {}
+
+
+@pytest.mark.parametrize("fail_from", [1, 2, 3])
+def test_a_handle_that_cannot_be_made_leaves_nothing_held(llava: TinyLlava, fail_from: int) -> None:
+    """ENC3 all or nothing, ENC15: when making the k-th handle fails, the handles made before
+    it are released and the rows of the rest are no longer held (they leaked before)."""
+    encoder = make_encoder(llava.directory)
+    cfg = encoder.config
+    encoder.shutdown()
+    model_config = load_model_config(llava.directory)
+    encoder = EncoderEngine(cfg, encoder.media, engine_info(cfg, model_config, "tiny", 512, 0, multimodal=True),
+                            transfer_backends=[AttributesFail(fail_from)])
+    encoder.start()
+    with pytest.raises(RuntimeError, match="backend closed"):
+        encoder.encode(items(0, 1, 0))  # a repeated image: two handles on one entry
+    idle(encoder)
+    assert encoder.media_stats().cached_entries == 2  # the encodings stay cached for a retry
+    encoder.shutdown()
+
+
+class SecondTimesOut(Loopback):
+    """Pulls the first handle of a request, then times out (retryable) on the next."""
+
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        self.pulls = getattr(self, "pulls", 0) + 1
+        if self.pulls > 1:
+            raise TransferFailure("failed", "timed out", retryable=True)
+        super().pull(order, cancelled)
+
+
+def test_a_retryable_failure_after_a_handle_was_consumed_is_not_retryable(llava: TinyLlava) -> None:
+    """ENC13: a timeout is retryable only while the unchanged request could still succeed. Once
+    one of its handles was pulled, that handle is consumed (released on the encoder), so a retry
+    of the same request would only find it gone: the fault says not retryable (encode again)."""
+    encoder = make_encoder(llava.directory)
+    engine = consumer(llava.directory, encoder, source=SecondTimesOut)
+    handles = reachable(encoder.encode(items(0, 1)))
+    done = engine.run_until_done([request("partial", 2, media_handles=handles)])[0]
+    assert done.error is not None and done.error.code == "kv_transfer_failed" and not done.error.retryable
+    assert "timed out" in done.error.message and engine.stats().used_kv_blocks == 0
+    assert encoder.release_handles([h.handle_id for h in handles]) == 1  # the first was consumed
+    idle(encoder)
+    alone = consumer(llava.directory, encoder, source=SecondTimesOut)
+    alone.core.media_pulls.backends["grpc"].pulls = 1  # type: ignore[union-attr] - the next pull times out
+    handle = reachable(encoder.encode(items(2)))
+    done = alone.run_until_done([request("first", 1, media_handles=handle)])[0]
+    assert done.error is not None and done.error.retryable  # nothing consumed: a retry may succeed
+    encoder.release_handles([handle[0].handle_id])
+    idle(encoder)
+    for closing in (engine, alone, encoder):
+        closing.shutdown()

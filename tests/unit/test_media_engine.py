@@ -136,7 +136,8 @@ def test_prefix_cache_keys_follow_the_image(llava) -> None:
 @pytest.mark.parametrize(("change", "message"), [
     (lambda r: request("x", prompt_with(2), IMAGES[:1]), r"2 image placeholder\(s\) .* 1 media item"),
     (lambda r: request("x", prompt_with(0), IMAGES[:1]), r"0 image placeholder"),
-    (lambda r: request("x", prompt_with(1)[:5] + [IMAGE_TOKEN] * 3, IMAGES[:1]), r"3 tokens long"),
+    (lambda r: request("x", prompt_with(1)[:5] + [IMAGE_TOKEN] * 3, IMAGES[:1]), r"3 image placeholder\(s\)"),
+    (lambda r: request("x", prompt_with(1)[:5] + [IMAGE_TOKEN] * 19, IMAGES[:1]), r"19 tokens long"),
     (lambda r: request("x", prompt_with(1), [b"not an image"]), r"image"),
     (lambda r: request("x", prompt_with(1), [IMAGES[0][:60]]), r"image"),
     (lambda r: GenerationRequest("x", prompt_token_ids=prompt_with(1), media=(MediaInput("video", raw_bytes=b"v"),)),
@@ -273,4 +274,64 @@ def test_at_most_two_requests_hold_decoded_images_at_once(llava, monkeypatch) ->
     assert most[0] <= media_module.MEDIA_DECODES == 2 and len(streams) == 6
     while engine.has_unfinished_requests:
         engine.step()
+    assert_idle(engine)
+
+
+def test_cached_encodings_own_their_memory(llava) -> None:
+    """The encoder cache is bounded in entries; an entry that was a row of a batch's output
+    kept the whole batch alive (up to max_items images per entry), so evicting an entry freed
+    nothing while another of its batch stayed cached. Each entry now owns exactly its rows."""
+    media = make_engine(llava).media
+    _, runs = media.prepare(prompt_with(3), [MediaInput("image", raw_bytes=b) for b in IMAGES])
+    _, single = media.prepare(prompt_with(1), [MediaInput("image", raw_bytes=tiny_llava.png(9, (56, 56)))])
+    runs += single
+    assert len(runs) == 4 and len(media.cache) == 4
+    for run in runs:
+        cached = media.cache.get(run.identity)
+        assert cached is not None and torch.equal(cached, run.embeds)
+        assert cached.untyped_storage().nbytes() == cached.numel() * cached.element_size()
+
+
+def test_a_refusal_names_the_item_and_comes_before_any_url_is_fetched(llava, monkeypatch) -> None:
+    """G19: with several items, the refusal says which one is wrong; and every item is checked as
+    far as it can be without the network before any URL is fetched, so a malformed item at the
+    end of a request costs no download (nor a url_timeout_seconds wait) first."""
+    from refengine.config import MediaConfig
+    from refengine.multimodal import sources
+
+    fetched: list[str] = []
+    monkeypatch.setattr(sources, "fetch_url", lambda url, config: fetched.append(url) or IMAGES[0])
+    media = make_engine(llava).media
+    media.config = MediaConfig(url_allow_hosts=("img.test",))
+    url = MediaInput("image", url="http://img.test/a.png")
+    cases = [
+        ([url, MediaInput("image", raw_bytes=b"x" * 10, uuid="u" * 300)], r"^media item 1: media uuid"),
+        ([url, MediaInput("image", data_uri="data:image/png;base64,@@@@")], r"^media item 1: data_uri payload"),
+        ([url, MediaInput("image", url="http://elsewhere.test/b.png")], r"^media item 1: media url host"),
+        ([url, MediaInput("image")], r"^media item 1: a media item needs exactly one source"),
+        ([MediaInput("image", raw_bytes=IMAGES[0]), MediaInput("image", raw_bytes=b"not an image")],
+         r"^media item 1: media bytes are not an image"),
+    ]
+    for items, message in cases:
+        with pytest.raises(InvalidRequestError, match=message):
+            media.prepare(prompt_with(len(items)), items)
+    assert fetched == []
+    _, runs = media.prepare(prompt_with(2), [url, MediaInput("image", raw_bytes=IMAGES[1])])
+    assert fetched == [url.url] and len(runs) == 2
+
+
+@pytest.mark.parametrize("expanded", [False, True])
+def test_adjacent_placeholders_are_one_image_each_as_in_transformers(llava, expanded: bool) -> None:
+    """G19 ordered placeholders: "<image><image>" (two adjacent markers), and the same prompt as
+    an HF processor expands it (one run of 2 x num_image_tokens), are two images filled in
+    order, as transformers' LLaVA reads them; they were refused as one placeholder of 2 (or 32)
+    tokens. A run that is neither (e.g. num_image_tokens + 1) is still refused."""
+    marker = [IMAGE_TOKEN] * (NUM_IMAGE_TOKENS if expanded else 1)
+    ids = [5, 6, 7] + marker * 2 + [8, 9] + marker + [10]
+    images = IMAGES[:3]
+    expected, _ = hf_greedy(llava, [5, 6, 7, IMAGE_TOKEN, IMAGE_TOKEN, 8, 9, IMAGE_TOKEN, 10], images)
+    engine = make_engine(llava)
+    assert tokens(engine, [request("adjacent", ids, images)]) == [expected]
+    with pytest.raises(InvalidRequestError, match=r"placeholder 0 is 17 tokens long"):
+        engine.add_request(request("odd", [5] + [IMAGE_TOKEN] * (NUM_IMAGE_TOKENS + 1) + [6], images[:2]))
     assert_idle(engine)

@@ -1,0 +1,76 @@
+"""``refengine.v1alpha1.Media`` servicer (``server/media_service.py``) without a network: an
+Encode whose RPC ends (client cancel, deadline) while the encoder is still working must not
+leave handles nobody can name (ENC3 all or nothing, ENC15 held_handles back to 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+from refengine.protocol import oe
+from refengine.protocol.v1alpha1 import media_pb2 as media
+from refengine.server.media_service import MediaServicer
+from refengine.types import EmbeddingHandleSpec, MediaInput
+
+WAIT = 5.0
+
+
+def spec(handle_id: str) -> EmbeddingHandleSpec:
+    return EmbeddingHandleSpec(handle_id, "ab" * 32, "refengine-rgb8-sha256", "image", (16, 64), "float32",
+                               "refengine-embeddings/1:row-major:64:float32", "f" * 64, (), 0, False)
+
+
+class SlowEncoder:
+    """Encodes once ``finish`` is set; records what is released."""
+
+    info = SimpleNamespace(role="encoder")
+
+    def __init__(self) -> None:
+        self.started, self.finish, self.released_all = threading.Event(), threading.Event(), threading.Event()
+        self.released: list[str] = []
+
+    def encode(self, items: list[MediaInput], lease: float | None) -> list[EmbeddingHandleSpec]:
+        self.started.set()
+        assert self.finish.wait(WAIT)
+        return [spec(f"h{i}") for i in range(len(items))]
+
+    def release_handles(self, handle_ids: list[str]) -> int:
+        self.released += handle_ids
+        self.released_all.set()
+        return len(handle_ids)
+
+
+def servicer(engine: SlowEncoder) -> MediaServicer:
+    state = SimpleNamespace(engine_for_generate=lambda: engine, engine_for_control=lambda: engine, caps=None,
+                            kv_endpoints=())
+    return MediaServicer(state)  # type: ignore[arg-type]
+
+
+def encode_request(count: int) -> media.EncodeRequest:
+    return media.EncodeRequest(items=[oe.MediaItem(modality=oe.MODALITY_IMAGE, raw_bytes=b"png")] * count)
+
+
+def test_an_encode_cancelled_mid_work_releases_the_handles_it_made() -> None:
+    """ENC3/ENC15: the client of a cancelled Encode never learns the handle ids, so the server
+    releases them as soon as the work ends; before, they held rows until their leases ended."""
+    engine = SlowEncoder()
+
+    async def scenario() -> None:
+        rpc = asyncio.ensure_future(servicer(engine).Encode(encode_request(2), context=None))
+        assert await asyncio.to_thread(engine.started.wait, WAIT)
+        rpc.cancel()  # what grpc.aio does to the handler when the client cancels or its deadline passes
+        await asyncio.gather(rpc, return_exceptions=True)
+        assert rpc.cancelled()
+        engine.finish.set()
+        assert await asyncio.to_thread(engine.released_all.wait, WAIT)
+
+    asyncio.run(scenario())
+    assert sorted(engine.released) == ["h0", "h1"]
+
+
+def test_an_encode_that_completes_releases_nothing() -> None:
+    engine = SlowEncoder()
+    engine.finish.set()
+    reply = asyncio.run(servicer(engine).Encode(encode_request(2), context=None))
+    assert [h.handle_id for h in reply.handles] == ["h0", "h1"] and engine.released == []
