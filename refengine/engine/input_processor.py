@@ -17,6 +17,7 @@ from refengine.engine.request import Request
 from refengine.engine.role_check import RoleCheck
 from refengine.engine.validation import (
     Limits,
+    validate_context,
     validate_inputs,
     validate_logprobs,
     validate_prompt,
@@ -77,6 +78,7 @@ class InputProcessor:
         lora = None if params.lora_name is None else self.loras.get(params.lora_name)
         media: tuple[MediaRun, ...] = ()
         if params.media or params.media_handles:
+            validate_context(params, len(prompt_ids), self.limits)  # before any image is fetched or encoded
             prompt_ids, media = self._media(params, prompt_ids)
         elif self.media is not None:  # G19: a placeholder with no item to fill it is refused too
             self.media.check_placeholders(prompt_ids)

@@ -112,16 +112,24 @@ def validate_prompt(request: GenerationRequest, prompt_token_ids: list[int], lim
             isinstance(token_id, int) and 0 <= token_id < limits.vocab_size,
             f"token id {token_id} is not in the vocabulary (size {limits.vocab_size})",
         )
-    _require(
-        num_prompt < limits.max_model_len,
-        f"the prompt has {num_prompt} tokens; the context limit is {limits.max_model_len} "
-        "and at least one token must be generated",
-    )
     _require(  # (ref) only when prompt logprobs are asked for: otherwise the start selects nothing
         not request.logprobs.prompt_logprobs or request.logprobs.prompt_logprob_start < num_prompt,
         f"prompt_logprob_start ({request.logprobs.prompt_logprob_start}) must be < the prompt length ({num_prompt})",
     )
     _check_prompt_positions(request, num_prompt)
+    return validate_context(request, num_prompt, limits)
+
+
+def validate_context(request: GenerationRequest, num_prompt: int, limits: Limits) -> int:
+    """G7 and G6 for a prompt of ``num_prompt`` tokens: it and ``max_tokens`` fit the context.
+    Returns the resolved ``max_tokens``. Each check only gets stricter as the prompt grows, so
+    an image prompt is checked before its media are fetched and encoded (with its tokens
+    before expansion), and again after."""
+    _require(
+        num_prompt < limits.max_model_len,
+        f"the prompt has {num_prompt} tokens; the context limit is {limits.max_model_len} "
+        "and at least one token must be generated",
+    )
     max_tokens = request.stopping.max_tokens
     if max_tokens is None:
         max_tokens = limits.max_model_len - num_prompt

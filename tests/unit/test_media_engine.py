@@ -8,6 +8,7 @@ processor and tokenizer, to a temporary directory the engine loads like any chec
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -212,6 +213,27 @@ def test_an_unknown_adapter_is_refused_before_any_image_is_decoded(llava) -> Non
     bad.lora_name = "no-such-adapter"
     with pytest.raises(LoraNotFoundError):
         engine.add_request(bad)
+
+
+@pytest.mark.parametrize("max_tokens", [8, None])
+def test_a_prompt_past_the_context_is_refused_before_any_image_is_decoded(llava, monkeypatch, max_tokens) -> None:
+    """G7 before the media: a prompt whose text alone leaves no room (512-token context) is
+    refused for its length, not for its image, and no image is decoded (nor fetched, nor encoded)."""
+    from refengine.engine import media
+
+    decoded: list[bytes] = []
+    real = media.image_of
+    monkeypatch.setattr(media, "image_of", lambda item, data, config: decoded.append(data) or real(item, data, config))
+    engine = make_engine(llava)
+    bad = request("long", prompt_with(1) + [5] * 600, [IMAGES[0]])
+    bad = dataclasses.replace(bad, stopping=StoppingParams(max_tokens=max_tokens, ignore_eos=True))
+    with pytest.raises(InvalidRequestError, match="the context limit is 512"):
+        engine.add_request(bad)
+    assert not decoded
+    assert not engine.has_unfinished_requests and engine.core.pool.num_used == 0
+    fits = request("fits", prompt_with(1), [IMAGES[0]])
+    engine.add_request(fits)  # the same image in a prompt that fits: decoded, accepted
+    assert decoded
 
 
 def test_no_image_processor_code_from_the_model_directory_runs(tmp_path, monkeypatch) -> None:
