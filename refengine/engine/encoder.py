@@ -30,6 +30,7 @@ import torch
 from PIL import Image
 
 from refengine.config import EngineConfig
+from refengine.engine.encoder_sessions import HandleSessions
 from refengine.engine.info import engine_info
 from refengine.engine.interface import EngineInfo
 from refengine.engine.media import MediaInputs
@@ -55,7 +56,7 @@ from refengine.types import (
 logger = logging.getLogger(__name__)
 
 
-class EncoderEngine(NoGenerate):
+class EncoderEngine(HandleSessions, NoGenerate):
     def __init__(self, config: EngineConfig, media: MediaInputs, info: EngineInfo,
                  transfer_backends: Sequence[KvTransferBackend] = ()) -> None:
         self.config = config
@@ -258,43 +259,6 @@ class EncoderEngine(NoGenerate):
             freed = self.entries.cached_rows
             self.entries.evict_cached()
         return freed
-
-    def read_kv_session(self, session_id: str, first_block_index: int, num_blocks: int) -> bytes:
-        """Rows ``first … first + num - 1`` of a live handle (the KV pull service's read)."""
-        rows = self.handles.begin_read(session_id)
-        try:
-            if first_block_index + num_blocks > len(rows) or num_blocks == 0:
-                raise InvalidRequestError(f"rows {first_block_index}..{first_block_index + num_blocks - 1} "
-                                          f"requested; the handle has {len(rows)}")
-            return self.arena.read(rows[first_block_index:first_block_index + num_blocks])
-        finally:
-            self.handles.end_read(session_id)
-
-    def kv_session_content(self, session_id: str) -> str:
-        return self.handles.content(session_id)
-
-    def block_nbytes(self) -> int:
-        return self.arena.block_nbytes
-
-    def kv_layout(self) -> str:
-        return self.arena.layout
-
-    def pin_kv_session(self, session_id: str, seconds: float) -> int:
-        return len(self.handles.pin(session_id, seconds))
-
-    def confirm_kv_session(self, session_id: str) -> bool:
-        """A consumer pulled the handle: it is released (ENC6)."""
-        released = self.handles.release(session_id, "consumed", pulled=True)
-        self._free_due()
-        return released
-
-    def abort_kv_session(self, session_id: str) -> bool:
-        return self.release_handles([session_id]) == 1
-
-    def release_all_kv_sessions(self) -> int:
-        released = self.handles.release_all("drain")
-        self._free_due()
-        return released
 
     def start(self) -> None:
         if self._sweeper is None:
