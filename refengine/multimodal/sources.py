@@ -1,9 +1,9 @@
 """One ``GenerateRequest.media`` item -> a decoded RGB image, under the ``MediaConfig`` policy.
 
 Rules, in the order they are checked; every refusal is an ``InvalidRequestError`` that says
-what is wrong, and no other exception escapes ``check_item`` (rule 1), ``encoded_bytes`` (2-3:
-``local_bytes`` without the network, then ``fetched_bytes`` for a url) or ``image_of`` (4-5),
-which a caller runs in that order (``engine/media.py``, every item's ``local_bytes`` first):
+what is wrong, and no other exception escapes ``check_item`` (rule 1), ``local_bytes`` (2-3
+without the network) and ``fetched_bytes`` (2-3 for a url) or ``image_of`` (4-5), which a
+caller runs in that order (``engine/media.py``, every item's ``local_bytes`` first):
 
 1. ``modality`` must be ``"image"``; ``uuid``, when given, at most ``MAX_UUID_BYTES`` bytes.
 2. Exactly one source. ``url``: fetched by ``url_fetch.fetch_url`` under the URL policy.
@@ -89,15 +89,9 @@ def check_item(item: MediaInput) -> None:
 
 
 def image_of(item: MediaInput, data: bytes, config: MediaConfig) -> LoadedImage:
-    """Rules 4-5: ``item``'s encoded bytes (``encoded_bytes``) decoded."""
+    """Rules 4-5: ``item``'s encoded bytes (``local_bytes`` or ``fetched_bytes``) decoded."""
     image, fmt = decode_image(data, config)
     return LoadedImage(image=image, identity=_identity(item.uuid, image), num_bytes=len(data), format=fmt)
-
-
-def encoded_bytes(item: MediaInput, config: MediaConfig) -> bytes:
-    """The item's encoded image bytes, from its one source, within ``max_bytes``."""
-    data = local_bytes(item, config)
-    return data if data is not None else fetched_bytes(item, config)
 
 
 def local_bytes(item: MediaInput, config: MediaConfig) -> bytes | None:
