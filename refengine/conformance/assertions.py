@@ -176,6 +176,15 @@ def skip_if_cut_short(res: StreamResult, what: str) -> None:
              "for it)")
 
 
+def skip_if_done_before_deadline(res: StreamResult, deadline_s: float, what: str) -> None:
+    """Skip when a stream meant to outlive a client deadline ended OK before it: a fast server
+    ran the whole request first (the deadline is the client's own, so an OK status means it had
+    not expired). Nothing was cut, so nothing about a transport failure can be judged."""
+    if res.ok:
+        skip(f"{what} ended OK ({len(res.events)} event(s), {res.kinds()[-1] if res.events else 'none'} last) "
+             f"before its {deadline_s:g} s deadline: the server finished it first, no transport failure provoked")
+
+
 def unindexed_events(res: StreamResult) -> int:
     """TokenOutput and GenerationFinished events without ``output_index`` (G10)."""
     return sum(1 for e in res.events if e.WhichOneof("event") in ("token", "finished")
@@ -200,7 +209,9 @@ def settled(t: Target, what: str) -> Any:
     """Wait until no request runs or waits; returns that LoadInfo: the baseline to which a check
     of an idleness rule (A4, A5, H4) expects its own work to return (``t.wait_idle(what,
     baseline=load.used_kv_blocks)``). KV blocks an earlier check left behind are that check's
-    finding; earlier work still running after the idle timeout leaves nothing to judge (skip)."""
+    finding; earlier work still running after the idle timeout leaves nothing to judge (skip), and
+    so does a target without GetLoad (an optional RPC)."""
+    t.need_load(f"{what}: the release of work and KV")
     load = t.wait_until(lambda lo: lo.running_requests == 0 and lo.queued_requests == 0)
     if load.running_requests or load.queued_requests:
         skip(f"{what}: earlier work still runs after {t.options.idle_timeout_s:.0f} s (running="

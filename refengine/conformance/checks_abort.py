@@ -13,6 +13,7 @@ from refengine.conformance.assertions import (
     expect_valid,
     settled,
     skip_if_cut_short,
+    skip_if_done_before_deadline,
     stream_violations,
 )
 from refengine.conformance.enums import enum_name
@@ -98,13 +99,14 @@ def abort_all(t: Target) -> str:
 @check("A4", "Abort(request_id) ends every unfinished output with CANCELLED and frees its KV")
 def abort_running(t: Target) -> str:
     """A4: one GenerationFinished(CANCELLED) per unfinished output (ref), KV freed (back to what
-    was used before it started: blocks an earlier check left are that check's finding)."""
-    base = settled(t, "A4 before")
+    was used before it started: blocks an earlier check left are that check's finding). Without
+    GetLoad (optional) the KV release cannot be seen; the CANCELLED finishes are still checked."""
+    base = settled(t, "A4 before") if t.has_load else None
     n = 2 if (t.max_num_sequences or 1) >= 2 else 1
     req = _long(t, "a4", n)
     call, _ = _start(t, req)
-    load = t.load()
-    busy_blocks = load.used_kv_blocks if load.HasField("used_kv_blocks") else None
+    load = t.load() if base is not None else None
+    busy_blocks = load.used_kv_blocks if load is not None and load.HasField("used_kv_blocks") else None
     code, resp = t.unary_code("Abort", oe.AbortRequest(request_id=req.request_id))
     res = call.join()
     expect(code == grpc.StatusCode.OK and resp.status == oe.ABORT_STATUS_ABORTED,
@@ -113,11 +115,15 @@ def abort_running(t: Target) -> str:
     for i in range(n):
         expect_finish(res, oe.FINISH_REASON_CANCELLED, index=i, what="aborted output")
     expect(len(res.tokens()) < req.stopping.max_tokens, "the aborted request ran to max_tokens")
-    load = t.wait_idle("A4: after Abort", baseline=base.used_kv_blocks)
+    kv = "KV release not observed (GetLoad unavailable)"
+    if base is not None:
+        load = t.wait_idle("A4: after Abort", baseline=base.used_kv_blocks)
+        kv = f"used_kv_blocks {busy_blocks} -> {load.used_kv_blocks}"
+    # Only "still running" is A4's finding; ALREADY_FINISHED vs NOT_FOUND for a finished id is A2's.
     code, resp = t.unary_code("Abort", oe.AbortRequest(request_id=req.request_id))
-    expect(code == grpc.StatusCode.OK and resp.status == oe.ABORT_STATUS_ALREADY_FINISHED,
-           f"second Abort of the same request: {code.name} {enum_name(oe.AbortStatus, resp.status) if resp else ''}")
-    return f"{n} output(s) CANCELLED; used_kv_blocks {busy_blocks} -> {load.used_kv_blocks}"
+    expect(not (code == grpc.StatusCode.OK and resp.status == oe.ABORT_STATUS_ABORTED),
+           "a second Abort found the request still running (ABORTED) after its CANCELLED finish")
+    return f"{n} output(s) CANCELLED; {kv}"
 
 
 @check("A5", "cancelling the call (client cancel) aborts the engine work: GetLoad returns to idle")
@@ -144,11 +150,16 @@ def client_disconnect(t: Target) -> str:
     base = settled(t, "A5 before")
     req = _long(t, "a5d")
     channel = grpc.insecure_channel(t.address)
-    stub = oe.InferenceStub(channel)
-    call = stub.Generate(req, timeout=t.options.stream_timeout_s)
-    first = next(iter(call))
-    expect(first.request_id == req.request_id, "first event carries the wrong request_id")
-    channel.close()
+    try:  # the channel is closed on every path: left open, it would keep the request alive
+        call = oe.InferenceStub(channel).Generate(req, timeout=t.options.stream_timeout_s)
+        first = next(iter(call), None)  # what it carries (its request_id) is G9's to judge
+    except grpc.RpcError as err:
+        first, refused = None, f"{err.code().name}: {err.details()}"
+    else:
+        refused = "ended OK without an event"
+    finally:
+        channel.close()
+    expect(first is not None, f"a long request produced no event before the disconnect ({refused})")
     load = t.wait_idle("A5: after the client closed its channel", baseline=base.used_kv_blocks)
     return f"idle after disconnect (used_kv_blocks {load.used_kv_blocks})"
 
@@ -161,6 +172,7 @@ def client_deadline(t: Target) -> str:
     req = t.long_request("a5t", cap=4000)
     res = t.generate(req, timeout=1.5)
     skip_if_cut_short(res, "a long request before its deadline")
+    skip_if_done_before_deadline(res, 1.5, f"a {req.stopping.max_tokens}-token request")
     expect(res.code == grpc.StatusCode.DEADLINE_EXCEEDED,
            f"a 1.5 s deadline on a {req.stopping.max_tokens}-token request ended with {res.describe()}")
     problems = [p for p in stream_violations(res, cancelled_ok=True) if not p.startswith("G12")]

@@ -40,7 +40,8 @@ from refengine.conformance.target import Target
 def _usage(t: Target, prompt: str, what: str) -> Any:
     """Send ``prompt`` (greedy, 2 tokens); its Usage."""
     usage = generate(t, prompt)
-    expect(usage is not None, f"{what}: no Usage in GenerationFinished")
+    if usage is None:  # a final response without usage is G16's finding; E3 then cannot tell the prompt's size
+        skip(f"{what}: no Usage on the final response (G16 fails for it)")
     return usage
 
 

@@ -56,7 +56,7 @@ def _one_server(s: Target, name: str) -> str:
     busy = None
     if first.engine_role == oe.ENGINE_ROLE_AGGREGATED:  # a PREFILL server would hold a session, a DECODE one needs one
         busy = s.generate_async(s.request("k11", max_tokens=16, ignore_eos=True))
-        s.wait_until(lambda load: load.running_requests > 0 or load.queued_requests > 0, timeout=5)
+        s.wait_busy(lambda load: load.running_requests > 0 or load.queued_requests > 0, timeout=5)
     during = s.unary("GetServerInfo", oe.GetServerInfoRequest())
     if busy is not None:
         busy.join()

@@ -95,8 +95,9 @@ def token_info_aligned(t: Target) -> str:
         req.response.output_candidates.top_n = 2
     res = expect_valid(t.generate(req))
     infos = res.token_infos()
-    expect(len(infos) == res.usage().completion_tokens,
-           f"{len(infos)} TokenInfo for {res.usage().completion_tokens} completion tokens")
+    usage = res.usage()  # None: no usage at all is G16's finding; the count is then the tokens asked for
+    completion = usage.completion_tokens if usage is not None else req.stopping.max_tokens
+    expect(len(infos) == completion, f"{len(infos)} TokenInfo for {completion} completion tokens")
     for i, info in enumerate(infos):
         expect(info.HasField("logprob") and info.HasField("rank"), f"output token {i} lacks logprob or rank")
         expect(info.token != "" or info.token_id == 0, f"output token {i} ({info.token_id}) has no text")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from refengine.conformance.assertions import expect_finish, expect_valid
-from refengine.conformance.registry import CheckFailed, check, expect, skip
+from refengine.conformance.registry import CheckSkipped, check, expect, skip
 from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Target
 from refengine.protocol import oe
@@ -80,7 +80,24 @@ def spanning_stop(ref: StreamResult, span: int) -> tuple[str, int, int]:
         start = offsets[d] + len(texts[d]) - len(left)
         if stop.strip() and full.find(stop) == start:
             return stop, start, tokens_through[d + span]
-    raise CheckFailed(f"no stop string spanning {span + 1} deltas found in the reference text {full!r}")
+    # How a server groups tokens into deltas is its own choice (one TokenOutput is a valid delta):
+    # without such a boundary hold-back cannot be observed, which is no violation.
+    raise CheckSkipped(f"no stop string spanning {span + 1} deltas found in the reference text {full!r} "
+                       f"({len(texts)} TokenOutput deltas)")
+
+
+def some_stop(ref: StreamResult) -> str:
+    """A stop string of the reference text whose first occurrence ends the output early: one
+    spanning a delta boundary when the deltas offer one, else any 3 characters from its middle."""
+    try:
+        return spanning_stop(ref, 1)[0]
+    except CheckSkipped:
+        full = ref.text()
+        for start in range(2, len(full) - 3):
+            stop = full[start:start + 3]
+            if stop.strip() and full.find(stop) == start:
+                return stop
+        raise
 
 
 def first_unique_token(ref: StreamResult, lo: int = 2) -> tuple[int, int]:
@@ -89,7 +106,8 @@ def first_unique_token(ref: StreamResult, lo: int = 2) -> tuple[int, int]:
     for j in range(lo, len(tokens)):
         if tokens[j] not in tokens[:j]:
             return j, tokens[j]
-    raise CheckFailed(f"no token usable as a stop token in {tokens}")
+    raise CheckSkipped(f"no token of the reference output {tokens} is usable as a stop token (each repeats an "
+                       "earlier one)")
 
 
 @check("G9", "every response carries the request's request_id")
@@ -135,8 +153,9 @@ def token_deltas(t: Target) -> str:
     short = expect_valid(t.generate(t.request("g11", max_tokens=8, ignore_eos=True)))
     ref = greedy_reference(t)
     n = len(short.tokens())
-    expect(n == short.usage().completion_tokens,
-           f"{n} tokens across deltas, usage.completion_tokens {short.usage().completion_tokens}")
+    usage = short.usage()  # None: no usage at all is G16's finding, not a crash of this check
+    expect(usage is None or n == usage.completion_tokens,
+           f"{n} tokens across deltas, usage.completion_tokens {usage.completion_tokens if usage else None}")
     expect(ref.tokens()[:n] == short.tokens(), f"greedy tokens of max_tokens 8 {short.tokens()} are not a prefix "
                                                f"of max_tokens 24 {ref.tokens()}")
     expect(ref.text().startswith(short.text()),
@@ -146,7 +165,8 @@ def token_deltas(t: Target) -> str:
         expect(len(ref.text()) <= pieces + len(ref.tokens()),
                f"{len(ref.text())} characters of text for {len(ref.tokens())} tokens whose own texts have "
                f"{pieces}: text deltas look cumulative")
-    expect(len(ref.token_events()) >= 2, "24 tokens arrived in a single TokenOutput (cannot check deltas)")
+    if len(ref.token_events()) < 2:  # legal (one delta is still a delta), but shows nothing of G11
+        skip("24 tokens arrived in a single TokenOutput: delta concatenation cannot be observed")
     return f"{len(ref.token_events())} deltas for {len(ref.tokens())} tokens"
 
 
@@ -184,7 +204,7 @@ def finish_length(t: Target) -> str:
 def finish_stop_match(t: Target) -> str:
     """G13: reason STOP comes with the StopMatch that ended the output."""
     ref = greedy_reference(t)
-    stop, _, _ = spanning_stop(ref, 1)
+    stop = some_stop(ref)
     req = t.request("g13s", max_tokens=24, ignore_eos=True)
     req.stopping.conditions.add(stop_text=stop)
     fin = expect_finish(expect_valid(t.generate(req)), oe.FINISH_REASON_STOP, what=f"stop string {stop!r}")

@@ -7,6 +7,7 @@ from refengine.conformance.checks_output import (
     eos_reference,
     first_unique_token,
     greedy_reference,
+    some_stop,
     spanning_stop,
 )
 from refengine.conformance.enums import enum_name
@@ -63,7 +64,7 @@ def partial_match_released(t: Target) -> str:
     """G14: holding back must not lose text: a stop string whose prefix matches at a delta
     boundary but never completes leaves the full text intact."""
     ref = greedy_reference(t)
-    stop, _, _ = spanning_stop(ref, 1)
+    stop = some_stop(ref)
     never = stop + "\u2603\u2603"  # never produced by the model
     res = _stop_run(t, stop_text=never)
     expect_finish(res, oe.FINISH_REASON_LENGTH, what=f"never-matching stop {never!r}")

@@ -104,6 +104,9 @@ class Target:
         self.server_info: Any = None
         self.model_info: Any = None
         self.idle_used_kv_blocks: int | None = None
+        # GetLoad's answer at connect: the RPC is optional (only the load profile needs it), so the
+        # checks that merely wait for idle or for a batch go on without it (see wait_idle, wait_busy).
+        self.load_code = grpc.StatusCode.OK
         self.enums = EnumLog()  # X4: every enum value received, whichever check caused it
         self.engine_errors: list[Any] = []  # X3: every EngineError event received (append is thread-safe)
         self.rule = ""  # the rule of the check running now (set by the runner): streams are judged by it
@@ -126,6 +129,7 @@ class Target:
             raise ConnectError(f"{self.address}: GetServerInfo lists no supported model; name one with --model")
         self.model_info = self._discover("GetModelInfo", oe.GetModelInfoRequest(model=model))
         code, load = self.unary_code("GetLoad", oe.GetLoadRequest())
+        self.load_code = code
         if code == grpc.StatusCode.OK and load.running_requests == 0 and load.queued_requests == 0 \
                 and load.HasField("used_kv_blocks"):
             self.idle_used_kv_blocks = load.used_kv_blocks
@@ -306,8 +310,29 @@ class Target:
         """An ``on_event`` callback that cancels the call (client disconnect) after ``after_events``."""
         return lambda res, event, call: len(res.events) >= after_events
 
+    @property
+    def has_load(self) -> bool:
+        """Whether GetLoad answered at connect (it is optional: only the load profile needs it)."""
+        return self.load_code == grpc.StatusCode.OK
+
+    def need_load(self, what: str) -> None:
+        """Skip unless GetLoad answers: ``what`` can be observed only through it."""
+        if not self.has_load:
+            raise CheckSkipped(f"{what} cannot be observed: GetLoad answered {self.load_code.name} (it is optional; "
+                               "only the load profile requires it)")
+
+    def wait_busy(self, predicate: Callable[[Any], bool], timeout: float) -> Any | None:
+        """Give requests just started time to be admitted: poll GetLoad until ``predicate(load)``
+        (returns the last LoadInfo), or, without GetLoad, wait a moment (returns None)."""
+        if not self.has_load:
+            time.sleep(min(timeout, 0.5))
+            return None
+        return self.wait_until(predicate, timeout)
+
     def wait_until(self, predicate: Callable[[Any], bool], timeout: float | None = None) -> Any:
-        """Poll GetLoad until ``predicate(load)``; returns the last LoadInfo (check it)."""
+        """Poll GetLoad until ``predicate(load)``; returns the last LoadInfo (check it). Skips
+        the check when the target has no GetLoad (:meth:`need_load`)."""
+        self.need_load("the server's load")
         deadline = time.monotonic() + (timeout or self.options.idle_timeout_s)
         load = self.load()
         while not predicate(load) and time.monotonic() < deadline:
@@ -331,7 +356,14 @@ class Target:
         on a server still holding earlier work, and a leak (say, a KV block after a client
         cancel) must fail A5 alone, not every check that waits for idle after it. A server that
         has settled (nothing running or waiting) above the idle value leaked those blocks: the
-        idle value becomes what it holds, so the checks after this one do not wait again."""
+        idle value becomes what it holds, so the checks after this one do not wait again.
+
+        Without GetLoad (optional) a check of another rule goes on at once (returns None); one of
+        :data:`IDLE_RULES` skips, as its rule cannot be observed."""
+        if not self.has_load:  # nothing to wait for; a rule about releasing work cannot be judged
+            if self.rule in IDLE_RULES or not self.rule:
+                self.need_load(f"{what or 'returning to idle'}: the release of work and KV")
+            return None
         limit = self.idle_used_kv_blocks if baseline is None else baseline
 
         def idle(load: Any) -> bool:

@@ -81,6 +81,7 @@ class Faults:
     context_off_by_one: bool = False  # G7: prompt + max_tokens may exceed the context by one
     extra_untyped: bool = False  # G8: extra.toy_knob of any type accepted
     finish_without_request_id: bool = False  # G9: GenerationFinished carries an empty request_id
+    token_without_request_id: bool = False  # G9: TokenOutput carries an empty request_id
     omit_output_index: bool = False  # G10: no output_index on TokenOutput / GenerationFinished
     cumulative_text: bool = False  # G11: TokenOutput.text is the whole text so far
     double_finish: bool = False  # G12: every GenerationFinished is sent twice
@@ -90,6 +91,8 @@ class Faults:
     leak_stop: bool = False  # G14: stop strings stay in the text
     min_tokens_ignored: bool = False  # G15: stop tokens and EOS end outputs below min_tokens
     usage_every_event: bool = False  # G16: usage on every event
+    omit_usage: bool = False  # G16: no usage at all, not even on the final response
+    one_delta: bool = False  # not a fault (G11 allows it): an output's tokens all in one TokenOutput, at its end
     seed_drifts: bool = False  # G17: the seeded stream depends on how many requests ran before
     greedy_shifts_beside_sampling: bool = False  # G18: greedy output changes beside a sampled request
     accept_sourceless_media: bool = False  # G19: a media item without source dropped, not refused
@@ -114,6 +117,7 @@ class Faults:
     connector_pre_release: bool = False  # K11: kv_connector as the pre-release wire has it (fields 8 and 9)
     abort_no_target_not_found: bool = False  # A1: Abort() → NOT_FOUND
     unknown_abort_finished: bool = False  # A2: Abort(unknown request_id) → ALREADY_FINISHED
+    finished_ids_forgotten: bool = False  # A2: Abort(finished request_id) → NOT_FOUND, not ALREADY_FINISHED
     abort_all_wrong_status: bool = False  # A3: Abort(all) with requests running answers ALREADY_FINISHED
     abort_first_output_only: bool = False  # A4: Abort finishes only the first unfinished output
     cancel_reason: int = oe.FINISH_REASON_CANCELLED  # X4: e.g. 4, a FinishReason the release lacks
@@ -198,7 +202,7 @@ class ToyEngine(Streams):
                     break
                 if self.advance(job, out, *self.next_token(job, out, batch)):
                     return
-            if not out.done and out.pending:
+            if not out.done and out.pending and not self.faults.one_delta:
                 held = max([k for x in job.stops for k in range(1, len(x)) if out.text.endswith(x[:k])], default=0)
                 self.emit(job, out, len(out.text) - held)
 
@@ -318,7 +322,8 @@ class ToyEngine(Streams):
                 if job not in self.running_jobs():
                     self.cancel(job)
                 return oe.ABORT_STATUS_ABORTED
-            if request_id in self.finished or self.faults.unknown_abort_finished:
+            if (request_id in self.finished and not self.faults.finished_ids_forgotten) \
+                    or self.faults.unknown_abort_finished:
                 return oe.ABORT_STATUS_ALREADY_FINISHED
             return None
 

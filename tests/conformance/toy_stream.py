@@ -74,6 +74,8 @@ class Streams:
         ev = oe.GenerateResponse(request_id=job.req.request_id, **body)
         if "finished" in body and self.faults.finish_without_request_id:
             ev.request_id = ""
+        if "token" in body and self.faults.token_without_request_id:
+            ev.request_id = ""
         return ev
 
     def emit(self, job: Job, out: Output, upto: int) -> None:
@@ -134,7 +136,7 @@ class Streams:
         job.events.put(None)
 
     def put(self, job: Job, ev: Any, final: bool) -> None:
-        if final or self.faults.usage_every_event:
+        if (final and not self.faults.omit_usage) or self.faults.usage_every_event:
             done = sum(len(o.tokens) for o in job.outputs)
             ev.usage.CopyFrom(oe.Usage(prompt_tokens=len(job.prompt), completion_tokens=done,
                                        total_tokens=len(job.prompt) + done, cached_prompt_tokens=job.cached))
