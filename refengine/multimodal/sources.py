@@ -14,7 +14,8 @@ caller runs in that order (``engine/media.py``, every item's ``local_bytes`` fir
 4. Only the Pillow plugins named in ``image_formats`` ever parse the bytes (``Image.open``
    with ``formats=``), and the format the header turns out to have must itself be accepted
    (an MPO, the multi-picture JPEG many cameras write, counts as JPEG). Width x height, read
-   from the header, must be at most ``max_pixels`` before any pixel is decoded (``load``).
+   from the header, must be at most ``max_pixels`` before any pixel is decoded (``load``);
+   for WebP, before ``Image.open`` itself (``_webp_canvas``: libwebp allocates the canvas there).
    Truncated, corrupt, zero-size or unrecognised data is refused.
 5. Animated images (GIF, APNG, WebP): the first frame only. The result is RGB; transparency
    is composited onto white (as Hugging Face image processors do). EXIF orientation is not
@@ -162,6 +163,13 @@ def decode_data_uri(uri: str, max_bytes: int) -> bytes:
 def decode_image(data: bytes, config: MediaConfig) -> tuple[Image.Image, str]:
     """``data`` decoded to an RGB image under ``config``'s format and size limits, and its format."""
     plugins = _plugins(config.image_formats)
+    canvas = _webp_canvas(data) if "WEBP" in plugins else None
+    if canvas is not None:
+        # Pillow's WebP plugin makes libwebp's animation decoder inside ``Image.open``, which
+        # allocates two canvas-sized RGBA buffers before any size check: 140 bytes claiming
+        # 16383 x 16383 reserved 2 GB (65000 x 65000 in a VP8X header: 33 GB). So a WebP's
+        # size is read here, from its first chunk, and checked before Pillow sees the bytes.
+        _check_size(*canvas, config)
     try:
         with Image.open(io.BytesIO(data), formats=plugins) as image:
             fmt = _check_header(image, config)
@@ -190,7 +198,11 @@ def _check_header(image: Image.Image, config: MediaConfig) -> str:
     if FORMAT_ALIASES.get(fmt, fmt) not in {name.upper() for name in config.image_formats}:
         raise InvalidRequestError(f"image format {fmt or 'unknown'} is not accepted "
                                   f"(accepted: {', '.join(config.image_formats)})")
-    width, height = image.size
+    _check_size(*image.size, config)
+    return fmt
+
+
+def _check_size(width: int, height: int, config: MediaConfig) -> None:
     if width <= 0 or height <= 0:
         raise InvalidRequestError(f"image has no pixels ({width}x{height})")
     if width * height > config.max_pixels:
@@ -200,7 +212,22 @@ def _check_header(image: Image.Image, config: MediaConfig) -> str:
         raise InvalidRequestError(f"image is {width}x{height}, longer than {config.max_aspect_ratio} times its short "
                                   "side (max_aspect_ratio): scaled to the model's input size it would take far more "
                                   "memory than its pixels")
-    return fmt
+
+
+def _webp_canvas(data: bytes) -> tuple[int, int] | None:
+    """Width and height of the canvas a WebP file declares in its first chunk (what libwebp
+    allocates for), or None when ``data`` is not a WebP file whose header says (Pillow judges it)."""
+    if len(data) < 30 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
+        return None
+    chunk = data[12:16]
+    if chunk == b"VP8X":  # extended: 24-bit canvas width - 1 and height - 1
+        return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":  # lossy key frame: 14-bit width and height
+        return int.from_bytes(data[26:28], "little") & 0x3FFF, int.from_bytes(data[28:30], "little") & 0x3FFF
+    if chunk == b"VP8L" and data[20] == 0x2F:  # lossless: 14-bit width - 1 and height - 1
+        bits = int.from_bytes(data[21:25], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    return None
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

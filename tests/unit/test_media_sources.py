@@ -257,3 +257,45 @@ def test_limits_are_per_call_across_threads() -> None:
     for thread in threads:
         thread.join()
     assert len(outcomes) == 80 and all(outcomes)
+
+
+def webp_claiming(width: int, height: int, kind: str) -> bytes:
+    """A tiny WebP (``kind``: lossless, lossy or animated) whose header says ``width`` x ``height``."""
+    frames = [Image.new("RGB", (8, 8), colour) for colour in (RED, BLUE)]
+    options: dict[str, object] = ({"save_all": True, "append_images": frames[1:], "lossless": True}
+                                  if kind == "animated" else {"lossless": kind == "lossless"})
+    data = bytearray(encode(frames[0], "WEBP", **options))
+    chunk = bytes(data[12:16])
+    if chunk == b"VP8X":
+        data[24:27], data[27:30] = (width - 1).to_bytes(3, "little"), (height - 1).to_bytes(3, "little")
+    elif chunk == b"VP8L":
+        bits = int.from_bytes(data[21:25], "little") & ~((1 << 28) - 1)
+        data[21:25] = (bits | (width - 1) | (height - 1) << 14).to_bytes(4, "little")
+    else:
+        assert chunk == b"VP8 "
+        data[26:28], data[28:30] = width.to_bytes(2, "little"), height.to_bytes(2, "little")
+    return bytes(data)
+
+
+@pytest.mark.parametrize("kind", ["lossless", "lossy", "animated"])
+def test_webp_size_is_checked_before_pillow_opens_it(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """Pillow's WebP plugin has libwebp allocate two canvas-sized RGBA buffers inside
+    ``Image.open``, before any size check (140 bytes claiming 16383 x 16383 reserved 2 GB of
+    memory): an oversized WebP must be refused without Pillow ever parsing it."""
+    ok = webp_claiming(8, 8, kind)
+    assert Image.open(io.BytesIO(ok)).size == (8, 8)  # the oracle: Pillow reads the header as we wrote it
+    assert load_image(raw(ok), DEFAULT).image.size == (8, 8)
+    real = encode(noise((60, 30)), "WEBP", **({"lossless": True} if kind == "lossless" else {"quality": 80}))
+    assert load_image(raw(real), DEFAULT).image.size == (60, 30)  # the check reads real headers right too
+    assert Image.open(io.BytesIO(webp_claiming(5000, 4000, kind))).size == (5000, 4000)
+    big = webp_claiming(16383, 16383, kind)
+
+    def no_open(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Image.open was reached for an oversized WebP")
+
+    monkeypatch.setattr(Image, "open", no_open)
+    refused(raw(big), "16383x16383 = 268402689 pixels, more than max_pixels=16000000")
+    refused(raw(webp_claiming(5000, 4000, kind)), "5000x4000 = 20000000 pixels, more than max_pixels=16000000")
+    refused(raw(webp_claiming(2000, 2000, kind)), "4000000 pixels, more than max_pixels=1000000",
+            MediaConfig(max_pixels=10**6))
+    refused(raw(webp_claiming(8000, 20, kind)), "8000x20, longer than 100 times")
