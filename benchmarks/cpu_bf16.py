@@ -52,6 +52,7 @@ import torch  # noqa: E402
 from benchmarks.throughput import make_workload  # noqa: E402
 from refengine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from refengine.engine.engine import Engine  # noqa: E402
+from refengine.engine.info import bf16_attention_path  # noqa: E402
 from refengine.engine.input_builder import build_model_input  # noqa: E402
 from refengine.kernels.cpu_features import bf16_path  # noqa: E402
 from refengine.kernels.linear import Linear, bf16_gemm  # noqa: E402
@@ -179,7 +180,7 @@ def main() -> int:
     path = resolve_model("smollm2-135m-instruct").path
     config = load_model_config(path)
     parts = (config, load_weights(path), load_tokenizer(path), model_fingerprint(path))
-    print(f"bf16 path: {bf16_path(bf16_gemm())}")
+    print(f"bf16 path: {bf16_path(bf16_gemm(), bf16_attention_path('cpu'))}")
     layer_params = sum(w.numel() for name, w in parts[1].items() if name.endswith("proj.weight"))
     head_params = config.vocab_size * config.hidden_size  # the LM head (tied to the embeddings)
     params = layer_params + head_params

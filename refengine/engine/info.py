@@ -27,10 +27,21 @@ def kernel_paths(config: EngineConfig) -> tuple[str, str, str]:
         logger.info("KV cache in %s under %s weights (--kv-cache-dtype); attention computes in %s",
                     config.kv_dtype, config.dtype, config.dtype)
     on_cpu_bf16 = config.dtype == "bfloat16" and config.device == "cpu"
-    bf16 = bf16_path(bf16_gemm(config.kernels.native_cpu_kernels)) if on_cpu_bf16 else ""
+    bf16 = bf16_path(bf16_gemm(config.kernels.native_cpu_kernels), bf16_attention_path(chosen)) if on_cpu_bf16 else ""
     if bf16:
         (logger.info if native_bf16() else logger.warning)("--dtype bfloat16 on CPU: %s", bf16)
     return chosen, why, bf16
+
+
+def bf16_attention_path(backend: str) -> str:
+    """What computes bf16 attention on the CPU under ``backend``, for ``bf16_path``."""
+    if backend != "cpu":
+        return f"the {backend} attention backend"
+    from refengine.kernels.attention.cpu_paged import bf16_query_form
+
+    form = bf16_query_form()
+    dots = f"dot products by {form.name}: {form.why}" if form else "queries widened to float32"
+    return f"the native attention kernel (fp32 accumulation; {dots})"
 
 
 def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_name: str, max_model_len: int,

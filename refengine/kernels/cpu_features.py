@@ -36,11 +36,11 @@ def native_bf16() -> bool:
     return any(flag in cpu_flags() for flag in BF16_FLAGS)
 
 
-def bf16_path(gemm: str) -> str:
+def bf16_path(gemm: str, attention: str) -> str:
     """One line for start-up logs and ServerInfo: which bf16 path runs on this CPU, and why.
-    ``gemm`` names what runs the bf16 projections (``kernels.linear.bf16_gemm``)."""
+    ``gemm`` names what runs the bf16 projections (``kernels.linear.bf16_gemm``), ``attention``
+    what runs bf16 attention (``engine.info``)."""
     found = [flag for flag in BF16_FLAGS if flag in cpu_flags()]
     if found:
-        return f"native bf16 ({', '.join(found)}): bf16 projections in {gemm}, bf16 KV in the native " \
-               "attention kernel (fp32 accumulation)"
+        return f"native bf16 ({', '.join(found)}): bf16 projections in {gemm}, bf16 KV in {attention}"
     return "no native bf16 on this CPU (no avx512_bf16 or amx_bf16): bf16 is emulated and slower than float32"

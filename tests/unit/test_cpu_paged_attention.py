@@ -9,6 +9,7 @@ context (a prefill of it), a second step brings the new queries.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import random
 from dataclasses import dataclass
@@ -22,8 +23,11 @@ from refengine.kernels import cpu
 from refengine.kernels.attention import TorchReferenceBackend, make_attention_backend, registry
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
 from refengine.kernels.attention.cpu_paged import (
+    BF16_QUERY_KERNELS,
     SDPA_MIN_QUERY_TOKENS,
     CpuPagedBackend,
+    bf16_query_form,
+    bf16_query_kernels,
     native_kernel_unavailable_reason,
 )
 from refengine.kernels.cpu_features import cpu_flags, native_bf16
@@ -282,6 +286,69 @@ def test_bf16_queries_on_a_bf16_cache_take_the_vdpbf16ps_kernel() -> None:
     assert len(calls) == 2  # the context step and the step under test
     run_steps(backend, seqs, 16, seed=2, dtype=torch.float32, kv_dtype=torch.bfloat16)
     assert len(calls) == 2
+
+
+def float32_outputs(kernel, captured: list[torch.Tensor]):  # noqa: ANN001, ANN201
+    """``kernel`` (a chunk kernel entry point) recording each call's float32 output, before the
+    backend rounds it to bfloat16. Its arguments: out, q, caches, block tables, query_start_loc
+    (5), seq_lens, seq_ids, num_selected (8), num_heads (9), num_kv_heads, head_dim (11), ..."""
+
+    def run(*args):  # noqa: ANN002, ANN202
+        status = kernel(*args)
+        num_tokens = (ctypes.c_int32 * (args[8] + 1)).from_address(args[5])[args[8]]
+        values = (ctypes.c_float * (num_tokens * args[9] * args[11])).from_address(args[0])
+        captured.append(torch.frombuffer(values, dtype=torch.float32).clone())
+        return status
+
+    return run
+
+
+def both_bf16_query_forms() -> dict:
+    kernels = bf16_query_kernels(cpu.load("paged_attention").library)
+    if len(kernels) < 2:
+        pytest.skip(f"the attention library was built with {sorted(kernels) or 'no'} bf16-query form(s), not both "
+                    "(vdpbf16ps needs AVX512-BF16)")
+    return kernels
+
+
+@pytest.mark.parametrize("denormal_values", [False, True], ids=["normal", "denormal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 80])  # 96: a 32-wide value pass; 80: a 16-wide tail
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_bf16_query_forms_give_the_same_bits(block_size, group, head_dim, denormal_values) -> None:
+    """chunk_attention_bf16q (vdpbf16ps) and chunk_attention_bf16qf (float32 multiply-adds in
+    vdpbf16ps's order: per pair, the odd element's product first) give the same float32 outputs,
+    bit for bit, so the backend may take whichever is faster here. With ``denormal_values`` the
+    first 16 dimensions of every value are denormal (about 1e-39): vdpbf16ps reads them as zero,
+    and the multiply-adds must too (the kernel's DAZ/FTZ setting), or those output dimensions
+    come out as denormals instead of zeros."""
+    seqs = make_seqs(MIXED, NUM_KV_HEADS * group, head_dim, seed=head_dim + group)
+    for seq in seqs:
+        if denormal_values:
+            seq.v[..., :16] *= 1e-39
+    outputs = {}
+    for name, kernel in both_bf16_query_forms().items():
+        backend, outputs[name] = CpuPagedBackend(), []
+        backend._bf16_query_kernel = float32_outputs(kernel, outputs[name])  # noqa: SLF001 - the test's switch
+        run_steps(backend, seqs, block_size, seed=block_size, dtype=torch.bfloat16)
+    dots, fmas = (outputs[name] for name in BF16_QUERY_KERNELS)
+    assert len(dots) == len(fmas) == 2  # the context step and the step under test
+    for by_dots, by_fmas in zip(dots, fmas, strict=True):
+        assert by_dots.abs().max() > 0
+        assert torch.equal(by_dots, by_fmas), f"{(by_dots != by_fmas).sum()} of {by_dots.numel()} outputs differ"
+
+
+def test_the_backend_takes_the_chosen_bf16_query_form() -> None:
+    """bf16_query_form names a form the library has, says why, and is what the backend runs."""
+    form = bf16_query_form()
+    kernels = bf16_query_kernels(cpu.load("paged_attention").library)
+    if form is None:
+        assert not kernels
+        pytest.skip("the attention library has no bf16-query form (no AVX-512)")
+    assert form.name in kernels and form.why
+    if len(kernels) == 2:
+        assert "x the rate of float32 multiply-adds" in form.why
+    assert CpuPagedBackend()._bf16_query_kernel is kernels[form.name]  # noqa: SLF001
 
 
 @pytest.mark.parametrize("block_size", [16, 8])

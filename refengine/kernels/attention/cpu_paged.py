@@ -7,9 +7,12 @@ fresh or continuing a cached context -- goes through one kernel, ``chunk_attenti
 softmax over key tiles at fixed absolute positions. One kernel and one arithmetic per row means
 a row's result depends only on its query, position and keys: not on the batch, nor on how its
 prompt was chunked, nor on whether it was a prompt row or a decode row. On SmolLM2's shapes it
-runs prefill attention 1.6-2.8x (float32) and 2.0-3.4x (bfloat16) as fast as SDPA's CPU flash
-kernel, and decode attention at 1.05-1.48x (float32 cache) and 1.17-1.66x (bfloat16 cache) the
-speed of the row kernel it replaced for decode rows (``benchmarks/cpu_attention.py``).
+ran prefill attention 1.6-2.8x (float32) and 2.0-3.4x (bfloat16) as fast as SDPA's CPU flash
+kernel on AVX512-BF16 machines without AMX, and decode attention at 1.05-1.48x (float32 cache)
+and 1.17-1.66x (bfloat16 cache) the speed of the row kernel it replaced for decode rows
+(``benchmarks/cpu_attention.py``). With AMX, SDPA's bf16 flash kernel is 1.1-2.6x faster than
+it on fresh prompts of 128-2,048 tokens; the chunk kernel keeps them for its invariants (why it
+has no AMX form: ``kernels/cpu/paged_attention.c``).
 
 Other shapes take the earlier pair of paths: rows of chunks shorter than
 ``SDPA_MIN_QUERY_TOKENS`` go through the row kernel (``paged_attention`` in
@@ -21,11 +24,13 @@ Keys are stored transposed within each block. float32 or bfloat16 queries (bfloa
 with native bf16, ``cpu_features``) on a float32 or bfloat16 cache (``--kv-cache-dtype``, any
 pairing): the kernels read 16-bit keys and values and accumulate in float32. float32 queries are
 read as they are; bfloat16 queries on a bfloat16 cache go, where the library was built with
-AVX512-BF16, to ``chunk_attention_bf16q``, which reads their bits and scores them with
-``vdpbf16ps`` (exact products of two bfloat16, float32 sums), and sums the values with it too,
-by pairs of positions under the softmax weights rounded to bfloat16 (as GPU flash attention
-rounds P; the softmax sum adds the rounded weights: ``paged_attention_values.h``); elsewhere
-they are widened to float32 per step. The step's keys and values are rounded to the cache
+AVX-512, to ``chunk_attention_bf16q`` or ``chunk_attention_bf16qf``, which read their bits and
+score them as ``vdpbf16ps`` does (exact products of two bfloat16, float32 sums), and sum the
+values that way too, by pairs of positions under the softmax weights rounded to bfloat16 (as GPU
+flash attention rounds P; the softmax sum adds the rounded weights: ``paged_attention_values.h``).
+The first uses ``vdpbf16ps`` (AVX512-BF16), the second float32 multiply-adds in its order, with the
+same bits; ``bf16_query_form`` takes the faster on this core, measured once. Elsewhere bf16
+queries are widened to float32 per step. The step's keys and values are rounded to the cache
 dtype first, also for the SDPA chunks that read them from the step, so that a prompt's result
 does not depend on how it was chunked. The backend registry (``registry.py``) picks the torch reference for other
 dtypes and devices.
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +65,50 @@ def native_kernel_unavailable_reason(enabled: bool = True) -> str:
     return cpu.load("paged_attention", enabled).reason
 
 
+# The chunk kernel's entry points for bfloat16 queries on a bfloat16 cache, by the dot products
+# they compute with. Both give the same bits (kernels/cpu/paged_attention_scores.h).
+BF16_QUERY_KERNELS = {"vdpbf16ps": "chunk_attention_bf16q", "float32 multiply-adds": "chunk_attention_bf16qf"}
+# vdpbf16ps is kept unless it computes products clearly slower than float32 multiply-adds
+# (bf16_dot_product_speed): on this project's AMX Xeon it measured 0.5, on Zen 4 near 2.
+VDPBF16PS_KEPT_FROM_SPEED = 0.8
+
+
+def bf16_query_kernels(library: ctypes.CDLL) -> dict[str, Callable[..., int]]:
+    """The bf16-query entry points ``library`` was built with (BF16_QUERY_KERNELS' names), typed."""
+    kernels = {}
+    for name, symbol in BF16_QUERY_KERNELS.items():
+        available = getattr(library, f"{symbol}_available")
+        available.restype = ctypes.c_int
+        if available():
+            kernel = getattr(library, symbol)
+            kernel.restype = ctypes.c_int
+            kernel.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int64]
+            kernels[name] = kernel
+    return kernels
+
+
+@dataclass(frozen=True)
+class Bf16QueryForm:
+    name: str  # a key of BF16_QUERY_KERNELS
+    why: str
+
+
+@functools.cache
+def bf16_query_form() -> Bf16QueryForm | None:
+    """How bf16 queries on a bf16 cache are computed here, and why; None where the library has
+    neither form (they are then widened to float32 per step). Measured once per process."""
+    library = cpu.load("paged_attention").library
+    built = bf16_query_kernels(library) if library is not None else {}
+    if len(built) < 2:
+        return Bf16QueryForm(next(iter(built)), "the only form this library was built with") if built else None
+    library.bf16_dot_product_speed.restype = ctypes.c_double
+    speed = library.bf16_dot_product_speed()
+    name = "vdpbf16ps" if speed >= VDPBF16PS_KEPT_FROM_SPEED else "float32 multiply-adds"
+    return Bf16QueryForm(name, f"vdpbf16ps computes products at {speed:.2f}x the rate of float32 multiply-adds "
+                               f"on this core (the same bits either way; below {VDPBF16PS_KEPT_FROM_SPEED}, "
+                               "multiply-adds)")
+
+
 class CpuPagedBackend(AttentionBackend):
     def __init__(self) -> None:
         library = cpu.load("paged_attention").library
@@ -73,13 +123,9 @@ class CpuPagedBackend(AttentionBackend):
         for store in self._stores.values():
             store.restype = None
             store.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_int64] * 2
-        # bf16 queries on a bf16 cache: scored with vdpbf16ps where the library was built with it.
-        library.chunk_attention_bf16q_available.restype = ctypes.c_int
-        self._bf16_query_kernel = (library.chunk_attention_bf16q if library.chunk_attention_bf16q_available()
-                                   else None)
-        if self._bf16_query_kernel is not None:
-            self._bf16_query_kernel.restype = ctypes.c_int
-            self._bf16_query_kernel.argtypes = self._chunk_kernels[torch.bfloat16].argtypes
+        # bf16 queries on a bf16 cache: the faster of the two forms built (they give the same bits).
+        form = bf16_query_form()
+        self._bf16_query_kernel = bf16_query_kernels(library).get(form.name) if form else None
         chunk_attention_supported = library.chunk_attention_supported
         chunk_attention_supported.restype = ctypes.c_int
         chunk_attention_supported.argtypes = [ctypes.c_int, ctypes.c_int]

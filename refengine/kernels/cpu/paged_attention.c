@@ -9,9 +9,10 @@
  *                    takes the shape (kernels/attention/cpu_paged.py), the row kernel elsewhere.
  *
  * Layouts (contiguous; the caches float32, or bfloat16 for the *_bf16 entry points, whose
- * queries and outputs stay float32, and for chunk_attention_bf16q, whose queries are bfloat16
- * (built with AVX512-BF16 only; see the end of this file; its value pass multiplies by the softmax
- * weights rounded to bfloat16, paged_attention_values.h): every product accumulates in float32):
+ * queries and outputs stay float32, and for chunk_attention_bf16q and _bf16qf, whose queries
+ * are bfloat16 (two forms with the same bits, built with AVX512-BF16 and AVX-512; see the end of
+ * this file; their value pass multiplies by the softmax weights rounded to bfloat16,
+ * paged_attention_values.h): every product accumulates in float32):
  *   q                 [num_tokens, num_heads, head_dim], rows q_row_stride apart
  *   out               [num_tokens, num_heads, head_dim]
  *   k_cache           [num_blocks, num_kv_heads, head_dim, block_size]   keys transposed
@@ -41,7 +42,7 @@
  * VDPBF16PS equalled float32 FMAs in Intel's documented order (odd element first) every time,
  * while TDPBF16PS differed from that in 38 % of them (it keeps more precision inside: it is
  * nearer the exactly rounded sum). An AMX prompt path would change a row's bits with how it was
- * scheduled. (So bf16 prefill here runs at 110-130 GFLOP/s, against 230-420 for SDPA, which the
+ * scheduled. (So bf16 prefill here runs at 100-180 GFLOP/s, against 115-460 for SDPA, which the
  * backend keeps for shapes the chunk kernel refuses; benchmarks/cpu_attention.py.)
  *
  * Built with -ffast-math so the loops and exp vectorize; that is safe here because
@@ -133,6 +134,7 @@ static inline float bf16_to_float(uint16_t x)
 #define KV_TO_F(x) (x)
 #define KV_NAME(n) n
 #define Q_T float
+#define Q_TO_F(x) (x)
 #define QUERY_PAIRS 0
 #include "paged_attention_kv.h"
 #include "paged_attention_chunk.h"
@@ -149,19 +151,35 @@ static inline float bf16_to_float(uint16_t x)
 #include "paged_attention_kv.h"
 #include "paged_attention_chunk.h"
 #undef KV_NAME
-#undef Q_T
 #undef QUERY_PAIRS
 
-/* bfloat16 queries on bfloat16 caches, scores and values with vdpbf16ps (paged_attention_scores.h,
- * paged_attention_values.h):
- * chunk_attention_bf16q, the same arguments but q is bfloat16. The backend takes it for a
- * bfloat16 model where chunk_attention_bf16q_available() says it was built. */
+/* bfloat16 queries on bfloat16 caches (the backend takes one of these for a bfloat16 model):
+ *   chunk_attention_bf16q   scores and values with vdpbf16ps (paged_attention_scores.h,
+ *                           paged_attention_values.h); built with AVX512-BF16 only;
+ *   chunk_attention_bf16qf  the same bits from float32 multiply-adds; built with AVX-512.
+ * The same arguments as chunk_attention, but q is bfloat16. Both run with denormals flushed to
+ * zero (DAZ/FTZ, as vdpbf16ps always does), so they agree for every input. */
+#undef Q_T
+#undef Q_TO_F
+#define Q_T uint16_t
+#define Q_TO_F(x) bf16_to_float(x)
 #if defined(__AVX512BF16__)
 #define KV_NAME(n) n##_bf16q
-#define Q_T uint16_t
 #define QUERY_PAIRS 1
 #include "paged_attention_chunk.h"
+#undef KV_NAME
+#undef QUERY_PAIRS
 int chunk_attention_bf16q_available(void) { return 1; }
 #else
 int chunk_attention_bf16q_available(void) { return 0; }
 #endif
+#if defined(__AVX512F__)
+#define KV_NAME(n) n##_bf16qf
+#define QUERY_PAIRS 2
+#include "paged_attention_chunk.h"
+int chunk_attention_bf16qf_available(void) { return 1; }
+#else
+int chunk_attention_bf16qf_available(void) { return 0; }
+#endif
+
+#include "dot_product_speed.h" /* bf16_dot_product_speed: which of the two is faster here */

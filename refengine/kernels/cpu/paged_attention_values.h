@@ -10,7 +10,7 @@
  *                  dimensions, where the float32 form takes two multiply-adds and two widenings
  *                  of the values: the value pass does half the arithmetic. GPU flash attention
  *                  rounds its P the same way before the P.V product. The softmax's maximum and
- *                  exponentials stay float32; its sum adds the rounded weights (value_weight is
+ *                  exponentials stay float32; its sum adds the rounded weights (value_weight16 is
  *                  applied as tile_weights makes them), so the output stays a weighted average
  *                  of the values with weights that sum to 1. (Normalized by the unrounded sum,
  *                  equal values came out scaled by up to 1 +- 2^-9, and on the golden prompts,
@@ -19,7 +19,10 @@
  *                  divergence is 1.11e-3 against 1.09e-3.) A product of two bfloat16 is exact in
  *                  float32, and every sum is float32. A head_dim 16 past a multiple of 32 takes
  *                  the float32 form for its last 16 dimensions.
- * In both, each lane sums its own dimension over the positions (pairs) in increasing order, so a
+ *   QUERY_PAIRS 2  the bits of QUERY_PAIRS 1 from float32 multiply-adds (paged_attention_scores.h):
+ *                  per pair of positions (j, j + 1), position j + 1's product first, as a
+ *                  vdpbf16ps lane adds them; no pair interleaving of the values is needed.
+ * In all, each lane sums its own dimension over the positions (pairs) in increasing order, so a
  * vector's result depends on its weights and the values alone: not on the width, its tile mates
  * or the pass width (the chunk kernel's invariants, paged_attention_chunk.h). */
 
@@ -55,10 +58,10 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_values_part)(
             store16(acc + v * head_dim + lo + 16 * c, out[v][c]);
 }
 
-#if !QUERY_PAIRS
+#if QUERY_PAIRS == 0
 
-/* The weight the value pass multiplies by: the float32 weight itself. */
-static inline float KV_NAME(value_weight)(float weight) { return weight; }
+/* The weights the value pass multiplies by: the float32 weights themselves. */
+static inline vec16 KV_NAME(value_weight16)(vec16 weights) { return weights; }
 
 /* The whole head_dim, 64 dimensions (four registers per vector) at a time for tiles of up to 4
  * vectors (more independent sums, fewer passes over the values), else 32 (two registers): each
@@ -79,16 +82,16 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_values)(
 
 #else
 
-/* The weight the value pass multiplies by: rounded to the nearest bfloat16 (ties to even), kept
- * as a float32, whose high 16 bits are then that bfloat16 exactly. Weights are finite and >= 0. */
-static inline float KV_NAME(value_weight)(float weight)
+/* The weights the value pass multiplies by: each rounded to the nearest bfloat16 (ties to even),
+ * kept as a float32, whose high 16 bits are then that bfloat16 exactly. Weights are finite and >= 0. */
+static inline vec16 KV_NAME(value_weight16)(vec16 weights)
 {
-    uint32_t bits;
-    memcpy(&bits, &weight, sizeof bits);
-    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&weight, &bits, sizeof bits);
-    return weight;
+    typedef uint32_t uvec16 __attribute__((vector_size(64)));
+    const uvec16 bits = (uvec16)weights;
+    return (vec16)((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
 }
+
+#if QUERY_PAIRS == 1
 
 /* vdpbf16ps over two value rows unpacked by 16-bit words pairs up, in each 128-bit lane L,
  * dimensions 8L .. 8L + 3 (the "low" register, its lanes 4L .. 4L + 3) and 8L + 4 .. 8L + 7 (the
@@ -153,7 +156,7 @@ static inline __attribute__((always_inline)) void KV_NAME(pair_values_part)(
             KV_NAME(from_pair_order)(acc + v * head_dim + lo + 32 * g, low[v][g], high[v][g]);
 }
 
-/* The weights (bfloat16 values already, value_weight) as bfloat16 pairs: each one's high 16 bits.
+/* The weights (bfloat16 values already, value_weight16) as bfloat16 pairs: each one's high 16 bits.
  * Then the whole head_dim: 64 dimensions at a time for tiles of up to 4 vectors, else 32, as in
  * the float32 form. */
 static inline __attribute__((always_inline)) void KV_NAME(tile_values)(
@@ -178,4 +181,63 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_values)(
         KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 1);
 }
 
+#else
+
+/* acc[v][lo .. lo + 16 * chunks) += the tile's weighted values, as pair_values_part of
+ * QUERY_PAIRS 1 sums them with vdpbf16ps: for each pair of positions (j, j + 1), weight(j + 1) *
+ * value(j + 1) first, then weight(j) * value(j), each rounded into the sum. A block's odd last
+ * position has no partner: vdpbf16ps adds 0 * weight there first, which leaves the sum as it is. */
+static inline __attribute__((always_inline)) void KV_NAME(fma_pair_values_part)(
+    float *acc, const float *weights, const KV_T *v_cache, const int32_t *block_table, int start, int num_keys,
+    int kv_head, const Shape *s, int lo, const int width, const int chunks)
+{
+    const int head_dim = s->head_dim, block_size = s->block_size;
+    const int64_t token_stride = (int64_t)s->num_kv_heads * head_dim;
+    __m512 out[TILE][4];
+    for (int v = 0; v < width; v++)
+        for (int c = 0; c < chunks; c++)
+            out[v][c] = _mm512_loadu_ps(acc + v * head_dim + lo + 16 * c);
+    for (int offset = 0; offset < num_keys; offset += block_size) {
+        const int position = start + offset;
+        const KV_T *values = v_cache + (int64_t)block_table[position / block_size] * block_size * token_stride +
+                             (int64_t)kv_head * head_dim + lo;
+        const int count = num_keys - offset < block_size ? num_keys - offset : block_size;
+        for (int j = 0; j < count; j += 2) {
+            const int pair = j + 1 < count;
+            __m512 first[4], second[4];
+            for (int c = 0; c < chunks; c++) {
+                first[c] = (__m512)KV_LOAD16(values + j * token_stride + 16 * c);
+                second[c] = pair ? (__m512)KV_LOAD16(values + (j + 1) * token_stride + 16 * c) : _mm512_setzero_ps();
+            }
+            for (int v = 0; v < width; v++) {
+                const __m512 weight = _mm512_set1_ps(weights[v * KEY_TILE + offset + j]);
+                const __m512 next_weight = _mm512_set1_ps(pair ? weights[v * KEY_TILE + offset + j + 1] : 0.0f);
+                for (int c = 0; c < chunks; c++)
+                    out[v][c] = _mm512_fmadd_ps(weight, first[c], _mm512_fmadd_ps(next_weight, second[c], out[v][c]));
+            }
+        }
+    }
+    for (int v = 0; v < width; v++)
+        for (int c = 0; c < chunks; c++)
+            _mm512_storeu_ps(acc + v * head_dim + lo + 16 * c, out[v][c]);
+}
+
+/* The whole head_dim: 64 dimensions at a time for tiles of up to 4 vectors, else 32, and a last
+ * 16 in the float32 form, where QUERY_PAIRS 1 takes it too. */
+static inline __attribute__((always_inline)) void KV_NAME(tile_values)(
+    float *acc, const float *weights, const KV_T *v_cache, const int32_t *block_table, int start, int num_keys,
+    int kv_head, const Shape *s, const int width)
+{
+    int lo = 0;
+    if (width <= 4)
+        for (; lo + 64 <= s->head_dim; lo += 64)
+            KV_NAME(fma_pair_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width,
+                                          4);
+    for (; lo + 32 <= s->head_dim; lo += 32)
+        KV_NAME(fma_pair_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 2);
+    if (lo < s->head_dim)
+        KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 1);
+}
+
+#endif
 #endif
