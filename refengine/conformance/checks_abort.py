@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -18,7 +17,7 @@ from refengine.conformance.assertions import (
 )
 from refengine.conformance.enums import enum_name
 from refengine.conformance.registry import check, expect
-from refengine.conformance.streams import Background, StreamResult
+from refengine.conformance.streams import Background
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
@@ -30,22 +29,13 @@ def _long(t: Target, tag: str, n: int = 1) -> Any:
     return req
 
 
-def _start(t: Target, req: Any) -> tuple[Background, threading.Event]:
-    """Start a stream on a thread; the event is set once its first event arrived (accepted)."""
-    accepted = threading.Event()
-
-    def on_event(res: StreamResult, ev: Any, call: Any) -> bool:
-        accepted.set()
-        return False
-
-    call = t.generate_async(req, on_event=on_event)
-    deadline = time.monotonic() + t.options.stream_timeout_s
-    while not accepted.wait(0.05) and not call.done() and time.monotonic() < deadline:
-        pass
-    if not accepted.is_set():
+def _start(t: Target, req: Any) -> Background:
+    """Start a stream on a thread, once the server has accepted it (``Target.start_stream``)."""
+    call, accepted = t.start_stream(req)
+    if not accepted:
         res = call.join()
-        expect(False, f"{req.request_id} produced no event: {res.describe()}")
-    return call, accepted
+        expect(False, f"{req.request_id} was not seen accepted (no event, no GetLoad count): {res.describe()}")
+    return call
 
 
 @check("A1", "Abort without a target → INVALID_ARGUMENT")
@@ -83,7 +73,7 @@ def abort_all(t: Target) -> str:
            f"Abort(all) on an idle server: status {enum_name(oe.AbortStatus, resp.status)}")
     idle_status = enum_name(oe.AbortStatus, resp.status)
     reqs = [_long(t, "a3"), _long(t, "a3")]
-    calls = [_start(t, r)[0] for r in reqs]
+    calls = [_start(t, r) for r in reqs]
     code, resp = t.unary_code("Abort", oe.AbortRequest(all_requests=oe.AllRequests()))
     results = [c.join() for c in calls]
     expect(code == grpc.StatusCode.OK and resp.status == oe.ABORT_STATUS_ABORTED,
@@ -104,7 +94,7 @@ def abort_running(t: Target) -> str:
     base = settled(t, "A4 before") if t.has_load else None
     n = 2 if (t.max_num_sequences or 1) >= 2 else 1
     req = _long(t, "a4", n)
-    call, _ = _start(t, req)
+    call = _start(t, req)
     load = t.load() if base is not None else None
     busy_blocks = load.used_kv_blocks if load is not None and load.HasField("used_kv_blocks") else None
     code, resp = t.unary_code("Abort", oe.AbortRequest(request_id=req.request_id))

@@ -71,7 +71,7 @@ def error_before_and_after_acceptance(t: Target) -> str:
         expect_rejected(res, codes=NON_OK, what=what)
     streams: list[StreamResult] = [t.generate(t.request("x1ok", max_tokens=3))]
     req = t.long_request("x1ab")
-    streams.append(t.generate(req, on_event=t.aborter(req.request_id)))
+    streams.append(t.generate_aborted(req))
     for res in streams:
         expect(res.ok, f"an accepted stream ended with status {res.code.name}: {res.describe()}")
         problems = stream_violations(res)
@@ -244,7 +244,7 @@ def _gather_enum_samples(t: Target) -> None:
     t.generate(done)
     t.unary_code("Abort", oe.AbortRequest(request_id=done.request_id))  # ALREADY_FINISHED
     long = t.long_request("x4ab")
-    t.generate(long, on_event=t.aborter(long.request_id))  # ABORTED, FinishReason CANCELLED
+    t.generate_aborted(long)  # ABORTED, FinishReason CANCELLED
     if not t.engine_errors and t.options.slow_reader_s > 0:
         stalled_stream(t)
     t.wait_idle("X4 samples")

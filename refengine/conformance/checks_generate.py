@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import threading
 
 import grpc
 from google.protobuf import json_format
@@ -11,7 +10,6 @@ from google.protobuf import json_format
 from refengine.conformance.assertions import expect_finish, expect_rejected, expect_valid
 from refengine.conformance.enums import enum_name
 from refengine.conformance.registry import check, expect, not_claimed
-from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
@@ -41,15 +39,9 @@ def request_id_rules(t: Target) -> str:
     expect_rejected(t.generate(req), what="empty request_id")
 
     long = t.long_request("g2")
-    accepted = threading.Event()  # the first event: the first request is certainly accepted
-
-    def on_event(res: StreamResult, ev: object, call: object) -> bool:
-        accepted.set()
-        return False
-
-    running = t.generate_async(long, on_event=on_event)
+    running, accepted = t.start_stream(long)
     try:
-        expect(accepted.wait(t.options.stream_timeout_s), "the first request produced no event")
+        expect(accepted, "the first request was not seen accepted (no event, no GetLoad count)")
         dup = oe.GenerateRequest()
         dup.CopyFrom(long)
         dup.stopping.max_tokens = 2

@@ -121,7 +121,7 @@ def request_id_echo(t: Target) -> str:
         expect_valid(t.generate(req), num_sequences=2)
         count += 1
     req = t.long_request("g9")
-    res = t.generate(req, on_event=t.aborter(req.request_id))
+    res = t.generate_aborted(req)
     for i, event in enumerate(res.events):
         expect(event.request_id == req.request_id,
                f"aborted stream event {i} carries request_id {event.request_id!r}, sent {req.request_id!r}")
@@ -235,7 +235,7 @@ def finish_eos_match(t: Target) -> str:
 def finish_cancelled(t: Target) -> str:
     """G13 (with A4): an aborted output finishes with CANCELLED."""
     req = t.long_request("g13c")
-    res = t.generate(req, on_event=t.aborter(req.request_id))
+    res = t.generate_aborted(req)
     expect_valid(res, what="aborted stream")
     expect_finish(res, oe.FINISH_REASON_CANCELLED, what="aborted request")
     t.wait_idle("G13 abort")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -305,6 +306,35 @@ class Target:
             return False
 
         return on_event
+
+    def start_stream(self, req: Any) -> tuple[Background, bool]:
+        """Start ``req`` on a thread and wait until the server has certainly accepted it: its
+        first event arrived or, for a server that holds an output's events until it ends (G11
+        allows one TokenOutput per output), GetLoad counts more requests running or queued than
+        before the call. Returns the call and whether acceptance was seen while it ran."""
+        before = self.load() if self.has_load else None
+        accepted = threading.Event()
+
+        def on_event(res: StreamResult, event: Any, call: Any) -> bool:
+            accepted.set()
+            return False
+
+        call = self.generate_async(req, on_event=on_event)
+        deadline = time.monotonic() + self.options.stream_timeout_s
+        while not call.done() and time.monotonic() < deadline:
+            if accepted.wait(0.05):
+                return call, True
+            if before is not None:
+                load = self.load()
+                if load.running_requests + load.queued_requests > before.running_requests + before.queued_requests:
+                    return call, True
+        return call, accepted.is_set()
+
+    def generate_aborted(self, req: Any) -> StreamResult:
+        """Run ``req`` and Abort it once accepted (:meth:`start_stream`); its whole stream."""
+        call, _ = self.start_stream(req)
+        self.abort(req.request_id)
+        return call.join()
 
     def canceller(self, after_events: int = 1) -> Callable[[StreamResult, Any, Any], bool]:
         """An ``on_event`` callback that cancels the call (client disconnect) after ``after_events``."""

@@ -72,6 +72,8 @@ class Control:
 
 CONTROLS = [
     Control("unbroken", ""),
+    # Conforming, not broken: every output in one TokenOutput (G11 allows it) fails nothing.
+    Control("one-delta", "", broken(one_delta=True)),
     Control("schema-release-a-tag", "D1", broken(schema_release="v0.1.0")),
     Control("pipeline-size-zero", "D2", broken(zero_pipeline_size=True)),
     Control("unknown-model-info-invalid", "D3", broken(model_info_unknown_invalid=True)),
@@ -272,6 +274,15 @@ def test_a_missing_output_index_is_blamed_on_g10_alone(outcomes: dict[str, list[
     assert "has no output_index" in by_name["G10:output_index"][1], by_name["G10:output_index"]
     unattributable = {name: status for name, (status, message) in by_name.items() if "cannot be told apart" in message}
     assert unattributable and set(unattributable.values()) == {Status.SKIP.value}, unattributable
+
+
+def test_one_delta_per_output_skips_only_what_needs_delta_boundaries(outcomes: dict[str, list[Outcome]]) -> None:
+    """G11 allows a server to send an output in one TokenOutput: what needs delta boundaries
+    skips, the rest still runs (G13's stop string, G14's release of held-back text)."""
+    by_name = {name: status for name, _, status, _ in outcomes["one-delta"]}
+    assert by_name["G11:token_deltas"] == by_name["G14:stop_string_held_back"] == Status.SKIP.value
+    for name in ("G13:finish_stop_match", "G14:partial_match_released", "G14:stop_token_excluded"):
+        assert by_name[name] == Status.PASS.value, (name, by_name[name])
 
 
 def test_every_rule_with_a_check_has_a_negative_control() -> None:

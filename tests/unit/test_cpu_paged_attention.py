@@ -562,22 +562,25 @@ def test_disabled_by_kernel_config(fresh_loader) -> None:
     with pytest.raises(ValueError, match="--no-native-kernels"):
         make_attention_backend("cpu", torch.float32, "cpu", off)
     assert not (fresh_loader / "kernels").exists()  # not even attempted
-    assert cpu.load("paged_attention").library is not None  # the switch is per call, not process-wide
+    # The switch is per call, not process-wide (the loader's own test: fused_ops builds in a
+    # fraction of a second, paged_attention in about 4).
+    assert cpu.load("fused_ops").library is not None
 
 
 def test_build_is_cached(fresh_loader) -> None:
-    first = cpu.load("paged_attention")
+    """The loader builds once and finds the build again; fused_ops.c (quick to build) stands for any kernel."""
+    first = cpu.load("fused_ops")
     assert first.library is not None and first.reason == ""
-    assert cpu.load("paged_attention") is first  # memoized within the process
+    assert cpu.load("fused_ops") is first  # memoized within the process
     path = Path(first.library._name)
-    assert path.name == "libpaged_attention.so" and path.exists()
+    assert path.name == "libfused_ops.so" and path.exists()
     assert path.parent.parent == fresh_loader / "kernels"
     assert len(path.parent.name) == 16 and all(c in "0123456789abcdef" for c in path.parent.name)
     assert list(path.parent.iterdir()) == [path]  # the temporary build file was renamed, nothing left over
     built = path.stat().st_mtime_ns
 
     cpu.clear_cache()
-    second = cpu.load("paged_attention")  # a new process would do this: finds the built library
+    second = cpu.load("fused_ops")  # a new process would do this: finds the built library
     assert second.library is not None and Path(second.library._name) == path
     assert path.stat().st_mtime_ns == built  # not rebuilt
 
