@@ -28,6 +28,7 @@ from refengine.kernels.attention.cpu_paged import (
     CpuPagedBackend,
     bf16_query_form,
     bf16_query_kernels,
+    choose_bf16_query_form,
     native_kernel_unavailable_reason,
 )
 from refengine.kernels.cpu_features import cpu_flags, native_bf16
@@ -237,28 +238,29 @@ def test_matches_dense_oracle_and_reference(batch, group, head_dim, block_size) 
         torch.testing.assert_close(a, b, atol=TOLERANCE, rtol=0)
 
 
-def backend_for(dot_scores: bool) -> CpuPagedBackend:
-    """The backend; ``dot_scores`` False: bf16 queries are widened to float32 and scored with
-    float32 multiply-adds, as on a library built without AVX512-BF16."""
+def backend_for(form: str | None) -> CpuPagedBackend:
+    """The backend, with bf16 queries on a bf16 cache computed by ``form`` (a name of
+    BF16_QUERY_KERNELS), or (None) widened to float32 per step and scored by the float32 kernel,
+    as on a library built without AVX-512."""
     backend = CpuPagedBackend()
-    if dot_scores and backend._bf16_query_kernel is None:  # noqa: SLF001 - the test's switch
-        pytest.skip("the attention library was built without AVX512-BF16 (no vdpbf16ps scores)")
-    if not dot_scores:
-        backend._bf16_query_kernel = None  # noqa: SLF001
+    kernels = bf16_query_kernels(cpu.load("paged_attention").library)
+    if form is not None and form not in kernels:
+        pytest.skip(f"the attention library was built without the {form} form (vdpbf16ps needs AVX512-BF16)")
+    backend._bf16_query_kernel = kernels[form] if form else None  # noqa: SLF001 - the test's switch
     return backend
 
 
 @pytest.mark.skipif(not native_bf16(), reason="this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
-@pytest.mark.parametrize("dot_scores", [True, False], ids=["vdpbf16ps", "float32-fma"])
+@pytest.mark.parametrize("form", [*BF16_QUERY_KERNELS, None], ids=["vdpbf16ps", "multiply-adds", "widened"])
 @pytest.mark.parametrize("head_dim", [64, 128, 96, 80, 40])  # 96: a 32-wide value pass; 80: a 16-wide tail
 @pytest.mark.parametrize("block_size", [16, 32, 8])
-def test_bfloat16_cache_matches_the_oracle(head_dim, block_size, dot_scores) -> None:
+def test_bfloat16_cache_matches_the_oracle(head_dim, block_size, form) -> None:
     """bf16 keys and values read by the kernel with float32 accumulation: within bf16's rounding
     of the inputs (and the output) of the float64 oracle, and of the torch reference in bf16.
-    Both ways of computing with bf16 queries: vdpbf16ps pairs (scores, and values by pairs of
-    positions under bf16 weights), and float32 multiply-adds."""
+    Every way of computing with bf16 queries: vdpbf16ps pairs (scores, and values by pairs of
+    positions under bf16 weights), the same by float32 multiply-adds, and queries widened to float32."""
     seqs = make_seqs(MIXED, NUM_KV_HEADS * 3, head_dim, seed=head_dim + block_size)
-    native = run_steps(backend_for(dot_scores), seqs, block_size, seed=block_size, dtype=torch.bfloat16)
+    native = run_steps(backend_for(form), seqs, block_size, seed=block_size, dtype=torch.bfloat16)
     assert all(out.dtype == torch.bfloat16 for out in native.new_out)
     assert max_error_vs_oracle(seqs, native) <= 0.05
     reference = run_steps(TorchReferenceBackend(), seqs, block_size, seed=block_size, dtype=torch.bfloat16)
@@ -267,10 +269,10 @@ def test_bfloat16_cache_matches_the_oracle(head_dim, block_size, dot_scores) -> 
 
 
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="this CPU has no avx512_bf16")
-def test_bf16_queries_on_a_bf16_cache_take_the_vdpbf16ps_kernel() -> None:
-    """On an AVX512-BF16 CPU the library is built with the vdpbf16ps scores, and the backend
-    sends bf16 queries on a bf16 cache there (as bf16: the kernel reads q's own bits); float32
-    queries on a bf16 cache are not exact bf16 and keep the float32 kernel."""
+def test_bf16_queries_on_a_bf16_cache_take_the_bf16_query_kernel() -> None:
+    """On an AVX512-BF16 CPU the library is built with both bf16-query forms, and the backend
+    sends bf16 queries on a bf16 cache to the chosen one (as bf16: the kernel reads q's own bits);
+    float32 queries on a bf16 cache are not exact bf16 and keep the float32 kernel."""
     backend = CpuPagedBackend()
     assert backend._bf16_query_kernel is not None  # noqa: SLF001
     calls = []
@@ -311,21 +313,24 @@ def both_bf16_query_forms() -> dict:
     return kernels
 
 
-@pytest.mark.parametrize("denormal_values", [False, True], ids=["normal", "denormal"])
+@pytest.mark.parametrize("tiny_values", [False, True], ids=["normal", "tiny"])
 @pytest.mark.parametrize("head_dim", [64, 128, 96, 80])  # 96: a 32-wide value pass; 80: a 16-wide tail
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_bf16_query_forms_give_the_same_bits(block_size, group, head_dim, denormal_values) -> None:
+def test_bf16_query_forms_give_the_same_bits(block_size, group, head_dim, tiny_values) -> None:
     """chunk_attention_bf16q (vdpbf16ps) and chunk_attention_bf16qf (float32 multiply-adds in
     vdpbf16ps's order: per pair, the odd element's product first) give the same float32 outputs,
-    bit for bit, so the backend may take whichever is faster here. With ``denormal_values`` the
-    first 16 dimensions of every value are denormal (about 1e-39): vdpbf16ps reads them as zero,
-    and the multiply-adds must too (the kernel's DAZ/FTZ setting), or those output dimensions
-    come out as denormals instead of zeros."""
+    bit for bit, so the backend may take whichever is faster here. With ``tiny_values`` the
+    first 16 dimensions of every value are denormal (about 1e-39), which vdpbf16ps reads as zero,
+    and the next 16 are +-2^-125, normal, but their products with the softmax weights and their
+    running sums (of random signs) are often denormal, which vdpbf16ps flushes to zero. The
+    multiply-adds run under DAZ and FTZ: without DAZ this test fails. (FTZ alone is not seen at
+    the outputs: under DAZ every denormal result is read as zero at its next use, as here each is.)"""
     seqs = make_seqs(MIXED, NUM_KV_HEADS * group, head_dim, seed=head_dim + group)
     for seq in seqs:
-        if denormal_values:
+        if tiny_values:
             seq.v[..., :16] *= 1e-39
+            seq.v[..., 16:32] = seq.v[..., 16:32].sign() * 2.0**-125
     outputs = {}
     for name, kernel in both_bf16_query_forms().items():
         backend, outputs[name] = CpuPagedBackend(), []
@@ -336,6 +341,16 @@ def test_bf16_query_forms_give_the_same_bits(block_size, group, head_dim, denorm
     for by_dots, by_fmas in zip(dots, fmas, strict=True):
         assert by_dots.abs().max() > 0
         assert torch.equal(by_dots, by_fmas), f"{(by_dots != by_fmas).sum()} of {by_dots.numel()} outputs differ"
+
+
+def test_vdpbf16ps_is_kept_unless_clearly_slower() -> None:
+    """With both forms built the measured speed decides, and says so; with one, that one runs."""
+    both = list(BF16_QUERY_KERNELS)
+    assert choose_bf16_query_form(both, 0.5).name == "float32 multiply-adds"
+    assert "0.50x the rate of float32 multiply-adds" in choose_bf16_query_form(both, 0.5).why
+    assert choose_bf16_query_form(both, 0.8).name == choose_bf16_query_form(both, 1.9).name == "vdpbf16ps"
+    assert choose_bf16_query_form(["float32 multiply-adds"], 2.0).name == "float32 multiply-adds"
+    assert choose_bf16_query_form([], 2.0) is None
 
 
 def test_the_backend_takes_the_chosen_bf16_query_form() -> None:

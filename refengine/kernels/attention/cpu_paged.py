@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -93,20 +94,37 @@ class Bf16QueryForm:
     why: str
 
 
-@functools.cache
-def bf16_query_form() -> Bf16QueryForm | None:
-    """How bf16 queries on a bf16 cache are computed here, and why; None where the library has
-    neither form (they are then widened to float32 per step). Measured once per process."""
-    library = cpu.load("paged_attention").library
-    built = bf16_query_kernels(library) if library is not None else {}
+def choose_bf16_query_form(built: Collection[str], speed: float) -> Bf16QueryForm | None:
+    """The form to run among those ``built`` (names of BF16_QUERY_KERNELS), given the measured
+    ``speed`` of vdpbf16ps (bf16_dot_product_speed; only read when both are built)."""
     if len(built) < 2:
         return Bf16QueryForm(next(iter(built)), "the only form this library was built with") if built else None
-    library.bf16_dot_product_speed.restype = ctypes.c_double
-    speed = library.bf16_dot_product_speed()
     name = "vdpbf16ps" if speed >= VDPBF16PS_KEPT_FROM_SPEED else "float32 multiply-adds"
     return Bf16QueryForm(name, f"vdpbf16ps computes products at {speed:.2f}x the rate of float32 multiply-adds "
                                f"on this core (the same bits either way; below {VDPBF16PS_KEPT_FROM_SPEED}, "
                                "multiply-adds)")
+
+
+_probe_lock = threading.Lock()
+
+
+@functools.cache
+def _measured_bf16_query_form() -> Bf16QueryForm | None:
+    library = cpu.load("paged_attention").library
+    built = bf16_query_kernels(library) if library is not None else {}
+    speed = 0.0
+    if len(built) == 2:
+        library.bf16_dot_product_speed.restype = ctypes.c_double
+        speed = library.bf16_dot_product_speed()
+    return choose_bf16_query_form(built, speed)
+
+
+def bf16_query_form() -> Bf16QueryForm | None:
+    """How bf16 queries on a bf16 cache are computed here, and why; None where the library has
+    neither form (they are then widened to float32 per step). Measured once per process, under a
+    lock: two engines built at once must not measure twice and perhaps choose differently."""
+    with _probe_lock:
+        return _measured_bf16_query_form()
 
 
 class CpuPagedBackend(AttentionBackend):

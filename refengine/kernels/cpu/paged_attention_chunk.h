@@ -89,17 +89,18 @@ static inline void KV_NAME(prefetch_blocks)(const KV_T *k_cache, const KV_T *v_c
 
 #include "paged_attention_values.h" /* value_weight16 and tile_values, per QUERY_PAIRS */
 
-/* exp(x) of 16 lanes, for the softmax (x = score - maximum <= 0). GCC vectorized expf in
- * tile_weights through libmvec's AVX2 form, eight lanes a call (it tunes these loops for 256-bit
- * vectors); this made bf16 prefill attention 1.05-1.16x faster on the AMX Xeon (2,048 tokens:
- * 35.8 -> 33.4-34.3 ms, benchmarks/cpu_attention.py). Here: x = n ln 2 + r,
- * n = x / ln 2 rounded, |r| <= ln 2 / 2 (ln 2 in two parts, Cody and Waite, so r is exact to far
- * below float32's precision), exp(r) by Cephes' expf polynomial, and 2^n put into the exponent
- * bits: within 1 ulp of the exact value over [-10, 0] and 4 ulp below (checked over 160 million
- * inputs against exp in double precision). exp(0) is exactly 1 (n = 0, r = 0), so a rescale by an
- * unchanged maximum stays exactly 1 as the chunk kernel's invariants need; below -87 (where 2^n
- * would leave float32's normal range) the result is exactly 0. The lanes' arithmetic is fixed,
- * whatever the vector width the compiler maps vec16 to. */
+/* exp(x) of 16 lanes, for the softmax's weights (x = score - maximum: valid for x <= 0 only;
+ * above about 88 the 2^n below wraps). GCC vectorized expf in tile_weights through libmvec's AVX2
+ * form, eight lanes a call (it tunes these loops for 256-bit vectors); this made bf16 prefill
+ * attention 1.05-1.16x faster on the AMX Xeon (2,048 tokens: 35.8 -> 33.4-34.3 ms,
+ * benchmarks/cpu_attention.py). Here: x = n ln 2 + r with n = x / ln 2 rounded, so |r| <= ln 2 / 2;
+ * exp(r) by Cephes' expf polynomial; 2^n put into the exponent bits. One float32 ln 2 is enough
+ * (-ffast-math folds a two-part Cody-Waite constant into one anyway): as built, within 1.07 ulp of
+ * the exact value over [-10, 0] and 4.5 ulp below, where a weight is under 5e-5 of the maximum's.
+ * exp(0) is exactly 1 (n = 0, r = 0); below -87 (where 2^n would leave float32's normal range)
+ * the result is exactly 0. NaN scores are outside the contract: the library is built with
+ * -ffinite-math-only, and here a NaN gives 0. The lanes' arithmetic is fixed, whatever the vector
+ * width the compiler maps vec16 to. */
 #ifndef CHUNK_SOFTMAX_EXP
 #define CHUNK_SOFTMAX_EXP
 typedef int32_t ivec16 __attribute__((vector_size(64)));
@@ -111,8 +112,7 @@ static inline vec16 softmax_exp16(vec16 x)
     const vec16 shifted = clamped * 1.44269504088896341f - 0.5f; /* x <= 0: truncation rounds to nearest */
     const ivec16 n = __builtin_convertvector(shifted, ivec16);
     const vec16 whole = __builtin_convertvector(n, vec16);
-    vec16 r = clamped - whole * 0.693359375f;
-    r = r + whole * 2.12194440e-4f;
+    const vec16 r = clamped - whole * 0.693147180559945f;
     vec16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
@@ -159,6 +159,8 @@ static float KV_NAME(tile_weights)(float *row, int start, int num_keys, VectorSt
     float sum = 0.0f;
     for (int i = 0; i < 16; i++)
         sum += sums[i];
+    /* libm's expf, once per key tile: expf(0) is exactly 1, so an unchanged maximum leaves the
+     * vector's state bit-identical, as the kernel's invariants need. */
     const float rescale = expf(state->max - new_max);
     state->sum = state->sum * rescale + sum;
     state->max = new_max;

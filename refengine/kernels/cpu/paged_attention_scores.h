@@ -13,7 +13,8 @@
  *                  million random lanes on this project's AMX Xeon; the other order missed 13 %),
  *                  with denormal inputs and results flushed to zero, which the kernel's DAZ/FTZ
  *                  setting gives the multiply-adds (chunk_attention). The test suite checks the
- *                  two kernels agree bit for bit (test_cpu_paged_attention.py). On that Xeon
+ *                  two kernels agree bit for bit (test_cpu_paged_attention.py, with denormal
+ *                  values and denormal partial sums). On that Xeon
  *                  vdpbf16ps computes half as many products a cycle (0.5 instructions of 32,
  *                  against 2 multiply-adds of 16), and this form made bf16 prefill attention
  *                  1.26-1.31x faster; the backend measures both once (bf16_dot_product_speed)
