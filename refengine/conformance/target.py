@@ -11,27 +11,23 @@ server sends through these helpers is recorded (:attr:`Target.enums`, for X4).
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from refengine.conformance.enums import EnumLog
 from refengine.conformance.evidence import ExchangeLog
-from refengine.conformance.registry import CheckFailed, CheckSkipped, not_claimed
+from refengine.conformance.options import Options
+from refengine.conformance.registry import CheckFailed, not_claimed
 from refengine.conformance.streams import Background, StreamResult
+from refengine.conformance.target_load import LoadWaits
 from refengine.protocol import oe
 
 Metadata = Sequence[tuple[str, str]]
-#: The rules whose checks judge whether a server returns to idle (no running or queued request,
-#: KV blocks released) after work they caused: abort (A4), client cancel (A5), load counts (H4),
-#: session release (K7). See :meth:`Target.wait_idle`.
-IDLE_RULES = frozenset({"A4", "A5", "H4", "K7"})
 
 
 class ConnectError(Exception):
@@ -39,51 +35,7 @@ class ConnectError(Exception):
     GetModelInfo: D1) fails. The command line reports it and exits 2; no check runs."""
 
 
-@dataclass(frozen=True)
-class Options:
-    """Knobs of a conformance run. ``model`` empty = the first supported model."""
-
-    model: str = ""
-    rpc_timeout_s: float = 10.0  # unary RPCs
-    stream_timeout_s: float = 60.0  # one whole Generate stream
-    idle_timeout_s: float = 20.0  # waiting for GetLoad to return to idle
-    prompt: str = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village,"
-    max_long_prompt: int = 4096  # longest prompt a check may send to reach the context limit
-    # E3: the eviction check fills the prefix cache with fresh prompts; it skips when the cache
-    # (total_kv_blocks x kv_block_size) holds more tokens than this (it sends up to twice that).
-    eviction_budget_tokens: int = 16384
-    # E1: before replaying from batch 1, the expiry check has the server publish batches (fresh
-    # requests) until this batch number; a server retaining more skips it.
-    replay_budget_batches: int = 32
-    # X1/X3: stall a stream this long without reading (0 = don't); set it above the server's
-    # own stall timeout to see a failure after acceptance (refengine: --stall-timeout-seconds).
-    slow_reader_s: float = 0.0
-    slow_reader_extra: dict[str, Any] = field(default_factory=dict)  # GenerateRequest.extra of that stream
-    # G8: known ``extra`` keys -> JSON type ("number", "string", "bool", "list", "struct"), when the
-    # server does not advertise them in ModelInfo.extra["generate_extra_keys"].
-    known_extra_keys: dict[str, str] = field(default_factory=dict)
-    # K4–K10: a disaggregated pair (HOST:PORT of a PREFILL and a DECODE server); the K checks
-    # that need it skip without it. K10 compares the pair with the target when that is AGGREGATED.
-    prefill_address: str = ""
-    decode_address: str = ""
-    # R1–R7: a directory the target can read (inside its LoRA root, e.g. refengine's --lora-root)
-    # where the checks write small PEFT adapters, and the served model's Hugging Face config.json
-    # (their shapes); the R checks that need adapter files skip without both.
-    lora_dir: str = ""
-    lora_model_config: str = ""
-    # D9/G19: the served model's image placeholder token id. With it (and supports_multimodal =
-    # true) prompts are sent as token ids holding it once per image, so real images can be
-    # checked: accepted and completed, and a mismatched or undecodable item refused before
-    # acceptance. Without it those checks skip (no model's placeholder is known to the suite).
-    media_placeholder_token_id: int | None = None
-    # ENC1–ENC15 (draft profile "encoder", docs/profiles/encoder.md): HOST:PORT of an encoder
-    # server (refengine: ``serve --role encoder``) whose embedding handles the target consumes.
-    # Empty: the target itself when it lists side "encoder"; else the checks that need an
-    # encoder skip. The consumer checks also need media_placeholder_token_id.
-    encoder_address: str = ""
-
-
-class Target:
+class Target(LoadWaits):
     """One OpenEngine server, reached at ``address`` (``host:port``)."""
 
     def __init__(self, address: str, options: Options | None = None) -> None:
@@ -339,87 +291,3 @@ class Target:
     def canceller(self, after_events: int = 1) -> Callable[[StreamResult, Any, Any], bool]:
         """An ``on_event`` callback that cancels the call (client disconnect) after ``after_events``."""
         return lambda res, event, call: len(res.events) >= after_events
-
-    @property
-    def has_load(self) -> bool:
-        """Whether GetLoad answered at connect (it is optional: only the load profile needs it)."""
-        return self.load_code == grpc.StatusCode.OK
-
-    def need_load(self, what: str) -> None:
-        """Skip unless GetLoad answers: ``what`` can be observed only through it."""
-        if not self.has_load:
-            raise CheckSkipped(f"{what} cannot be observed: GetLoad answered {self.load_code.name} (it is optional; "
-                               "only the load profile requires it)")
-
-    def wait_busy(self, predicate: Callable[[Any], bool], timeout: float) -> Any | None:
-        """Give requests just started time to be admitted: poll GetLoad until ``predicate(load)``
-        (returns the last LoadInfo), or, without GetLoad, wait a moment (returns None)."""
-        if not self.has_load:
-            time.sleep(min(timeout, 0.5))
-            return None
-        return self.wait_until(predicate, timeout)
-
-    def wait_until(self, predicate: Callable[[Any], bool], timeout: float | None = None) -> Any:
-        """Poll GetLoad until ``predicate(load)``; returns the last LoadInfo (check it). Skips
-        the check when the target has no GetLoad (:meth:`need_load`)."""
-        self.need_load("the server's load")
-        deadline = time.monotonic() + (timeout or self.options.idle_timeout_s)
-        load = self.load()
-        while not predicate(load) and time.monotonic() < deadline:
-            time.sleep(0.05)
-            load = self.load()
-        return load
-
-    def is_idle(self, load: Any) -> bool:
-        idle = load.running_requests == 0 and load.queued_requests == 0
-        if self.idle_used_kv_blocks is not None and load.HasField("used_kv_blocks"):
-            idle = idle and load.used_kv_blocks <= self.idle_used_kv_blocks
-        return idle
-
-    def wait_idle(self, what: str = "", baseline: int | None = None) -> Any:
-        """Wait until no request runs or waits and used KV blocks are back at ``baseline``
-        (default: the idle value seen at connect); returns that LoadInfo.
-
-        Not getting back to idle is the finding of the rules about releasing work and KV
-        (:data:`IDLE_RULES`): a check of one of them fails for it (as does a caller outside a
-        check). Any other check is skipped instead, naming them: it cannot judge its own rule
-        on a server still holding earlier work, and a leak (say, a KV block after a client
-        cancel) must fail A5 alone, not every check that waits for idle after it. A server that
-        has settled (nothing running or waiting) above the idle value leaked those blocks: the
-        idle value becomes what it holds, so the checks after this one do not wait again.
-
-        Without GetLoad (optional) a check of another rule goes on at once (returns None); one of
-        :data:`IDLE_RULES` skips, as its rule cannot be observed."""
-        if not self.has_load:  # nothing to wait for; a rule about releasing work cannot be judged
-            if self.rule in IDLE_RULES or not self.rule:
-                self.need_load(f"{what or 'returning to idle'}: the release of work and KV")
-            return None
-        limit = self.idle_used_kv_blocks if baseline is None else baseline
-
-        def idle(load: Any) -> bool:
-            if baseline is None:
-                return self.is_idle(load)
-            settled = load.running_requests == 0 and load.queued_requests == 0
-            return settled and (not load.HasField("used_kv_blocks") or load.used_kv_blocks <= baseline)
-
-        load = self.wait_until(idle)
-        if not idle(load):
-            message = (f"{what + ': ' if what else ''}server not idle after {self.options.idle_timeout_s:.0f} s: "
-                       f"running={load.running_requests} queued={load.queued_requests} "
-                       f"used_kv_blocks={load.used_kv_blocks} (idle value {limit})")
-            if baseline is None and not load.running_requests and not load.queued_requests \
-                    and load.HasField("used_kv_blocks"):
-                # Settled, but holding KV blocks: earlier work leaked them. That is reported once, here;
-                # later checks judge against what the server holds now instead of each waiting out the
-                # idle timeout again (against a leaky server that wait made every later check slow).
-                self.idle_used_kv_blocks = load.used_kv_blocks
-                message += f"; later checks take {load.used_kv_blocks} as the idle value"
-            if self.rule and self.rule not in IDLE_RULES:
-                raise CheckSkipped(f"{message}; releasing work and KV is checked by {', '.join(sorted(IDLE_RULES))}")
-            raise CheckFailed(message)
-        return load
-
-
-def env_options() -> Options:
-    """Options from OECONF_* environment variables (used by the pytest wrapper)."""
-    return Options(model=os.environ.get("OECONF_MODEL", ""))
