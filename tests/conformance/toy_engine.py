@@ -12,7 +12,6 @@ them (``Faults``) so that tests can show the suite catches the violation.
 
 from __future__ import annotations
 
-import math
 import queue
 import random
 import threading
@@ -27,7 +26,7 @@ from google.protobuf import json_format
 from refengine.conformance.release import RELEASE_BSR_COMMIT
 from refengine.protocol import oe
 from tests.conformance.toy_lora import ToyLoras
-from tests.conformance.toy_model import PrefixCache, distribution, token_info
+from tests.conformance.toy_model import PrefixCache, distribution, probabilities, token_info
 from tests.conformance.toy_requests import (  # noqa: F401  (the toy's limits, imported from here by tests)
     BLOCK,
     CTX,
@@ -229,9 +228,9 @@ class ToyEngine(Streams):
             lp = self.guided_distribution(job, out, temperature, masked, shift)
             reported = reported if f.raw_guided_logprobs else lp
         if temperature == 0:
-            tok = max(range(VOCAB), key=lambda j: lp[j])
+            tok = max(range(VOCAB), key=lp.__getitem__)
         else:
-            tok = out.rng.choices(range(VOCAB), weights=[math.exp(x) for x in lp])[0]
+            tok = out.rng.choices(range(VOCAB), weights=probabilities(lp))[0]
         r = job.req.response
         info = token_info(tok, reported if r.return_output_logprobs else None,
                           r.output_candidates if r.HasField("output_candidates") else None, f)
@@ -276,7 +275,7 @@ class ToyEngine(Streams):
         return False
 
     def guided_distribution(self, job: Job, out: Output, temperature: float, masked: set[int],
-                            shift: int) -> list[float]:
+                            shift: int) -> tuple[float, ...]:
         """The grammar's mask on top of ``masked``; where nothing would be left, the grammar wins."""
         forbidden = set(range(VOCAB)) - allowed_tokens(out.matcher)
         both = masked | forbidden if len(masked | forbidden) < VOCAB else forbidden

@@ -3,6 +3,8 @@ its ASCII vocabulary, the TokenInfo it reports, and its prefix cache."""
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -16,41 +18,66 @@ TEXT = "the quick brown fox jumps over the lazy dog, and then it sleeps under a 
 CACHE_BLOCK = 32  # prefix-cache granularity: longer than the suite's "[oeconf-<run>-<tag>-<n>]" prompt prefixes
 
 
-def log_softmax(xs: list[float]) -> list[float]:
+def log_softmax(xs: list[float]) -> tuple[float, ...]:
     top = max(xs)
     z = top + math.log(sum(math.exp(x - top) for x in xs if x != -math.inf))
-    return [x - z for x in xs]
+    return tuple(x - z for x in xs)
 
 
 def distribution(ctx: list[int], prompt: list[int], temperature: float, masked: set[int],
-                 shift: int = 0) -> list[float]:
+                 shift: int = 0) -> tuple[float, ...]:
     """Log-probabilities of the next token: peaked at the text's next character (moved by
     ``shift``: a LoRA adapter, or a fault); EOS likely after 4 tokens of a ``<|`` prompt."""
     target = min(127, ord(TEXT[len(ctx) % len(TEXT)]) + shift)
+    eos_likely = len(ctx) - len(prompt) >= 4 and asks_for_eos(tuple(prompt))
+    return log_probs(target, eos_likely, temperature, frozenset(masked))
+
+
+@functools.lru_cache(maxsize=1024)
+def asks_for_eos(prompt: tuple[int, ...]) -> bool:
+    return "<|" in "".join(chr(i) for i in prompt if i < 128)
+
+
+@functools.lru_cache(maxsize=8192)
+def log_probs(target: int, eos_likely: bool, temperature: float, masked: frozenset[int]) -> tuple[float, ...]:
+    """``distribution``'s result, which depends on nothing else: cached, because the ~80
+    negative controls' toys ask for the same few thousand rows, and computing each in Python
+    was a good part of their CPU time."""
     logits = [-0.5 * abs(j - target) - 0.001 * j for j in range(VOCAB)]
-    eos_prompt = "<|" in "".join(chr(i) for i in prompt if i < 128)
-    logits[EOS] = 5.0 if eos_prompt and len(ctx) - len(prompt) >= 4 else -20.0
+    logits[EOS] = 5.0 if eos_likely else -20.0
     scale = temperature if temperature > 0 else 1.0
-    logits = [-math.inf if j in masked else x / scale for j, x in enumerate(logits)]
-    return log_softmax(logits)
+    return log_softmax([-math.inf if j in masked else x / scale for j, x in enumerate(logits)])
 
 
-def token_info(tok: int, lp: list[float] | None, spec: Any | None, faults: Faults) -> Any:
+@functools.lru_cache(maxsize=8192)
+def ranking(lp: tuple[float, ...]) -> tuple[list[int], list[int]]:
+    """(token ids from most to least likely, each token's 1-based rank: 1 + how many are likelier)."""
+    order = sorted(range(VOCAB), key=lambda j: -lp[j])
+    negated = sorted(-x for x in lp)  # how many are likelier than x = how many negations are below -x
+    return order, [1 + bisect.bisect_left(negated, -x) for x in lp]
+
+
+@functools.lru_cache(maxsize=8192)
+def probabilities(lp: tuple[float, ...]) -> list[float]:
+    return [math.exp(x) for x in lp]
+
+
+def token_info(tok: int, lp: tuple[float, ...] | None, spec: Any | None, faults: Faults) -> Any:
     info = oe.TokenInfo(token_id=tok, token=chr(tok) if tok < 128 else "</s>")
     if lp is None:
         return info
     if faults.token_info_without_text:
         info.token = ""
+    order, ranks = ranking(lp)
     info.logprob = lp[tok]
-    info.rank = sum(1 for x in lp if x > lp[tok]) + (0 if faults.zero_based_rank else 1)
-    order = sorted(range(VOCAB), key=lambda j: -lp[j])
+    info.rank = ranks[tok] - (1 if faults.zero_based_rank else 0)
     kind = spec.WhichOneof("selection") if spec is not None else None
     everything = order[:100] if faults.all_candidates_truncated else order
     chosen = {"top_n": lambda: order[: spec.top_n], "all": lambda: everything,
               "token_ids": lambda: list(spec.token_ids.ids)}.get(kind, lambda: [])()
     for j in chosen:
         info.candidates.add(token_id=j, logprob=lp[j] if lp[j] != -math.inf else -1e30,
-                            token=chr(j) if j < 128 else "</s>", rank=1 + sum(1 for x in lp if x > lp[j]))
+                            token=chr(j) if j < 128 else "</s>", rank=ranks[j])
     return info
 
 

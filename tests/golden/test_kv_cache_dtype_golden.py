@@ -79,10 +79,14 @@ def prompt_ids(model_parts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def alone(model_parts, prompt_ids, kv_dtype: str) -> list[list[int]]:
+def together(model_parts, prompt_ids, kv_dtype: str) -> list[list[int]]:
+    """Greedy tokens of the golden prompts run as one batch: the reference the oracle checks and
+    the other runs must equal. (Each prompt alone would take 8x the decode steps; one runs alone
+    in the identity test below, and G18 alone-against-batch is test_engine_golden.py's.)"""
     engine = make_engine(model_parts, kv_dtype)
     assert {k.dtype for k, _ in engine.core.runner.kv_caches} == {DTYPES[kv_dtype]}
-    return [engine.run_until_done([greedy_request(i, ids)])[0].outputs[0].token_ids for i, ids in enumerate(prompt_ids)]
+    return [r.outputs[0].token_ids for r in engine.run_until_done(
+        [greedy_request(i, ids) for i, ids in enumerate(prompt_ids)])]
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
@@ -116,25 +120,30 @@ def test_logits_match_transformers_with_a_rounded_cache(model_parts, hf_rounded,
     assert max_diff <= LOGIT_TOLERANCE[kv_dtype], f"engine ({kv_dtype} KV) vs transformers (rounded KV): {max_diff}"
 
 
-def test_greedy_matches_transformers_with_a_rounded_cache(alone, hf_rounded, prompt_ids) -> None:
+def test_greedy_matches_transformers_with_a_rounded_cache(together, hf_rounded, prompt_ids) -> None:
     for i, ids in enumerate(prompt_ids):
-        assert len(alone[i]) == NUM_TOKENS
-        at = first_disagreement(hf_rounded, ids, alone[i])
+        assert len(together[i]) == NUM_TOKENS
+        at = first_disagreement(hf_rounded, ids, together[i])
         assert at == NUM_TOKENS, f"prompt {i} ({PROMPTS[i]!r}): token {at} is not the oracle's greedy choice"
 
 
-def test_greedy_identical_chunked_batched_and_on_prefix_hits(model_parts, prompt_ids, alone, kv_dtype) -> None:
-    """G18 with a 16-bit cache: the same tokens with a 16-token budget (every prompt chunked),
-    beside 8 sampled neighbours, and on a second run whose prompts hit the prefix cache."""
+def test_greedy_identical_alone_chunked_batched_and_on_prefix_hits(model_parts, prompt_ids, together,
+                                                                   kv_dtype) -> None:
+    """G18 with a 16-bit cache: the golden batch's tokens for its longest prompt alone, for all
+    with a 16-token budget (every prompt chunked), beside 8 sampled neighbours, and on a second
+    run whose prompts hit the prefix cache."""
+    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    (alone,) = make_engine(model_parts, kv_dtype).run_until_done([greedy_request(longest, prompt_ids[longest])])
+    assert alone.outputs[0].token_ids == together[longest]
     chunked = make_engine(model_parts, kv_dtype, budget=16)
     results = chunked.run_until_done([greedy_request(i, ids) for i, ids in enumerate(prompt_ids)])
-    assert [r.outputs[0].token_ids for r in results] == alone
+    assert [r.outputs[0].token_ids for r in results] == together
     engine = make_engine(model_parts, kv_dtype)
     noise = [GenerationRequest(request_id=f"noise-{j}", prompt_token_ids=prompt_ids[j] * (1 + j % 3),
                                sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=j),
                                stopping=StoppingParams(max_tokens=8 + 5 * j)) for j in range(8)]
     batch = engine.run_until_done([greedy_request(i, ids) for i, ids in enumerate(prompt_ids)] + noise)
-    assert [r.outputs[0].token_ids for r in batch[:8]] == alone
+    assert [r.outputs[0].token_ids for r in batch[:8]] == together
     long_ids = [ids * 6 for ids in prompt_ids]  # long enough to fill several blocks
     first = engine.run_until_done([greedy_request(i, ids, f"long-{i}") for i, ids in enumerate(long_ids)])
     again = engine.run_until_done([greedy_request(i, ids, f"again-{i}") for i, ids in enumerate(long_ids)])
@@ -144,11 +153,11 @@ def test_greedy_identical_chunked_batched_and_on_prefix_hits(model_parts, prompt
     assert engine.core.pool.num_used == 0
 
 
-def test_greedy_agreement_with_plain_fp32_transformers(alone, hf_smollm2, prompt_ids, kv_dtype) -> None:
+def test_greedy_agreement_with_plain_fp32_transformers(together, hf_smollm2, prompt_ids, kv_dtype) -> None:
     """How long greedy output stays with float32 transformers whose cache is not rounded
     (printed per prompt). Measured 48 of 48 on every golden prompt for both dtypes; required:
     at least half the tokens on average (the 16-bit cache may flip a near-tie)."""
-    agreement = [first_disagreement(hf_smollm2, ids, ours) for ids, ours in zip(prompt_ids, alone, strict=True)]
+    agreement = [first_disagreement(hf_smollm2, ids, ours) for ids, ours in zip(prompt_ids, together, strict=True)]
     print(f"\n{kv_dtype} KV: tokens equal to fp32 transformers before the first divergence, of {NUM_TOKENS}: "
           f"{agreement} (mean {sum(agreement) / len(agreement):.1f})")
     assert sum(agreement) >= len(agreement) * NUM_TOKENS / 2, agreement

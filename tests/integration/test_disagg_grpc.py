@@ -106,14 +106,14 @@ def wait_idle(client: OpenEngineClient, timeout: float = 15.0) -> oe.LoadInfo:
 
 
 @pytest.mark.parametrize("backend", ["grpc", "nixl"])
-def test_sixteen_prompts_equal_aggregated_greedy_and_seeded(clients, backend: str) -> None:
-    """K10 over real processes, 16 prompts × (greedy, temperature 0.8 seeded), in parallel;
-    then half of them again: prefix-cache hits on both sides."""
+def test_eight_prompts_equal_aggregated_greedy_and_seeded(clients, backend: str) -> None:
+    """K10 over real processes, 8 prompts of 1 to ~12 blocks × (greedy, temperature 0.8
+    seeded), in parallel; then half of them again: prefix-cache hits on both sides."""
     prefill_name = "prefill" if backend == "grpc" else "prefill_nixl"
     if prefill_name not in clients:
         pytest.skip(f"nixl: {nixl_available()[1]}")
-    jobs = [(i, t, s) for i in range(16) for t, s in ((0.0, None), (0.8, 1000 + i))]
-    jobs += [(i, t, s) for i, t, s in jobs if i % 2 == 0]
+    jobs = [(i, t, s) for i in range(0, 16, 2) for t, s in ((0.0, None), (0.8, 1000 + i))]
+    jobs += [(i, t, s) for i, t, s in jobs if i % 4 == 0]
 
     def one(job: tuple[int, float, int | None], k: int) -> tuple[Stream, Stream]:
         i, temperature, seed = job
