@@ -87,6 +87,7 @@ FIELD_FLAGS = {
     "MediaConfig.url_allow_private": "--media-url-allow-private",
     "MediaConfig.url_timeout_seconds": "--media-url-timeout",
     "MediaConfig.url_max_redirects": "--media-url-max-redirects",
+    "MediaConfig.encoder_cache_bytes": "--media-cache-mib",
     "EncoderConfig.memory_mib": "--encoder-memory-mib",
     "EncoderConfig.max_cached_entries": "--encoder-cache-entries",
     "EncoderConfig.lease_seconds": "--embedding-lease",
@@ -158,6 +159,8 @@ def _add_media_args(g: argparse._ArgumentGroup) -> None:
                    help="the longest one url fetch may take, redirects included (default: %(default)s)")
     g.add_argument("--media-url-max-redirects", type=int, default=d.url_max_redirects,
                    help="redirects one url fetch follows, each re-checked (default: %(default)s)")
+    g.add_argument("--media-cache-mib", type=float, default=d.encoder_cache_bytes / (1 << 20),
+                   help="host memory for encoded images kept for reuse, MiB; 0 = off (default: %(default)s)")
 
 
 def _add_lora_args(g: argparse._ArgumentGroup) -> None:
@@ -374,7 +377,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                           max_pixels=args.media_max_pixels, max_aspect_ratio=args.media_max_aspect_ratio,
                           image_formats=tuple(args.media_image_format or MediaConfig().image_formats),
                           url_allow_hosts=tuple(args.media_url_allow), url_allow_private=args.media_url_allow_private,
-                          url_timeout_seconds=args.media_url_timeout, url_max_redirects=args.media_url_max_redirects),
+                          url_timeout_seconds=args.media_url_timeout, url_max_redirects=args.media_url_max_redirects,
+                          encoder_cache_bytes=int(args.media_cache_mib * (1 << 20))),
         encoder=EncoderConfig(memory_mib=args.encoder_memory_mib, max_cached_entries=args.encoder_cache_entries,
                               lease_seconds=args.embedding_lease, max_lease_seconds=args.embedding_max_lease,
                               staging_mib=args.embedding_staging_mib, pull_threads=args.embedding_pull_threads,

@@ -146,6 +146,8 @@ class MediaConfig:
     loopback, private, link-local or otherwise non-global addresses (an SSRF surface: off by
     default). ``url_timeout_seconds``: the whole fetch, redirects included.
     ``url_max_redirects``: redirects followed, each re-checked against the policy.
+    ``encoder_cache_bytes``: host memory for encoded images kept for reuse (the engine's
+    encoder cache, ``multimodal/encoder_cache.py``); 0 = encode every item afresh.
     """
 
     max_items: int = 8
@@ -157,6 +159,7 @@ class MediaConfig:
     url_allow_private: bool = False
     url_timeout_seconds: float = 10.0
     url_max_redirects: int = 3
+    encoder_cache_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         check_int(self, "max_items", 1, 256)
@@ -170,6 +173,7 @@ class MediaConfig:
         check_bool(self, "url_allow_private")
         check_positive_float(self, "url_timeout_seconds")
         check_int(self, "url_max_redirects", 0, 20)
+        check_int(self, "encoder_cache_bytes", 0)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,8 @@ class MediaInputs:
                                                                       trust_remote_code=False)
         except (OSError, ValueError) as exc:
             raise UnsupportedModelError(f"{hf_dir}: cannot load the image processor: {exc}") from exc
-        self.cache: EncoderCache[torch.Tensor] = EncoderCache(ENCODER_CACHE_ENTRIES)
+        self.cache: EncoderCache[torch.Tensor] = EncoderCache(ENCODER_CACHE_ENTRIES, config.encoder_cache_bytes,
+                                                             lambda rows: rows.numel() * rows.element_size())
         self._encode_lock = threading.Lock()  # one encode at a time: the step thread runs the LM meanwhile
         # Requests whose images are between decoded and encoded at once: their pixels (up to
         # max_items x max_pixels x 3 bytes, and the processor's float copies) are what a burst of

@@ -5,7 +5,8 @@ adapter is ``already_loaded`` at once (R2, even if its files have gone since). O
 it resolves ``source_path`` (following symlinks) and refuses it unless it lies inside one
 of the configured roots, then compares it with what is loaded: the same id, name and
 resolved path → ``already_loaded`` (R2); any one of them shared with a different adapter
-→ ``LoraConflictError`` (R3). Only then are the files read (``peft.read_peft_adapter``),
+→ ``LoraConflictError`` (R3). Only then are the files read (``peft.read_peft_adapter``,
+opened from the root without following a symlink swapped in since: ``confined.py``),
 outside the registry's lock, so a slow load never blocks generation; loads and unloads
 are serialized among themselves. A load that fails leaves nothing behind.
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refengine.config import LoraConfig, ModelConfig
+from refengine.lora.confined import root_of
 from refengine.lora.peft import PeftAdapter, read_peft_adapter
 from refengine.types import (
     InvalidRequestError,
@@ -89,7 +91,7 @@ class LoraRegistry:
         return resolved
 
     def _inside_roots(self, resolved: str) -> bool:
-        return any(os.path.commonpath([root, resolved]) == root for root in self._roots)
+        return root_of(self._roots, resolved) is not None
 
     def _existing(self, spec: LoraAdapterSpec, resolved: str) -> LoadedLora | None:
         """The identical loaded adapter (R2), None if there is none; a partial match is R3."""
@@ -121,7 +123,7 @@ class LoraRegistry:
                     raise OverloadedError(f"{len(self._by_name)} LoRA adapters are loaded, the most this server "
                                           f"holds (--max-loaded-loras): unload one first")
             self._confine_entries(resolved)
-            adapter = read_peft_adapter(Path(resolved), self.model, self.config.max_lora_rank)
+            adapter = read_peft_adapter(Path(resolved), self.model, self.config.max_lora_rank, self._roots)
             loaded = LoadedLora(spec, next(self._keys), resolved, adapter)
             with self._lock:
                 self._by_name[spec.lora_name] = loaded

@@ -207,6 +207,7 @@ FLAG_SETTINGS = [
     (["--media-url-allow-private"], "MediaConfig.url_allow_private", True),
     (["--media-url-timeout", "3"], "MediaConfig.url_timeout_seconds", 3.0),
     (["--media-url-max-redirects", "0"], "MediaConfig.url_max_redirects", 0),
+    (["--media-cache-mib", "0.5"], "MediaConfig.encoder_cache_bytes", 1 << 19),
     (["--encoder-memory-mib", "3"], "EncoderConfig.memory_mib", 3),
     (["--encoder-cache-entries", "0"], "EncoderConfig.max_cached_entries", 0),
     (["--embedding-lease", "5"], "EncoderConfig.lease_seconds", 5.0),

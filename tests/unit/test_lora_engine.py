@@ -546,17 +546,17 @@ def test_unreadable_adapter_files_are_invalid_argument(tiny, adapters, monkeypat
 
     root, _ = adapters
     engine = make_engine(tiny, root)
-    real_open, real_scandir = Path.open, os.scandir
+    real_open, real_scandir = os.open, os.scandir
 
-    def no_config(self: Path, *args, **kwargs):  # noqa: ANN202
-        if self.name == "adapter_config.json":
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_open(self, *args, **kwargs)
+    def no_config(path, *args, **kwargs):  # noqa: ANN001, ANN202 - os.open's signature
+        if os.path.basename(os.fspath(path)) == "adapter_config.json":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "open", no_config)
+    monkeypatch.setattr(os, "open", no_config)
     with pytest.raises(InvalidRequestError, match="adapter_config.json cannot be read: .*Permission denied"):
         engine.load_lora(spec("attn4", root))
-    monkeypatch.setattr(Path, "open", real_open)
+    monkeypatch.setattr(os, "open", real_open)
     monkeypatch.setattr(os, "scandir", lambda path: real_scandir(str(root / "gone")))
     with pytest.raises(InvalidRequestError, match="cannot be listed: .*No such file"):
         engine.load_lora(spec("attn4", root))

@@ -1,0 +1,129 @@
+"""An adapter's files are read from inside a LoRA root even when the disk changes under the load.
+
+The registry checks ``source_path`` by its resolved path, then reads the files. Anyone who can
+write inside a root could swap a directory or a file for a symlink leading out of it between the
+two; the files are therefore opened from the root one component at a time, never following a
+symlink (``refengine/lora/confined.py``). The swaps below happen exactly in that window (after
+the path checks, before the read); with files opened by path, the first two tests load the
+outside files and fail.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from refengine.lora.confined import NotConfinedError, open_confined
+from refengine.lora.registry import LoraRegistry
+from refengine.types import InvalidRequestError, LoraAdapterSpec
+from tests.unit.test_lora_engine import adapters, make_engine, tiny  # noqa: F401 - fixtures
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+@pytest.fixture
+def layout(adapters, tmp_path: Path) -> tuple[Path, Path, Path]:  # noqa: F811 - the fixture imported above
+    """(root, an adapter directory inside it, a copy of that adapter outside every root)."""
+    shared_root, _ = adapters
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    shutil.copytree(shared_root / "attn4", root / "attn4")
+    shutil.copytree(shared_root / "attn4", outside)
+    return root, root / "attn4", outside
+
+
+def swap_after_the_checks(monkeypatch: pytest.MonkeyPatch, swap: Callable[[], None]) -> None:
+    """Run ``swap`` right after the registry's last path check, before any file is read."""
+    checked = LoraRegistry._confine_entries
+
+    def check_then_swap(self: LoraRegistry, resolved: str) -> None:
+        checked(self, resolved)
+        swap()
+    monkeypatch.setattr(LoraRegistry, "_confine_entries", check_then_swap)
+
+
+def test_a_directory_swapped_for_a_symlink_after_the_check_is_not_followed(
+        tiny, layout, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    root, adapter, outside = layout
+    engine = make_engine(tiny, root)
+
+    def swap() -> None:
+        adapter.rename(root / "moved-away")
+        adapter.symlink_to(outside, target_is_directory=True)
+    swap_after_the_checks(monkeypatch, swap)
+    with pytest.raises(InvalidRequestError, match="adapter_config.json cannot be read: .*not a file inside"):
+        engine.load_lora(LoraAdapterSpec(1, "attn4", str(adapter)))
+    assert engine.list_loras() == []
+
+
+def test_a_weight_file_swapped_for_a_symlink_after_the_check_is_not_followed(
+        tiny, layout, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    root, adapter, outside = layout
+    engine = make_engine(tiny, root)
+
+    def swap() -> None:
+        (adapter / WEIGHTS).unlink()
+        (adapter / WEIGHTS).symlink_to(outside / WEIGHTS)
+    swap_after_the_checks(monkeypatch, swap)
+    with pytest.raises(InvalidRequestError, match=f"{WEIGHTS} cannot be read: .*not a file inside"):
+        engine.load_lora(LoraAdapterSpec(1, "attn4", str(adapter)))
+    assert engine.list_loras() == []
+
+
+def test_symlinks_that_stay_inside_a_root_still_load(tiny, layout) -> None:  # noqa: F811
+    """As before the walk: a symlinked directory or file whose target is inside a root is allowed."""
+    root, adapter, _ = layout
+    (root / "store").mkdir()
+    (adapter / WEIGHTS).rename(root / "store" / WEIGHTS)
+    (adapter / WEIGHTS).symlink_to(root / "store" / WEIGHTS)
+    (root / "alias").symlink_to(adapter, target_is_directory=True)
+    engine = make_engine(tiny, root)
+    loaded, already = engine.load_lora(LoraAdapterSpec(1, "attn4", str(root / "alias")))
+    assert not already and [s.lora_name for s in engine.list_loras()] == ["attn4"]
+
+
+def test_only_regular_files_inside_a_root_are_opened(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.write_bytes(b"secret")
+    (root / "data").write_bytes(b"adapter")
+    os.mkfifo(root / "pipe")  # opening it for reading without O_NONBLOCK would wait for a writer forever
+    (root / "sub").mkdir()
+    with open_confined([str(root)], root / "data") as stream:
+        assert stream.read() == b"adapter"
+    for path, message in ((root / "pipe", "not a regular file"), (root / "sub", "not a regular file"),
+                          (elsewhere, "not a file inside"), (root, "not a file inside")):
+        with pytest.raises(NotConfinedError, match=message):
+            open_confined([str(root)], path)
+    with pytest.raises(FileNotFoundError):
+        open_confined([str(root)], root / "missing")
+
+
+@pytest.mark.parametrize("swapped", ["directory", "file"])
+def test_a_swap_after_the_path_is_resolved_fails_the_walk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         swapped: str) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "adapter").mkdir(parents=True)
+    outside.mkdir()
+    for directory in (root / "adapter", outside):
+        (directory / "data").write_bytes(b"inside" if directory.parent == root else b"secret")
+    resolve = os.path.realpath
+
+    def resolve_then_swap(path: str | os.PathLike[str]) -> str:
+        resolved = resolve(path)
+        if swapped == "directory":
+            (root / "adapter").rename(root / "moved-away")
+            (root / "adapter").symlink_to(outside, target_is_directory=True)
+        else:
+            (root / "adapter" / "data").unlink()
+            (root / "adapter" / "data").symlink_to(outside / "data")
+        return resolved
+    monkeypatch.setattr(os.path, "realpath", resolve_then_swap)
+    with pytest.raises(OSError) as raised:
+        open_confined([str(root)], root / "adapter" / "data")
+    # O_NOFOLLOW: ELOOP for a symlinked file; with O_DIRECTORY too, Linux says ENOTDIR
+    assert raised.value.errno == (errno.ENOTDIR if swapped == "directory" else errno.ELOOP), raised.value
