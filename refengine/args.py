@@ -160,7 +160,8 @@ def _add_media_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--media-url-max-redirects", type=int, default=d.url_max_redirects,
                    help="redirects one url fetch follows, each re-checked (default: %(default)s)")
     g.add_argument("--media-cache-mib", type=float, default=d.encoder_cache_bytes / (1 << 20),
-                   help="host memory for encoded images kept for reuse, MiB; 0 = off (default: %(default)s)")
+                   help="memory for encoded images kept for reuse, on the model's device, beside the KV "
+                   "pool, MiB; 0 = off (default: %(default)s)")
 
 
 def _add_lora_args(g: argparse._ArgumentGroup) -> None:

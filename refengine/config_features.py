@@ -146,8 +146,9 @@ class MediaConfig:
     loopback, private, link-local or otherwise non-global addresses (an SSRF surface: off by
     default). ``url_timeout_seconds``: the whole fetch, redirects included.
     ``url_max_redirects``: redirects followed, each re-checked against the policy.
-    ``encoder_cache_bytes``: host memory for encoded images kept for reuse (the engine's
-    encoder cache, ``multimodal/encoder_cache.py``); 0 = encode every item afresh.
+    ``encoder_cache_bytes``: memory for encoded images kept for reuse (the engine's encoder
+    cache, ``multimodal/encoder_cache.py``), on the model's device and outside the KV pool's
+    budget; 0 = encode every item afresh.
     """
 
     max_items: int = 8

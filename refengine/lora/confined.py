@@ -5,7 +5,7 @@ root. Opening a file by that path afterwards would race the check: in between, a
 write inside the root could swap a directory or a file for a symlink leading out of it, and the
 engine would read, say, ``/etc/shadow`` as adapter weights. So a file is opened from the root's
 own descriptor one path component at a time, each with ``O_NOFOLLOW``: a component that is a
-symlink when it is opened fails to open (ELOOP; ENOTDIR for a directory, on Linux) instead of
+symlink when it is opened fails to open (ELOOP; ENOTDIR for a directory on Linux) instead of
 being followed. A symlink that stays inside a root is still allowed, as it was: the file's path
 is resolved first and the walk runs over the resolved path (if it changes meanwhile, the walk
 fails). The last component must be a regular file; it is opened with ``O_NONBLOCK``, so a FIFO
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 class NotConfinedError(OSError):
@@ -43,13 +44,16 @@ def open_confined(roots: Sequence[str], path: str | Path) -> BinaryIO:
     fd = os.open(root, DIRECTORY_FLAGS)
     try:
         for part in directories:
-            inner = os.open(part, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = inner
-        file_fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+            outer, fd = fd, os.open(part, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(outer)
+        file_fd = os.open(name, FILE_FLAGS, dir_fd=fd)
     finally:
         os.close(fd)
-    if not stat.S_ISREG(os.fstat(file_fd).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(file_fd).st_mode):
+            raise NotConfinedError(f"{resolved!r} is not a regular file")
+        os.set_blocking(file_fd, True)  # O_NONBLOCK was for the open only
+        return os.fdopen(file_fd, "rb")
+    except BaseException:
         os.close(file_fd)
-        raise NotConfinedError(f"{resolved!r} is not a regular file")
-    return os.fdopen(file_fd, "rb")
+        raise

@@ -4,7 +4,9 @@ Keyed by ``LoadedImage.identity`` (``uuid:<uuid>`` or ``sha256:<digest of the pi
 least recently used entries evicted beyond ``max_entries`` or ``max_bytes`` (their sizes
 by ``size_of``): entries alone did not bound memory, as one entry of a large vision model
 is megabytes (576 rows x 4,096 float32 = 9 MiB), so 256 of them could hold 2.4 GiB that no
-budget counted. An entry larger than ``max_bytes`` is not kept. Thread-safe: requests are
+budget counted. The rows live on the model's device (GPU memory on CUDA), beside the KV pool,
+whose ``--kv-memory-mib`` does not include them. An entry larger than ``max_bytes`` is not
+kept; ``max_bytes`` 0 keeps nothing. Thread-safe: requests are
 prepared on the callers' threads. Values are opaque here (the engine stores the image's
 embedding rows). ``hits`` and ``misses`` count lookups.
 """
@@ -47,7 +49,7 @@ class EncoderCache(Generic[Value]):
         size = self._size_of(value)
         with self._lock:
             self._drop(identity)
-            if self.max_entries == 0 or size > self.max_bytes:
+            if self.max_entries == 0 or self.max_bytes == 0 or size > self.max_bytes:
                 return
             self._entries[identity] = (value, size)
             self.num_bytes += size

@@ -50,16 +50,16 @@ def log_probs(target: int, eos_likely: bool, temperature: float, masked: frozens
 
 
 @functools.lru_cache(maxsize=8192)
-def ranking(lp: tuple[float, ...]) -> tuple[list[int], list[int]]:
+def ranking(lp: tuple[float, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(token ids from most to least likely, each token's 1-based rank: 1 + how many are likelier)."""
-    order = sorted(range(VOCAB), key=lambda j: -lp[j])
+    order = tuple(sorted(range(VOCAB), key=lambda j: -lp[j]))
     negated = sorted(-x for x in lp)  # how many are likelier than x = how many negations are below -x
-    return order, [1 + bisect.bisect_left(negated, -x) for x in lp]
+    return order, tuple(1 + bisect.bisect_left(negated, -x) for x in lp)
 
 
 @functools.lru_cache(maxsize=8192)
-def probabilities(lp: tuple[float, ...]) -> list[float]:
-    return [math.exp(x) for x in lp]
+def probabilities(lp: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(math.exp(x) for x in lp)
 
 
 def token_info(tok: int, lp: tuple[float, ...] | None, spec: Any | None, faults: Faults) -> Any:

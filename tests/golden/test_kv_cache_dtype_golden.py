@@ -11,8 +11,8 @@ compute each key in float32 in a different order, and a key within 1e-6 of a rou
 rounds to the other 16-bit neighbour; that difference grows through 30 layers, each one's keys
 rounding afresh. (The exact claim, attention over a 16-bit cache = float64 attention over keys
 rounded to it, is tests/unit/test_kv_cache_dtype.py's.) Because the engine rounds the step's
-own keys too, a 16-bit cache keeps G18: greedy output is identical alone, chunked, in a mixed
-batch and on prefix-cache hits. Against plain float32 transformers, greedy agreement is
+own keys too, a 16-bit cache keeps G18: greedy output is identical alone (the longest prompt),
+chunked, in a mixed batch and on prefix-cache hits. Against plain float32 transformers, greedy agreement is
 measured and printed (tokens until the first divergence per golden prompt).
 """
 
@@ -81,8 +81,9 @@ def prompt_ids(model_parts) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def together(model_parts, prompt_ids, kv_dtype: str) -> list[list[int]]:
     """Greedy tokens of the golden prompts run as one batch: the reference the oracle checks and
-    the other runs must equal. (Each prompt alone would take 8x the decode steps; one runs alone
-    in the identity test below, and G18 alone-against-batch is test_engine_golden.py's.)"""
+    the other runs must equal. (Each prompt alone would take 8x the decode steps: with a 16-bit
+    cache, only the longest prompt runs alone, in the identity test below; every prompt alone
+    against the batch is test_engine_golden.py's, with the float32 cache.)"""
     engine = make_engine(model_parts, kv_dtype)
     assert {k.dtype for k, _ in engine.core.runner.kv_caches} == {DTYPES[kv_dtype]}
     return [r.outputs[0].token_ids for r in engine.run_until_done(

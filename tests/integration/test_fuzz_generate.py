@@ -39,7 +39,8 @@ GENERATE = "/openengine.v1.Inference/Generate"
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
 CALL_TIMEOUT_S = 30.0
-MAX_EVENTS = 16  # accepted streams are cut (client cancel) after this many events
+MAX_EVENTS = 24  # accepted streams are cut (client cancel) after this many events: above the 22 of
+#                   the longest bounded request (3 outputs x 6 tokens, 3 finishes, the prompt's output)
 MAX_EXAMPLES = int(os.environ.get("REFENGINE_FUZZ_EXAMPLES", "80"))
 
 
