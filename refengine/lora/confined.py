@@ -3,17 +3,23 @@
 ``LoraRegistry.confine`` resolves ``source_path`` and checks that it lies inside a configured
 root. Opening a file by that path afterwards would race the check: in between, anyone who can
 write inside the root could swap a directory or a file for a symlink leading out of it, and the
-engine would read, say, ``/etc/shadow`` as adapter weights. So a file is opened from the root's
-own descriptor one path component at a time, each with ``O_NOFOLLOW``: a component that is a
-symlink when it is opened fails to open (ELOOP; ENOTDIR for a directory on Linux) instead of
-being followed. A symlink that stays inside a root is still allowed, as it was: the file's path
-is resolved first and the walk runs over the resolved path (if it changes meanwhile, the walk
-fails). The last component must be a regular file; it is opened with ``O_NONBLOCK``, so a FIFO
+engine would read, say, ``/etc/shadow`` as adapter weights. So the adapter's directory is opened
+once, from the root's own descriptor one path component at a time, each with ``O_NOFOLLOW``: a
+component that is a symlink when it is opened fails to open (ELOOP; ENOTDIR for a directory on
+Linux) instead of being followed. Its files are opened relative to that descriptor, again with
+``O_NOFOLLOW``, so the config and the weights both come from the directory that was opened,
+even if its path is renamed or swapped meanwhile (they could otherwise come from two adapters).
+
+A symlink that stays inside a root is still allowed, as it was: the directory's path is resolved
+first and the walk runs over the resolved path (if it changes meanwhile, the walk fails), and a
+file that is a symlink is opened the same way by its resolved path (``open_confined``). A file
+must be a regular file; it is opened with ``O_NONBLOCK`` (cleared once checked), so a FIFO
 swapped in fails the check instead of blocking the load forever.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Sequence
@@ -36,24 +42,63 @@ def root_of(roots: Sequence[str], resolved: str) -> str | None:
 def open_confined(roots: Sequence[str], path: str | Path) -> BinaryIO:
     """``path`` opened for reading, binary, if it is a regular file inside one of ``roots`` when
     opened; raises ``NotConfinedError`` or the open's own ``OSError`` otherwise."""
+    return _regular(_walk(roots, path, directory=False), path)
+
+
+class ConfinedDirectory:
+    """A directory inside one of ``roots``, opened once (``_walk``); ``open`` opens its files
+    relative to it. Close it (or use it as a context manager)."""
+
+    def __init__(self, roots: Sequence[str], path: str | Path) -> None:
+        self.roots, self.path = tuple(roots), os.fspath(path)
+        self._fd = _walk(roots, path, directory=True)
+
+    def open(self, name: str) -> BinaryIO:
+        """The regular file ``name`` in this directory; one that is a symlink is followed only
+        to a file inside a root."""
+        try:
+            fd = os.open(name, FILE_FLAGS, dir_fd=self._fd)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            return open_confined(self.roots, os.path.join(self.path, name))
+        return _regular(fd, os.path.join(self.path, name))
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def __enter__(self) -> ConfinedDirectory:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _walk(roots: Sequence[str], path: str | Path, directory: bool) -> int:
+    """A descriptor of ``path`` resolved, opened from its root component by component without
+    following a symlink: a directory's (``directory``) or a file's."""
     resolved = os.path.realpath(path)
     root = root_of(roots, resolved)
-    if root is None or resolved == root:
-        raise NotConfinedError(f"{os.fspath(path)!r} is not a file inside an allowed LoRA root")
-    *directories, name = Path(resolved).relative_to(root).parts
+    if root is None or (resolved == root and not directory):
+        raise NotConfinedError(f"{os.fspath(path)!r} is not inside an allowed LoRA root")
+    *directories, last = Path(resolved).relative_to(root).parts or (".",)
     fd = os.open(root, DIRECTORY_FLAGS)
     try:
         for part in directories:
             outer, fd = fd, os.open(part, DIRECTORY_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
             os.close(outer)
-        file_fd = os.open(name, FILE_FLAGS, dir_fd=fd)
+        return os.open(last, (DIRECTORY_FLAGS | os.O_NOFOLLOW) if directory else FILE_FLAGS, dir_fd=fd)
     finally:
         os.close(fd)
+
+
+def _regular(fd: int, shown: str | Path) -> BinaryIO:
+    """``fd`` as a blocking binary file if it is a regular file; closed and refused otherwise."""
     try:
-        if not stat.S_ISREG(os.fstat(file_fd).st_mode):
-            raise NotConfinedError(f"{resolved!r} is not a regular file")
-        os.set_blocking(file_fd, True)  # O_NONBLOCK was for the open only
-        return os.fdopen(file_fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotConfinedError(f"{os.fspath(shown)!r} is not a regular file")
+        os.set_blocking(fd, True)  # O_NONBLOCK was for the open only
+        return os.fdopen(fd, "rb")
     except BaseException:
-        os.close(file_fd)
+        os.close(fd)
         raise

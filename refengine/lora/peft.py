@@ -34,7 +34,7 @@ from safetensors.torch import load as load_safetensors
 
 from refengine.config import ModelConfig
 from refengine.kernels.lora_linear import FUSED_PROJECTIONS, LoraPair, ProjectionDeltas
-from refengine.lora.confined import open_confined
+from refengine.lora.confined import ConfinedDirectory
 from refengine.types import InvalidRequestError
 
 CONFIG_FILE = "adapter_config.json"
@@ -65,24 +65,45 @@ def _refuse(path: Path, message: str) -> InvalidRequestError:
     return InvalidRequestError(f"LoRA adapter {str(path)!r}: {message}")
 
 
-def _read_bytes(path: Path, file: Path, limit: int, why: str, roots: Sequence[str]) -> bytes:
-    """The whole of ``file``, read once from inside ``roots`` (``confined.open_confined``: no
-    symlink swapped in since the path was checked is followed), refused past ``limit`` bytes
-    (``why``), by its size before anything is read (a sparse 1 TB file costs nothing to refuse).
-    Its digest and its parsed contents then come from the same bytes, whatever happens to the
-    file meanwhile (an adapter rewritten in place by a training job, a directory swapped under
-    the load)."""
+def _read_bytes(path: Path, directory: ConfinedDirectory, name: str, limit: int, why: str) -> bytes:
+    """The whole of file ``name`` of the adapter's opened ``directory`` (``confined.py``: no
+    symlink swapped in since the path was checked is followed), read once, refused past ``limit``
+    bytes (``why``), by its size before anything is read (a sparse 1 TB file costs nothing to
+    refuse). Its digest and its parsed contents then come from the same bytes, whatever happens
+    to the file meanwhile (an adapter rewritten in place by a training job)."""
     try:
-        with open_confined(roots, file) as stream:
+        with directory.open(name) as stream:
             size = os.fstat(stream.fileno()).st_size
             if size > limit:
-                raise _refuse(path, f"{file.name} is larger ({size} bytes) than {why} ({limit} bytes)")
+                raise _refuse(path, f"{name} is larger ({size} bytes) than {why} ({limit} bytes)")
             data = stream.read(limit + 1)
     except OSError as exc:  # unreadable, gone or swapped: R1's "not visible to the engine", not an engine fault
-        raise _refuse(path, f"{file.name} cannot be read: {exc}") from None
+        raise _refuse(path, f"{name} cannot be read: {exc}") from None
     if len(data) > limit:  # grown since its size was read
-        raise _refuse(path, f"{file.name} is larger than {why} ({limit} bytes)")
+        raise _refuse(path, f"{name} is larger than {why} ({limit} bytes)")
     return data
+
+
+def _read_files(path: Path, model: ModelConfig, max_rank: int,
+                roots: Sequence[str]) -> tuple[bytes, dict[str, Any], bytes]:
+    """(config bytes, the config parsed, weights bytes), both files from the directory ``path``
+    opened once inside ``roots``. The config is parsed before the weights are read (its faults
+    come first), and the weights are refused unread when no adapter of rank <= ``max_rank``
+    could be that large."""
+    try:
+        directory = ConfinedDirectory(roots, path)
+    except OSError as exc:
+        raise _refuse(path, f"the directory cannot be opened: {exc}") from None
+    with directory:
+        config_bytes = _read_bytes(path, directory, CONFIG_FILE, MAX_CONFIG_BYTES, "the most a config may hold")
+        config = _read_config(path, config_bytes)
+        # Every module at the largest rank in float64, plus a header: a bigger file cannot be a
+        # valid adapter, and is refused before more than that is read into memory.
+        limit = (8 * max_rank * model.num_hidden_layers * sum(i + o for i, o in _expected_shapes(model).values())
+                 + MAX_CONFIG_BYTES)
+        weights_bytes = _read_bytes(path, directory, WEIGHTS_FILE, limit,
+                                    f"any adapter of rank <= {max_rank} for this model can be")
+    return config_bytes, config, weights_bytes
 
 
 def _read_config(path: Path, data: bytes) -> dict[str, Any]:
@@ -243,7 +264,7 @@ def _digest(*contents: bytes) -> str:
 
 def read_peft_adapter(path: Path, model: ModelConfig, max_rank: int, roots: Sequence[str]) -> PeftAdapter:
     """Read and check the adapter in directory ``path``, confined by the caller to ``roots`` (real
-    paths), from which its files are opened (``confined.open_confined``)."""
+    paths), from which it is opened (``confined.ConfinedDirectory``)."""
     config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not config_file.is_file():
         raise _refuse(path, f"no {CONFIG_FILE} (a PEFT adapter directory is expected)")
@@ -251,14 +272,8 @@ def read_peft_adapter(path: Path, model: ModelConfig, max_rank: int, roots: Sequ
         pickled = (path / "adapter_model.bin").exists()
         raise _refuse(path, f"no {WEIGHTS_FILE}" + (" (adapter_model.bin is pickle, which is never loaded)"
                                                     if pickled else ""))
-    config_bytes = _read_bytes(path, config_file, MAX_CONFIG_BYTES, "the most a config may hold", roots)
-    config = _read_config(path, config_bytes)
+    config_bytes, config, weights_bytes = _read_files(path, model, max_rank, roots)
     shapes = _expected_shapes(model)
-    # Every module at the largest rank in float64, plus a header: a bigger file cannot be a
-    # valid adapter, and is refused before more than that is read into memory.
-    limit = 8 * max_rank * model.num_hidden_layers * sum(i + o for i, o in shapes.values()) + MAX_CONFIG_BYTES
-    weights_bytes = _read_bytes(path, weights_file, limit, f"any adapter of rank <= {max_rank} for this model can be",
-                                roots)
     modules = _read_modules(path, weights_bytes, model)
     pairs = {key: _scaled_pair(path, *key, pair, config, shapes, max_rank) for key, pair in sorted(modules.items())}
     layers: list[dict[str, ProjectionDeltas]] = []

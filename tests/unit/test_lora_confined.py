@@ -2,10 +2,12 @@
 
 The registry checks ``source_path`` by its resolved path, then reads the files. Anyone who can
 write inside a root could swap a directory or a file for a symlink leading out of it between the
-two; the files are therefore opened from the root one component at a time, never following a
-symlink (``refengine/lora/confined.py``). The swaps below happen exactly in that window (after
-the path checks, before the read); with files opened by path, the first two tests load the
-outside files and fail.
+two; the adapter's directory is therefore opened once from the root, one component at a time,
+never following a symlink, and its files relative to it (``refengine/lora/confined.py``). The
+swaps below happen in each window: after the registry's checks, before the read (with files
+opened by path, those tests load the outside files and fail); inside ``open_confined``, after a
+path is resolved, before the walk opens it; and between the config's read and the weights'
+(both must come from the directory opened first).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from refengine.lora import peft
 from refengine.lora.confined import NotConfinedError, open_confined
+from refengine.lora.peft import read_peft_adapter
 from refengine.lora.registry import LoraRegistry
 from refengine.types import InvalidRequestError, LoraAdapterSpec
 from tests.unit.test_lora_engine import adapters, make_engine, tiny  # noqa: F401 - fixtures
@@ -55,7 +59,7 @@ def test_a_directory_swapped_for_a_symlink_after_the_check_is_not_followed(
         adapter.rename(root / "moved-away")
         adapter.symlink_to(outside, target_is_directory=True)
     swap_after_the_checks(monkeypatch, swap)
-    with pytest.raises(InvalidRequestError, match="adapter_config.json cannot be read: .*not a file inside"):
+    with pytest.raises(InvalidRequestError, match="directory cannot be opened: .*not inside an allowed LoRA root"):
         engine.load_lora(LoraAdapterSpec(1, "attn4", str(adapter)))
     assert engine.list_loras() == []
 
@@ -69,9 +73,31 @@ def test_a_weight_file_swapped_for_a_symlink_after_the_check_is_not_followed(
         (adapter / WEIGHTS).unlink()
         (adapter / WEIGHTS).symlink_to(outside / WEIGHTS)
     swap_after_the_checks(monkeypatch, swap)
-    with pytest.raises(InvalidRequestError, match=f"{WEIGHTS} cannot be read: .*not a file inside"):
+    with pytest.raises(InvalidRequestError, match=f"{WEIGHTS} cannot be read: .*not inside an allowed LoRA root"):
         engine.load_lora(LoraAdapterSpec(1, "attn4", str(adapter)))
     assert engine.list_loras() == []
+
+
+def test_the_config_and_the_weights_come_from_the_directory_that_was_opened(
+        tiny, adapters, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Another adapter moved into the path between the two reads is not mixed in: both files
+    are opened relative to the directory opened first (before, the weights came by path)."""
+    shared_root, _ = adapters
+    root = tmp_path / "root"
+    shutil.copytree(shared_root / "attn4", root / "adapter")
+    shutil.copytree(shared_root / "all8", root / "other")
+    model, roots = tiny[1], [str(root)]
+    expected = read_peft_adapter(root / "adapter", model, 16, roots).fingerprint
+    read_bytes = peft._read_bytes
+
+    def read_then_swap(path: Path, directory, name: str, *args: object) -> bytes:  # noqa: ANN001
+        data = read_bytes(path, directory, name, *args)
+        if name == peft.CONFIG_FILE:  # between the config's read and the weights'
+            (root / "adapter").rename(root / "moved-away")
+            (root / "other").rename(root / "adapter")
+        return data
+    monkeypatch.setattr(peft, "_read_bytes", read_then_swap)
+    assert read_peft_adapter(root / "adapter", model, 16, roots).fingerprint == expected
 
 
 def test_symlinks_that_stay_inside_a_root_still_load(tiny, layout) -> None:  # noqa: F811
@@ -97,7 +123,7 @@ def test_only_regular_files_inside_a_root_are_opened(tmp_path: Path) -> None:
     with open_confined([str(root)], root / "data") as stream:
         assert stream.read() == b"adapter" and os.get_blocking(stream.fileno())
     for path, message in ((root / "pipe", "not a regular file"), (root / "sub", "not a regular file"),
-                          (elsewhere, "not a file inside"), (root, "not a file inside")):
+                          (elsewhere, "not inside an allowed"), (root, "not inside an allowed")):
         with pytest.raises(NotConfinedError, match=message):
             open_confined([str(root)], path)
     with pytest.raises(FileNotFoundError):
