@@ -12,14 +12,16 @@ even if its path is renamed or swapped meanwhile (they could otherwise come from
 
 A symlink that stays inside a root is still allowed, as it was: the directory's path is resolved
 first and the walk runs over the resolved path (if it changes meanwhile, the walk fails), and a
-file that is a symlink is opened the same way by its resolved path (``open_confined``). A file
+file that is a symlink is opened the same way by its resolved path (``open_confined``), only
+while the directory's path still names the directory that was opened (checked before and after:
+a rename back and forth between the checks could still mix files, though never from outside a
+root). A file
 must be a regular file; it is opened with ``O_NONBLOCK`` (cleared once checked), so a FIFO
 swapped in fails the check instead of blocking the load forever.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from collections.abc import Sequence
@@ -54,18 +56,35 @@ class ConfinedDirectory:
         self._fd = _walk(roots, path, directory=True)
 
     def open(self, name: str) -> BinaryIO:
-        """The regular file ``name`` in this directory; one that is a symlink is followed only
-        to a file inside a root."""
+        """The regular file ``name`` (one path component) of this directory. One that is a
+        symlink is opened by its resolved path (``open_confined``: a file inside a root), and
+        only while ``path`` still names this directory, checked before and after."""
+        if name in ("", ".", "..") or os.sep in name:
+            raise ValueError(f"{name!r} is not one file name")
         try:
             fd = os.open(name, FILE_FLAGS, dir_fd=self._fd)
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:
+        except OSError:
+            if not stat.S_ISLNK(os.stat(name, dir_fd=self._fd, follow_symlinks=False).st_mode):
+                raise  # not a symlink's refusal (ELOOP here, EMLINK or EFTYPE on some BSDs)
+            self._still_at_path()
+            stream = open_confined(self.roots, os.path.join(self.path, name))
+            try:
+                self._still_at_path()
+            except BaseException:
+                stream.close()
                 raise
-            return open_confined(self.roots, os.path.join(self.path, name))
+            return stream
         return _regular(fd, os.path.join(self.path, name))
 
+    def _still_at_path(self) -> None:
+        here, there = os.fstat(self._fd), os.stat(self.path)
+        if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
+            raise NotConfinedError(f"{self.path!r} is no longer the directory that was opened")
+
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> ConfinedDirectory:
         return self
@@ -79,8 +98,10 @@ def _walk(roots: Sequence[str], path: str | Path, directory: bool) -> int:
     following a symlink: a directory's (``directory``) or a file's."""
     resolved = os.path.realpath(path)
     root = root_of(roots, resolved)
-    if root is None or (resolved == root and not directory):
+    if root is None:
         raise NotConfinedError(f"{os.fspath(path)!r} is not inside an allowed LoRA root")
+    if resolved == root and not directory:
+        raise NotConfinedError(f"{os.fspath(path)!r} is a LoRA root itself, not a file")
     *directories, last = Path(resolved).relative_to(root).parts or (".",)
     fd = os.open(root, DIRECTORY_FLAGS)
     try:

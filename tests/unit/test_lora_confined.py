@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from refengine.lora import peft
-from refengine.lora.confined import NotConfinedError, open_confined
+from refengine.lora.confined import ConfinedDirectory, NotConfinedError, open_confined
 from refengine.lora.peft import read_peft_adapter
 from refengine.lora.registry import LoraRegistry
 from refengine.types import InvalidRequestError, LoraAdapterSpec
@@ -34,6 +34,7 @@ WEIGHTS = "adapter_model.safetensors"
 def layout(adapters, tmp_path: Path) -> tuple[Path, Path, Path]:  # noqa: F811 - the fixture imported above
     """(root, an adapter directory inside it, a copy of that adapter outside every root)."""
     shared_root, _ = adapters
+    tmp_path = Path(os.path.realpath(tmp_path))  # roots are compared as real paths
     root, outside = tmp_path / "root", tmp_path / "outside"
     shutil.copytree(shared_root / "attn4", root / "attn4")
     shutil.copytree(shared_root / "attn4", outside)
@@ -83,21 +84,45 @@ def test_the_config_and_the_weights_come_from_the_directory_that_was_opened(
     """Another adapter moved into the path between the two reads is not mixed in: both files
     are opened relative to the directory opened first (before, the weights came by path)."""
     shared_root, _ = adapters
-    root = tmp_path / "root"
+    root = Path(os.path.realpath(tmp_path)) / "root"
     shutil.copytree(shared_root / "attn4", root / "adapter")
     shutil.copytree(shared_root / "all8", root / "other")
     model, roots = tiny[1], [str(root)]
     expected = read_peft_adapter(root / "adapter", model, 16, roots).fingerprint
+    assert read_peft_adapter(root / "other", model, 16, roots).fingerprint != expected
+    monkeypatch.setattr(peft, "_read_bytes", swapping_after_the_config(root))
+    assert read_peft_adapter(root / "adapter", model, 16, roots).fingerprint == expected
+    assert (root / "moved-away").is_dir(), "the swap did not happen"
+
+
+def swapping_after_the_config(root: Path) -> Callable[..., bytes]:
+    """``peft._read_bytes`` that, once the config is read, moves ``root/adapter`` away and
+    ``root/other`` into its place."""
     read_bytes = peft._read_bytes
 
     def read_then_swap(path: Path, directory, name: str, *args: object) -> bytes:  # noqa: ANN001
         data = read_bytes(path, directory, name, *args)
-        if name == peft.CONFIG_FILE:  # between the config's read and the weights'
+        if name == peft.CONFIG_FILE:
             (root / "adapter").rename(root / "moved-away")
             (root / "other").rename(root / "adapter")
         return data
-    monkeypatch.setattr(peft, "_read_bytes", read_then_swap)
-    assert read_peft_adapter(root / "adapter", model, 16, roots).fingerprint == expected
+    return read_then_swap
+
+
+def test_a_symlinked_file_is_not_read_once_the_directory_moved(
+        tiny, adapters, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """A symlinked weight file is opened by its resolved path, so only while the directory's path
+    still names the directory that was opened: after the same swap, the load is refused."""
+    shared_root, _ = adapters
+    root = Path(os.path.realpath(tmp_path)) / "root"
+    shutil.copytree(shared_root / "attn4", root / "adapter")
+    shutil.copytree(shared_root / "all8", root / "other")
+    (root / "store").mkdir()
+    (root / "adapter" / WEIGHTS).rename(root / "store" / WEIGHTS)
+    (root / "adapter" / WEIGHTS).symlink_to(root / "store" / WEIGHTS)
+    monkeypatch.setattr(peft, "_read_bytes", swapping_after_the_config(root))
+    with pytest.raises(InvalidRequestError, match=f"{WEIGHTS} cannot be read: .*no longer the directory"):
+        read_peft_adapter(root / "adapter", tiny[1], 16, [str(root)])
 
 
 def test_symlinks_that_stay_inside_a_root_still_load(tiny, layout) -> None:  # noqa: F811
@@ -114,6 +139,7 @@ def test_symlinks_that_stay_inside_a_root_still_load(tiny, layout) -> None:  # n
 
 @pytest.mark.timeout(20)  # opened without O_NONBLOCK, the FIFO would block until a writer came
 def test_only_regular_files_inside_a_root_are_opened(tmp_path: Path) -> None:
+    tmp_path = Path(os.path.realpath(tmp_path))
     root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
     root.mkdir()
     elsewhere.write_bytes(b"secret")
@@ -123,16 +149,21 @@ def test_only_regular_files_inside_a_root_are_opened(tmp_path: Path) -> None:
     with open_confined([str(root)], root / "data") as stream:
         assert stream.read() == b"adapter" and os.get_blocking(stream.fileno())
     for path, message in ((root / "pipe", "not a regular file"), (root / "sub", "not a regular file"),
-                          (elsewhere, "not inside an allowed"), (root, "not inside an allowed")):
+                          (elsewhere, "not inside an allowed"), (root, "a LoRA root itself")):
         with pytest.raises(NotConfinedError, match=message):
             open_confined([str(root)], path)
     with pytest.raises(FileNotFoundError):
         open_confined([str(root)], root / "missing")
+    with ConfinedDirectory([str(root)], root) as directory:
+        for name in ("..", "sub/data", str(elsewhere), ""):
+            with pytest.raises(ValueError, match="not one file name"):
+                directory.open(name)
 
 
-@pytest.mark.parametrize("swapped", ["directory", "file"])
+@pytest.mark.parametrize("swapped", ["directory", "file", "opened directory"])
 def test_a_swap_after_the_path_is_resolved_fails_the_walk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          swapped: str) -> None:
+    tmp_path = Path(os.path.realpath(tmp_path))
     root, outside = tmp_path / "root", tmp_path / "outside"
     (root / "adapter").mkdir(parents=True)
     outside.mkdir()
@@ -142,7 +173,7 @@ def test_a_swap_after_the_path_is_resolved_fails_the_walk(tmp_path: Path, monkey
 
     def resolve_then_swap(path: str | os.PathLike[str]) -> str:
         resolved = resolve(path)
-        if swapped == "directory":
+        if swapped != "file":
             (root / "adapter").rename(root / "moved-away")
             (root / "adapter").symlink_to(outside, target_is_directory=True)
         else:
@@ -151,7 +182,10 @@ def test_a_swap_after_the_path_is_resolved_fails_the_walk(tmp_path: Path, monkey
         return resolved
     monkeypatch.setattr(os.path, "realpath", resolve_then_swap)
     with pytest.raises(OSError) as raised:
-        open_confined([str(root)], root / "adapter" / "data")
+        if swapped == "opened directory":  # the adapter directory itself, its last component
+            ConfinedDirectory([str(root)], root / "adapter")
+        else:
+            open_confined([str(root)], root / "adapter" / "data")
     # O_NOFOLLOW: ELOOP for a symlinked file; with O_DIRECTORY too, Linux says ENOTDIR (macOS ELOOP)
-    expected = {errno.ENOTDIR, errno.ELOOP} if swapped == "directory" else {errno.ELOOP}
+    expected = {errno.ELOOP} if swapped == "file" else {errno.ENOTDIR, errno.ELOOP}
     assert raised.value.errno in expected, raised.value
