@@ -15,9 +15,8 @@ first and the walk runs over the resolved path (if it changes meanwhile, the wal
 file that is a symlink is opened the same way by its resolved path (``open_confined``), only
 while the directory's path still names the directory that was opened (checked before and after:
 a rename back and forth between the checks could still mix files, though never from outside a
-root). A file
-must be a regular file; it is opened with ``O_NONBLOCK`` (cleared once checked), so a FIFO
-swapped in fails the check instead of blocking the load forever.
+root). A file must be a regular file; it is opened with ``O_NONBLOCK`` (cleared once checked),
+so a FIFO swapped in fails the check instead of blocking the load forever.
 """
 
 from __future__ import annotations

@@ -84,12 +84,11 @@ def _read_bytes(path: Path, directory: ConfinedDirectory, name: str, limit: int,
     return data
 
 
-def _read_files(path: Path, model: ModelConfig, max_rank: int,
-                roots: Sequence[str]) -> tuple[bytes, dict[str, Any], bytes]:
+def _read_files(path: Path, roots: Sequence[str], weights_limit: int,
+                weights_why: str) -> tuple[bytes, dict[str, Any], bytes]:
     """(config bytes, the config parsed, weights bytes), both files from the directory ``path``
     opened once inside ``roots``. The config is parsed before the weights are read (its faults
-    come first), and the weights are refused unread when no adapter of rank <= ``max_rank``
-    could be that large."""
+    come first), and the weights are refused unread past ``weights_limit`` bytes (``weights_why``)."""
     try:
         directory = ConfinedDirectory(roots, path)
     except OSError as exc:
@@ -97,12 +96,7 @@ def _read_files(path: Path, model: ModelConfig, max_rank: int,
     with directory:
         config_bytes = _read_bytes(path, directory, CONFIG_FILE, MAX_CONFIG_BYTES, "the most a config may hold")
         config = _read_config(path, config_bytes)
-        # Every module at the largest rank in float64, plus a header: a bigger file cannot be a
-        # valid adapter, and is refused before more than that is read into memory.
-        limit = (8 * max_rank * model.num_hidden_layers * sum(i + o for i, o in _expected_shapes(model).values())
-                 + MAX_CONFIG_BYTES)
-        weights_bytes = _read_bytes(path, directory, WEIGHTS_FILE, limit,
-                                    f"any adapter of rank <= {max_rank} for this model can be")
+        weights_bytes = _read_bytes(path, directory, WEIGHTS_FILE, weights_limit, weights_why)
     return config_bytes, config, weights_bytes
 
 
@@ -272,8 +266,12 @@ def read_peft_adapter(path: Path, model: ModelConfig, max_rank: int, roots: Sequ
         pickled = (path / "adapter_model.bin").exists()
         raise _refuse(path, f"no {WEIGHTS_FILE}" + (" (adapter_model.bin is pickle, which is never loaded)"
                                                     if pickled else ""))
-    config_bytes, config, weights_bytes = _read_files(path, model, max_rank, roots)
     shapes = _expected_shapes(model)
+    # Every module at the largest rank in float64, plus a header: a bigger file cannot be a
+    # valid adapter, and is refused before more than that is read into memory.
+    limit = 8 * max_rank * model.num_hidden_layers * sum(i + o for i, o in shapes.values()) + MAX_CONFIG_BYTES
+    config_bytes, config, weights_bytes = _read_files(
+        path, roots, limit, f"any adapter of rank <= {max_rank} for this model can be")
     modules = _read_modules(path, weights_bytes, model)
     pairs = {key: _scaled_pair(path, *key, pair, config, shapes, max_rank) for key, pair in sorted(modules.items())}
     layers: list[dict[str, ProjectionDeltas]] = []
