@@ -7,6 +7,14 @@ recently in use faults in at ~100-170 MB/s (touching 1 GiB took 0.7 s, and 6-10 
 process held 5 GB), and three ``refengine serve`` processes took 23 s to be READY beside a
 process holding 5 GB, against 9.4 s without. After the golden modules the pytest process held
 4.5 GB without this fixture and 2.55 GB with it (2026-12-04).
+
+``intra_op_threads``: a test marked ``threads(n)`` runs with ``n`` intra-op threads
+(``torch.set_num_threads``, which the native kernels' OpenMP regions follow), whatever the
+process's default. ``scripts/dev.sh test`` runs two pytest workers of one thread each (two
+workers of two threads spent their time spinning in each other's way: 934 s against 863 s
+serial, and 543 s with one thread each, 2026-12-05). The native kernels split their work
+between threads, so their modules are marked ``threads(2)``: their thread-split paths and the
+one-thread-against-many comparisons still run under that setting.
 """
 
 from __future__ import annotations
@@ -29,6 +37,22 @@ def release_module_memory() -> Iterator[None]:
     gc.collect()
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+
+@pytest.fixture(autouse=True)
+def intra_op_threads(request: pytest.FixtureRequest) -> Iterator[None]:
+    marker = request.node.get_closest_marker("threads")
+    if marker is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(marker.args[0])
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

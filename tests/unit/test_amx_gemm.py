@@ -17,6 +17,8 @@ from refengine.kernels import amx_gemm, cpu_features, linear
 from refengine.kernels.linear import Linear
 from tests.unit.gemm_helpers import assert_rows_do_not_depend_on_the_call
 
+pytestmark = pytest.mark.threads(2)  # the work split between threads (tests/conftest.py)
+
 
 def _why_it_cannot_run() -> str:
     """Why the AMX GEMM cannot run here; not its self-check, which must pass where it can (a

@@ -34,7 +34,8 @@ from refengine.kernels.attention.cpu_paged import (
 from refengine.kernels.cpu_features import cpu_flags, native_bf16
 
 _REASON = native_kernel_unavailable_reason()
-pytestmark = pytest.mark.skipif(bool(_REASON), reason=f"native CPU attention kernel unavailable: {_REASON}")
+pytestmark = [pytest.mark.threads(2),  # the work split between threads (tests/conftest.py)
+              pytest.mark.skipif(bool(_REASON), reason=f"native CPU attention kernel unavailable: {_REASON}")]
 
 NUM_KV_HEADS = 2
 TOLERANCE = 1e-4

@@ -12,6 +12,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from refengine.kernels import cpu, fused
 
+pytestmark = pytest.mark.threads(2)  # the work split between threads (tests/conftest.py)
+
 NATIVE = fused._library() is not None
 native_only = pytest.mark.skipif(not NATIVE, reason="native fused ops unavailable (no C compiler?)")
 

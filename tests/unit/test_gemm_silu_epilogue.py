@@ -26,8 +26,9 @@ from tests.unit.gemm_helpers import assert_rows_do_not_depend_on_the_call
 KIND, PACKED = (("amx-bf16", amx_gemm.PackedAmxWeight) if not amx_gemm.unavailable_reason()
                 else ("native-bf16", native_gemm.PackedBf16Weight) if not native_gemm.unavailable_reason()
                 else ("", None))
-pytestmark = pytest.mark.skipif(not KIND, reason=f"no native bf16 GEMM here: {amx_gemm.unavailable_reason()}; "
-                                                 f"{native_gemm.unavailable_reason()}")
+pytestmark = [pytest.mark.threads(2),  # the work split between threads (tests/conftest.py)
+              pytest.mark.skipif(not KIND, reason=f"no native bf16 GEMM here: {amx_gemm.unavailable_reason()}; "
+                                                 f"{native_gemm.unavailable_reason()}")]
 NATIVE_OPS = FusedOps(native=True)
 #: The GEMM's k step: the AMX GEMM takes k in steps of 32, the AVX512-BF16 one in pairs.
 K_STEP = 32 if KIND == "amx-bf16" else 2

@@ -33,6 +33,8 @@ from tests.unit.test_cpu_paged_attention import (
     run_steps,
 )
 
+pytestmark = pytest.mark.threads(2)  # the work split between threads (tests/conftest.py)
+
 NATIVE = native_kernel_unavailable_reason()
 needs_native = pytest.mark.skipif(bool(NATIVE), reason=f"native CPU attention kernel unavailable: {NATIVE}")
 

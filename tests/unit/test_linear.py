@@ -12,6 +12,8 @@ from refengine.kernels.cpu_features import native_bf16
 from refengine.kernels.linear import Linear, onednn_available
 from tests.unit.gemm_helpers import assert_rows_do_not_depend_on_the_call
 
+pytestmark = pytest.mark.threads(2)  # the work split between threads (tests/conftest.py)
+
 SHAPES = [(960, 576), (576, 1536)]  # (out_features, in_features)
 
 

@@ -10,6 +10,8 @@ from refengine.kernels.linear import Linear
 from refengine.kernels.lora import LoraBatch, apply_lora
 from refengine.kernels.lora_linear import LoraLinear, LoraPair, ProjectionDeltas
 
+pytestmark = pytest.mark.threads(2)  # the work split between threads (tests/conftest.py)
+
 IN, OUT, RANK, SLOTS = 24, 40, 6, 5
 
 

@@ -11,7 +11,8 @@ from refengine.kernels.lora import LoraBatch, apply_lora_parts
 from refengine.kernels.lora_linear import LoraLinear, LoraPair, ProjectionDeltas
 from refengine.kernels.lora_native import apply_lora_native, native_lora_available
 
-pytestmark = pytest.mark.skipif(not native_lora_available(), reason="the native CPU LoRA kernel did not build")
+pytestmark = [pytest.mark.threads(2),  # the work split between threads (tests/conftest.py)
+              pytest.mark.skipif(not native_lora_available(), reason="the native CPU LoRA kernel did not build")]
 
 
 def projection(part_sizes: tuple[int, ...], rank: int, slots: int, targeted: dict[int, tuple[bool, ...]],

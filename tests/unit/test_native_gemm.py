@@ -14,8 +14,9 @@ from refengine.kernels import cpu_features, linear, native_gemm
 from refengine.kernels.linear import Linear
 from tests.unit.gemm_helpers import assert_rows_do_not_depend_on_the_call
 
-pytestmark = pytest.mark.skipif(bool(native_gemm.unavailable_reason()),
-                                reason=f"native bf16 GEMM not used here: {native_gemm.unavailable_reason()}")
+pytestmark = [pytest.mark.threads(2),  # the work split between threads (tests/conftest.py)
+              pytest.mark.skipif(bool(native_gemm.unavailable_reason()),
+                                reason=f"native bf16 GEMM not used here: {native_gemm.unavailable_reason()}")]
 
 
 def _case(rows: int, out_features: int, in_features: int, seed: int = 0, bias: bool = True):
