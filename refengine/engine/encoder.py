@@ -106,7 +106,7 @@ class EncoderEngine(HandleSessions, NoGenerate):
         offered = self.config.kv_transfer.backend
         ordered = dict(sorted(backends.items(), key=lambda item: item[0] != offered))
         for backend in ordered.values():
-            backend.bind(self.arena, self.confirm_kv_session)
+            backend.bind(self.arena, lambda handle_id: self.confirm_kv_session(handle_id, pinned=True))  # NIXL's
         return ordered
 
     # -- the Media service -------------------------------------------------------

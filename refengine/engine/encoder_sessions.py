@@ -47,9 +47,9 @@ class HandleSessions:
     def pin_kv_session(self, session_id: str, seconds: float) -> int:
         return len(self.handles.pin(session_id, seconds))
 
-    def confirm_kv_session(self, session_id: str) -> bool:
-        """A consumer pulled the handle: it is released (ENC6)."""
-        released = self.handles.release(session_id, "consumed", pulled=True)
+    def confirm_kv_session(self, session_id: str, pinned: bool = False) -> bool:
+        """A consumer pulled the handle: it is released (ENC6), and its pin ends if it pinned one."""
+        released = self.handles.release(session_id, "consumed", pulled=True, pinned=pinned)
         self._free_due()
         return released
 

@@ -68,7 +68,12 @@ class EngineKvMixin:
     def _bind_backends(self, backends: dict[str, KvTransferBackend]) -> None:
         """Bind ``choose_transfer_backends``' choice to this engine's KV cache."""
         for backend in backends.values():
-            backend.bind(self.block_io, self.confirm_kv_session)
+            backend.bind(self.block_io, self._confirm_pinned_pull)
+
+    def _confirm_pinned_pull(self, session_id: str) -> None:
+        """A backend's own confirmation (NIXL's notification), which comes after a READ that
+        pinned the session (``SessionConfirmed``)."""
+        self.confirm_kv_session(session_id, pinned=True)
 
     # -- KV events and the prefix cache (any thread; each waits for the current step) --
     def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,
@@ -118,8 +123,8 @@ class EngineKvMixin:
     def pin_kv_session(self, session_id: str, seconds: float) -> int:
         return len(self.kv_sessions.pin(session_id, seconds))
 
-    def confirm_kv_session(self, session_id: str) -> bool:
-        return self.kv_sessions.release(session_id, "pulled", pulled=True)
+    def confirm_kv_session(self, session_id: str, pinned: bool = False) -> bool:
+        return self.kv_sessions.release(session_id, "pulled", pulled=True, pinned=pinned)
 
     def abort_kv_session(self, session_id: str) -> bool:
         return self.kv_sessions.release(session_id, "aborted")

@@ -95,8 +95,10 @@ class EngineClient(Protocol):
         """Keep a live session's blocks for a one-sided remote read of up to ``seconds``;
         returns how many blocks it holds."""
 
-    def confirm_kv_session(self, session_id: str) -> bool:
-        """A decode engine has pulled it: free it. False when unknown."""
+    def confirm_kv_session(self, session_id: str, pinned: bool = False) -> bool:
+        """A decode engine has pulled it: free it. ``pinned``: that pull had pinned it (a
+        one-sided READ), and this ends its pin; a pull that pinned nothing (gRPC ``Release``)
+        ends no other engine's pin. False when unknown."""
 
     def abort_kv_session(self, session_id: str) -> bool:
         """Free a session (``Abort(kv_session)``). False when unknown."""

@@ -193,6 +193,34 @@ def test_a_session_expires_and_a_late_decode_gets_not_found(tiny) -> None:
         decode.shutdown()
 
 
+class KeepsConfirmation(InProcessPull):
+    """A prefill engine's backend that keeps its ``on_confirmed``, which NIXL's calls after a
+    READ that pinned the session."""
+
+    def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
+        super().bind(store, on_confirmed)
+        self.on_confirmed = on_confirmed
+
+
+def test_a_pull_that_pinned_nothing_ends_no_other_engines_pin(tiny) -> None:
+    """Decode A pins a session for a one-sided READ; decode B pulls it over gRPC and releases
+    it. B's release must not end A's pin: the blocks stay until A's own confirmation."""
+    source = KeepsConfirmation()
+    prefill = make_engine(tiny, "prefill", source)
+    prefill.start()
+    try:
+        session_id = run(prefill, request("pins", PROMPTS[3], None, 0.0)).prefill.session_id
+        held = prefill.stats().used_kv_blocks
+        assert prefill.pin_kv_session(session_id, 30.0) > 0  # A's READ may run for 30 s
+        assert prefill.confirm_kv_session(session_id)  # B's Release
+        time.sleep(0.3)  # a due session is freed at the step loop's wake, at once
+        assert prefill.stats().used_kv_blocks == held, "A's READ may still run"
+        source.on_confirmed(session_id)  # A's confirmation ends its pin
+        wait_idle(prefill)
+    finally:
+        prefill.shutdown()
+
+
 def test_a_decode_cancelled_mid_pull_frees_its_blocks(tiny) -> None:
     prefill = make_engine(tiny, "prefill")
     pull = InProcessPull(prefill, delay=1.0)

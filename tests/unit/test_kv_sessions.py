@@ -71,7 +71,7 @@ def test_a_pin_outlives_abort_and_lease_until_confirmed_or_over(store) -> None:
 def test_a_confirmed_pull_ends_the_pin(store) -> None:
     sessions, _, _ = store
     sessions.pin("b", 30.0)
-    assert sessions.release("b", "pulled", pulled=True)
+    assert sessions.release("b", "pulled", pulled=True, pinned=True)
     assert due_ids(sessions) == ["b"]
 
 
@@ -92,6 +92,6 @@ def test_releasing_an_expired_pinned_session_releases_nothing(store) -> None:
     sessions.pin("b", 30.0)
     clock.now = 121.0  # both leases over, both pins running
     assert not sessions.release("a", "released") and due_ids(sessions) == []
-    assert sessions.release("b", "pulled", pulled=True) and due_ids(sessions) == ["b"]
+    assert sessions.release("b", "pulled", pulled=True, pinned=True) and due_ids(sessions) == ["b"]
     clock.now = 131.0
     assert due_ids(sessions) == ["a"]

@@ -116,7 +116,9 @@ class TransferFailure(Exception):
         self.dest_may_change = dest_may_change
 
 
-SessionConfirmed = Callable[[str], None]  # a decode engine has pulled session_id: release it
+#: A pull of session_id that had pinned it (a one-sided READ, ``SessionPinner``) is over: release
+#: it and end that pin. Only one-sided backends call it; a gRPC pull confirms through its service.
+SessionConfirmed = Callable[[str], None]
 
 
 class KvTransferBackend(ABC):
@@ -135,7 +137,7 @@ class KvTransferBackend(ABC):
 
     @abstractmethod
     def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
-        """Attach to the engine's KV cache; ``on_confirmed`` releases a pulled session."""
+        """Attach to the engine's KV cache; ``on_confirmed`` releases a session pulled by a pinned READ."""
 
     def source_attributes(self, session_id: str, block_ids: Sequence[int]) -> dict[str, Any]:
         """Prefill side: what a puller needs besides the session id (JSON values, K9)."""

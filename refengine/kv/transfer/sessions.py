@@ -7,7 +7,7 @@ an in-process read of some blocks (the gRPC pull, ``begin_read``/``end_read``) a
 *pin* (``pin``: a one-sided NIXL READ from the decode engine that this engine cannot see
 end; it lasts ``seconds`` or until the confirmation — with several pins, e.g. two decode
 engines pulling one session, until every pinner confirmed: one's confirmation cannot end
-another's READ). A due session's blocks are freed by
+another's READ, nor can the confirmation of a pull that never pinned). A due session's blocks are freed by
 the step thread (``take_due``), the only one that touches the pool, so a block is never
 reused while a read of it can still be in flight.
 
@@ -104,18 +104,21 @@ class KvSessionStore:
         self._on_change()  # a shorter lease may be due sooner than the loop waits
         return session.expires_at
 
-    def release(self, session_id: str, reason: str, pulled: bool = False) -> bool:
-        """Ask to free a session (``pulled``: a decode engine confirmed its pull, so its pin
-        ends too, and the pin with the last one). False when there is no such session, it was
-        released already, or (unless ``pulled``) its lease is over: a pin may still keep an
-        expired session's blocks for a read in flight, but it is no longer offered, so releasing
-        it releases nothing (ENC6)."""
+    def release(self, session_id: str, reason: str, pulled: bool = False, pinned: bool = False) -> bool:
+        """Ask to free a session (``pulled``: a decode engine confirmed its pull). ``pinned``
+        (with ``pulled``): that pull had pinned the session (a one-sided READ), so its own pin
+        ends, and the pin window with the last one. A pull that pinned nothing (gRPC's, read
+        here under ``begin_read``) ends no pin: another engine's READ of the same session may
+        still run. False when there is no such session, it was released already, or (unless
+        ``pulled``) its lease is over: a pin may still keep an expired session's blocks for a
+        read in flight, but it is no longer offered, so releasing it releases nothing (ENC6)."""
+        assert pulled or not pinned, "only a pull's confirmation ends a pin"
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
                 return False
-            if pulled:  # another pinner's READ may still run until its own confirmation
-                session.pins = max(0, session.pins - 1)
+            if pinned and session.pins:  # another pinner's READ may still run until its own confirmation
+                session.pins -= 1
                 if not session.pins:
                     session.pinned_until = 0.0
             first = session.release_reason is None
