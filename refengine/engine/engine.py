@@ -253,6 +253,7 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
             outputs += [RequestOutput(r.request_id, finished=True, error=fault,
                                       usage=Usage(len(r.prompt_token_ids), 0, 0)) for r in self._unadmitted]
             self._unadmitted = []
+            self._take_stats()  # the failed step may never have: GetLoad would count what it took as waiting
         self._deliver(outputs)
         return outputs
 

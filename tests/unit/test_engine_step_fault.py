@@ -1,6 +1,7 @@
 """A step that fails while handing its new requests to the core (an engine fault): every request
 the step took ends with one terminal error, also those after the failing one, which the core never
-got (before, their streams waited forever and their ids stayed in use), and the engine serves on."""
+got (before, their streams waited forever and their ids stayed in use), the load figures forget
+them (before, GetLoad counted them as waiting until the next request), and the engine serves on."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def test_requests_after_one_the_core_refused_end_too(tiny, monkeypatch: pytest.M
             completion = stream.result(timeout=30)
             assert completion.error is not None and "RuntimeError: injected" in completion.error.message
             assert completion.usage.prompt_tokens == 9
+        load = engine.stats()  # what GetLoad reports: the failed step's requests are gone
+        assert (load.waiting_requests, load.running_requests, load.used_kv_blocks) == (0, 0, 0), load
         monkeypatch.setattr(engine.core, "add_request", add)
         again = engine.add_request(greedy("c", prompt(3, 9), max_tokens=4)).result(timeout=30)  # "c" is free again
         assert again.error is None and len(again.outputs[0].token_ids) == 4
