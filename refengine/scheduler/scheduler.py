@@ -171,8 +171,11 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         num_running_slots = sum(s.num_slots for s in self.running) + len(self.receiving)
         adapters = {s.lora_key for s in self.running + self.receiving if s.lora_key}
-        while self.waiting and budget > 0:
+        while self.waiting:
             seq = self.waiting[0]
+            receiving = seq.kv_from_remote and seq.num_computed_tokens == 0  # computes nothing: no budget
+            if budget <= 0 and not receiving:
+                break
             if num_running_slots + seq.num_slots > self.config.max_num_seqs:
                 break
             if seq.lora_key and seq.lora_key not in adapters:
@@ -181,7 +184,7 @@ class Scheduler:
                 adapters.add(seq.lora_key)
             cached_block_ids = self.kv.find_cached_prefix(seq) if seq.use_prefix_cache else []
             num_cached_tokens = len(cached_block_ids) * self.kv.block_size
-            if seq.kv_from_remote and seq.num_computed_tokens == 0:
+            if receiving:
                 if not self._admit_receiving(out, seq, cached_block_ids):
                     break
                 num_running_slots += 1

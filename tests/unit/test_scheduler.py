@@ -123,3 +123,21 @@ def test_a_health_probe_is_admitted_before_every_queued_request() -> None:
     s.add(seq("probe", 1, priority=PROBE_PRIORITY))
     s.finish(s.running[0])
     assert list(run_step(s)) == ["probe"]
+
+
+def test_a_pull_is_ordered_while_decodes_use_the_whole_budget() -> None:
+    """Decode role: a prompt whose KV arrives by pull computes nothing, so it is admitted (its
+    blocks allocated, its pull ordered) even in a step whose token budget the running decodes
+    use up; before, its pull waited for a decode to finish."""
+    s = make(budget=2)
+    s.add(seq("a", 3))
+    s.add(seq("b", 3))
+    run_step(s)  # both prefilled (3 + 3 > 2: over two steps)
+    run_step(s)
+    assert run_step(s) == {"a": 1, "b": 1}  # two decodes: the whole budget
+    remote = Sequence("remote", 0, [5, 6, 7, 8, 9], 5, kv_from_remote=True)
+    s.add(remote)
+    out = s.schedule()
+    assert [item.request_id for item in out.scheduled] == ["a", "b"]
+    assert [load.request_id for load in out.kv_loads] == ["remote"] and remote.status == SequenceStatus.RECEIVING
+    assert len(remote.block_table) == 2
