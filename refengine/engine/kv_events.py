@@ -34,21 +34,24 @@ class KvEventSubscription:
         self._on_ready = on_ready
         self._lock = threading.Lock()
         self._batches: deque[KvEventBatch] = deque()
+        self._num_unbounded = 0  # queued snapshot or replay batches (the first ones), not counted against capacity
         self.failure: str | None = None  # set once; no batch is queued after it
         self.closed = False
 
     def _push(self, batch: KvEventBatch, bounded: bool = True) -> bool:
         """Queue ``batch``; False (and the subscription ends) when the buffer is full. The
-        snapshot and a replay are not bounded by the buffer: they hold batches the hub retains
-        anyway (a replay is bounded by the retained window)."""
+        snapshot and a replay are not bounded by the buffer, nor counted against it: they hold
+        batches the hub retains anyway (a replay is bounded by the retained window), and a replay
+        longer than the buffer must not cut off the subscriber before it could read anything."""
         with self._lock:
             if self.failure is not None or self.closed:
                 return False
-            if bounded and len(self._batches) >= self._capacity:
+            if bounded and len(self._batches) - self._num_unbounded >= self._capacity:
                 self.failure = (f"KV event subscriber too slow: {self._capacity} batches unread; "
                                 f"resubscribe from sequence number {batch.sequence_number}")
             else:
                 self._batches.append(batch)
+                self._num_unbounded += not bounded
         self._on_ready()
         return self.failure is None
 
@@ -62,6 +65,7 @@ class KvEventSubscription:
         with self._lock:
             batches = list(self._batches)
             self._batches.clear()
+            self._num_unbounded = 0
             return batches, self.failure
 
     def close(self) -> None:

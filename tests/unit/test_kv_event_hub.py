@@ -305,12 +305,21 @@ def test_hub_snapshot_numbering_before_any_batch() -> None:
 
 
 def test_a_replay_longer_than_the_subscriber_buffer_is_possible() -> None:
+    """The replay is not counted against the buffer: a full buffer of live batches published
+    before the subscriber's first ``take`` still fits (before, the first live one cut it off)."""
     hub = KvEventHub(retained_batches=100, subscriber_buffer=8)
     for _ in range(20):
         hub.publish([AllBlocksCleared()])
     sub = hub.subscribe(lambda: None, start_sequence_number=1)
+    for _ in range(8):
+        hub.publish([AllBlocksCleared()])
     batches, failure = sub.take()
-    assert failure is None and [b.sequence_number for b in batches] == list(range(1, 21))
+    assert failure is None and [b.sequence_number for b in batches] == list(range(1, 29))
+    for _ in range(9):
+        hub.publish([AllBlocksCleared()])
+    batches, failure = sub.take()
+    assert [b.sequence_number for b in batches] == list(range(29, 37))
+    assert failure is not None and "resubscribe from sequence number 37" in failure
 
 
 def test_the_too_slow_message_names_the_first_missed_batch() -> None:
