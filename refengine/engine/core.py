@@ -148,7 +148,18 @@ class EngineCore(CoreInflowMixin):
              on_scheduled: Callable[[], None] | None = None) -> list[RequestOutput]:
         """One step. ``on_scheduled`` runs once the step's batch is chosen, before the model
         runs, when ``stats()`` already describes it (the engine's GetLoad snapshot: a long
-        prefill step is load, not idleness)."""
+        prefill step is load, not idleness). The KV events its pool queued are published at
+        its end, also when it raises: a snapshot taken between a failed step and the engine's
+        ``fail_all`` must not hold blocks whose ``BlockStored`` is still to come (E2)."""
+        try:
+            outputs = self._step(abort_ids, on_scheduled)
+        finally:
+            self._publish_kv_events()
+        if self.config.debug_kv_integrity and not self.requests:
+            self.check_idle()
+        return outputs
+
+    def _step(self, abort_ids: Iterable[str], on_scheduled: Callable[[], None] | None) -> list[RequestOutput]:
         outcome = StepOutcome()
         cancelled = FinishInfo(FinishReason.CANCELLED, message="aborted")
         for request_id in abort_ids:
@@ -180,11 +191,7 @@ class EngineCore(CoreInflowMixin):
             targets, sampled = sample_step(self.sampler, sched, model_input, logits, self.requests)
             self.update_from_output(sched, model_input, logits, prompt_rows, list(zip(targets, sampled, strict=True)),
                                     outcome)
-        outputs = self._emit(outcome)
-        self._publish_kv_events()
-        if self.config.debug_kv_integrity and not self.requests:
-            self.check_idle()
-        return outputs
+        return self._emit(outcome)
 
     def _wants_prompt_logits(self, item: ScheduledSequence) -> bool:
         request = self.requests[item.request_id]

@@ -356,3 +356,28 @@ def test_an_engine_fault_publishes_a_consistent_view_and_frees_every_block(tiny,
     view.drain()
     assert view.failure is None and view.blocks.keys() == published(engine)
     assert engine.core.pool.num_used == 0 and not engine.has_unfinished_requests
+
+
+def test_a_snapshot_between_a_failed_step_and_fail_all_repeats_no_block(tiny, monkeypatch) -> None:
+    """E2: a step that raises after its blocks were cached still publishes their events as it
+    ends, so a snapshot taken before the loop's ``fail_all`` (the step lock is free between
+    them) holds exactly what the live stream told; before, ``fail_all`` published those
+    ``BlockStored`` again after the snapshot."""
+    engine = make_engine(tiny)
+    view = View(engine)
+    engine.add_request(GenerationRequest("g", prompt_token_ids=list(range(3, 15)), sampling=SamplingParams(),
+                                         stopping=StoppingParams(max_tokens=4, ignore_eos=True)))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault after the step cached its prompt's blocks")
+
+    monkeypatch.setattr(engine.core.outputs, "append_token", broken)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    late = View(engine, include_snapshot=True)  # in the window the step loop leaves before fail_all
+    engine.fail_all("engine fault: injected")
+    view.drain()
+    late.drain()  # View.apply fails on a block stored twice
+    assert view.failure is None and late.failure is None
+    assert len(late.batches[0].events) == 3, "the snapshot: the prompt's three full blocks"
+    assert view.blocks.keys() == late.blocks.keys() == published(engine)
