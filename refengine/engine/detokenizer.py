@@ -113,10 +113,14 @@ class IncrementalDetokenizer:
         self._ids = context  # ids[prefix_offset:], the window; older ids are dropped
         self._read_offset = len(context)  # relative to self._ids; everything before it was emitted
         self._prefix_text = context_text  # decode(self._ids[:self._read_offset])
+        #: Of the last delta, the characters that the tokens before the last one made (their
+        #: text was held back and came with it): where a byte-fallback run's own text ends.
+        self.num_chars_before_last = 0
 
     def add_token(self, token_id: int) -> str:
         """Append one output token; return the text that became stable (maybe "")."""
         self._ids.append(token_id)
+        self.num_chars_before_last = 0
         if token_id in self._byte_token_ids:
             return ""  # a byte-fallback run may still turn into replacement characters
         text = decode(self._tokenizer, self._ids)
@@ -129,11 +133,21 @@ class IncrementalDetokenizer:
             # any boundary would hold everything until flush; none of the Llama family's is.)
             return ""
         delta = text[len(self._prefix_text) :]
+        if len(self._ids) - 1 > self._read_offset:  # earlier tokens' text comes with this one
+            self.num_chars_before_last = self._split_before_last(text, len(delta))
         # The unread tokens become the next prefix window; the new boundary is the end.
         del self._ids[: self._read_offset]
         self._read_offset = len(self._ids)
         self._prefix_text = decode(self._tokenizer, self._ids)
         return delta
+
+    def _split_before_last(self, text: str, delta_chars: int) -> int:
+        """How much of the delta the tokens before the last one made; all of it where the
+        last token's text does not simply follow theirs."""
+        before = decode(self._tokenizer, self._ids[:-1])
+        if before.startswith(self._prefix_text) and text.startswith(before):
+            return len(before) - len(self._prefix_text)
+        return delta_chars
 
     @property
     def holds_text(self) -> bool:
@@ -156,6 +170,7 @@ class NoTextDetokenizer:
     strings: no text is needed at all, so none is computed."""
 
     holds_text = False
+    num_chars_before_last = 0
 
     def add_token(self, token_id: int) -> str:
         return ""

@@ -91,7 +91,7 @@ class OutputProcessor:
                 info = self._token_info(request, sampled, token_id)
             else:
                 info = TokenInfo(token_id, self._text(request, token_id))
-            out.held_tokens.add(info, step.num_detokenized_chars, step.text_pending)
+            out.held_tokens.add(info, step.num_detokenized_chars, step.text_pending, step.num_chars_before)
         # Hold-back works on the text even when it is not sent (stop strings need it).
         tokens = out.held_tokens.release(len(step.text), step.finish)
         out.num_emitted_tokens += len(tokens)

@@ -186,6 +186,7 @@ class TokenStep:
     finish: FinishInfo | None  # set on the output's last step; nothing follows it
     num_detokenized_chars: int = 0  # text this token added before stop-string hold-back
     text_pending: bool = False  # its text is not decoded yet: it comes with a later token's
+    num_chars_before: int = 0  # of num_detokenized_chars, those of earlier pending tokens (their text came now)
 
 
 def process_token(
@@ -204,15 +205,16 @@ def process_token(
     else:
         keep_token = finish is None or not stop.should_drop_stop_token
     text = detokenizer.add_token(token_id) if keep_token else ""
+    before = detokenizer.num_chars_before_last if keep_token else 0
     if finish is not None:
         text += detokenizer.flush()
     pending = detokenizer.holds_text
     emitted, string_finish = stop.feed_text(text)
     if string_finish is not None:
-        return TokenStep(keep_token, emitted, string_finish, len(text), pending)
+        return TokenStep(keep_token, emitted, string_finish, len(text), pending, before)
     if finish is not None:
         emitted += stop.finish_text()
-    return TokenStep(keep_token, emitted, finish, len(text), pending)
+    return TokenStep(keep_token, emitted, finish, len(text), pending, before)
 
 
 class TokenHoldBack:
@@ -220,8 +222,9 @@ class TokenHoldBack:
 
     Offsets count characters of the detokenized output. A token whose text is still
     held back (it may become part of a stop string) is held too. A token whose text is
-    not decoded yet (``text_pending``: a piece of a multi-byte character) ends where the
-    text of the token that completes it ends. When a stop string matched and is
+    not decoded yet (``text_pending``: a piece of a multi-byte character) ends where its
+    run's text ends, which comes with a later token's (``num_chars_before`` of that token's
+    characters are the run's). When a stop string matched and is
     excluded, the tokens whose text reaches into it are dropped (so also the byte pieces
     of its characters); when it is included, or the output ends for another reason,
     every held token is released.
@@ -234,12 +237,15 @@ class TokenHoldBack:
         self._text_end = 0  # detokenized characters so far
         self._emitted_end = 0  # characters emitted so far
 
-    def add(self, token: TokenInfo, num_chars: int, text_pending: bool = False) -> None:
+    def add(self, token: TokenInfo, num_chars: int, text_pending: bool, num_chars_before: int) -> None:
+        undecoded_end = self._text_end + num_chars_before  # where the undecoded ones' text ends
         self._text_end += num_chars
-        self._undecoded.append(token)
-        if not text_pending:  # this token's text, and that of the undecoded ones before it, ends here
-            self._held.extend((waiting, self._text_end) for waiting in self._undecoded)
-            self._undecoded.clear()
+        if text_pending:
+            self._undecoded.append(token)
+            return
+        self._held.extend((waiting, undecoded_end) for waiting in self._undecoded)
+        self._undecoded.clear()
+        self._held.append((token, self._text_end))
 
     def release(self, num_emitted_chars: int, finish: FinishInfo | None) -> tuple[TokenInfo, ...]:
         self._emitted_end += num_emitted_chars

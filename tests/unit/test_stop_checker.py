@@ -10,11 +10,12 @@ import random
 import time
 
 import pytest
+from transformers import PreTrainedTokenizerBase
 
 from refengine.engine.detokenizer import IncrementalDetokenizer, decode
 from refengine.engine.stop_checker import StopChecker, TokenHoldBack, process_token
 from refengine.types import FinishInfo, FinishReason, StoppingParams, TokenInfo
-from tests.unit.tokenizer_fixture import smollm2_tokenizer
+from tests.unit.tokenizer_fixture import byte_fallback_tokenizer, smollm2_tokenizer
 
 EOS = 2
 
@@ -219,10 +220,11 @@ def generate(stopping: StoppingParams, out: list[int], max_tokens: int | None = 
     raise AssertionError("the output never finished")
 
 
-def sent(stopping: StoppingParams, out: list[int]) -> tuple[list[int], str, FinishInfo]:
+def sent(stopping: StoppingParams, out: list[int], tok: PreTrainedTokenizerBase | None = None,
+         ) -> tuple[list[int], str, FinishInfo]:
     """Drive process_token and TokenHoldBack as the engine's output processor does: returns
     (the token ids sent, the text sent, finish)."""
-    tok = smollm2_tokenizer()
+    tok = tok or smollm2_tokenizer()
     stop = StopChecker(stopping, (tok.eos_token_id,), len(out))
     detok = IncrementalDetokenizer(tok, [1])
     held = TokenHoldBack(stopping.include_stop_in_output)
@@ -230,7 +232,7 @@ def sent(stopping: StoppingParams, out: list[int]) -> tuple[list[int], str, Fini
     for n, token_id in enumerate(out, start=1):
         step = process_token(stop, detok, token_id, n)
         if step.keep_token:
-            held.add(TokenInfo(token_id, ""), step.num_detokenized_chars, step.text_pending)
+            held.add(TokenInfo(token_id, ""), step.num_detokenized_chars, step.text_pending, step.num_chars_before)
         tokens += [t.token_id for t in held.release(len(step.text), step.finish)]
         text += step.text
         if step.finish is not None:
@@ -249,6 +251,23 @@ def test_byte_pieces_of_an_excluded_stop_string_are_not_sent(include: bool) -> N
     tokens, text, finish = sent(StoppingParams(stop_strings=("😃",), include_stop_in_output=include), out)
     assert finish == FinishInfo(FinishReason.STOP, stop_text="😃")
     assert text == ("😀😃" if include else "😀") and decode(tok, tokens) == text
+
+
+@pytest.mark.parametrize(("pieces", "stop", "kept", "text"), [
+    (["<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "▁the"], "the", 4, "😀 "),
+    (["<0xC3>", "<0xA9>", "▁the"], "the", 2, "é "),
+    (["<0x67>", "a", "<0x6D>", "<0x6D>", "a"], "m", 2, "ga"),  # the run's own text holds the stop string
+])
+def test_a_byte_fallback_run_ends_where_its_own_text_ends(pieces: list[str], stop: str, kept: int, text: str) -> None:
+    """G11/G14 with SentencePiece byte fallback: a run of byte tokens is decoded only with the
+    next whole token. When that token's text holds an excluded stop string, the run's tokens,
+    whose text comes before it and is sent, are sent too (they were dropped: text '😀 ' with no
+    tokens); a run whose own text reaches into the stop string is still dropped."""
+    tok = byte_fallback_tokenizer()
+    out = tok.convert_tokens_to_ids(pieces)
+    tokens, sent_text, finish = sent(StoppingParams(stop_strings=(stop,)), out, tok)
+    assert finish == FinishInfo(FinishReason.STOP, stop_text=stop)
+    assert (tokens, sent_text) == (out[:kept], text)
 
 
 def test_eos_excluded_or_included() -> None:
