@@ -27,7 +27,9 @@ types in ``vllm/distributed/kv_events.py`` -- ``EventBatch`` ``array_like`` (an 
   sees ``[identity, b"", start]``, ``start`` 8 bytes big-endian) is answered with
   ``[b"", seq, payload]`` for every retained message with ``seq >= start``, oldest first,
   then the end marker ``[b"", (-1) as 8 signed big-endian bytes, b""]``. The newest
-  ``buffer_steps`` messages are retained.
+  ``buffer_steps`` messages are retained. As vLLM does, a shorter ``start`` (1-7 bytes) is
+  read big-endian too; an empty or longer one replays nothing, but still gets the end
+  marker (a choice: vLLM reads any length), so no consumer waits for an answer that never comes.
 
 Choices of this publisher:
 
@@ -330,12 +332,14 @@ class ZmqKvEventPublisher:
         assert self._router is not None
         while self._router.poll(0):
             frames = self._router.recv_multipart()
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            if len(frames) != 3 or frames[1] != b"":
                 logger.warning("malformed KV event replay request (%d frames) ignored", len(frames))
-                continue
+                continue  # no envelope to answer to
             identity, _, start = frames
-            start_seq = int.from_bytes(start, "big")
+            start_seq = int.from_bytes(start, "big") if 1 <= len(start) <= 8 else None
+            if start_seq is None:  # not a u64: the end marker alone, so the consumer is not left waiting
+                logger.warning("KV event replay request with a %d-byte start: nothing replayed", len(start))
             for seq, payload in self._retained:
-                if seq >= start_seq:
+                if start_seq is not None and seq >= start_seq:
                     self._router.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload), copy=False)
             self._router.send_multipart((identity, b"", END_OF_REPLAY, b""))

@@ -136,13 +136,14 @@ def receive(sub: zmq.Socket, n: int) -> list[list[bytes]]:
     return messages
 
 
-def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
-    """What a vLLM consumer does after a gap: DEALER [b"", start] → [b"", seq, payload]…, END."""
+def replay(ctx: zmq.Context, endpoint: str, start: int, start_frame: bytes | None = None) -> list[tuple[int, bytes]]:
+    """What a vLLM consumer does after a gap: DEALER [b"", start] → [b"", seq, payload]…, END
+    (``start_frame``: send these bytes as the start instead)."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
     try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        dealer.send_multipart([b"", start.to_bytes(8, "big") if start_frame is None else start_frame])
         out = []
         while True:
             assert dealer.poll(int(TIMEOUT_S * 1000)), "replay did not finish"
@@ -273,6 +274,9 @@ def test_replay_returns_the_retained_batches_and_the_end_marker(tiny, ctx, start
     assert replay(ctx, pub.replay_endpoint, 0) == live
     assert replay(ctx, pub.replay_endpoint, 2) == live[2:]
     assert replay(ctx, pub.replay_endpoint, n) == []  # nothing newer: just the end marker
+    assert replay(ctx, pub.replay_endpoint, 0, start_frame=(2).to_bytes(4, "big")) == live[2:]  # as vLLM reads it
+    for odd in (b"", bytes(9)):  # no u64: nothing replayed, but an answer all the same
+        assert replay(ctx, pub.replay_endpoint, 0, start_frame=odd) == []
     sub.close(linger=0)
 
     small = make_engine(tiny)
