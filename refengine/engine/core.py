@@ -148,9 +148,8 @@ class EngineCore(CoreInflowMixin):
              on_scheduled: Callable[[], None] | None = None) -> list[RequestOutput]:
         """One step. ``on_scheduled`` runs once the step's batch is chosen, before the model
         runs, when ``stats()`` already describes it (the engine's GetLoad snapshot: a long
-        prefill step is load, not idleness). The KV events its pool queued are published at
-        its end, also when it raises: a snapshot taken between a failed step and the engine's
-        ``fail_all`` must not hold blocks whose ``BlockStored`` is still to come (E2)."""
+        prefill step is load, not idleness). Its KV events are published also when it raises: a
+        snapshot taken before the engine's ``fail_all`` must hold no block stored after it (E2)."""
         try:
             outputs = self._step(abort_ids, on_scheduled)
         finally:
@@ -282,16 +281,9 @@ class EngineCore(CoreInflowMixin):
         self._prompt_logprobs_pending.discard(request.request_id)
 
     def _publish_kv_events(self) -> None:
-        if self.kv_event_sink is None:
-            return
-        events = self.pool.take_events()
-        if events:
-            self.kv_event_sink(events)
-
-    def _fault_output(self, request: Request, fault: EngineFault) -> RequestOutput:
-        """The one terminal output of a request failed after acceptance (its KV already freed)."""
-        self._retire(request)
-        return RequestOutput(request.request_id, finished=True, usage=request_usage(request), error=fault)
+        sink = self.kv_event_sink
+        if sink is not None and (events := self.pool.take_events()):
+            sink(events)
 
     # -- observation -------------------------------------------------------------
     def stats(self) -> EngineStats:

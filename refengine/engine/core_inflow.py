@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from refengine.engine.disagg import first_sampled_token, transfer_fault
+from refengine.engine.observe import request_usage
 from refengine.scheduler.sequence import SequenceStatus
-from refengine.types import EngineFault, FinishInfo, FinishReason
+from refengine.types import EngineFault, FinishInfo, FinishReason, RequestOutput
 
 if TYPE_CHECKING:
     from refengine.engine.core import EngineCore, StepOutcome
     from refengine.engine.request import Request
-    from refengine.types import RequestOutput
 
 
 class CoreInflowMixin:
@@ -93,6 +93,11 @@ class CoreInflowMixin:
         self._last_batch = (0, 0)
         self._publish_kv_events()
         return outputs
+
+    def _fault_output(self: EngineCore, request: Request, fault: EngineFault) -> RequestOutput:
+        """The one terminal output of a request failed after acceptance (its KV already freed)."""
+        self._retire(request)
+        return RequestOutput(request.request_id, finished=True, usage=request_usage(request), error=fault)
 
     def _end_lost(self: EngineCore, request: Request, outcome: StepOutcome) -> None:
         """A preempted sequence that cannot recompute its prompt here (a decode engine has no
