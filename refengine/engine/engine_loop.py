@@ -5,7 +5,8 @@ shutdown. A mixin of ``Engine`` (it uses the front end's lock, inbox and flags),
 The loop steps while requests are active, unless the last step ran nothing (only pulls in
 flight: ``_stalled``), in which case it waits for a wake or polls every ``STALLED_POLL_SECONDS``;
 a KV session falling due wakes it too. A step that raises ends every request with one terminal
-error (``fail_all``) and the loop goes on.
+error (``fail_all``) and the loop goes on. Asked to stop, it still steps once more while aborts
+are pending, so the requests a draining server cut off during a long step free their KV.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class EngineLoopMixin:
                 while not self._stopping and not self._wants_step():
                     if not self._lock.wait(self._wait_seconds()) and self._stalled:
                         self._stalled = False  # the wait is bounded: a missed wake costs latency only
-                if self._stopping:
+                if self._stopping and not self._abort_ids:
                     return
                 self._woken = False
             try:

@@ -7,13 +7,14 @@ own thread and the state turns READY. The event loop never waits on model comput
 SIGUSR1 resets the prefix cache (cached blocks are freed, blocks in use stay, one
 ``AllBlocksCleared`` KV event): the admin path until a secured admin service exists.
 
-Shutdown on SIGTERM/SIGINT (a second signal skips the grace period):
+Shutdown on SIGTERM/SIGINT (a second signal skips the grace period and the flush):
 1. draining: new Generate → UNAVAILABLE; Health answers NOT_READY with a check naming the
    drain (the release has no DRAINING state), grpc.health.v1 NOT_SERVING; the other Control
    RPCs keep answering;
-2. running streams get ``--shutdown-grace-seconds`` to finish;
-3. the rest end with one ``EngineError(CANCELLED, retryable=true)`` naming the drain, and their engine
-   requests are aborted (KV freed);
+2. running streams, and requests still being accepted, get ``--shutdown-grace-seconds`` to finish;
+3. the rest end with one ``EngineError(CANCELLED, retryable=true)`` naming the drain (also one
+   accepted after the deadline), and their engine requests are aborted (KV freed); the flush waits
+   for the engine to confirm the aborts and for those events to be written;
 4. the listeners stop, the engine thread stops, the process exits 0.
 """
 
@@ -39,7 +40,6 @@ from refengine.protocol.v1alpha1 import media_pb2, media_pb2_grpc
 from refengine.runtime import apply_process_settings
 from refengine.server import kv_events_service
 from refengine.server.control import ControlServicer
-from refengine.server.errors import DRAINED
 from refengine.server.health import GrpcHealth
 from refengine.server.inference import InferenceServicer
 from refengine.server.kv_events_service import advertised_host
@@ -48,6 +48,7 @@ from refengine.server.kv_pull_service import KvPullServicer
 from refengine.server.media_service import MediaServicer
 from refengine.server.options import MIB, ServerOptions
 from refengine.server.state import Lifecycle, ServerState
+from refengine.server.stream_bridge import ABORT_CONFIRM_SECONDS
 from refengine.server.wire import add_servicer
 from refengine.types import KvEndpointSpec
 
@@ -56,7 +57,10 @@ MEDIA_SERVICE = media_pb2.DESCRIPTOR.services_by_name["Media"].full_name
 
 logger = logging.getLogger("refengine.server")
 
-FLUSH_SECONDS = 1.0  # after the grace period: time for the terminal events to be written
+# After the grace period: a cut-off stream holds its terminal event until the engine confirms
+# the abort (its usage is then final), which waits for the step under way: up to
+# ABORT_CONFIRM_SECONDS. Then the event is written. The drain ends as soon as nothing is left.
+FLUSH_SECONDS = ABORT_CONFIRM_SECONDS + 1.0
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -264,23 +268,24 @@ class Server:
         loop = asyncio.get_running_loop()
         self.state.set_draining()
         deadline = loop.time() + self.options.shutdown_grace_seconds
-        while self.state.streams and loop.time() < deadline and self._signals < 2:
+        # A request still inside acceptance counts as running: it becomes a stream (or is refused).
+        while (self.state.streams or self.state.accepting) and loop.time() < deadline and self._signals < 2:
             await asyncio.sleep(0.05)
-        leftover = [b for b in self.state.streams if b.fail(DRAINED)]
+        cut_off = self.state.cut_off_streams()  # also those accepted from now on
         released = self.state.engine.release_all_kv_sessions()  # K7: a drained prefill server keeps none
         if released:
             logger.info("drain: released %d KV sessions no decode server had pulled", released)
-        for bridge in leftover:
-            self.state.engine.abort(bridge.request_id)
-        if leftover:
-            logger.info("grace period over: cancelled %d streams (retryable)", len(leftover))
+        if cut_off:
+            logger.info("grace period over: cancelled %d streams (retryable)", cut_off)
         for subscriber in list(self.state.kv_subscribers):  # they would never end on their own
             subscriber.drain()
-        # Let the terminal events be written and the engine apply the aborts (frees their KV).
+        # Let the engine apply the aborts (frees their KV) and the terminal events be written,
+        # before the listeners' stop cancels every call still open.
         engine = self.state.engine
         flush_deadline = loop.time() + FLUSH_SECONDS
-        while (self.state.streams or self.state.kv_subscribers or engine.has_unfinished_requests
-               or engine.stats().used_kv_blocks) and loop.time() < flush_deadline:
+        while (self.state.streams or self.state.accepting or self.state.kv_subscribers
+               or engine.has_unfinished_requests or engine.stats().used_kv_blocks) \
+                and loop.time() < flush_deadline and self._signals < 2:
             await asyncio.sleep(0.02)
 
     async def _shutdown(self) -> None:

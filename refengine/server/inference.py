@@ -95,18 +95,28 @@ class InferenceServicer(oe.InferenceServicer):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ended.engine_done.wait(), RETIRE_WAIT_SECONDS)
 
-    @staticmethod
-    async def _add_on_worker(engine: EngineClient, params: GenerationRequest, bridge: OutputBridge) -> None:
+    async def _add_on_worker(self, engine: EngineClient, params: GenerationRequest, bridge: OutputBridge) -> None:
         """``add_request`` on a worker thread, so the event loop keeps serving every other stream
         while it tokenizes a long prompt, decodes media or compiles a grammar (the tokenizer and
         the grammar engines release the GIL). A client that goes away meanwhile leaves nothing
-        behind: its request is aborted as soon as it is accepted."""
+        behind: its request is aborted as soon as it is accepted. Its stream ended at once, so
+        its id is retiring from then on (G2)."""
         adding = asyncio.ensure_future(asyncio.to_thread(engine.add_request, params, bridge.sink))
         try:
             await asyncio.shield(adding)
         except asyncio.CancelledError:
-            adding.add_done_callback(lambda f: f.exception() is None and engine.abort(params.request_id))
+            self._retire(bridge)
+            adding.add_done_callback(lambda f: self._abandoned(f, engine, bridge))
             raise
+
+    @staticmethod
+    def _abandoned(adding: asyncio.Future, engine: EngineClient, bridge: OutputBridge) -> None:
+        """The add of a request whose client left is done: abort an accepted one (the engine's
+        final output then retires its id); a refused one never held the id."""
+        if adding.exception() is None:
+            engine.abort(bridge.request_id)
+        else:
+            bridge.id_released()
 
     def _on_stall(self, bridge: OutputBridge) -> None:
         if bridge.fail(STALLED_CONSUMER):
@@ -115,6 +125,7 @@ class InferenceServicer(oe.InferenceServicer):
             self.state.engine.abort(bridge.request_id)
 
     async def Generate(self, request: oe.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        self.state.accepting += 1  # a drain starting now waits for this request too (X3)
         try:
             bridge = await self._accept(request, context)
         except Rejection as rejection:
@@ -124,9 +135,11 @@ class InferenceServicer(oe.InferenceServicer):
             logger.exception("request %s: refused by an internal error", request.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             return
+        finally:
+            self.state.accepting -= 1
         builder = ResponseBuilder(request.request_id, max(request.sampling.num_sequences, 1),
                                   self.state.options.max_send_message_bytes, self.state.session_ref)
-        self.state.streams.add(bridge)
+        self.state.add_stream(bridge)  # cut off at once when accepted after the drain deadline
         try:
             while not builder.terminal_sent:
                 out = await bridge.next()

@@ -25,7 +25,7 @@ from refengine.engine.interface import EngineClient
 from refengine.protocol import oe
 from refengine.server.capabilities import Capabilities, capabilities_of
 from refengine.server.convert import session_ref
-from refengine.server.errors import Rejection
+from refengine.server.errors import DRAINED, Rejection
 from refengine.server.options import ServerOptions
 from refengine.server.stream_bridge import OutputBridge
 from refengine.types import KvEndpointSpec, KvSessionSpec
@@ -54,6 +54,10 @@ class ServerState:
         self.load_error: str | None = None
         self.started_at = time.monotonic()
         self.streams: set[OutputBridge] = set()  # accepted Generate streams not yet ended
+        # Generate calls inside acceptance (validation, a grammar compiled on a worker thread):
+        # the drain waits for them as for streams, since each may yet become one (X3).
+        self.accepting = 0
+        self.drain_deadline_passed = False  # from then on, a stream is cut off as soon as it is accepted
         # Streams that ended (client cancel, disconnect) before their engine request did, by
         # request id, until the engine confirms the abort: a new request reusing the id waits (G2).
         self.retiring: dict[str, OutputBridge] = {}
@@ -85,6 +89,27 @@ class ServerState:
     def set_draining(self) -> None:
         if self.lifecycle in (Lifecycle.STARTING, Lifecycle.READY):
             self._set(Lifecycle.DRAINING)
+
+    def add_stream(self, bridge: OutputBridge) -> None:
+        """Register an accepted stream. One whose acceptance was still under way at the drain
+        deadline is cut off at once, like those the deadline found open (X3)."""
+        self.streams.add(bridge)
+        if self.drain_deadline_passed:
+            self._cut_off(bridge)
+
+    def cut_off_streams(self) -> int:
+        """The drain deadline: every open stream ends with one ``EngineError(CANCELLED,
+        retryable)`` naming the drain, and its engine request is aborted (its KV freed).
+        Returns how many were cut off (those whose engine request had already finished end
+        with their own outcome)."""
+        self.drain_deadline_passed = True
+        return sum(self._cut_off(bridge) for bridge in list(self.streams))
+
+    def _cut_off(self, bridge: OutputBridge) -> bool:
+        if not bridge.fail(DRAINED):
+            return False
+        self.engine.abort(bridge.request_id)
+        return True
 
     def session_ref(self, spec: KvSessionSpec) -> oe.KvSessionRef:
         """A prefill engine's session as the wire's ``KvSessionRef``, with this server's endpoints."""

@@ -43,7 +43,7 @@ class OutputBridge:
         self.capacity = capacity
         self.stall_timeout = stall_timeout
         self.engine_finished = False  # the engine's final output reached the loop
-        self.engine_done = asyncio.Event()  # set with engine_finished: the engine retired the id
+        self.engine_done = asyncio.Event()  # the engine retired the id (see id_released)
         self.on_engine_done: Callable[[], None] | None = None  # called then, on the loop
         self.failure: EngineFault | None = None
         self._loop = loop
@@ -66,9 +66,7 @@ class OutputBridge:
     def _push(self, out: RequestOutput) -> None:
         if out.finished:
             self.engine_finished = True
-            self.engine_done.set()
-            if self.on_engine_done is not None:
-                self.on_engine_done()
+            self.id_released()
             self._final_usage = out.usage
             self._stop_stall_clock()
         if self.failure is None:
@@ -76,6 +74,13 @@ class OutputBridge:
             if len(self._pending) >= self.capacity and not self.engine_finished:
                 self._start_stall_clock()
         self._wakeup.set()
+
+    def id_released(self) -> None:
+        """The engine holds the request id no more: it finished the request, or it never
+        accepted it (an add the client had left during). A request reusing the id may go (G2)."""
+        self.engine_done.set()
+        if self.on_engine_done is not None:
+            self.on_engine_done()
 
     def _start_stall_clock(self) -> None:
         if self._stall_timer is None:
