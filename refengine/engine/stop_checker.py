@@ -206,8 +206,9 @@ def process_token(
         keep_token = finish is None or not stop.should_drop_stop_token
     text = detokenizer.add_token(token_id) if keep_token else ""
     before = detokenizer.num_chars_before_last if keep_token else 0
-    if finish is not None:
-        text += detokenizer.flush()
+    if finish is not None and (flushed := detokenizer.flush()):
+        text += flushed
+        before = len(text)  # the run may reach into the flushed text: it ends with the output
     pending = detokenizer.holds_text
     emitted, string_finish = stop.feed_text(text)
     if string_finish is not None:

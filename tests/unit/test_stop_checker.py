@@ -257,6 +257,7 @@ def test_byte_pieces_of_an_excluded_stop_string_are_not_sent(include: bool) -> N
     (["<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "▁the"], "the", 4, "😀 "),
     (["<0xC3>", "<0xA9>", "▁the"], "the", 2, "é "),
     (["<0x67>", "a", "<0x6D>", "<0x6D>", "a"], "m", 2, "ga"),  # the run's own text holds the stop string
+    (["a", "<0xC3>", "<0xA9>"], "é", 1, "a"),  # the run's text comes with the last token's flush
 ])
 def test_a_byte_fallback_run_ends_where_its_own_text_ends(pieces: list[str], stop: str, kept: int, text: str) -> None:
     """G11/G14 with SentencePiece byte fallback: a run of byte tokens is decoded only with the
