@@ -67,13 +67,8 @@ class EngineKvMixin:
 
     def _bind_backends(self, backends: dict[str, KvTransferBackend]) -> None:
         """Bind ``choose_transfer_backends``' choice to this engine's KV cache."""
-        for backend in backends.values():
-            backend.bind(self.block_io, self._confirm_pinned_pull)
-
-    def _confirm_pinned_pull(self, session_id: str) -> None:
-        """A backend's own confirmation (NIXL's notification), which comes after a READ that
-        pinned the session (``SessionConfirmed``)."""
-        self.confirm_kv_session(session_id, pinned=True)
+        for backend in backends.values():  # a backend's own confirmation follows a pinned READ (NIXL's)
+            backend.bind(self.block_io, lambda session_id: self.confirm_kv_session(session_id, pinned=True))
 
     # -- KV events and the prefix cache (any thread; each waits for the current step) --
     def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,

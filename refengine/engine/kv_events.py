@@ -34,7 +34,7 @@ class KvEventSubscription:
         self._on_ready = on_ready
         self._lock = threading.Lock()
         self._batches: deque[KvEventBatch] = deque()
-        self._num_unbounded = 0  # queued snapshot or replay batches (the first ones), not counted against capacity
+        self._num_live = 0  # queued live batches: only these count against the capacity
         self.failure: str | None = None  # set once; no batch is queued after it
         self.closed = False
 
@@ -46,12 +46,13 @@ class KvEventSubscription:
         with self._lock:
             if self.failure is not None or self.closed:
                 return False
-            if bounded and len(self._batches) - self._num_unbounded >= self._capacity:
+            if bounded and self._num_live >= self._capacity:
                 self.failure = (f"KV event subscriber too slow: {self._capacity} batches unread; "
                                 f"resubscribe from sequence number {batch.sequence_number}")
             else:
                 self._batches.append(batch)
-                self._num_unbounded += not bounded
+                if bounded:
+                    self._num_live += 1
         self._on_ready()
         return self.failure is None
 
@@ -65,7 +66,7 @@ class KvEventSubscription:
         with self._lock:
             batches = list(self._batches)
             self._batches.clear()
-            self._num_unbounded = 0
+            self._num_live = 0
             return batches, self.failure
 
     def close(self) -> None:
