@@ -112,18 +112,19 @@ def stalled_stream(t: Target) -> StreamResult:
             req.response.return_output_logprobs = True
             req.response.output_candidates.top_n = caps.max_top_n
     res = StreamResult(request_id=req.request_id, rule=t.rule)
-    call = t.inference.Generate(req, timeout=t.options.stream_timeout_s + wait)
-    try:
-        first = next(call, None)  # None: an OK stream without events (G12's finding, not a crash here)
-        if first is not None:
-            res.events.append(first)
-            time.sleep(wait)
-            res.events.extend(call)
-        res.code, res.details = call.code(), call.details() or ""
-    except grpc.RpcError as err:
-        res.code, res.details = err.code(), err.details() or ""
-    finally:
-        t.abort(req.request_id)
+    with t.fixed_window_inference() as inference:
+        call = inference.Generate(req, timeout=t.options.stream_timeout_s + wait)
+        try:
+            first = next(call, None)  # None: an OK stream without events (G12's finding, not a crash here)
+            if first is not None:
+                res.events.append(first)
+                time.sleep(wait)
+                res.events.extend(call)
+            res.code, res.details = call.code(), call.details() or ""
+        except grpc.RpcError as err:
+            res.code, res.details = err.code(), err.details() or ""
+        finally:
+            t.abort(req.request_id)
     for event in res.events:  # read outside Target.generate: record it for X3/X4 by hand
         t.observe(event)
     t.cache.setdefault("x3_streams", []).append(res)

@@ -14,7 +14,8 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -28,6 +29,11 @@ from refengine.conformance.target_load import LoadWaits
 from refengine.protocol import oe
 
 Metadata = Sequence[tuple[str, str]]
+
+#: No message-size limit of the client's own (the server's limits are what the checks test);
+#: a subchannel of its own (see Target.__init__).
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+                   ("grpc.use_local_subchannel_pool", 1)]
 
 
 class ConnectError(Exception):
@@ -44,10 +50,7 @@ class Target(LoadWaits):
         # A subchannel of its own: in a process that talked to an earlier server on the same port
         # (a test harness, a tool running the suite repeatedly), a shared one may still be in its
         # reconnect backoff, and connect() would time out waiting for it.
-        self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
-                              ("grpc.use_local_subchannel_pool", 1)]
-        )
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._peers: list[Target] = []  # other servers of this run (connect_peer), closed with this one
         self.inference = oe.InferenceStub(self.channel)
         self.control = oe.ControlStub(self.channel)
@@ -106,6 +109,19 @@ class Target(LoadWaits):
             return peer.connect()
         except ConnectError as err:
             raise CheckFailed(f"{role}: {err}") from None
+
+    @contextmanager
+    def fixed_window_inference(self) -> Iterator[Any]:
+        """An Inference stub on a channel of its own (closed after the block) whose HTTP/2
+        flow-control window never grows (no BDP probing): a client that stops reading blocks
+        the server's writes after the same few bytes, whatever streams ran before. On the
+        shared channel, earlier big streams may have grown the window to megabytes, more than
+        a slow server produces within a reader's stall (X1)."""
+        channel = grpc.insecure_channel(self.address, options=[*CHANNEL_OPTIONS, ("grpc.http2.bdp_probe", 0)])
+        try:
+            yield oe.InferenceStub(channel)
+        finally:
+            channel.close()
 
     def close(self) -> None:
         for peer in self._peers:

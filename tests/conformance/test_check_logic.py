@@ -5,6 +5,7 @@ fault of its own for every such answer."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -122,7 +123,8 @@ def test_x1_stalled_stream_without_events_is_skipped_not_a_crash() -> None:
     """An OK stream with no event at all is G12's finding: the X1 stall check skips, instead of
     failing X1 with a StopIteration."""
     t = ScriptedTarget("X1", options=Options(idle_timeout_s=0.1, slow_reader_s=0.01))
-    t.inference = type("Stub", (), {"Generate": staticmethod(lambda req, timeout=None: _EmptyCall())})()
+    stub = type("Stub", (), {"Generate": staticmethod(lambda req, timeout=None: _EmptyCall())})()
+    t.fixed_window_inference = lambda: contextlib.nullcontext(stub)
     try:
         with pytest.raises(CheckSkipped, match="without any event"):
             error_after_acceptance(t)

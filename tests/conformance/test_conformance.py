@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from refengine.conformance import Options, Status, Target, all_checks, run_check
+from refengine.conformance.checks_errors import stalled_stream
 from refengine.conformance.registry import PROFILE_PAGES, Check, rules_in
 from refengine.server.convert import EXTRA_STALL_TIMEOUT, EXTRA_STREAM_BUFFER
 from tests.integration.conftest import ServerProcess
@@ -105,3 +106,21 @@ def test_startup_states(conformance_server: ServerProcess | None) -> None:
     states = conformance_server.startup_states
     assert states and states[-1] == "HEALTH_STATE_READY", states
     assert set(states[:-1]) <= {"HEALTH_STATE_STARTING", "NO_ANSWER"}, f"Health states before READY: {states}"
+
+
+def test_stalled_stream_is_not_buffered_by_an_earlier_grown_window(target: Target) -> None:
+    """X1's stall on a busy machine: big streams on the shared channel grow its HTTP/2 window
+    (BDP probing) to megabytes, more than a slow server fills within the reader's stall; the
+    stream then ran on past its deadline. The stalled stream has a channel of its own whose
+    window does not grow: the server's writes block after the same few events, whatever ran
+    before (here: a stream of all-vocabulary candidates, ~0.4 MB an event)."""
+    if os.environ.get("OECONF_TARGET"):
+        pytest.skip("external target: refengine's stall knobs are not available")
+    big = target.long_request("grow", cap=48)
+    big.response.return_output_logprobs = True
+    big.response.output_candidates.all.SetInParent()
+    grown = target.generate(big)
+    assert grown.ok and len(grown.tokens()) == 48, grown.describe()[:300]
+    res = stalled_stream(target)
+    assert len(res.of("error")) == 1, res.describe()[:300]
+    assert len(res.events) <= 4, f"{len(res.events) - 1} events in flight through a stall: {res.describe()[:300]}"
