@@ -84,9 +84,15 @@ async def subscribe(state: ServerState, request: oe.SubscribeKvEventsRequest,
     def on_ready() -> None:  # the step thread: never blocks
         loop.call_soon_threadsafe(ready.set)
 
-    try:  # waits for the current step to end (snapshots are taken between steps)
-        sub = await asyncio.to_thread(engine.subscribe_kv_events, on_ready, request.include_snapshot,
-                                      request.start_sequence_number)
+    # The engine subscribes between steps, so this waits for the current step to end; a client
+    # that leaves meanwhile must not leave its subscription registered (fed until it overflows).
+    subscribing = asyncio.ensure_future(asyncio.to_thread(
+        engine.subscribe_kv_events, on_ready, request.include_snapshot, request.start_sequence_number))
+    try:
+        sub = await asyncio.shield(subscribing)
+    except asyncio.CancelledError:
+        subscribing.add_done_callback(_close_abandoned)
+        raise
     except RequestError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return
@@ -97,6 +103,12 @@ async def subscribe(state: ServerState, request: oe.SubscribeKvEventsRequest,
     finally:
         state.kv_subscribers.discard(live)
         sub.close()
+
+
+def _close_abandoned(subscribing: asyncio.Future) -> None:
+    """The subscription of a client that left before it was made: closed once it exists."""
+    if not subscribing.cancelled() and subscribing.exception() is None:
+        subscribing.result().close()
 
 
 class _Live:

@@ -187,3 +187,40 @@ def test_a_session_whose_attributes_are_not_json_is_invalid_argument(value: floa
     with pytest.raises(Rejection) as refused:
         session_spec(ref)
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "attributes_struct" in refused.value.message
+
+
+def test_a_kv_event_subscription_whose_client_left_during_the_step_is_closed() -> None:
+    """E1: the engine subscribes between steps; a client that cancels while the step runs must
+    not leave its subscription registered (it was fed until its buffer overflowed)."""
+    from types import SimpleNamespace
+
+    from refengine.server.kv_events_service import subscribe
+
+    step_ended = threading.Event()
+    closed: list[str] = []
+
+    class Subscription:
+        def close(self) -> None:
+            closed.append("closed")
+
+    class Engine:
+        def subscribe_kv_events(self, on_ready: object, include_snapshot: bool, start: int) -> Subscription:
+            step_ended.wait(5)
+            return Subscription()
+
+    state = SimpleNamespace(engine_for_control=Engine, kv_subscribers=set())
+
+    async def scenario() -> None:
+        call = asyncio.ensure_future(subscribe(state, oe.SubscribeKvEventsRequest(), context=None))
+        await asyncio.sleep(0.05)  # the handler waits for the step
+        call.cancel()  # the client left
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        step_ended.set()
+        for _ in range(100):
+            if closed:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
+    assert closed == ["closed"] and not state.kv_subscribers
