@@ -75,15 +75,28 @@ def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     keeps its leading space (decoding it alone would strip it). A token that is only
     part of a UTF-8 character (a byte piece) reads as U+FFFD, as ``decode([id])`` does.
     """
+    return token_texts(tokenizer, (token_id,))[0]
+
+
+def token_texts(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> list[str]:
+    """``token_text`` of each id: one cache lookup per id (``all`` candidates ask for the
+    whole vocabulary with every token)."""
     info = _info(tokenizer)
-    text = info.token_texts.get(token_id)
-    if text is None:
-        with_context = decode(tokenizer, [*info.context_ids, token_id])
-        if info.context_ids and with_context.startswith(info.context_text):
-            text = with_context[len(info.context_text) :]
-        else:
-            text = decode(tokenizer, [token_id])
-        info.token_texts[token_id] = text
+    cached = info.token_texts
+    texts = [cached.get(token_id) for token_id in token_ids]
+    for i, text in enumerate(texts):
+        if text is None:
+            texts[i] = _uncached_text(tokenizer, info, token_ids[i])
+    return texts
+
+
+def _uncached_text(tokenizer: PreTrainedTokenizerBase, info: _TokenizerInfo, token_id: int) -> str:
+    with_context = decode(tokenizer, [*info.context_ids, token_id])
+    if info.context_ids and with_context.startswith(info.context_text):
+        text = with_context[len(info.context_text) :]
+    else:
+        text = decode(tokenizer, [token_id])
+    info.token_texts[token_id] = text
     return text
 
 

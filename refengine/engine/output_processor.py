@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refengine.engine.detokenizer import token_text
+from refengine.engine.detokenizer import token_text, token_texts
 from refengine.engine.request import OutputState, Request
 from refengine.engine.stop_checker import process_token
 from refengine.sampling.sampler import SampledToken, prompt_logprobs
@@ -35,6 +35,12 @@ class OutputProcessor:
         """A token's own text, or "" for a request that asked for token ids only."""
         return token_text(self.tokenizer, token_id) if request.params.detokenize else ""
 
+    def _candidates(self, request: Request, candidates: tuple[tuple[int, float, int], ...]) -> tuple[Candidate, ...]:
+        if not request.params.detokenize:
+            return tuple(Candidate(*candidate, "") for candidate in candidates)
+        texts = token_texts(self.tokenizer, [token_id for token_id, _, _ in candidates])
+        return tuple(Candidate(*candidate, text) for candidate, text in zip(candidates, texts, strict=True))
+
     def _token_info(self, request: Request, sampled: SampledToken | tuple, token_id: int) -> TokenInfo:
         if isinstance(sampled, SampledToken):
             logprob, rank, candidates = sampled.logprob, sampled.rank, sampled.candidates
@@ -45,7 +51,7 @@ class OutputProcessor:
             text=self._text(request, token_id),
             logprob=logprob,
             rank=rank,
-            candidates=tuple(Candidate(tid, lp, rk, self._text(request, tid)) for tid, lp, rk in candidates),
+            candidates=self._candidates(request, candidates),
         )
 
     # -- prompt logprobs -----------------------------------------------------

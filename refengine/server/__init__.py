@@ -2,7 +2,8 @@
 
 Read in this order:
 
-- ``app.py``          ``refengine serve``: listeners, engine loading, signals, drain.
+- ``app.py``          ``refengine serve``: listeners, signals, drain.
+- ``loading.py``      the engine, loaded on a worker thread (then ``gc.freeze``).
 - ``options.py``      the server's own settings (ports, message sizes, grace, stall timeout).
 - ``state.py``        lifecycle (STARTING → READY → DRAINING) shared by every servicer.
 - ``metadata.py``     request metadata keys (RULES M1–M5).

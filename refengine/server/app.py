@@ -43,8 +43,8 @@ from refengine.server.control import ControlServicer
 from refengine.server.health import GrpcHealth
 from refengine.server.inference import InferenceServicer
 from refengine.server.kv_events_service import advertised_host
-from refengine.server.kv_pull_client import GrpcKvTransfer
 from refengine.server.kv_pull_service import KvPullServicer
+from refengine.server.loading import load_in_thread
 from refengine.server.media_service import MediaServicer
 from refengine.server.options import MIB, ServerOptions
 from refengine.server.state import Lifecycle, ServerState
@@ -145,37 +145,6 @@ def serve_from_args(args: argparse.Namespace) -> int:
     return code
 
 
-def _load_engine(config: EngineConfig):  # noqa: ANN202 - an Engine or an EncoderEngine (EngineClient)
-    """The role's engine, with the gRPC transfer backends (KV, and embedding handles)."""
-    from refengine.engine.encoder import EncoderEngine
-    from refengine.engine.engine import Engine
-
-    if config.role == "encoder":
-        return EncoderEngine.from_config(config, [GrpcKvTransfer(config.kv_transfer.pull_timeout_seconds)])
-    backends = [] if config.role == "aggregated" else [GrpcKvTransfer(config.kv_transfer.pull_timeout_seconds)]
-    return Engine.from_config(config, transfer_backends=backends,
-                              embedding_backends=[GrpcKvTransfer(config.encoder.pull_timeout_seconds)])
-
-
-def _load_in_thread(config: EngineConfig) -> tuple[asyncio.Future, threading.Thread]:
-    """Load the engine on a daemon thread (a signal during loading must not wait for it)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def load() -> None:
-        try:
-            engine = _load_engine(config)
-        except BaseException as exc:  # noqa: BLE001 - reported to the loop, logged there
-            error = exc
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
-        else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(engine))
-
-    thread = threading.Thread(target=load, name="refengine-load", daemon=True)
-    thread.start()
-    return future, thread
-
-
 class Server:
     """One process: listeners, state, engine, signals."""
 
@@ -243,7 +212,7 @@ class Server:
         return code
 
     async def _load_and_serve(self) -> int:
-        loading, self.loader = _load_in_thread(self.state.engine_config)
+        loading, self.loader = load_in_thread(self.state.engine_config)
         stopping = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
         if not loading.done():

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from refengine.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, decode, token_text
+from refengine.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, decode, token_text, token_texts
 from tests.unit.tokenizer_fixture import byte_fallback_tokenizer, smollm2_tokenizer
 
 TEXTS = [
@@ -211,3 +211,14 @@ def test_byte_fallback_token_text() -> None:
     assert token_text(tok, tok.convert_tokens_to_ids("世")) == "世"
     assert token_text(tok, tok.convert_tokens_to_ids("<0xE4>")) == REPLACEMENT_CHAR
     assert token_text(tok, tok.eos_token_id) == "</s>"
+
+
+def test_token_texts_of_many_ids_in_any_order_are_each_ids_text() -> None:
+    """``all`` candidates: one call for the vocabulary, in rank order, some ids cached already
+    and some not, repeats kept; each answer is what decoding that id says."""
+    tok = byte_fallback_tokenizer()
+    ids = [tok.convert_tokens_to_ids(t) for t in ("▁the", "<0xE4>", "世", "▁the")] + list(range(len(tok)))[::-1]
+    texts = token_texts(tok, ids)
+    assert texts[:4] == [" the", REPLACEMENT_CHAR, "世", " the"]
+    assert texts[4:] == [token_text(tok, i) for i in reversed(range(len(tok)))]
+    assert texts[-1] == decode(tok, [0])
