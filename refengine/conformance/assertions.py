@@ -213,6 +213,7 @@ def settled(t: Target, what: str) -> Any:
     so does a target without GetLoad (an optional RPC)."""
     t.need_load(f"{what}: the release of work and KV")
     load = t.wait_until(lambda lo: lo.running_requests == 0 and lo.queued_requests == 0)
+    t.need_counts(load, f"{what}: the release of work")
     if load.running_requests or load.queued_requests:
         skip(f"{what}: earlier work still runs after {t.options.idle_timeout_s:.0f} s (running="
              f"{load.running_requests} queued={load.queued_requests}): this check's own release cannot be judged")

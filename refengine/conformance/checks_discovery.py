@@ -122,10 +122,12 @@ def caps_inputs(t: Target) -> str:
     text, ids = _flag(m, "supports_text_input"), _flag(m, "supports_token_ids_input")
     if text is None and ids is None:
         not_claimed("neither supports_text_input nor supports_token_ids_input is reported")
+    text_req = t.request("d4")
+    text_req.prompt = "Hello"  # set here: ``request`` sends token ids instead to a server without text input
     if text is True:
-        _accepted(t, t.request("d4", prompt="Hello"), "text prompt")
+        _accepted(t, text_req, "text prompt")
     elif text is False:
-        _rejected(t, t.request("d4", prompt="Hello"), "text prompt")
+        _rejected(t, text_req, "text prompt")
     if ids is True:
         _accepted(t, t.request("d4", token_ids=t.known_token_ids()[:4]), "token_ids prompt")
     elif ids is False:

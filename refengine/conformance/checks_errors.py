@@ -143,6 +143,9 @@ def error_after_acceptance(t: Target) -> str:
     if res.ok and not res.events:
         skip("the stalled stream ended OK without any event (G12 fails for it): nothing stalled")
     errors = res.of("error")
+    if not errors and res.code == grpc.StatusCode.DEADLINE_EXCEEDED:  # the client's own deadline: no finding
+        skip(f"the stalled stream outlived this client's {t.options.stream_timeout_s + wait:.0f} s deadline "
+             f"after {len(res.events)} events: no stall failure was provoked (raise stream_timeout_s)")
     if not errors:
         expect(res.ok, f"a stalled stream ended with {res.describe()[:300]} (not OK, no EngineError)")
         t.wait_idle("X1 slow reader")

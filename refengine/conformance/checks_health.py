@@ -58,15 +58,16 @@ def health_consistent(t: Target) -> str:
 
 @check("H2", "include_inference_probe runs a bounded probe; concurrent probes are safe")
 def inference_probe(t: Target) -> str:
-    """H2: the probe adds a check, returns promptly, and concurrent probes all succeed."""
+    """H2: the probe returns promptly and concurrent probes all succeed. How a probe is
+    reported is not in the release: whether one is seen in the checks (an added check, or
+    one naming it) is said, not judged."""
     plain = _health(t)
     start = time.monotonic()
     probed = _health(t, probe=True)
     took = time.monotonic() - start
     expect(probed.state in (READY, DEGRADED), f"a serving engine's probe reports {_name(probed.state)}")
-    expect(len(probed.checks) > len(plain.checks) or any("probe" in c.name or "inference" in c.name
-                                                            for c in probed.checks),
-           f"the probe added no check: {[c.name for c in plain.checks]} vs {[c.name for c in probed.checks]}")
+    seen = len(probed.checks) > len(plain.checks) or any(
+        word in c.name.lower() for c in probed.checks for word in ("probe", "inference"))
     expect(took < t.options.rpc_timeout_s, f"probe took {took:.1f} s")
     calls = [Background(lambda: _health(t, probe=True)) for _ in range(6)]
     calls += [Background(lambda: t.generate(t.request("h2", max_tokens=3))) for _ in range(2)]
@@ -76,7 +77,8 @@ def inference_probe(t: Target) -> str:
     for res in results[6:]:
         expect_valid(res, what="Generate next to concurrent probes")
     t.wait_idle("H2: after probes")
-    return f"probe {took * 1000:.0f} ms; 6 concurrent probes + 2 requests fine"
+    shown = "a probe check is shown" if seen else "no check shows the probe (its reporting is the server's choice)"
+    return f"probe {took * 1000:.0f} ms, {shown}; 6 concurrent probes + 2 requests fine"
 
 
 @check("H2", "the probe on each named PREFILL/DECODE server answers and leaves nothing held")
@@ -104,6 +106,9 @@ def probe_on_named_roles(t: Target) -> str:
             found.append(f"{name}: {[_name(s) for s in states]} (GetLoad {code.name}: holdings not checked)")
             continue
         load = peer.wait_idle(f"H2: {name} after three probes")
+        if not (load.HasField("active_kv_sessions") and before.HasField("active_kv_sessions")):
+            found.append(f"{name}: {[_name(s) for s in states]} (GetLoad has no active_kv_sessions: not checked)")
+            continue
         expect(load.active_kv_sessions <= before.active_kv_sessions,
                f"{name}: {load.active_kv_sessions} KV sessions held after three probes, {before.active_kv_sessions} "
                "before: a probe's session must be released, nobody pulls it")

@@ -47,6 +47,14 @@ class LoadWaits:
             raise CheckSkipped(f"{what} cannot be observed: GetLoad answered {self.load_code.name} (it is optional; "
                                "only the load profile requires it)")
 
+    def need_counts(self, load: Any, what: str) -> None:
+        """Skip unless ``load`` reports both request counts: an absent one is unavailable (H4),
+        not 0, so whether work was released cannot be seen without them."""
+        missing = [name for name in ("running_requests", "queued_requests") if not load.HasField(name)]
+        if missing:
+            raise CheckSkipped(f"{what} cannot be observed: GetLoad does not report {' or '.join(missing)} "
+                               "(absent = unavailable, H4)")
+
     def wait_busy(self, predicate: Callable[[Any], bool], timeout: float) -> Any | None:
         """Give requests just started time to be admitted: poll GetLoad until ``predicate(load)``
         (returns the last LoadInfo), or, without GetLoad, wait a moment (returns None)."""
@@ -99,6 +107,8 @@ class LoadWaits:
             return settled and (not load.HasField("used_kv_blocks") or load.used_kv_blocks <= baseline)
 
         load = self.wait_until(idle)
+        if self.rule in IDLE_RULES or not self.rule:
+            self.need_counts(load, f"{what or 'returning to idle'}: the release of work")
         if not idle(load):
             message = (f"{what + ': ' if what else ''}server not idle after {self.options.idle_timeout_s:.0f} s: "
                        f"running={load.running_requests} queued={load.queued_requests} "

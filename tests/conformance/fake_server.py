@@ -9,6 +9,8 @@ adds KV events, tests/conformance/toy_roles.py a PREFILL/DECODE pair.
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -68,6 +70,8 @@ class Control(oe.ControlServicer):
     def __init__(self, engine: ToyEngine) -> None:
         self.engine = engine
         self.info_calls = 0  # GetServerInfo calls so far (the connector_changes fault)
+        self.probes = 0  # inference probes running now (the probe_unsafe_concurrently fault)
+        self.probes_lock = threading.Lock()
 
     def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         f = self.engine.faults
@@ -156,9 +160,23 @@ class Control(oe.ControlServicer):
         resp.checks.add(name="engine", state=oe.HEALTH_STATE_READY if state == f.health_state else state)
         if f.health_check_degraded:
             resp.checks.add(name="kv_cache", state=oe.HEALTH_STATE_DEGRADED)
-        if request.include_inference_probe and not f.probe_adds_no_check:
-            resp.checks.add(name="inference_probe", state=oe.HEALTH_STATE_READY)
+        if request.include_inference_probe:
+            resp.checks.add(name="inference_probe", state=self._probe(f.probe_unsafe_concurrently))
+            if resp.checks[-1].state == oe.HEALTH_STATE_NOT_READY:
+                resp.state = oe.HEALTH_STATE_NOT_READY
         return resp
+
+    def _probe(self, unsafe: bool) -> int:
+        """One probe's state; an unsafe one fails while another probe runs."""
+        with self.probes_lock:
+            self.probes += 1
+            overlapping = self.probes > 1
+        if unsafe:
+            time.sleep(0.05)  # long enough for concurrent probes to overlap
+        with self.probes_lock:
+            overlapping = overlapping or self.probes > 1
+            self.probes -= 1
+        return oe.HEALTH_STATE_NOT_READY if unsafe and overlapping else oe.HEALTH_STATE_READY
 
     def Abort(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         f = self.engine.faults

@@ -124,7 +124,7 @@ class Faults:
     leak_on_cancel: bool = False  # A5: a client cancel leaves one KV block used
     ignore_disconnect: bool = False  # A5: a cancelled call keeps running
     health_check_degraded: bool = False  # H1: overall READY with a DEGRADED check
-    probe_adds_no_check: bool = False  # H2: the inference probe adds no check
+    probe_unsafe_concurrently: bool = False  # H2: a probe running next to another reports NOT_READY
     probe_holds_session: bool = False  # H2: the PREFILL server's probe prefills into a session it never releases
     starting_unprobed: bool = False  # H3: Health without probe answers STARTING while serving
     health_state: int = oe.HEALTH_STATE_READY  # X4/H3: e.g. 5, the pre-release NOT_READY
