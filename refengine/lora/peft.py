@@ -103,7 +103,8 @@ def _read_files(path: Path, roots: Sequence[str], weights_limit: int,
 def _read_config(path: Path, data: bytes) -> dict[str, Any]:
     try:
         config = json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: deep nesting
+    # ValueError: also an integer over Python's 4,300-digit limit; RecursionError: deep nesting.
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _refuse(path, f"{CONFIG_FILE} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise _refuse(path, f"{CONFIG_FILE} must hold a JSON object")
@@ -124,14 +125,19 @@ def _read_config(path: Path, data: bytes) -> dict[str, Any]:
                 raise _refuse(path, f"{CONFIG_FILE}: {name}[{key!r}] must be a finite number > 0, got {value!r}")
             try:
                 regex.compile(key)
-            except regex.error as exc:
+            except (regex.error, RecursionError, OverflowError) as exc:  # deep nesting, huge repeat counts
                 raise _refuse(path, f"{CONFIG_FILE}: {name} key {key!r} is not a regular expression: {exc}") from None
     return config
 
 
 def _positive(value: Any) -> bool:
     """A finite number > 0 (JSON's NaN and Infinity parse as floats; a bool is not a number)."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an integer past float's range
+        return False
 
 
 def _matches(path: Path, pattern: str, module: str) -> bool:
@@ -140,7 +146,7 @@ def _matches(path: Path, pattern: str, module: str) -> bool:
     holding the GIL -- one LoadLora froze the whole server. The ``regex`` module can time out."""
     try:
         return regex.fullmatch(pattern, module, timeout=PATTERN_SECONDS) is not None
-    except regex.error:
+    except (regex.error, RecursionError, OverflowError):  # not a pattern (a target_modules string is one)
         return False
     except TimeoutError:
         raise _refuse(path, f"{CONFIG_FILE}: the pattern {pattern[:64]!r} took over {PATTERN_SECONDS} s "
@@ -243,10 +249,13 @@ def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor
     if lora_a.dtype not in WEIGHT_DTYPES or lora_b.dtype not in WEIGHT_DTYPES:
         raise _refuse(path, f"{module}: LoRA weights must be float16, bfloat16, float32 or float64, "
                             f"not {lora_a.dtype} / {lora_b.dtype}")
+    # Both checked as kept (float32): a float64 value past float32's range becomes infinite there.
+    kept_a = lora_a.to(torch.float32, copy=True)  # not a view of the read-only file bytes
     scaled_b = lora_b.float() * scale
-    if not (torch.isfinite(lora_a).all() and torch.isfinite(scaled_b).all()):
-        raise _refuse(path, f"{module}: lora_A, or lora_B times its scale {scale:g}, holds NaN or infinity")
-    return LoraPair(lora_a.to(torch.float32, copy=True), scaled_b)  # not a view of the read-only file bytes
+    if not (torch.isfinite(kept_a).all() and torch.isfinite(scaled_b).all()):
+        raise _refuse(path, f"{module}: lora_A, or lora_B times its scale {scale:g}, holds NaN or infinity "
+                            "(in float32)")
+    return LoraPair(kept_a, scaled_b)
 
 
 def _digest(*contents: bytes) -> str:

@@ -232,7 +232,10 @@ class ControlServicer(oe.ControlServicer):
     async def UnloadLora(self, request, context):  # noqa: ANN001, ANN201, N802
         async def build() -> oe.UnloadLoraResponse:
             engine = self.state.engine_for_control()
-            return oe.UnloadLoraResponse(adapter=_adapter(engine.unload_lora(request.lora_name)))
+            # A worker thread: the unload waits for a load in progress (one at a time), which may
+            # be reading an adapter's files; the event loop must keep serving meanwhile.
+            adapter = await asyncio.to_thread(engine.unload_lora, request.lora_name)
+            return oe.UnloadLoraResponse(adapter=_adapter(adapter))
 
         return await self._run(context, build)
 

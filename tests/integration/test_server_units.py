@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -224,3 +225,41 @@ def test_a_kv_event_subscription_whose_client_left_during_the_step_is_closed() -
 
     asyncio.run(scenario())
     assert closed == ["closed"] and not state.kv_subscribers
+
+
+def test_unload_lora_waiting_for_a_load_does_not_block_the_event_loop() -> None:
+    """R2: an unload waits for a load in progress (the registry runs one at a time, and a load
+    reads the adapter's files); the event loop, serving every stream, must not wait with it."""
+    from types import SimpleNamespace
+
+    from refengine.server.control import ControlServicer
+    from refengine.types import LoraAdapterSpec
+
+    class Engine:
+        info = SimpleNamespace(max_loras=2)
+
+        def unload_lora(self, name: str) -> LoraAdapterSpec:
+            time.sleep(0.6)  # the registry's lifecycle lock, held by a load reading its files
+            return LoraAdapterSpec(2, name, "/adapters/b")
+
+    servicer = ControlServicer(SimpleNamespace(engine_for_control=Engine))
+
+    async def scenario() -> tuple[float, str]:
+        gaps: list[float] = []
+
+        async def heartbeat() -> None:  # stands for the streams the server is serving
+            last = time.monotonic()
+            for _ in range(12):
+                await asyncio.sleep(0.05)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        beat = asyncio.ensure_future(heartbeat())
+        await asyncio.sleep(0.05)
+        response = await servicer.UnloadLora(oe.UnloadLoraRequest(lora_name="b"), context=None)
+        await beat
+        return max(gaps), response.adapter.lora_name
+
+    worst_gap, name = asyncio.run(scenario())
+    assert name == "b"
+    assert worst_gap < 0.3, f"the event loop stalled {worst_gap:.2f} s while UnloadLora waited"
