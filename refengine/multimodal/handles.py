@@ -44,10 +44,18 @@ class HandleExpectation:
 def check_handles(handles: Sequence[EmbeddingHandleSpec], expected: HandleExpectation,
                   backends: tuple[str, ...] | None) -> None:
     """Refuse any handle this consumer cannot use. ``backends``: the transfer backends it pulls
-    with (a handle must offer one); None for a consumer that never pulls (decode)."""
+    with (a handle must offer one); None for a consumer that never pulls (decode).
+
+    A handle used twice is pulled once, and the pull checks one copy's ``mm_hash`` against what
+    the encoder holds; so every copy must be the same handle. A copy naming another item would
+    otherwise get this item's rows under that item's prefix-cache key (ENC13)."""
+    first_use: dict[str, EmbeddingHandleSpec] = {}
     for index, handle in enumerate(handles):
         where = f"extra media handle {index}"
         _check_identity(handle, where)
+        if first_use.setdefault(handle.handle_id, handle) != handle:
+            raise InvalidRequestError(f"{where}: handle_id {handle.handle_id!r} is repeated with other fields; "
+                                      "a handle used twice must be sent the same both times")
         if handle.modality != "image":
             raise InvalidRequestError(f"{where}: modality {handle.modality!r} is not supported (image only)")
         if handle.fingerprint != expected.fingerprint:

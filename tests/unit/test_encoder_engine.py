@@ -186,6 +186,34 @@ def test_encode_cache_release_expiry_and_integrity(llava: TinyLlava) -> None:
     encoder.shutdown()
 
 
+def test_a_lease_ends_after_a_read_the_consumer_abandoned(llava: TinyLlava) -> None:
+    """ENC7: the sweeper woke (another handle's release) while a handle was read, so it left
+    that handle out of its wait; the read ended before the lease, waking nobody, and the rows
+    stayed held after the lease with no client left to release them."""
+    encoder = make_encoder(llava.directory)
+    (short,) = encoder.encode(items(0), lease_seconds=0.5)
+    (other,) = encoder.encode(items(1), lease_seconds=30)
+    reading, finish = threading.Event(), threading.Event()
+    read = encoder.arena.read
+
+    def slow_read(rows):  # noqa: ANN001, ANN202 - a gRPC Pull's chunk, read slowly
+        reading.set()
+        finish.wait(5)
+        return read(rows)
+
+    encoder.arena.read = slow_read
+    reader = threading.Thread(target=encoder.read_kv_session, args=(short.handle_id, 0, NUM_IMAGE_TOKENS))
+    reader.start()
+    assert reading.wait(5)
+    encoder.release_handles([other.handle_id])  # wakes the sweeper during the read
+    time.sleep(0.1)
+    finish.set()  # the read ends; the consumer went away without a Release
+    reader.join()
+    time.sleep(0.6)  # past the lease
+    idle(encoder)
+    encoder.shutdown()
+
+
 def test_encode_is_all_or_nothing(llava: TinyLlava) -> None:
     """ENC3, ENC4: a bad item among good ones, or no room, leaves nothing held."""
     encoder = make_encoder(llava.directory, memory_mib=1)  # 1 MiB / 256 bytes a row = 4096 rows
@@ -298,6 +326,10 @@ def test_incompatible_handles_are_refused_before_acceptance(llava: TinyLlava) ->
             engine.add_request(request(field, 1, media_handles=(bad,)))
     with pytest.raises(InvalidRequestError, match="not both"):
         engine.add_request(request("both", 1, media=items(0), media_handles=(good,)))
+    other, = reachable(encoder.encode(items(1)))
+    encoder.release_handles([other.handle_id])
+    with pytest.raises(InvalidRequestError, match="repeated with other fields"):  # only one copy is pulled
+        engine.add_request(request("forged", 2, media_handles=(replace(good, mm_hash=other.mm_hash), good)))
     with pytest.raises(InvalidRequestError, match="placeholder"):
         engine.add_request(request("count", 2, media_handles=(good,)))
     assert encoder.media_stats().held_handles == 1  # nothing was pulled or released

@@ -58,6 +58,25 @@ def test_a_reader_of_a_live_session_does_not_wake_the_loop(store) -> None:
     assert wakes == []
 
 
+def test_a_lease_ending_after_a_read_is_waited_for_during_the_read(store) -> None:
+    """K7/ENC7: a loop that computes its wait while a session is read must still wake at its
+    lease end (the read's end_read wakes nobody: the session is not due then). Once due but for
+    its reader, it is left out (no busy wait) until that reader's end_read wakes the loop."""
+    sessions, clock, wakes = store
+    sessions.release("b", "done")
+    due_ids(sessions)
+    sessions.begin_read("a")
+    assert sessions.seconds_until_due() == 10.0  # it was None: the loop waited forever
+    clock.now = 105.0
+    sessions.end_read("a")
+    assert wakes == [1] and sessions.seconds_until_due() == 5.0  # the one wake was b's release
+    sessions.begin_read("a")
+    clock.now = 111.0  # the lease ends during the read
+    assert sessions.seconds_until_due() is None and due_ids(sessions) == []
+    sessions.end_read("a")
+    assert wakes == [1, 1] and due_ids(sessions) == ["a"]
+
+
 def test_a_pin_outlives_abort_and_lease_until_confirmed_or_over(store) -> None:
     sessions, clock, _ = store
     assert sessions.pin("a", 30.0) == (3, 4)

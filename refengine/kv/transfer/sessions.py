@@ -151,9 +151,13 @@ class KvSessionStore:
             if not self._sessions:
                 return None
             now = self._clock()
-            # A session being read becomes due at its end_read, which wakes the loop itself.
-            ends = [max(s.expires_at if s.release_reason is None else now, s.pinned_until)
-                    for s in self._sessions.values() if not s.readers]
+            ends = []
+            for s in self._sessions.values():
+                end = max(s.expires_at if s.release_reason is None else now, s.pinned_until)
+                if s.readers and end <= now:
+                    continue  # due but for its readers: the last one's end_read wakes the loop
+                # Read or not, a lease or pin ending later is waited for: end_read wakes nobody then.
+                ends.append(end)
         return max(0.0, min(ends) - now) if ends else None
 
     def __len__(self) -> int:
