@@ -105,7 +105,7 @@ class LoraConfig:
     ``enabled``: the LoRA RPCs and ``lora_name`` work (R5, R6); off, they answer
     FAILED_PRECONDITION / NOT_FOUND. ``roots``: absolute directories an adapter's
     ``source_path`` must resolve inside (after following symlinks); no root, no adapter.
-    ``max_loras``: adapter slots on the device (``DeploymentCapacity.max_loras``): the
+    Enabled needs a root. ``max_loras``: adapter slots on the device (``DeploymentCapacity.max_loras``): the
     most distinct adapters the running requests may use at once. ``max_lora_rank``: the
     largest rank an adapter may have (slot memory is sized by it). ``max_loaded_loras``:
     the most adapters registered at once (kept in host memory, swapped into slots).
@@ -121,6 +121,8 @@ class LoraConfig:
         check_bool(self, "enabled")
         if not isinstance(self.roots, tuple) or not all(isinstance(r, str) and os.path.isabs(r) for r in self.roots):
             raise ValueError(f"LoraConfig.roots must be a tuple of absolute directories, got {self.roots!r}")
+        if self.enabled and not self.roots:  # every LoadLora would fail: supports_lora would not mean it (R6)
+            raise ValueError("LoraConfig.enabled needs LoraConfig.roots: without a root no adapter can be loaded")
         check_int(self, "max_loras", 1, 256)
         check_int(self, "max_lora_rank", 1, 512)
         check_int(self, "max_loaded_loras", 1)

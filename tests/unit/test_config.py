@@ -81,6 +81,7 @@ BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
     ("architecture", lambda: ModelConfig(**MODEL | dict(architecture="")), r"ModelConfig\.architecture"),
     ("lora_root_relative", lambda: LoraConfig(roots=("adapters",)), r"LoraConfig\.roots must be a tuple of absolute"),
     ("lora_slots", lambda: LoraConfig(max_loras=0), r"LoraConfig\.max_loras must be an integer in \[1, 256\]"),
+    ("lora_no_root", lambda: LoraConfig(enabled=True), r"LoraConfig\.enabled needs LoraConfig\.roots"),
     ("lora_rank", lambda: LoraConfig(max_lora_rank=0), r"LoraConfig\.max_lora_rank must be an integer"),
     ("lora_loaded", lambda: LoraConfig(max_loras=8, max_loaded_loras=4),
      r"max_loaded_loras \(4\) must be >= max_loras"),
@@ -193,7 +194,7 @@ FLAG_SETTINGS = [
     (["--kv-pull-chunk-kib", "64"], "KvTransferConfig.chunk_bytes", 64 << 10),
     (["--kv-transfer-threads", "2"], "KvTransferConfig.num_transfer_threads", 2),
     (["--kv-pull-timeout", "7"], "KvTransferConfig.pull_timeout_seconds", 7.0),
-    (["--enable-lora"], "LoraConfig.enabled", True),
+    (["--enable-lora", "--lora-root", "/srv/a"], "LoraConfig.enabled", True),
     (["--lora-root", "/srv/a", "--lora-root", "/srv/b"], "LoraConfig.roots", ("/srv/a", "/srv/b")),
     (["--max-loras", "2"], "LoraConfig.max_loras", 2),
     (["--max-lora-rank", "8"], "LoraConfig.max_lora_rank", 8),
@@ -236,7 +237,8 @@ def test_no_flags_give_the_dataclass_defaults() -> None:
 def test_each_flag_sets_its_field(flags: list[str], field: str, value: Any) -> None:
     config = parse(*flags)
     assert get(config, field) == value != get(EngineConfig(), field)
-    others = [f for f in FIELD_FLAGS if f != field and f != "EngineConfig.max_sequences_per_request"]
+    needs = {"LoraConfig.enabled": "LoraConfig.roots"}  # a flag that needs another (given with it)
+    others = [f for f in FIELD_FLAGS if f not in (field, needs.get(field), "EngineConfig.max_sequences_per_request")]
     assert all(get(config, f) == get(EngineConfig(), f) for f in others), "one flag, one field"
 
 
