@@ -42,6 +42,20 @@ from refengine.types import EngineFault, EngineStats, KvSessionSpec
 logger = logging.getLogger(__name__)
 
 
+
+def _prompt_hash(request: Request) -> str:
+    return prompt_hash(request.prompt_token_ids, request.media_identities,
+                       "" if request.lora is None else request.lora.cache_key)
+
+
+def session_content(request: Request) -> str:
+    """What a KV session holds: the prompt (its hash, with media and LoRA adapter). The source
+    says it and the decode side, which has the same prompt, checks it before it uses the blocks,
+    so a session id swapped for another prompt's fails the pull instead of putting that prompt's
+    KV into the prefix cache under this prompt's hashes (K10)."""
+    return f"prompt {_prompt_hash(request)}"
+
+
 class KvLoads:
     """Decode role: pulls on transfer threads, each under its own key (``start`` returns it);
     finished ones wait for ``take_finished``."""
@@ -132,15 +146,14 @@ class Disaggregation:
         """Move output 0's blocks (the prompt's KV) into a new session; returns its handle."""
         ttl = self.config.kv_transfer.session_ttl_seconds
         backend = self.backends[self.config.kv_transfer.backend]
-        session = KvSession(secrets.token_hex(16), request.request_id, (), time.monotonic() + ttl)
+        session = KvSession(secrets.token_hex(16), session_content(request), (), time.monotonic() + ttl)
         session.block_ids = self.kv.transfer(out.seq, session.owner)
         self.sessions.add(session)
         attributes = SessionAttributes(
             model_fingerprint=self.fingerprint, block_size=self.kv.block_size, kv_dtype=self.store.dtype,
             kv_layout=self.store.layout, block_nbytes=self.store.block_nbytes,
             num_prompt_tokens=len(request.prompt_token_ids),
-            prompt_hash=prompt_hash(request.prompt_token_ids, request.media_identities,
-                                    "" if request.lora is None else request.lora.cache_key),
+            prompt_hash=_prompt_hash(request),
             num_blocks=len(session.block_ids),
             first_token=FirstToken(token.token_id, token.logprob, token.rank, tuple(token.candidates)),
             lease_expires_unix_nanos=time.time_ns() + int(ttl * 1e9), lease_seconds=ttl,
@@ -160,9 +173,10 @@ class Disaggregation:
         for load in loads:
             session = requests[load.request_id].params.kv.session
             assert session is not None
+            request = requests[load.request_id]
             self._receiving[load.request_id] = self.loads.start(PullOrder(
-                load.request_id, session, load.first_block_index, load.dest_block_ids,
-                requests[load.request_id].params.trace))
+                load.request_id, session, load.first_block_index, load.dest_block_ids, request.params.trace,
+                content=session_content(request)))
 
     def cancel_receiving(self, out: OutputState) -> None:
         """An output ends before its pull was applied: its blocks are freed when its pull's end

@@ -8,7 +8,7 @@ of the embedding arena (``EmbeddingArena``) under a lease. All or nothing: a ref
 room, leaves nothing held (ENC3, ENC4).
 
 Handles are the KV sessions of this engine (``KvSessionStore``: a session's blocks are the
-handle's rows, its ``request_id`` the media identity), so the KV pull service and the NIXL
+handle's rows, its ``content`` the media identity), so the KV pull service and the NIXL
 backend serve them unchanged, and a session's rules hold: its rows never change while it is
 live or read, and a due handle (released, consumed by a pull, or past its lease, and not
 being read) drops its hold on the rows (``EmbeddingEntries``: rows no handle holds stay
@@ -106,7 +106,8 @@ class EncoderEngine(HandleSessions, NoGenerate):
         offered = self.config.kv_transfer.backend
         ordered = dict(sorted(backends.items(), key=lambda item: item[0] != offered))
         for backend in ordered.values():
-            backend.bind(self.arena, lambda handle_id: self.confirm_kv_session(handle_id, pinned=True))  # NIXL's
+            backend.bind(self.arena, lambda handle_id, pulled: self.confirm_kv_session(handle_id, pinned=True)
+                         if pulled else self.handles.unpin(handle_id))  # NIXL's
         return ordered
 
     # -- the Media service -------------------------------------------------------
@@ -226,7 +227,7 @@ class EncoderEngine(HandleSessions, NoGenerate):
         if due:
             with self._lock:
                 for handle in due:
-                    self.entries.drop(handle.request_id)
+                    self.entries.drop(handle.content)
 
     def _wake_sweeper(self) -> None:
         with self._sweep:

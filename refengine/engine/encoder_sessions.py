@@ -44,8 +44,8 @@ class HandleSessions:
     def kv_layout(self) -> str:
         return self.arena.layout
 
-    def pin_kv_session(self, session_id: str, seconds: float) -> int:
-        return len(self.handles.pin(session_id, seconds))
+    def pin_kv_session(self, session_id: str, seconds: float) -> tuple[int, ...]:
+        return self.handles.pin(session_id, seconds)
 
     def confirm_kv_session(self, session_id: str, pinned: bool = False) -> bool:
         """A consumer pulled the handle: it is released (ENC6), and its pin ends if it pinned one."""

@@ -68,7 +68,8 @@ class EngineKvMixin:
     def _bind_backends(self, backends: dict[str, KvTransferBackend]) -> None:
         """Bind ``choose_transfer_backends``' choice to this engine's KV cache."""
         for backend in backends.values():  # a backend's own confirmation follows a pinned READ (NIXL's)
-            backend.bind(self.block_io, lambda session_id: self.confirm_kv_session(session_id, pinned=True))
+            backend.bind(self.block_io, lambda session_id, pulled: self.confirm_kv_session(session_id, pinned=True)
+                         if pulled else self.kv_sessions.unpin(session_id))
 
     # -- KV events and the prefix cache (any thread; each waits for the current step) --
     def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,
@@ -115,8 +116,8 @@ class EngineKvMixin:
     def kv_layout(self) -> str:
         return self.block_io.layout
 
-    def pin_kv_session(self, session_id: str, seconds: float) -> int:
-        return len(self.kv_sessions.pin(session_id, seconds))
+    def pin_kv_session(self, session_id: str, seconds: float) -> tuple[int, ...]:
+        return self.kv_sessions.pin(session_id, seconds)
 
     def confirm_kv_session(self, session_id: str, pinned: bool = False) -> bool:
         return self.kv_sessions.release(session_id, "pulled", pulled=True, pinned=pinned)

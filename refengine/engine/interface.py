@@ -91,9 +91,9 @@ class EngineClient(Protocol):
     def kv_layout(self) -> str:
         """The KV cache layout (``BlockStore.layout``): equal strings = compatible blocks."""
 
-    def pin_kv_session(self, session_id: str, seconds: float) -> int:
+    def pin_kv_session(self, session_id: str, seconds: float) -> tuple[int, ...]:
         """Keep a live session's blocks for a one-sided remote read of up to ``seconds``;
-        returns how many blocks it holds."""
+        returns their ids."""
 
     def confirm_kv_session(self, session_id: str, pinned: bool = False) -> bool:
         """A decode engine has pulled it: free it. ``pinned``: that pull had pinned it (a

@@ -193,6 +193,6 @@ def make_media_pulls(config: EngineConfig, media: MediaInputs | None, given: Seq
     staging = EmbeddingArena(max(1, (config.encoder.staging_mib << 20) // row_nbytes), expected.hidden_size,
                              media.encoder.dtype)
     for backend in backends.values():
-        backend.bind(staging, lambda handle_id: None)  # a consumer is never a source
+        backend.bind(staging, lambda handle_id, pulled: None)  # a consumer is never a source
     return MediaPulls(backends, staging, config.encoder.pull_threads, config.encoder.pull_timeout_seconds,
                       on_done, media.encoder.dtype, media.encoder.device)

@@ -81,9 +81,12 @@ class RoleCheck:
                 raise InvalidRequestError(f"kv.session.attributes_struct.{key} is {got!r}, this engine and prompt "
                                           f"need {want!r}: the session was prefilled for another model, layout, "
                                           "prompt or LoRA adapter")
-        if problem := self.backends[session.transfer_backend].source_problem(attrs.transfer):
+        if problem := self.backends[session.transfer_backend].source_problem(attrs.transfer, attrs.num_blocks):
             raise InvalidRequestError(f"kv.session.attributes_struct.transfer is unusable by the "
                                       f"{session.transfer_backend!r} backend: {problem}")
-        if not 0 <= attrs.first_token.token_id < self.vocab_size:
-            raise InvalidRequestError(f"kv.session.attributes_struct.first_token.token_id "
-                                      f"{attrs.first_token.token_id} is outside the vocabulary")
+        ids = [("token_id", attrs.first_token.token_id)]
+        ids += [(f"candidates[{i}] token id", c[0]) for i, c in enumerate(attrs.first_token.candidates)]
+        for what, token_id in ids:  # a candidate's text is decoded on the step thread: out of range, it failed all
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(f"kv.session.attributes_struct.first_token.{what} {token_id} is "
+                                          "outside the vocabulary")

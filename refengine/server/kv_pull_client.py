@@ -40,6 +40,8 @@ from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
 from refengine.types import KvSessionSpec
 
 logger = logging.getLogger(__name__)
+#: The endpoint protocols a KvPull service answers on (NIXL's pins and releases go over it too).
+PULL_PROTOCOLS = ("grpc", "nixl")
 CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 80 << 20),)  # above the largest chunk (64 MiB)
 #: Answers after which the same pull can never succeed (not retryable): a malformed pull; a server
 #: that holds no sessions (still loading after a restart, which lost them all, or of another
@@ -67,7 +69,7 @@ class GrpcKvTransfer(KvTransferBackend):
         self._store = store  # prefill side: the KvPull service reads through the engine instead
 
     def _stub(self, session: KvSessionSpec) -> pb_grpc.KvPullStub:
-        endpoint = next((e for e in session.endpoints if e.protocol in ("grpc", "nixl")), None)
+        endpoint = next((e for e in session.endpoints if e.protocol in PULL_PROTOCOLS), None)
         if endpoint is None:
             raise TransferFailure("failed", f"session {session.session_id!r} names no grpc endpoint")
         target = f"{endpoint.host}:{endpoint.port}"
@@ -106,6 +108,8 @@ class GrpcKvTransfer(KvTransferBackend):
         whose mm_hash was changed, or whose endpoint names another source, would put rows of
         another item into the consumer's prefix cache under this item's identity."""
         said = dict(call.initial_metadata() or ()).get(SESSION_CONTENT_KEY)
+        if said is None and not call.is_active() and call.code() != grpc.StatusCode.OK:
+            return  # a refusal without headers (NOT_FOUND: the session is gone): its status says why
         if said != content_digest(order.content):
             raise TransferFailure("failed", f"session {order.session.session_id!r} does not hold "
                                   f"{order.content!r}: " + ("its source did not say what it holds" if said is None
@@ -157,7 +161,11 @@ class GrpcKvTransfer(KvTransferBackend):
             except grpc.RpcError as err:
                 raise self._failure(err, order) from None
             if content:
-                self._check_content(order, call)
+                try:
+                    self._check_content(order, call)
+                except TransferFailure as failure:
+                    failure.pin_held = True
+                    raise
         return outcome
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ import zlib
 import grpc
 
 from refengine.engine.interface import EngineClient
-from refengine.kv.transfer.base import SESSION_CONTENT_KEY, content_digest
+from refengine.kv.transfer.base import SESSION_CONTENT_KEY, content_digest, pinned_content
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
 from refengine.server.state import ServerState
@@ -72,9 +72,11 @@ class KvPullServicer(pb_grpc.KvPullServicer):
         engine = await self._engine(context)
         seconds = min(max(request.seconds, 0.0), self.state.engine_config.kv_transfer.pull_timeout_seconds)
         try:
-            content = engine.kv_session_content(request.session_id)  # what the puller's READ reads (ENC8)
-            num_blocks = engine.pin_kv_session(request.session_id, seconds)
-            await context.send_initial_metadata(((SESSION_CONTENT_KEY, content_digest(content)),))
-            return pb.SessionReply(num_blocks=num_blocks)
+            content = engine.kv_session_content(request.session_id)
+            block_ids = engine.pin_kv_session(request.session_id, seconds)
+            # What the puller's READ reads (ENC8, K10): the content, in the blocks it names itself.
+            digest = content_digest(pinned_content(content, block_ids))
+            await context.send_initial_metadata(((SESSION_CONTENT_KEY, digest),))
+            return pb.SessionReply(num_blocks=len(block_ids))
         except KvSessionNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))

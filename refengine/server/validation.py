@@ -26,6 +26,7 @@ from refengine.engine.no_generate import ROLE_MISMATCH
 from refengine.protocol import oe
 from refengine.server.capabilities import Capabilities
 from refengine.server.errors import Rejection, invalid
+from refengine.server.kv_pull_client import PULL_PROTOCOLS
 from refengine.server.metadata import RequestMetadata
 from refengine.server.options import is_wildcard_host
 
@@ -65,6 +66,9 @@ def _check_session(session: oe.KvSessionRef, backends: tuple[str, ...]) -> None:
     for endpoint in session.endpoints:
         if is_wildcard_host(endpoint.host) or not 0 < endpoint.port < 65536:
             raise invalid(f"kv.session endpoint {endpoint.host!r}:{endpoint.port} is not a routable host:port")
+    if not any(endpoint.protocol in PULL_PROTOCOLS for endpoint in session.endpoints):
+        raise invalid(f"kv.session.endpoints: none has a protocol this engine pulls with {list(PULL_PROTOCOLS)} "
+                      f"(got {[endpoint.protocol for endpoint in session.endpoints]})")
     if session.transfer_backend not in backends:
         raise invalid(f"kv.session.transfer_backend {session.transfer_backend!r} is not supported "
                       f"(supported: {list(backends)})")

@@ -21,6 +21,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
 from refengine.client import OpenEngineClient, generate_disaggregated, prefill
 from refengine.conformance.kv_subscriber import KvSubscriber, KvView
@@ -334,6 +335,50 @@ def test_an_incompatible_session_is_refused_before_acceptance(clients, change: s
     wait_idle(clients["decode"])
 
 
+@pytest.mark.parametrize("backend", ["grpc", "nixl"])
+def test_a_session_of_another_prompt_fails_the_pull_and_poisons_nothing(clients, backend: str) -> None:
+    """K10 (found by review): prompts A and B of the same length; A's session with B's session
+    id (gRPC), or with B's block ids (NIXL: the decode engine READs the ids the attributes name).
+    The decode engine checks the attributes against its prompt, but the blocks were B's: it
+    decoded on them and cached them under A's block hashes, so A's own session then reused them.
+    Now the source says what it holds (the prompt, and for a pin the blocks) and the pull fails."""
+    prefill_name = "prefill" if backend == "grpc" else "prefill_nixl"
+    if prefill_name not in clients:
+        pytest.skip(f"nixl: {nixl_available()[1]}")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(100, 5000) for _ in range(40)] for _ in range(2)]
+    reqs = []
+    for name, ids in zip("ab", prompts, strict=True):
+        req = request(f"swap-{backend}-{name}", "")
+        req.token_ids.ids.extend(ids)
+        reqs.append(req)
+    want = collect(clients["aggregated"].generate(reqs[0], timeout=120)).tokens()
+    a_session, b_session = (prefill(clients[prefill_name], req, timeout=60).prefill_ready.kv_session for req in reqs)
+    edited = oe.KvSessionRef()
+    edited.CopyFrom(a_session)
+    if backend == "grpc":
+        edited.session_id = b_session.session_id
+    else:
+        attributes = json_format.MessageToDict(a_session.attributes_struct)
+        attributes["transfer"]["nixl_block_ids"] = json_format.MessageToDict(
+            b_session.attributes_struct)["transfer"]["nixl_block_ids"]
+        edited.attributes_struct.Clear()
+        edited.attributes_struct.update(attributes)
+    decode_req = oe.GenerateRequest()
+    decode_req.CopyFrom(reqs[0])
+    decode_req.request_id += "-edited"
+    stream = decode_with(clients, decode_req, edited)
+    errors = stream.of("error")
+    assert stream.code == grpc.StatusCode.OK and len(errors) == 1 and not stream.of("token"), stream.events
+    assert errors[0].code == oe.ERROR_CODE_KV_TRANSFER_FAILED and "holds another item" in errors[0].message
+    decode_req.request_id = reqs[0].request_id + "-own"
+    good = decode_with(clients, decode_req, a_session)
+    assert good.code == grpc.StatusCode.OK and good.tokens() == want, (good.details, good.tokens(), want)
+    clients[prefill_name].control.Abort(oe.AbortRequest(kv_session=b_session), timeout=10)
+    for name in (prefill_name, "decode"):
+        wait_idle(clients[name])
+
+
 def test_role_mismatch_is_refused(clients) -> None:
     """K6, D7: a session on the aggregated or prefill server; a decode request without one."""
     session = ready_for(clients, "mismatch").prefill_ready.kv_session
@@ -375,7 +420,9 @@ class FaultyProxy(pb_grpc.KvPullServicer):
     def Pull(self, request, context):  # noqa: ANN001, ANN201, N802
         self.seen.append(("Pull", dict(context.invocation_metadata())))
         context.add_callback(self.cancelled.set)
-        for i, chunk in enumerate(self.stub.Pull(request)):
+        upstream = self.stub.Pull(request)
+        context.send_initial_metadata(upstream.initial_metadata())  # what the session holds, as a proxy passes it
+        for i, chunk in enumerate(upstream):
             time.sleep(self.delay)
             if self.corrupt and i == 0:
                 chunk.data = bytes([chunk.data[0] ^ 0xFF]) + chunk.data[1:]

@@ -211,11 +211,11 @@ def test_a_pull_that_pinned_nothing_ends_no_other_engines_pin(tiny) -> None:
     try:
         session_id = run(prefill, request("pins", PROMPTS[3], None, 0.0)).prefill.session_id
         held = prefill.stats().used_kv_blocks
-        assert prefill.pin_kv_session(session_id, 30.0) > 0  # A's READ may run for 30 s
+        assert prefill.pin_kv_session(session_id, 30.0)  # A's READ may run for 30 s
         assert prefill.confirm_kv_session(session_id)  # B's Release
         time.sleep(0.3)  # a due session is freed at the step loop's wake, at once
         assert prefill.stats().used_kv_blocks == held, "A's READ may still run"
-        source.on_confirmed(session_id)  # A's confirmation ends its pin
+        source.on_confirmed(session_id, True)  # A's confirmation ends its pin
         wait_idle(prefill)
     finally:
         prefill.shutdown()

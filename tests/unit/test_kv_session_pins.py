@@ -52,3 +52,19 @@ def test_a_pull_that_pinned_nothing_ends_no_pin() -> None:
     assert sessions.take_due() == [], "A's READ may still run: its blocks must stay"
     assert not sessions.release("s", "pulled", pulled=True, pinned=True)  # A confirms: released already
     assert [s.session_id for s in sessions.take_due()] == ["s"]
+
+
+def test_a_failed_pinned_pull_ends_its_pin_and_leaves_the_session_offered() -> None:
+    """A READ or content check failed after the pin (the puller's unpin): its pin ends at once,
+    another puller's pin stays, and the session is still offered for a pull that succeeds."""
+    clock, wakes = Clock(), []
+    sessions = KvSessionStore(on_change=lambda: wakes.append(1), clock=clock)
+    sessions.add(KvSession("s", "r", (3, 4), expires_at=110.0))
+    sessions.pin("s", 30.0)  # decode A, whose pull then fails
+    sessions.pin("s", 30.0)  # decode B
+    sessions.unpin("s")  # A's pin ends
+    assert len(sessions) == 1 and sessions.begin_read("s") == (3, 4)  # still offered
+    sessions.end_read("s")
+    assert sessions.release("s", "pulled", pulled=True, pinned=True)  # B confirms: the last pin ends
+    assert wakes and [s.session_id for s in sessions.take_due()] == ["s"]
+    sessions.unpin("s")  # gone, or no pin counted: nothing happens

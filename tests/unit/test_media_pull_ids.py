@@ -59,7 +59,7 @@ def handle(number: int) -> EmbeddingHandleSpec:
 def test_a_reused_request_id_gets_its_own_pull_while_the_cancelled_one_waits() -> None:
     backend = GatedRows()
     staging = EmbeddingArena(16, HIDDEN, torch.float32)
-    backend.bind(staging, lambda handle_id: None)
+    backend.bind(staging, lambda handle_id, pulled: None)
     pulls = MediaPulls({"grpc": backend}, staging, num_threads=1, timeout_seconds=5.0, on_done=lambda: None,
                        dtype=torch.float32, device="cpu")
     try:

@@ -50,9 +50,9 @@ def _source_main(conn: Connection) -> None:
     confirmed: set[str] = set()
     seen = threading.Condition()
 
-    def on_confirmed(session_id: str) -> None:
+    def on_confirmed(session_id: str, pulled: bool) -> None:
         with seen:
-            confirmed.add(session_id)
+            confirmed.add(session_id if pulled else "unpin:" + session_id)  # a failed pull's pin ended
             seen.notify_all()
 
     backend = NixlKvTransfer(None)
@@ -122,7 +122,7 @@ def decode() -> Iterator[tuple[NixlKvTransfer, KvBlockIO, FakePinner]]:
     pinner = FakePinner()
     store = KvBlockIO(_kv(lambda shape: torch.zeros(shape, dtype=torch.float32)), "torch")
     backend = NixlKvTransfer(pinner, pull_timeout_seconds=10.0)
-    backend.bind(store, lambda session_id: None)
+    backend.bind(store, lambda session_id, pulled: None)
     yield backend, store, pinner
     backend.close()
     backend.close()  # idempotent
@@ -228,6 +228,20 @@ def test_a_pinner_failure_propagates(source: Source, side: Any) -> None:
         backend.pull(_order("s-gone", attributes, 0, (0, 1)), threading.Event())
     assert failure.value is pinner.error  # what the overlapping READ copied is not to be used
     assert not source.confirmed("s-gone", 0.2)  # and the source is not told it was pulled
+    assert not source.confirmed("unpin:s-gone", 0.2)  # nor to end a pin it never made
+
+
+def test_a_pin_whose_content_check_failed_is_ended_and_the_session_kept(source: Source, side: Any) -> None:
+    """K10: the source made the pin, then said it holds another item. The source's pin ends at
+    once (it held the blocks, released or not, for the whole pin window), and the session is not
+    released: a pull with the right attributes may still take it."""
+    backend, _, pinner = side
+    attributes, _ = source.offer("s-other", [1, 2])
+    pinner.error = TransferFailure("failed", "the source holds another item", pin_held=True)
+    with pytest.raises(TransferFailure):
+        backend.pull(_order("s-other", attributes, 0, (0, 1)), threading.Event())
+    assert source.confirmed("unpin:s-other", 5.0)
+    assert not source.confirmed("s-other", 0.2)
 
 
 def test_a_cancelled_pull_writes_nothing(source: Source, side: Any) -> None:

@@ -61,8 +61,9 @@ class PullOrder:
     first_block_index: int
     dest_block_ids: tuple[int, ...]
     trace: tuple[tuple[str, str], ...] = ()  # the request's trace context, for the transfer's RPCs (M5)
-    # What the source's session must hold: an embedding handle's media identity, which the
-    # consumer keys its prefix cache by (ENC8); "" = not checked (a prefill session).
+    # What the source's session must hold (KvSessionStore.content): a prompt (``session_content``),
+    # an embedding handle's media identity (ENC8); the puller keys its prefix cache by it.
+    # "" = not checked.
     content: str = ""
 
 
@@ -73,6 +74,12 @@ SESSION_CONTENT_KEY = "refengine-session-content"
 
 def content_digest(content: str) -> str:
     return hashlib.sha256(content.encode()).hexdigest()
+
+
+def pinned_content(content: str, block_ids: Sequence[int]) -> str:
+    """What a pin's source says it holds: the content and the blocks a one-sided READ reads. The
+    reader names the blocks itself (from the session's attributes), so they are checked too."""
+    return f"{content}; blocks {','.join(map(str, block_ids))}"
 
 
 class Cancellation(threading.Event):
@@ -109,16 +116,19 @@ class TransferFailure(Exception):
     READ that outlived its drain); the engine then never reuses those blocks."""
 
     def __init__(self, kind: Literal["not_found", "failed"], message: str, retryable: bool = False,
-                 dest_may_change: bool = False) -> None:
+                 dest_may_change: bool = False, pin_held: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
         self.retryable = retryable and kind == "failed"
         self.dest_may_change = dest_may_change
+        self.pin_held = pin_held  # a pin's failure after the source made it (its content check)
 
 
-#: A pull of session_id that had pinned it (a one-sided READ, ``SessionPinner``) is over: release
-#: it and end that pin. Only one-sided backends call it; a gRPC pull confirms through its service.
-SessionConfirmed = Callable[[str], None]
+#: A pull of session_id that had pinned it (a one-sided READ, ``SessionPinner``) is over:
+#: ``(session_id, pulled)``. Pulled: release the session and end that pin. Not pulled (the READ or
+#: the content check failed): end that pin only; the session stays offered for another pull. Only
+#: one-sided backends call it; a gRPC pull confirms through its service.
+SessionConfirmed = Callable[[str, bool], None]
 
 
 class KvTransferBackend(ABC):
@@ -143,9 +153,10 @@ class KvTransferBackend(ABC):
         """Prefill side: what a puller needs besides the session id (JSON values, K9)."""
         return {}
 
-    def source_problem(self, transfer: Mapping[str, Any]) -> str:
+    def source_problem(self, transfer: Mapping[str, Any], num_blocks: int) -> str:
         """Decode side, before acceptance (K5): what makes a session's ``transfer`` attributes
-        unusable by this backend, whatever its blocks hold ("" when nothing does)."""
+        unusable by this backend for a session of ``num_blocks`` blocks, whatever they hold
+        ("" when nothing does)."""
         return ""
 
     @abstractmethod
@@ -173,4 +184,5 @@ class SessionPinner(Protocol):
                   content: str = "") -> Callable[[], None]:
         """Send the pin (with ``trace`` as its metadata); returns a function that waits for its
         outcome and raises ``TransferFailure`` ("not_found" when the source no longer holds the
-        session; "failed" when it does not hold ``content``, ``PullOrder.content``)."""
+        session; "failed" when it does not hold ``content``, ``PullOrder.content``: then
+        ``pin_held``, as the source made the pin)."""

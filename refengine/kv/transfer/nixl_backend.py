@@ -34,11 +34,13 @@ from refengine.kv.transfer.base import (
     SessionConfirmed,
     SessionPinner,
     TransferFailure,
+    pinned_content,
 )
 
 logger = logging.getLogger(__name__)
 
 RELEASE_PREFIX = b"refengine-release:"  # + session id: the notification that confirms a pull
+UNPIN_PREFIX = b"refengine-unpin:"  # + session id: a pinned pull failed; its pin ends, the session stays
 NOTIF_POLL_SECONDS = 0.002  # also how often the source side progresses UCX (TCP's reads need it)
 XFER_POLL_SECONDS = 0.0005
 XFER_SPIN_SECONDS = 0.005  # a READ still running after transfer() is first polled without sleeping
@@ -145,6 +147,20 @@ def _check_fit(source: _Source, store: BlockStore, order: PullOrder) -> None:
         raise _fail("destination block ids fall outside this engine's KV cache")
 
 
+def _pin_held(pin_outcome: Callable[[], None], failure: TransferFailure) -> bool:
+    """Whether the source holds this failed pull's pin: its content check failed after it was
+    made, or the READ failed and the pin (waited for now) was made."""
+    if failure.pin_held:
+        return True
+    try:
+        pin_outcome()
+    except TransferFailure as pin_failure:
+        return pin_failure.pin_held
+    except Exception:  # the pin's RPC broke: no pin to end as far as we know
+        return False
+    return True
+
+
 def _runs(pairs: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
     """(dest, source, length) of each maximal run of (dest, source) block ids both going up by one."""
     start = 0
@@ -179,7 +195,7 @@ class NixlKvTransfer(KvTransferBackend):
         self._active = 0  # pulls running: close waits for them
         self._closed = threading.Event()
         self._notif_thread: threading.Thread | None = None  # from the first source_attributes
-        self._on_confirmed: SessionConfirmed = lambda session_id: None
+        self._on_confirmed: SessionConfirmed = lambda session_id, pulled: None
 
     def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
         api = _nixl_api()
@@ -220,15 +236,16 @@ class NixlKvTransfer(KvTransferBackend):
 
     @staticmethod
     def _confirm(peer: str, message: bytes, on_confirmed: SessionConfirmed) -> None:
+        prefix = next((p for p in (RELEASE_PREFIX, UNPIN_PREFIX) if message.startswith(p)), b"")
         try:
-            session_id = message.removeprefix(RELEASE_PREFIX).decode() if message.startswith(RELEASE_PREFIX) else ""
+            session_id = message.removeprefix(prefix).decode() if prefix else ""
         except UnicodeDecodeError:
             session_id = ""
         if not session_id:
             logger.debug("ignoring NIXL notification %r from %s", message[:64], peer)
             return
         try:
-            on_confirmed(session_id)
+            on_confirmed(session_id, prefix == RELEASE_PREFIX)
         except Exception:  # the thread must outlive a failing callback, or no session is released again
             logger.exception("on_confirmed(%r) failed", session_id)
 
@@ -241,13 +258,19 @@ class NixlKvTransfer(KvTransferBackend):
                 "nixl_regions": [[str(r.address), r.num_blocks, r.block_nbytes] for r in store.regions],
                 "nixl_block_ids": [int(b) for b in block_ids]}
 
-    def source_problem(self, transfer: Mapping[str, Any]) -> str:
+    def source_problem(self, transfer: Mapping[str, Any], num_blocks: int) -> str:
         try:
             source = _parse_source(transfer)
             if self._store is not None:
                 _check_regions(source, self._store)
         except TransferFailure as error:
             return str(error)
+        if not source.metadata:
+            return "nixl_agent_metadata is empty"
+        if len(source.block_ids) != num_blocks:
+            return f"{len(source.block_ids)} nixl_block_ids for a session of {num_blocks} blocks"
+        if source.block_ids and max(source.block_ids) >= min((r.num_blocks for r in source.regions), default=0):
+            return "nixl_block_ids fall outside the source's regions"
         return ""
 
     def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
@@ -274,17 +297,31 @@ class NixlKvTransfer(KvTransferBackend):
         started = time.perf_counter()
         # The READ overlaps the pin's round trip (see SessionPinner); the release goes only
         # after both, or an early release would make the pin fail.
-        pin_outcome = (self._pinner.start_pin(order.session, self._timeout, order.trace, order.content)
-                       if self._pinner else None)
+        content = pinned_content(order.content, source.block_ids) if order.content else ""
+        pinner = self._pinner
+        pin_outcome = pinner.start_pin(order.session, self._timeout, order.trace, content) if pinner else None
         peer = self._remote(source)
-        if order.dest_block_ids:
-            self._read(order, source, peer, cancelled, deadline)
-        read = time.perf_counter()
-        if pin_outcome is not None:
-            pin_outcome()
+        try:
+            if order.dest_block_ids:
+                self._read(order, source, peer, cancelled, deadline)
+            read = time.perf_counter()
+            if pin_outcome is not None:
+                pin_outcome()
+        except TransferFailure as failure:
+            if pin_outcome is not None and _pin_held(pin_outcome, failure):
+                self._unpin(peer, order.session.session_id)
+            raise
         _nixl("send the release", self._agent.send_notif, peer, RELEASE_PREFIX + order.session.session_id.encode())
         logger.debug("NIXL pull of %d blocks: READ %.2f ms, then pin %.2f ms", len(order.dest_block_ids),
                      (read - started) * 1e3, (time.perf_counter() - read) * 1e3)
+
+    def _unpin(self, peer: str, session_id: str) -> None:
+        """End this pull's pin at the source: the source's blocks stay held only by its lease, not
+        for the rest of the pin window (a READ of the source's memory only ever writes here)."""
+        try:
+            self._agent.send_notif(peer, UNPIN_PREFIX + session_id.encode())
+        except Exception:  # the pin window still bounds it; the pull's own failure matters more
+            logger.exception("NIXL: ending the pin of session %s failed", session_id)
 
     def _read(self, order: PullOrder, source: _Source, peer: str, cancelled: threading.Event,
               deadline: float) -> None:

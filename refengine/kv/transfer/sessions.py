@@ -27,7 +27,7 @@ from refengine.types import KvSessionNotFound
 @dataclass(eq=False)
 class KvSession:
     session_id: str
-    request_id: str
+    content: str  # what it holds, said to its readers (``content``)
     block_ids: tuple[int, ...]
     expires_at: float  # time.monotonic() of the lease's end
     readers: int = 0  # in-process reads in progress
@@ -90,11 +90,23 @@ class KvSessionStore:
             session.pins += 1
             return session.block_ids
 
-    def content(self, session_id: str) -> str:
-        """What a live session was made for (its ``request_id``: a prefill request's id, an
-        embedding handle's media identity)."""
+    def unpin(self, session_id: str) -> None:
+        """A pinned read failed: its pin ends (the last one ends the window early); the session
+        stays offered for another pull. Nothing when no pin is counted."""
         with self._lock:
-            return self._live(session_id).request_id
+            session = self._sessions.get(session_id)
+            if session is None or not session.pins:
+                return
+            session.pins -= 1
+            if not session.pins:
+                session.pinned_until = 0.0
+        self._on_change()
+
+    def content(self, session_id: str) -> str:
+        """What a live session holds (a prefill session's prompt, an embedding handle's media
+        identity): its source says it, and the puller checks it before using the blocks."""
+        with self._lock:
+            return self._live(session_id).content
 
     def renew(self, session_id: str, seconds: float) -> float:
         """Set a live session's lease to end ``seconds`` from now; returns that end (the clock's time)."""
