@@ -113,6 +113,10 @@ def _parse_model_config(hf_dir: Path) -> ModelConfig:
         max_positions = window
     heads = config["num_attention_heads"]
     eos = _token_ids(config.get("eos_token_id")) + _token_ids(generation.get("eos_token_id"))
+    if outside := [t for t in eos if isinstance(t, int) and t >= config["vocab_size"]]:  # never sampled
+        logger.warning("%s: EOS token ids %s are outside the vocabulary (%d); ignored", hf_dir, outside,
+                       config["vocab_size"])
+        eos = [t for t in eos if t not in outside]
     bos = config.get("bos_token_id")
     return ModelConfig(
         architecture=architecture,

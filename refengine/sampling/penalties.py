@@ -90,16 +90,19 @@ def apply_penalties(
         outputs = [output_token_ids[i] for i in freq_rows]
         row, token, count = unique_token_counts(outputs, freq_rows, vocab_size, device)
         # Held finite, so freq * count + presence is never inf - inf (NaN).
-        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[row]
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[row]
+        # In float64, then held finite: clamping each term first could cancel two opposite
+        # penalties (1e39 * 1 - 1.5e39 became 3.4e38 - 3.4e38 = 0), and float32's inf - inf is NaN.
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float64, device=device)[row]
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float64, device=device)[row]
         seen = logits[row, token]
-        delta = freq.clamp(-_FLOAT32_MAX, _FLOAT32_MAX) * count + presence.clamp(-_FLOAT32_MAX, _FLOAT32_MAX)
+        delta = (freq * count + presence).clamp(-_FLOAT32_MAX, _FLOAT32_MAX).to(logits.dtype)
         logits[row, token] = _saturate(seen - delta, seen)  # count > 0 for every listed token
 
     return logits
 
 
 def _saturate(penalized: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """``penalized`` held within ``LOGIT_LIMIT``, except where ``seen`` was -inf, which stays
-    -inf (-inf - (-inf) would be NaN, and a masked token must stay masked)."""
-    return torch.where(torch.isneginf(seen), seen, penalized.clamp(-LOGIT_LIMIT, LOGIT_LIMIT))
+    """``penalized`` held within ``LOGIT_LIMIT``, except where ``seen`` was not finite, which it
+    stays: -inf (-inf - (-inf) would be NaN, and a masked token must stay masked), and the
+    model's +inf or NaN, which the sampler must see to fail the row (a penalty hid them)."""
+    return torch.where(torch.isfinite(seen), penalized.clamp(-LOGIT_LIMIT, LOGIT_LIMIT), seen)

@@ -257,7 +257,12 @@ class Sampler:
         total = cdf[:, -1:].contiguous()
         ids = torch.searchsorted(cdf, self._uniforms(rows, logits.device) * total, right=True)
         # u * total can round up to total itself: fall back to the last token with p > 0.
-        return torch.minimum(ids, torch.searchsorted(cdf, total))[:, 0].tolist()
+        ids = torch.minimum(ids, torch.searchsorted(cdf, total))
+        # Judged on the logits, not the CDF: truncation turns a NaN row's probabilities into zeros
+        # (NaN >= floor is false), which drew token 0; a min_p row's NaN floor did the same to a
+        # non-finite row next to it. amax is exact, so this keeps every row batch invariant.
+        finite = torch.isfinite(logits.amax(-1, keepdim=True))
+        return torch.where(finite, ids, self.vocab_size)[:, 0].tolist()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None,
                  masked_rows: Sequence[int] = ()) -> list[SampledToken]:

@@ -121,10 +121,14 @@ def test_logits_match_transformers_with_a_rounded_cache(model_parts, hf_rounded,
     assert max_diff <= LOGIT_TOLERANCE[kv_dtype], f"engine ({kv_dtype} KV) vs transformers (rounded KV): {max_diff}"
 
 
-def test_greedy_matches_transformers_with_a_rounded_cache(together, hf_rounded, prompt_ids) -> None:
+def test_greedy_matches_transformers_with_a_rounded_cache(together, hf_rounded, prompt_ids, kv_dtype) -> None:
+    """Each token is the oracle's argmax, or within LOGIT_TOLERANCE of it: the logits are proven
+    to that tolerance only (above), and a near-tie may go either way. On an AMD EPYC (AVX512-BF16,
+    no AMX) prompt 4's token 21 (bfloat16) was 0.005 below the oracle's maximum; on an Intel
+    Xeon with AMX every token was the argmax."""
     for i, ids in enumerate(prompt_ids):
         assert len(together[i]) == NUM_TOKENS
-        at = first_disagreement(hf_rounded, ids, together[i])
+        at = first_disagreement(hf_rounded, ids, together[i], tie_margin=LOGIT_TOLERANCE[kv_dtype])
         assert at == NUM_TOKENS, f"prompt {i} ({PROMPTS[i]!r}): token {at} is not the oracle's greedy choice"
 
 

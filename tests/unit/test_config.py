@@ -78,6 +78,9 @@ BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
     ("eps", lambda: ModelConfig(**MODEL | dict(rms_norm_eps=0.0)), r"ModelConfig\.rms_norm_eps must be a number > 0"),
     ("theta", lambda: ModelConfig(**MODEL | dict(rope_theta=float("nan"))), r"ModelConfig\.rope_theta"),
     ("eos", lambda: ModelConfig(**MODEL | dict(eos_token_ids=(2, -1))), r"ModelConfig\.eos_token_ids"),
+    # past the vocabulary: min_tokens suppressed it with an index_put that failed the whole step
+    ("eos_vocab", lambda: ModelConfig(**MODEL | dict(eos_token_ids=(MODEL["vocab_size"],))),
+     r"ModelConfig\.eos_token_ids must be integers in \[0, vocab_size="),
     ("architecture", lambda: ModelConfig(**MODEL | dict(architecture="")), r"ModelConfig\.architecture"),
     ("lora_root_relative", lambda: LoraConfig(roots=("adapters",)), r"LoraConfig\.roots must be a tuple of absolute"),
     ("lora_slots", lambda: LoraConfig(max_loras=0), r"LoraConfig\.max_loras must be an integer in \[1, 256\]"),

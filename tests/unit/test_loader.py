@@ -147,6 +147,9 @@ def test_llama3_rope_scaling_and_generation_eos(tmp_path: Path) -> None:
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == scaling
     assert config.eos_token_ids == (2, 0)  # config's first, then generation_config's new ones
+    vocab = model.config.vocab_size  # an id past the vocabulary can never be sampled: dropped, said
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, vocab, vocab + 5]}))
+    assert load_model_config(directory).eos_token_ids == (2, 0)
 
 
 def test_legacy_config_layout(tmp_path: Path) -> None:

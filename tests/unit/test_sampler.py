@@ -420,6 +420,47 @@ def test_non_finite_logits_give_their_row_no_token_and_spare_the_batch() -> None
         assert out[good].logprob == pytest.approx(torch.log_softmax(tempered, -1)[out[good].token_id].item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf row"])
+@pytest.mark.parametrize("truncation", [{"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.1}, {}])
+def test_a_non_finite_row_gets_no_token_under_truncation_or_next_to_a_min_p_row(bad: str, truncation: dict) -> None:
+    """Found by review: truncation zeroed a NaN row's probabilities (NaN >= floor is false), so
+    the draw fell back to token 0 with a NaN logprob; untruncated, such a row next to a min_p row
+    got a NaN floor and the same. The row is judged on its logits now."""
+    vocab = 12
+    logits = _logits(2, vocab, seed=9)
+    if bad == "-inf row":
+        logits[0] = float("-inf")
+    else:
+        logits[0, 4] = float(bad)
+    rows = [_row(SamplingParams(temperature=0.8, **truncation), _gen(1), want_logprob=True),
+            _row(SamplingParams(temperature=0.8, min_p=0.1), _gen(2), want_logprob=True)]
+    out = Sampler(vocab)(logits, rows)
+    assert (out[0].token_id, out[0].logprob) == (vocab, None)
+    alone = Sampler(vocab)(logits[1:], [_row(SamplingParams(temperature=0.8, min_p=0.1), _gen(2), want_logprob=True)])
+    assert out[1] == alone[0]
+
+
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 1.3}, {"presence_penalty": 0.5},
+                                     {"frequency_penalty": 0.5}])
+def test_a_penalty_does_not_hide_a_non_finite_logit(penalty: dict) -> None:
+    """The model's +inf (or NaN) on a token the history holds stays what it is, so the row fails
+    as it does without a penalty; it was clamped to the finite limit and drawn with logprob 0."""
+    vocab = 12
+    logits = _logits(1, vocab, seed=3)
+    logits[0, 5] = float("inf")
+    penalized = apply_penalties(logits, [SamplingParams(**penalty)], [[5]], [[5]])
+    assert penalized[0, 5].item() == float("inf")
+    assert Sampler(vocab)(penalized, [_row(SamplingParams(temperature=0.0))])[0].token_id == vocab
+
+
+def test_opposite_frequency_and_presence_penalties_combine_before_they_saturate() -> None:
+    """G5 accepts any finite penalty: 1e39 * 1 - 1.5e39 = -5e38 lifts the token to the limit.
+    Each term was clamped to float32's range first, and they cancelled to 0."""
+    logits = torch.zeros(1, 4)
+    out = apply_penalties(logits, [SamplingParams(frequency_penalty=1e39, presence_penalty=-1.5e39)], [[]], [[1]])
+    assert out[0, 1].item() > 1e31 and out[0, 0].item() == 0.0
+
+
 def test_a_top_p_that_underflows_float32_keeps_the_most_likely_token() -> None:
     """G5 allows any 0 < top_p <= 1. top_p = 1e-300 is 0 in float32: no token was kept, the
     sampler gathered index -1 and the step's exception failed every request on the server.
