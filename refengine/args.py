@@ -9,6 +9,7 @@ place they are written. No torch here: the server builds its config from these f
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -320,6 +321,14 @@ def _add_kv_transfer_args(g: argparse._ArgumentGroup) -> None:
                    help="a pull taking longer fails with KV_TRANSFER_FAILED (default: %(default)s)")
 
 
+def _mib_bytes(mib: float, flag: str) -> int:
+    """A MiB flag as bytes; not a finite number, it is refused naming the flag (int() of inf
+    raised OverflowError, a traceback)."""
+    if not math.isfinite(mib):
+        raise ValueError(f"{flag}: must be a finite number of MiB, got {mib}")
+    return int(mib * (1 << 20))
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The config the flags describe. Raises ValueError, naming the flag and the field,
     when a value is out of range."""
@@ -374,12 +383,12 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         lora=LoraConfig(enabled=args.enable_lora, roots=tuple(os.path.abspath(r) for r in args.lora_root),
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_loaded_loras=args.max_loaded_loras),
-        media=MediaConfig(max_items=args.media_max_items, max_bytes=int(args.media_max_mib * (1 << 20)),
+        media=MediaConfig(max_items=args.media_max_items, max_bytes=_mib_bytes(args.media_max_mib, "--media-max-mib"),
                           max_pixels=args.media_max_pixels, max_aspect_ratio=args.media_max_aspect_ratio,
                           image_formats=tuple(args.media_image_format or MediaConfig().image_formats),
                           url_allow_hosts=tuple(args.media_url_allow), url_allow_private=args.media_url_allow_private,
                           url_timeout_seconds=args.media_url_timeout, url_max_redirects=args.media_url_max_redirects,
-                          encoder_cache_bytes=int(args.media_cache_mib * (1 << 20))),
+                          encoder_cache_bytes=_mib_bytes(args.media_cache_mib, "--media-cache-mib")),
         encoder=EncoderConfig(memory_mib=args.encoder_memory_mib, max_cached_entries=args.encoder_cache_entries,
                               lease_seconds=args.embedding_lease, max_lease_seconds=args.embedding_max_lease,
                               staging_mib=args.embedding_staging_mib, pull_threads=args.embedding_pull_threads,

@@ -33,6 +33,9 @@ from refengine.protocol import oe
 
 Metadata = Sequence[tuple[str, str]]
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # receives ``all``-candidate outputs of large vocabularies
+#: The longest deadline the tools accept (~116 days): gRPC turns a deadline into a time_t, and one
+#: of inf or 1e12 s overflows it (an error) or expires at once (every call DEADLINE_EXCEEDED).
+MAX_DEADLINE_SECONDS = 1e7
 
 
 def enum_name(enum: EnumTypeWrapper, value: int) -> str:
@@ -165,15 +168,15 @@ class OpenEngineClient:
         """Poll ``Health`` until READY; raises ``TimeoutError`` (with the last state) otherwise."""
         deadline = time.monotonic() + timeout
         last = "no answer"
-        while time.monotonic() < deadline:
-            try:
-                health = self.control.Health(oe.HealthRequest(), timeout=min(5.0, timeout))
+        while (left := deadline - time.monotonic()) > 0:
+            try:  # each call within what is left: a hanging server must not stretch the wait
+                health = self.control.Health(oe.HealthRequest(), timeout=min(5.0, left), metadata=self.metadata)
                 if health.state == oe.HEALTH_STATE_READY:
                     return health
                 last = enum_name(oe.HealthState, health.state)
             except grpc.RpcError as exc:
                 last = f"{exc.code().name}: {exc.details()}"
-            time.sleep(poll)
+            time.sleep(max(0.0, min(poll, deadline - time.monotonic())))
         raise TimeoutError(f"{self.address} not READY after {timeout:g} s (last: {last})")
 
 

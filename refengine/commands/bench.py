@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from refengine.args import DefaultsHelpFormatter
 from refengine.bench import UINT32_MAX
+from refengine.client import MAX_DEADLINE_SECONDS
 from refengine.commands.generate_options import file_text
 
 __all__ = ["add_bench_parser", "run_bench"]
@@ -43,6 +44,7 @@ _positive_int = _arg_type(int, lambda v: v >= 1, "an integer >= 1")
 _token_count = _arg_type(int, lambda v: 1 <= v <= UINT32_MAX, f"an integer in [1, {UINT32_MAX}]")  # a uint32 field
 _top_n = _arg_type(int, lambda v: 0 <= v <= UINT32_MAX, f"an integer in [0, {UINT32_MAX}]")
 _positive_float = _arg_type(float, lambda v: v > 0, "a number > 0")  # also refuses nan
+_deadline = _arg_type(float, lambda v: 0 < v <= MAX_DEADLINE_SECONDS, f"seconds in (0, {MAX_DEADLINE_SECONDS:g}]")
 _ratio = _arg_type(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
@@ -95,7 +97,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-id-prefix", default=None, metavar="TEXT",
                    help="request ids are TEXT followed by the request's index (default: bench-<8 random hex>-, "
                         "new for every run, so that runs can share a server)")
-    p.add_argument("--timeout", type=_positive_float, default=None,
+    p.add_argument("--timeout", type=_deadline, default=None,
                    help="deadline of each request, s (default: none)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the results as JSON to PATH; without PATH, print JSON instead of the table "

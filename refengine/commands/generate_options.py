@@ -103,7 +103,10 @@ def file_text(value: str) -> str | None:
 
 def _schema_text(value: str) -> str:
     """``--json-schema``: a path to a file, else inline JSON text; either must parse as JSON."""
-    text = file_text(value) or value
+    try:
+        text = file_text(value) or value
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--json-schema {value!r}: not UTF-8 text (byte {exc.start} of the file)") from None
     try:
         json.loads(text)
     except ValueError as exc:
@@ -113,9 +116,11 @@ def _schema_text(value: str) -> str:
 
 def _grammar_text(value: str) -> str:
     try:
-        return Path(value).read_text()
+        return Path(value).read_text(encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"--grammar {value!r}: cannot read the grammar file ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--grammar {value!r}: not UTF-8 text (byte {exc.start} of the file)") from None
 
 
 def guided_spec(args: argparse.Namespace) -> GuidedSpec | None:

@@ -119,7 +119,7 @@ def run_local(args: argparse.Namespace, options: GenerateOptions) -> int:
     apply_process_settings(config)
     try:
         engine = Engine.from_config(config)
-    except (ModelNotFoundError, UnsupportedModelError) as exc:
+    except (ModelNotFoundError, UnsupportedModelError, ValueError) as exc:  # ValueError: a role, a model file
         print(f"refengine generate: {exc}", file=sys.stderr)
         return USAGE_ERROR
     prompt = args.prompt

@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any
 
+from refengine.client import MAX_DEADLINE_SECONDS
 from refengine.conformance.load import LoadOptions, run_load
 from refengine.conformance.profiles import BY_NAME, checks_of
 from refengine.conformance.registry import Check, select
@@ -118,17 +119,31 @@ def _selected(args: argparse.Namespace) -> list[Check]:
     return checks
 
 
+def _check_writable(path: str) -> None:
+    """``--json PATH`` can be written (checked before the run, not after it): opened for append,
+    and removed again when this made it."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--json {path}: cannot be written ({exc.strerror})") from None
+    if not existed:
+        os.remove(path)
+
+
 def _check_arguments(args: argparse.Namespace) -> tuple[str, list[Check], Options, LoadOptions | None]:
     """Everything the command line says, checked before connecting: a mistake is reported at
     once (exit 2), not after a whole run."""
     address = args.target or getattr(args, "address", "")
     if not address:
         raise ValueError("name the server with --target HOST:PORT")
-    if args.timeout <= 0 or args.rpc_timeout <= 0:
-        raise ValueError(f"--timeout and --rpc-timeout must be > 0 (got {args.timeout:g}, {args.rpc_timeout:g})")
+    for flag, seconds in (("--timeout", args.timeout), ("--rpc-timeout", args.rpc_timeout)):
+        if not 0 < seconds <= MAX_DEADLINE_SECONDS:  # also refuses nan and inf
+            raise ValueError(f"{flag} must be in (0, {MAX_DEADLINE_SECONDS:g}] seconds, got {seconds:g}")
     load = LoadOptions(args.load, args.duration, args.seed) if args.load else None
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise ValueError(f"--json {args.json}: no such directory")
+    if args.json:
+        _check_writable(args.json)
     return address, _selected(args), options_from_args(args), load
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from refengine.client import MAX_DEADLINE_SECONDS
 from refengine.conformance.assertions import stream_violations
 from refengine.conformance.registry import CheckFailed, CheckSkipped, Status
 from refengine.conformance.runner import Report, Result
@@ -49,7 +50,7 @@ class LoadOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.streams < 1 or self.duration_s <= 0:
+        if self.streams < 1 or not 0 < self.duration_s <= MAX_DEADLINE_SECONDS:  # also nan and inf
             raise ValueError(f"--load needs N >= 1 and --duration > 0 (got {self.streams}, {self.duration_s})")
 
 

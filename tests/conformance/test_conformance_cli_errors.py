@@ -31,9 +31,13 @@ def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     (["--slow-reader-extra", "[1]"], "--slow-reader-extra: a JSON object is needed, got list"),
     (["--load", "2", "--duration", "0"], "--load needs N >= 1 and --duration > 0"),
     (["--load", "-1"], "--load needs N >= 1"),
-    (["--json", "/nonexistent-dir/r.json"], "--json /nonexistent-dir/r.json: no such directory"),
+    (["--json", "/nonexistent-dir/r.json"], "--json /nonexistent-dir/r.json: cannot be written"),
+    (["--json", "/tmp"], "--json /tmp: cannot be written"),  # a directory: it crashed after the whole run
     (["--profile", "lora", "--rules", "G1"], "no check is both in --rules G1 and in --profile lora"),
-    (["--timeout", "0"], "--timeout and --rpc-timeout must be > 0"),
+    (["--timeout", "0"], "--timeout must be in (0, 1e+07] seconds"),
+    (["--timeout", "nan"], "--timeout must be in"),  # passed "> 0" and failed G1 with DEADLINE_EXCEEDED
+    (["--rpc-timeout", "inf"], "--rpc-timeout must be in"),  # OverflowError: timestamp out of range
+    (["--load", "1", "--duration", "nan"], "--load needs N >= 1 and --duration > 0"),
 ])
 def test_a_bad_command_line_is_refused_before_connecting(capsys: pytest.CaptureFixture[str], args: list[str],
                                                          says: str) -> None:

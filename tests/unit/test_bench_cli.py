@@ -157,6 +157,8 @@ def test_a_guided_json_file_that_is_not_utf8_is_a_usage_error(tmp_path: Path,
     (("--max-concurrency", "0"), "argument --max-concurrency: must be an integer >= 1, got '0'"),
     (("--request-rate", "fast"), "argument --request-rate: must be a number > 0, got 'fast'"),
     (("--range-ratio", "nan"), "argument --range-ratio/--random-range-ratio: must be a number in [0, 1), got 'nan'"),
+    # inf (or 1e12) passed and every request then failed DEADLINE_EXCEEDED at once
+    (("--timeout", "inf"), "argument --timeout: must be seconds in (0, 1e+07], got 'inf'"),
 ])
 def test_bad_numbers_say_what_is_expected(capsys: pytest.CaptureFixture[str], flags: tuple[str, ...],
                                           says: str) -> None:

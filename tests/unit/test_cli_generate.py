@@ -335,13 +335,19 @@ def test_every_flag_has_help_with_its_default() -> None:
         (["--prompt-logprob-start", "2"], "--prompt-logprob-start needs --prompt-logprobs"),
         (["--image", "/nonexistent/x.png"], "--image '/nonexistent/x.png': cannot read the file"),
         (["--regex", "a", "--choice", "b"], "at most one of"),
+        (["--json-schema", "LATIN1"], "latin1.txt': not UTF-8 text (byte 14 of the file)"),  # a traceback
+        (["--grammar", "LATIN1"], "latin1.txt': not UTF-8 text (byte 14 of the file)"),
     ],
-    ids=["min-above-max", "start-alone", "image-missing", "two-guides"],
+    ids=["min-above-max", "start-alone", "image-missing", "two-guides", "schema-not-utf8", "grammar-not-utf8"],
 )
-def test_usage_errors(flags: list[str], words: str, servers: Servers, capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors(flags: list[str], words: str, servers: Servers, capsys: pytest.CaptureFixture[str],
+                     tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes('{"title": "caf\u00e9"}'.encode("latin-1"))
+    flags = [str(latin1) if flag == "LATIN1" else flag for flag in flags]
     assert main(_argv(servers, tuple(flags))) == 2
     err = capsys.readouterr().err
-    assert f"refengine generate: error: {words}" in err, err
+    assert err.startswith("refengine generate: error: ") and words in err and "Traceback" not in err, err
     assert not servers.remote.requests
 
 
@@ -410,6 +416,18 @@ def test_an_unservable_model_in_process_exits_2(tmp_path: Path, capsys: pytest.C
         (tmp_path / name).write_text("")
     assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
     assert "config.json is not valid UTF-8 JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--role", "prefill"], "the prefill role offers KV over"),  # engine flags generate lists: a traceback
+    (["--media-max-mib", "inf"], "--media-max-mib: must be a finite number of MiB, got inf"),  # OverflowError
+    (["--media-cache-mib", "nan"], "--media-cache-mib: must be a finite number of MiB, got nan"),
+])
+def test_engine_flags_that_cannot_build_an_engine_exit_2(flags: list[str], says: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "hi", "--max-tokens", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
 
 
 # -- the in-process path, without an engine ---------------------------------------------

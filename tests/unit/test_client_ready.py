@@ -1,0 +1,65 @@
+"""``OpenEngineClient.wait_until_ready`` (found by review; each failed before its fix): it sends
+the client's metadata like every other call (a proxy may need it to route or authorize), and a
+hanging server does not stretch it past its timeout (each Health call gets what is left)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from refengine.client import OpenEngineClient
+from refengine.protocol import oe
+
+
+class Control(oe.ControlServicer):
+    def __init__(self, hang: float) -> None:
+        self.hang = threading.Event()
+        self.hang_seconds = hang
+        self.seen: list[dict[str, str]] = []
+
+    def Health(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        self.seen.append(dict(context.invocation_metadata()))
+        self.hang.wait(self.hang_seconds)
+        return oe.HealthResponse(state=oe.HEALTH_STATE_READY)
+
+
+@pytest.fixture
+def serve() -> Iterator[Any]:
+    servers: list[tuple[grpc.Server, Control]] = []
+
+    def start(hang: float = 0.0) -> tuple[Control, str]:
+        control = Control(hang)
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        oe.add_ControlServicer_to_server(control, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append((server, control))
+        return control, f"127.0.0.1:{port}"
+
+    yield start
+    for server, control in servers:
+        control.hang.set()
+        server.stop(0)
+
+
+def test_wait_until_ready_sends_the_clients_metadata(serve: Any) -> None:
+    control, address = serve()
+    with OpenEngineClient(address, metadata=[("authorization", "Bearer t")]) as client:
+        client.wait_until_ready(timeout=5)
+    assert control.seen and control.seen[0].get("authorization") == "Bearer t"
+
+
+def test_wait_until_ready_keeps_to_its_timeout_when_the_server_hangs(serve: Any) -> None:
+    """Each call took min(5 s, timeout): at 5.5 s, the second call ran to 10 s."""
+    _, address = serve(hang=30.0)
+    with OpenEngineClient(address) as client:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="not READY after 5.5 s"):
+            client.wait_until_ready(timeout=5.5)
+        assert time.monotonic() - start < 6.5
