@@ -26,7 +26,7 @@ def target_holding(used_kv_blocks: list[int], running: int = 0) -> Target:
 
     def load(per_rank: bool = False) -> oe.LoadInfo:
         used = replies.pop(0) if len(replies) > 1 else replies[0]
-        return oe.LoadInfo(running_requests=running, used_kv_blocks=used)
+        return oe.LoadInfo(running_requests=running, queued_requests=0, used_kv_blocks=used)
 
     target.load = load  # type: ignore[method-assign]
     target.idle_used_kv_blocks = 0
