@@ -16,8 +16,8 @@ import os
 import sys
 from typing import Any
 
-from refengine.client import MAX_DEADLINE_SECONDS
 from refengine.conformance.load import LoadOptions, run_load
+from refengine.conformance.options import MAX_DEADLINE_SECONDS
 from refengine.conformance.profiles import BY_NAME, checks_of
 from refengine.conformance.registry import Check, select
 from refengine.conformance.release import RELEASE

@@ -29,8 +29,8 @@ from typing import Any
 
 import grpc
 
-from refengine.client import MAX_DEADLINE_SECONDS
 from refengine.conformance.assertions import stream_violations
+from refengine.conformance.options import MAX_DEADLINE_SECONDS
 from refengine.conformance.registry import CheckFailed, CheckSkipped, Status
 from refengine.conformance.runner import Report, Result
 from refengine.conformance.streams import StreamResult

@@ -6,6 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: The longest timeout the command line accepts (~116 days): gRPC turns a deadline into a time_t,
+#: and one of inf or 1e12 s overflows it (an error) or expires at once (DEADLINE_EXCEEDED). The
+#: suite checks any server, so it keeps its own copy of refengine.client's limit.
+MAX_DEADLINE_SECONDS = 1e7
+
 
 @dataclass(frozen=True)
 class Options:
