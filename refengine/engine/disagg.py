@@ -42,8 +42,7 @@ from refengine.types import EngineFault, EngineStats, KvSessionSpec
 logger = logging.getLogger(__name__)
 
 
-
-def _prompt_hash(request: Request) -> str:
+def _prompt_hash(request: Request) -> int:
     return prompt_hash(request.prompt_token_ids, request.media_identities,
                        "" if request.lora is None else request.lora.cache_key)
 
@@ -171,9 +170,9 @@ class Disaggregation:
     # -- decode role -------------------------------------------------------------
     def start_loads(self, loads: list[KvLoad], requests: Mapping[str, Request]) -> None:
         for load in loads:
-            session = requests[load.request_id].params.kv.session
-            assert session is not None
             request = requests[load.request_id]
+            session = request.params.kv.session
+            assert session is not None
             self._receiving[load.request_id] = self.loads.start(PullOrder(
                 load.request_id, session, load.first_block_index, load.dest_block_ids, request.params.trace,
                 content=session_content(request)))

@@ -5,9 +5,10 @@ The prefill side offers, in the session's attributes, its agent's metadata, its 
 addresses and the session's block ids. The decode side loads the metadata, pins the session
 (``SessionPinner``: the source takes no part in a READ, only a pin keeps its blocks) while it
 reads; once both succeeded it sends ``refengine-release:<session id>`` to the source, whose
-notification thread calls ``on_confirmed``. Descriptors are built here from plain numbers
-(NIXL's serialized ones are pickle). No torch: ``BlockStore`` addresses only; nixl itself is
-imported lazily (``nixl_available``).
+notification thread calls ``on_confirmed``; when either failed after the pin was made, it sends
+``refengine-unpin:<session id>`` (the pin ends, the session stays offered). Descriptors are
+built here from plain numbers (NIXL's serialized ones are pickle). No torch: ``BlockStore``
+addresses only; nixl itself is imported lazily (``nixl_available``).
 """
 
 from __future__ import annotations
