@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from refengine.kv.transfer.base import PullOrder, TransferFailure
-from refengine.kv.transfer.nixl_backend import NixlKvTransfer, _runs, nixl_available
+from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
+from refengine.kv.transfer.nixl_source import runs as _runs
 from refengine.model.kv_io import KvBlockIO
 from refengine.types import KvSessionSpec
 
