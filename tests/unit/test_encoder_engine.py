@@ -383,11 +383,12 @@ def test_epd_in_process_and_decode_preemption(llava: TinyLlava) -> None:
     alone = decode.add_request(handed[0]).result(60)
     assert tokens(alone) == want[0]
     assert prefill.abort_kv_session(handed[1].kv.session.session_id)
-    both = []
-    for p in params:  # both at once on a 14-block decode engine: one of them must be preempted
+    handed = []
+    for p in params:  # both prefilled first, so the decodes below run at once, not one after the other
         with_handles = replace(p, media=(), media_handles=reachable(encoder.encode(p.media)))
         handoff = prefill.add_request(with_handles).result(60)
-        both.append(decode.add_request(replace(with_handles, kv=KvParams(session=handoff.prefill))))
+        handed.append(replace(with_handles, kv=KvParams(session=handoff.prefill)))
+    both = [decode.add_request(h) for h in handed]  # 2 × 9 blocks on a 14-block engine: one is preempted
     results = [stream.result(60) for stream in both]
     lost = [r for r in results if r.error is not None]
     assert lost and all(r.error.code == "overloaded" and r.error.retryable for r in lost), results
