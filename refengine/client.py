@@ -137,9 +137,16 @@ class OpenEngineClient:
         return self.control.GetServerInfo(oe.GetServerInfoRequest(), timeout=self.timeout,
                                           metadata=self.metadata)
 
+    def default_model(self) -> str:
+        """The server's first supported model; ``ValueError`` when it lists none."""
+        models = self.server_info().supported_models
+        if not models:
+            raise ValueError(f"{self.address} lists no supported_models: name the model")
+        return models[0]
+
     def model_info(self, model: str = "") -> oe.ModelInfo:
         """``model`` empty = the server's first supported model."""
-        model = model or self.server_info().supported_models[0]
+        model = model or self.default_model()
         return self.control.GetModelInfo(oe.GetModelInfoRequest(model=model), timeout=self.timeout,
                                          metadata=self.metadata)
 
@@ -190,7 +197,7 @@ def stream_text(address: str, prompt: str, model: str = "", max_tokens: int = 12
     chat API: with ``chat``, the caller's formatter applies the model's template here."""
     with OpenEngineClient(address) as client:
         if chat is not None:
-            prompt = chat(model or client.server_info().supported_models[0], prompt)
+            prompt = chat(model or client.default_model(), prompt)
         events = client.generate(prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature)
         for event in events:
             kind = event.WhichOneof("event")

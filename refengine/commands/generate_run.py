@@ -83,7 +83,7 @@ def _chat(client: OpenEngineClient, options: GenerateOptions, prompt: str) -> st
     """The prompt in the model's chat template, applied here: OpenEngine v0.1.0 has no chat API."""
     from refengine.model.chat import chat_prompt
 
-    return chat_prompt(options.model or client.server_info().supported_models[0], prompt)
+    return chat_prompt(options.model or client.default_model(), prompt)
 
 
 def _events(client: OpenEngineClient, prefill_client: OpenEngineClient | None,

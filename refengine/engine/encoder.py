@@ -237,7 +237,10 @@ class EncoderEngine(HandleSessions, NoGenerate):
         with self._sweep:
             while not self._stopping:
                 self._sweep.wait(self.handles.seconds_until_due())
-                self._free_due()
+                try:
+                    self._free_due()
+                except Exception:  # a sweeper that died would leave every later lease unenforced
+                    logger.exception("freeing expired embedding handles failed; retrying on the next wake")
 
     def check_integrity(self) -> None:
         with self._lock:

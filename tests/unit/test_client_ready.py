@@ -1,6 +1,7 @@
 """``OpenEngineClient.wait_until_ready`` (found by review; each failed before its fix): it sends
 the client's metadata like every other call (a proxy may need it to route or authorize), and a
-hanging server does not stretch it past its timeout (each Health call gets what is left)."""
+hanging server does not stretch it past its timeout (each Health call gets what is left).
+A server listing no models gets a clear ``ValueError`` where a model is defaulted (IndexError before)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from refengine.client import OpenEngineClient
+from refengine.client import OpenEngineClient, stream_text
 from refengine.protocol import oe
 
 
@@ -22,11 +23,15 @@ class Control(oe.ControlServicer):
         self.hang = threading.Event()
         self.hang_seconds = hang
         self.seen: list[dict[str, str]] = []
+        self.models: list[str] = []
 
     def Health(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         self.seen.append(dict(context.invocation_metadata()))
         self.hang.wait(self.hang_seconds)
         return oe.HealthResponse(state=oe.HEALTH_STATE_READY)
+
+    def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        return oe.ServerInfo(supported_models=self.models)
 
 
 @pytest.fixture
@@ -63,3 +68,14 @@ def test_wait_until_ready_keeps_to_its_timeout_when_the_server_hangs(serve: Any)
         with pytest.raises(TimeoutError, match="not READY after 5.5 s"):
             client.wait_until_ready(timeout=5.5)
         assert time.monotonic() - start < 6.5
+
+
+def test_a_server_listing_no_models_is_a_clear_error_where_a_model_is_defaulted(serve: Any) -> None:
+    control, address = serve()
+    with OpenEngineClient(address) as client:
+        with pytest.raises(ValueError, match="lists no supported_models"):
+            client.model_info()
+        with pytest.raises(ValueError, match="lists no supported_models"):
+            next(stream_text(address, "hi", chat=lambda model, prompt: prompt))
+        control.models = ["tiny", "other"]
+        assert client.default_model() == "tiny"

@@ -214,6 +214,32 @@ def test_a_lease_ends_after_a_read_the_consumer_abandoned(llava: TinyLlava) -> N
     encoder.shutdown()
 
 
+def test_the_sweeper_survives_a_failure_to_free(llava: TinyLlava, caplog: pytest.LogCaptureFixture) -> None:
+    """ENC7: one failed free used to end the sweeper thread, and no lease ended after it."""
+    encoder = make_encoder(llava.directory)
+    drop, failures = encoder.entries.drop, []
+
+    def drop_failing_once(content):  # noqa: ANN001, ANN202
+        if not failures:
+            failures.append(content)
+            raise RuntimeError("injected")
+        return drop(content)
+
+    encoder.entries.drop = drop_failing_once
+    encoder.encode(items(0), lease_seconds=0.2)
+    deadline = time.monotonic() + 5
+    while not failures:
+        assert time.monotonic() < deadline, "the sweeper never freed the first handle"
+        time.sleep(0.02)
+    encoder.encode(items(1), lease_seconds=0.2)
+    deadline = time.monotonic() + 5
+    while encoder.media_stats().held_handles:
+        assert time.monotonic() < deadline, "the second lease never ended: the sweeper died"
+        time.sleep(0.02)
+    assert "freeing expired embedding handles failed" in caplog.text
+    encoder.shutdown()
+
+
 def test_encode_is_all_or_nothing(llava: TinyLlava) -> None:
     """ENC3, ENC4: a bad item among good ones, or no room, leaves nothing held."""
     encoder = make_encoder(llava.directory, memory_mib=1)  # 1 MiB / 256 bytes a row = 4096 rows
