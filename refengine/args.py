@@ -314,7 +314,8 @@ def _add_kv_transfer_args(g: argparse._ArgumentGroup) -> None:
                    help="lease of a session no decode engine has pulled; its KV is freed at expiry "
                    "(default: %(default)s)")
     g.add_argument("--kv-pull-chunk-kib", type=int, default=t.chunk_bytes >> 10,
-                   help="most KV bytes in one gRPC pull chunk, KiB (default: %(default)s)")
+                   help="most KV bytes in one gRPC pull chunk, KiB, kept within --max-send-message-mib "
+                   "(default: %(default)s)")
     g.add_argument("--kv-transfer-threads", type=int, default=t.num_transfer_threads,
                    help="pulls a decode engine runs at once (default: %(default)s)")
     g.add_argument("--kv-pull-timeout", type=float, default=t.pull_timeout_seconds, metavar="SECONDS",

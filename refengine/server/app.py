@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from refengine.args import engine_config_from_args
 from refengine.config import EngineConfig
+from refengine.engine.interface import EngineClient
 from refengine.protocol import oe
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as kv_pull
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as kv_pull_grpc
@@ -43,7 +44,7 @@ from refengine.server.control import ControlServicer
 from refengine.server.health import GrpcHealth
 from refengine.server.inference import InferenceServicer
 from refengine.server.kv_events_service import advertised_host
-from refengine.server.kv_pull_service import KvPullServicer
+from refengine.server.kv_pull_service import KvPullServicer, blocks_per_chunk
 from refengine.server.loading import load_in_thread
 from refengine.server.media_service import MediaServicer
 from refengine.server.options import MIB, ServerOptions
@@ -212,7 +213,7 @@ class Server:
         return code
 
     async def _load_and_serve(self) -> int:
-        loading, self.loader = load_in_thread(self.state.engine_config)
+        loading, self.loader = load_in_thread(self.state.engine_config, self._check_loaded)
         stopping = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
         if not loading.done():
@@ -232,6 +233,11 @@ class Server:
         await stopping
         await self._drain()
         return 0
+
+    def _check_loaded(self, engine: EngineClient) -> None:
+        if engine.info.role in ("prefill", "encoder"):  # its KV sessions are pulled in chunks of whole blocks
+            blocks_per_chunk(self.state.engine_config.kv_transfer.chunk_bytes, self.options.max_send_message_bytes,
+                             engine.block_nbytes())
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()

@@ -42,7 +42,8 @@ from refengine.types import KvSessionSpec
 logger = logging.getLogger(__name__)
 #: The endpoint protocols a KvPull service answers on (NIXL's pins and releases go over it too).
 PULL_PROTOCOLS = ("grpc", "nixl")
-CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 80 << 20),)  # above the largest chunk (64 MiB)
+#: Above the largest chunk a source sends (64 MiB, or one block where a block is larger).
+MIN_RECEIVE_MESSAGE_BYTES = 80 << 20
 #: Answers after which the same pull can never succeed (not retryable): a malformed pull; a server
 #: that holds no sessions (still loading after a restart, which lost them all, or of another
 #: role: FAILED_PRECONDITION); an endpoint without the KvPull service (UNIMPLEMENTED).
@@ -75,7 +76,9 @@ class GrpcKvTransfer(KvTransferBackend):
         target = f"{endpoint.host}:{endpoint.port}"
         with self._lock:
             if target not in self._channels:
-                channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+                block_nbytes = self._store.block_nbytes if self._store is not None else 0
+                largest = max(MIN_RECEIVE_MESSAGE_BYTES, block_nbytes + (1 << 20))
+                channel = grpc.insecure_channel(target, options=(("grpc.max_receive_message_length", largest),))
                 self._channels[target] = channel
                 self._stubs[target] = pb_grpc.KvPullStub(channel)
             return self._stubs[target]

@@ -3,8 +3,9 @@
 Served on the prefill server's port (the ``grpc`` transfer backend; ``nixl`` uses ``Pin``
 and NIXL's own notification instead of ``Pull``/``Release``). Every read runs on a worker
 thread while the session cannot be freed (``KvSessionStore.begin_read``); a chunk is whole
-blocks, at most ``--kv-pull-chunk-kib`` (at least one block), with its CRC-32, so memory
-stays bounded by one chunk per pull in flight. Unknown, released or expired session →
+blocks, at most ``--kv-pull-chunk-kib`` and within ``--max-send-message-mib`` (at least one
+block: a server whose one block exceeds its message limit does not start), with its CRC-32,
+so memory stays bounded by one chunk per pull in flight. Unknown, released or expired session →
 NOT_FOUND; a range outside the session or another KV layout → INVALID_ARGUMENT.
 
 An encoder server (draft profile ``encoder``) serves its embedding handles the same way: a
@@ -24,6 +25,20 @@ from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
 from refengine.server.state import ServerState
 from refengine.types import InvalidRequestError, KvSessionNotFound
+
+#: Room in a chunk's message for its fields besides the data (two varints, a length, a CRC).
+CHUNK_OVERHEAD_BYTES = 1024
+
+
+def blocks_per_chunk(chunk_bytes: int, max_send_message_bytes: int, block_nbytes: int) -> int:
+    """Whole blocks per chunk: within ``chunk_bytes`` and the server's message limit (a larger
+    message fails the pull with RESOURCE_EXHAUSTED, every time), at least one.
+    ``ValueError`` when a single block's message exceeds the limit."""
+    room = max_send_message_bytes - CHUNK_OVERHEAD_BYTES
+    if block_nbytes > room:
+        raise ValueError(f"one KV block holds {block_nbytes} bytes, more than a {max_send_message_bytes >> 20} MiB "
+                         "message (--max-send-message-mib) can carry to a puller: raise it or lower --block-size")
+    return max(1, min(chunk_bytes, room) // block_nbytes)
 
 
 class KvPullServicer(pb_grpc.KvPullServicer):
@@ -48,11 +63,12 @@ class KvPullServicer(pb_grpc.KvPullServicer):
         except KvSessionNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         await context.send_initial_metadata(((SESSION_CONTENT_KEY, content_digest(content)),))
-        blocks_per_chunk = max(1, self.state.engine_config.kv_transfer.chunk_bytes // engine.block_nbytes())
+        per_chunk = blocks_per_chunk(self.state.engine_config.kv_transfer.chunk_bytes,
+                                     self.state.options.max_send_message_bytes, engine.block_nbytes())
         end = request.first_block_index + request.num_blocks
         first = request.first_block_index
         while first < end:
-            count = min(blocks_per_chunk, end - first)
+            count = min(per_chunk, end - first)
             try:
                 data = await asyncio.to_thread(engine.read_kv_session, request.session_id, first, count)
             except KvSessionNotFound as exc:

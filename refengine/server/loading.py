@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+from collections.abc import Callable
 
 from refengine.config import EngineConfig
+from refengine.engine.interface import EngineClient
 from refengine.server.kv_pull_client import GrpcKvTransfer
 
 
@@ -22,8 +24,10 @@ def load_engine(config: EngineConfig):  # noqa: ANN201 - an Engine or an Encoder
                               embedding_backends=[GrpcKvTransfer(config.encoder.pull_timeout_seconds)])
 
 
-def load_in_thread(config: EngineConfig) -> tuple[asyncio.Future, threading.Thread]:
-    """Load the engine on a daemon thread (a signal during loading must not wait for it).
+def load_in_thread(config: EngineConfig,
+                   check: Callable[[EngineClient], None]) -> tuple[asyncio.Future, threading.Thread]:
+    """Load the engine on a daemon thread (a signal during loading must not wait for it), then
+    ``check`` it against the server's options (what it raises fails the load like a bad model).
 
     Once loaded, everything alive (the model's modules, the tokenizer, the libraries) moves to
     the collector's permanent generation (``gc.freeze``): those objects live as long as the
@@ -37,6 +41,7 @@ def load_in_thread(config: EngineConfig) -> tuple[asyncio.Future, threading.Thre
     def load() -> None:
         try:
             engine = load_engine(config)
+            check(engine)
             gc.collect()
             gc.freeze()
         except BaseException as exc:  # noqa: BLE001 - reported to the loop, logged there

@@ -50,8 +50,11 @@ def prompt_text(i: int) -> str:
 def servers(tmp_path_factory: pytest.TempPathFactory, server_address: str) -> Iterator[dict[str, ServerProcess]]:
     tmp = tmp_path_factory.mktemp("disagg")
     procs = {
+        # Chunks of 8 MiB under a 2 MiB message limit: every pull longer than the limit failed
+        # with RESOURCE_EXHAUSTED until chunks kept within it.
         "prefill": start_server(tmp / "prefill.log", "--role", "prefill", "--kv-session-ttl", str(SESSION_TTL_S),
-                                *COMMON, wait_ready=False),
+                                "--kv-pull-chunk-kib", "8192", "--max-send-message-mib", "2", *COMMON,
+                                wait_ready=False),
         "decode": start_server(tmp / "decode.log", "--role", "decode", *COMMON, wait_ready=False),
     }
     if nixl_available()[0]:
@@ -556,6 +559,18 @@ def test_conformance_section_k_passes_on_the_pair(servers, server_address: str) 
     for result in results:
         observe("prefill+decode", result)
     assert len(results) == 10 and all(r.status is Status.PASS for r in results), format_matrix(results)
+
+
+def test_a_prefill_server_whose_block_exceeds_its_message_limit_does_not_start(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No chunk of whole blocks could carry its KV to a puller: every pull would fail."""
+    server = start_server(tmp_path_factory.mktemp("big-block") / "prefill.log", "--role", "prefill",
+                          "--block-size", "64", "--max-send-message-mib", "1", *COMMON, wait_ready=False)
+    try:
+        assert server.proc.wait(timeout=240) == 1
+    finally:
+        server.stop()
+    assert "more than a 1 MiB message (--max-send-message-mib)" in server.log_tail(20_000)
 
 
 def test_drain_releases_sessions_and_a_dead_prefill_fails_the_decode(clients, servers) -> None:
