@@ -112,9 +112,10 @@ def validate_prompt(request: GenerationRequest, prompt_token_ids: list[int], lim
             isinstance(token_id, int) and 0 <= token_id < limits.vocab_size,
             f"token id {token_id} is not in the vocabulary (size {limits.vocab_size})",
         )
-    _require(  # (ref) only when prompt logprobs are asked for: otherwise the start selects nothing
-        not request.logprobs.prompt_logprobs or request.logprobs.prompt_logprob_start < num_prompt,
-        f"prompt_logprob_start ({request.logprobs.prompt_logprob_start}) must be < the prompt length ({num_prompt})",
+    lp = request.logprobs  # (ref) only when a PromptOutput is asked for: otherwise the start selects nothing
+    _require(
+        not (lp.prompt_logprobs or lp.prompt_candidates is not None) or lp.prompt_logprob_start < num_prompt,
+        f"prompt_logprob_start ({lp.prompt_logprob_start}) must be < the prompt length ({num_prompt})",
     )
     _check_prompt_positions(request, num_prompt)
     return validate_context(request, num_prompt, limits)

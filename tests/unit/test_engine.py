@@ -316,6 +316,10 @@ def test_prompt_logprobs_match_transformers(tiny) -> None:
     with pytest.raises(InvalidRequestError, match=r"prompt_logprob_start \(4294967295\) must be < the prompt length"):
         engine.add_request(GenerationRequest("lp3", prompt_token_ids=ids, logprobs=LogprobParams(
             prompt_logprobs=True, prompt_logprob_start=2**32 - 1)))
+    for start in (len(ids), 99):  # candidates alone ask for a PromptOutput too (accepted, then none was sent)
+        with pytest.raises(InvalidRequestError, match=rf"prompt_logprob_start \({start}\) must be < the prompt"):
+            engine.add_request(GenerationRequest("lp4", prompt_token_ids=ids, logprobs=LogprobParams(
+                prompt_candidates=CandidateSpec("top_n", top_n=2), prompt_logprob_start=start)))
     first = result.outputs[0].tokens[0]
     assert first.rank == 1 and first.logprob == pytest.approx(reference[-1].max().item(), abs=1e-4)
 
