@@ -35,6 +35,7 @@ def make_outputs(request: Request, tokenizer: PreTrainedTokenizerBase, eos_token
             index=index,
             token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=len(request.prompt_token_ids),
+            max_num_tokens=len(request.prompt_token_ids) + request.max_tokens,
             extra_keys=extra_keys,
             priority=p.priority,
             use_prefix_cache=not p.kv.bypass_prefix_cache and not request.wants_prompt_logprobs,

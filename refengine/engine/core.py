@@ -171,8 +171,7 @@ class EngineCore(CoreInflowMixin):
         if self.media_pulls is not None:
             self._attach_pulled_media(outcome)
         sched = self.scheduler.schedule()
-        for request_id, _ in sched.lost:
-            self._end_lost(self.requests[request_id], outcome)
+        self._end_given_up(sched, outcome)
         if sched.kv_loads:
             assert self.disagg is not None
             self.disagg.start_loads(sched.kv_loads, self.requests)

@@ -19,6 +19,12 @@ from refengine.types import EngineFault, FinishInfo, FinishReason, RequestOutput
 if TYPE_CHECKING:
     from refengine.engine.core import EngineCore, StepOutcome
     from refengine.engine.request import Request
+    from refengine.scheduler.scheduler import SchedulerOutput
+
+LOST_MESSAGE = ("preempted for KV memory, and a decode engine cannot recompute a prompt with media: "
+                "retry the request (prefill again)")
+UNFIT_MESSAGE = ("longer than this engine's KV pool can now hold (blocks a KV transfer could not stop "
+                 "writing are withheld until restart): retry on another replica")
 
 
 class CoreInflowMixin:
@@ -99,10 +105,13 @@ class CoreInflowMixin:
         self._retire(request)
         return RequestOutput(request.request_id, finished=True, usage=request_usage(request), error=fault)
 
-    def _end_lost(self: EngineCore, request: Request, outcome: StepOutcome) -> None:
-        """A preempted sequence that cannot recompute its prompt here (a decode engine has no
-        media rows): the request ends, retryable (ENC14)."""
-        self._cancel(request, FinishInfo(FinishReason.CANCELLED, message="preempted"))
-        outcome.faults[request.request_id] = EngineFault(
-            "overloaded", "preempted for KV memory, and a decode engine cannot recompute a prompt with media: "
-            "retry the request (prefill again)", retryable=True)
+    def _end_given_up(self: EngineCore, sched: SchedulerOutput, outcome: StepOutcome) -> None:
+        """The sequences the scheduler gave up (``lost``, ``unfit``): their requests end, retryable
+        elsewhere (ENC14)."""
+        for given_up, message in ((sched.lost, LOST_MESSAGE), (sched.unfit, UNFIT_MESSAGE)):
+            for request_id, _ in given_up:
+                request = self.requests.get(request_id)
+                if request is None or request_id in outcome.faults:  # another of its outputs ended it
+                    continue
+                self._cancel(request, FinishInfo(FinishReason.CANCELLED, message="preempted"))
+                outcome.faults[request_id] = EngineFault("overloaded", message, retryable=True)

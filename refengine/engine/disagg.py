@@ -184,7 +184,8 @@ class Disaggregation:
         key = self._receiving.pop(request_id, None)
         if request_id in self._unstoppable:  # a write into them may still land: never reuse them
             self._unstoppable.discard(request_id)
-            self.kv.transfer(out.seq, self._owner_name("quarantine", request_id))
+            first_pulled = out.seq.num_cached_tokens // self.kv.block_size  # the head: prefix-cache hits
+            self.kv.withhold(out.seq, self._owner_name("quarantine", request_id), first_pulled)
         elif key is not None:
             self._ended[key] = self._owner_name("load", request_id)
             self.kv.transfer(out.seq, self._ended[key])

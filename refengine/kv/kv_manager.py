@@ -39,6 +39,7 @@ class KvCacheManager:
         self.pool = pool
         self.block_size = block_size
         self._holdings: dict[str, tuple[int, ...]] = {}  # owner name -> block ids it references
+        self.num_withheld_blocks = 0  # held for good (``withhold``): the pool never gives them out again
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -158,6 +159,23 @@ class KvCacheManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         return held
+
+    def withhold(self, seq: KvSequence, owner: str, first_block_index: int) -> tuple[int, ...]:
+        """Hold ``seq``'s blocks from ``first_block_index`` on under ``owner`` until restart and
+        free those before it: a write from outside the engine (a transfer that could not be
+        stopped) may still land in the tail, so it is never reused; the head (prefix-cache hits)
+        is not written by it. The pool's usable size shrinks by the tail for good."""
+        head = seq.block_table[:first_block_index]
+        seq.block_table = seq.block_table[first_block_index:]
+        self.pool.free(reversed(head))
+        held = self.transfer(seq, owner)
+        self.num_withheld_blocks += len(held)
+        return held
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """The most blocks one sequence can ever hold: the pool less the withheld."""
+        return self.pool.num_blocks - self.num_withheld_blocks
 
     def release(self, owner: str) -> int:
         """Drop every reference ``owner`` holds (tail-first, like ``free``, so that shared

@@ -9,7 +9,8 @@ waiting queue with its tokens, to be recomputed later (mostly from the prefix
 cache). New sequences are admitted in priority order, FCFS within a priority, only
 when no preemption happened this step, and never past the head of the queue, so
 admission is fair and cannot deadlock: every admitted sequence fits the pool
-alone (the engine rejects those that never could).
+alone (the engine rejects those that never could, and the scheduler ends those that no
+longer can, once blocks are withheld for good).
 
 LoRA: the running (and receiving) sequences use at most ``max_loras`` distinct adapters,
 so every step's adapters fit the device's slots. A waiting sequence whose adapter would be
@@ -77,6 +78,9 @@ class SchedulerOutput:
     # Sequences preempted that cannot recompute (``Sequence.recomputable``): out of the
     # scheduler, blocks freed; the engine ends their requests.
     lost: list[tuple[str, int]] = field(default_factory=list)  # (request_id, index)
+    # Waiting sequences longer than the pool can ever hold now (``KvCacheManager.withhold``
+    # shrank it): out of the scheduler, never admitted; the engine ends their requests.
+    unfit: list[tuple[str, int]] = field(default_factory=list)  # (request_id, index)
 
     @property
     def is_empty(self) -> bool:
@@ -173,6 +177,11 @@ class Scheduler:
         adapters = {s.lora_key for s in self.running + self.receiving if s.lora_key}
         while self.waiting:
             seq = self.waiting[0]
+            if self.kv.num_blocks_for(max(seq.num_tokens, seq.max_num_tokens)) > self.kv.num_usable_blocks:
+                self.waiting.pop(0)  # it would wait at the head forever, and everything behind it
+                seq.status = SequenceStatus.FINISHED
+                out.unfit.append((seq.request_id, seq.index))
+                continue
             receiving = seq.kv_from_remote and seq.num_computed_tokens == 0  # computes nothing: no budget
             if budget <= 0 and not receiving:
                 break

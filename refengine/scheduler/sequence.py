@@ -29,6 +29,7 @@ class Sequence:
     index: int  # output index within the request (0 … num_sequences-1)
     token_ids: list[int]
     num_prompt_tokens: int
+    max_num_tokens: int = 0  # the longest it may grow (prompt + max_tokens); 0: its current length
     extra_keys: tuple[str, ...] = ()  # everything besides tokens that changes KV (prefix-cache hash)
     priority: int = 0
     use_prefix_cache: bool = True  # False: bypass_prefix_cache, or prompt logprobs are needed

@@ -308,6 +308,51 @@ def test_blocks_a_pull_may_still_write_are_never_reused(tiny) -> None:
         decode.shutdown()
 
 
+class SecondPullUnstoppable(InProcessPull):
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        if self.num_pulls == 1:
+            self.num_pulls += 1
+            raise TransferFailure("failed", "timed out: the READ still runs", dest_may_change=True)
+        super().pull(order, cancelled)
+
+
+def test_after_a_quarantine_a_request_too_long_for_the_rest_ends_retryable(tiny) -> None:
+    """Only the pulled blocks are withheld (the prefix-cache head is not written by the pull),
+    and a request longer than the pool's remaining blocks (max_model_len 40 on 10 blocks, 4 of
+    them withheld) ends with a retryable ``overloaded`` fault; before, it waited at the head of
+    the queue forever, and every request behind it too."""
+    prefill = make_engine(tiny, "prefill")
+    decode = make_engine(tiny, "decode", SecondPullUnstoppable(prefill), num_blocks=10)
+    prefill.start()
+    decode.start()
+    rng = random.Random(7)
+    head = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK)]
+    try:
+        def disaggregated(rid: str, prompt: list[int], max_tokens: int):  # noqa: ANN202
+            params = request(rid, prompt, None, 0.0, max_tokens=max_tokens)
+            handoff = run(prefill, params)
+            return decode.add_request(replace(params, kv=KvParams(session=handoff.prefill)))
+
+        assert disaggregated("cached", head, 2).result(30).error is None  # its 3 blocks stay cached
+        tail = [rng.randrange(3, VOCAB) for _ in range(4 * BLOCK)]
+        stuck = disaggregated("stuck", head + tail, 2).result(30)
+        assert stuck.error is not None and stuck.error.code == "kv_transfer_failed"
+        assert stuck.usage.cached_prompt_tokens == 3 * BLOCK, "the head was a prefix-cache hit"
+        time.sleep(0.1)
+        assert decode.core.kv.owners == ("quarantine:stuck",)
+        assert decode.stats().used_kv_blocks == 4, "the 4 pulled blocks are withheld, the head is not"
+        too_long = disaggregated("long", [rng.randrange(3, VOCAB) for _ in range(30)], 8)  # 38 of 40
+        behind = disaggregated("behind", [rng.randrange(3, VOCAB) for _ in range(8)], 4)
+        ended = too_long.result(10)
+        assert ended.error is not None and ended.error.code == "overloaded" and ended.error.retryable, ended
+        assert "withheld until restart" in ended.error.message
+        assert behind.result(10).error is None
+        decode.core.check_idle()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 GUIDED_REGEX = r"[a-e]{2,5}(\.[a-e]{1,3}){1,3}"
 
 
