@@ -34,7 +34,9 @@ from refengine.server.validation import ServerFacts, prompt_positions_limit, val
 from refengine.types import GenerationRequest, RequestError
 
 logger = logging.getLogger(__name__)
-RETIRE_WAIT_SECONDS = 5.0  # how long a request reusing a cancelled stream's id waits for the engine to retire it
+#: How long a request without a deadline, reusing a cancelled stream's id, waits for the engine to
+#: retire it (the rest of the step in flight; longer than any step of a working engine).
+RETIRE_WAIT_SECONDS = 300.0
 
 
 #: Prompts up to this many characters (or token ids) are added on the event loop: tokenizing
@@ -77,7 +79,7 @@ class InferenceServicer(oe.InferenceServicer):
         bridge = OutputBridge(asyncio.get_running_loop(), request.request_id, settings.stream_buffer,
                               settings.stall_timeout_seconds, self._on_stall)
         try:
-            await self._wait_retired(params.request_id)
+            await self._wait_retired(params.request_id, context.time_remaining())
             if _cheap_to_add(params):
                 engine.add_request(params, bridge.sink)
             else:
@@ -86,14 +88,16 @@ class InferenceServicer(oe.InferenceServicer):
             raise rejection_from_engine(exc) from None
         return bridge
 
-    async def _wait_retired(self, request_id: str) -> None:
+    async def _wait_retired(self, request_id: str, time_remaining: float | None) -> None:
         """G2: an id is reusable once its stream ended. A stream the client cancelled ended at
-        once, but the engine retires its id with the next step: a request reusing the id waits
-        for that (bounded; after it, ALREADY_EXISTS as for any active id)."""
+        once, but the engine retires its id after the step in flight, which can take seconds (a
+        long prefill on CPU): a request reusing the id waits for that, within its own deadline
+        (after it, ALREADY_EXISTS as for any active id). A fixed 5 s bound refused it."""
         ended = self.state.retiring.get(request_id)
         if ended is not None:
+            wait = RETIRE_WAIT_SECONDS if time_remaining is None else min(time_remaining, RETIRE_WAIT_SECONDS)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ended.engine_done.wait(), RETIRE_WAIT_SECONDS)
+                await asyncio.wait_for(ended.engine_done.wait(), wait)
 
     async def _add_on_worker(self, engine: EngineClient, params: GenerationRequest, bridge: OutputBridge) -> None:
         """``add_request`` on a worker thread, so the event loop keeps serving every other stream

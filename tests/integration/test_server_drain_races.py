@@ -197,7 +197,7 @@ def test_an_id_cancelled_during_acceptance_is_reusable_at_once(tmp_path: Path) -
     for the retirement, as after any other cancel, instead of getting ALREADY_EXISTS."""
     with running_server(tmp_path / "server.log", "--max-model-len", "2048", "--num-kv-blocks", "256") as server, \
             OpenEngineClient(server.address) as client:
-        # A shorter step (about 2 s): the reuse waits for the rest of it, at most RETIRE_WAIT_SECONDS.
+        # A shorter step (about 2 s): the reuse waits for the rest of it, within its deadline.
         busy = _Call(client, _long_prompt("busy", max_tokens=1, tokens=1200))
         _wait_for("long prefill step", lambda: _prefilling(client, running=1))
         cancelled = client.inference.Generate(_slow_grammar("reused", max_tokens=20), timeout=60)

@@ -199,9 +199,9 @@ def test_duplicate_request_id_is_refused_then_reusable(client: OpenEngineClient)
 def test_an_id_is_reusable_as_soon_as_its_cancelled_stream_ended(client: OpenEngineClient) -> None:
     """G2: the client cancels during a long prefill, whose step keeps the engine busy for a
     while yet; the same id sent right away is accepted (it waits for the engine to retire the
-    old one) instead of ALREADY_EXISTS until the step ends. The step must end within the
-    server's RETIRE_WAIT_SECONDS (5 s): 1,800 tokens took 4.5 s alone on a 2-core AMD EPYC
-    (one thread) and over 5 s beside another test; 700 take about a third of that."""
+    old one) instead of ALREADY_EXISTS until the step ends. The wait lasts the rest of the step,
+    within the new request's deadline; 700 tokens keep the step short (1,800 took 4.5 s alone on a
+    2-core AMD EPYC, one thread), so the test stays quick."""
     wait_idle(client)
     prompt = oe.GenerateRequest(request_id="reuse-1", token_ids=oe.TokenIds(ids=[(7 * i) % 4000 + 100
                                                                                 for i in range(700)]))
