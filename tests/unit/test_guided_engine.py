@@ -386,12 +386,12 @@ def test_bad_spec_refused_before_allocation(tiny, backend, mode, fields, match) 
 
 @pytest.mark.skipif("llguidance" not in MODES, reason="llguidance is not installed")
 def test_a_limit_the_grammar_engine_hits_midway_is_named(tiny) -> None:
-    """llguidance builds its lexer lazily: a{1000000} compiles, then the first token hits its
-    limit. The request fails alone, and the error says why (it said only 'rejected token 2'):
-    INVALID_ARGUMENT, not retryable, since the spec is what exceeds the limit."""
+    """llguidance builds its lexer lazily: this nest of repeats compiles, then a token some 29
+    tokens in hits its limit. The request fails alone, and the error says why (it said only
+    'rejected token 2'): INVALID_ARGUMENT, not retryable, since the spec is what exceeds the limit."""
     engine = make_engine(tiny)
-    guided = GuidedSpec("regex", spec="a{1000000}", backend="llguidance")
-    result = engine.run_until_done([request("limit", guided, prompt(1, 5), max_tokens=8)])[0]
+    guided = GuidedSpec("regex", spec="((a{0,30}){0,30}){0,30}a{60}", backend="llguidance")
+    result = engine.run_until_done([request("limit", guided, prompt(1, 5), max_tokens=64)])[0]
     assert result.error_message is not None and "too many expressions" in result.error_message, result.error_message
     assert result.error.code == "invalid_argument" and not result.error.retryable, result.error
     assert_idle(engine)
@@ -591,7 +591,10 @@ def test_logprobs_are_of_the_masked_distribution(tiny, oracle, backend) -> None:
     output = results[0].outputs[0]
     assert output.tokens
     if backend == "llguidance":
-        allowed_sets = llguidance_allowed_sets(llguidance.LLMatcher.grammar_from_regex(REGEX), output.token_ids)
+        # The regex as llguidance writes it, with forcing off as the backend runs it.
+        lark = json.loads(llguidance.grammar_from("regex", REGEX))["grammars"][0]["lark_grammar"]
+        no_forcing = llguidance.grammar_from("lark", '%llguidance {"no_forcing": true}\n' + lark)
+        allowed_sets = llguidance_allowed_sets(no_forcing, output.token_ids)
     else:
         allowed_sets = oracle.allowed_after(oracle.regex(REGEX), output.token_ids)
     for position, info in enumerate(output.tokens):

@@ -37,6 +37,8 @@ CASES = [
                        "$ref": "#/$defs/X"}, ["4", "6"]),
     ("required-unlisted", {"type": "object", "properties": {"a": INT}, "required": ["b"]},
      ['{"a":1}', '{"a":1,"b":2}']),
+    ("multipleOf-number", {"type": "number", "multipleOf": 0.5}, ["0.3", "7.25", "1.5"]),
+    ("multipleOf-number-by-integer", {"type": "number", "multipleOf": 2}, ["3", "3.5", "4"]),
 ]
 #: Keywords that are data here (a property name, a const value), and forms xgrammar enforces.
 ACCEPTED = [
@@ -47,6 +49,7 @@ ACCEPTED = [
                        "properties": {"x": {"allOf": [{"$ref": "#/$defs/X"}], "description": "d"}}, "required": ["x"]},
      ['{"x":4}', '{"x":6}']),
     ("uniqueItems-false", {"type": "array", "items": INT, "uniqueItems": False}, ["[1,1]"]),
+    ("multipleOf-integer", {"type": "integer", "multipleOf": 3}, ["4", "6"]),
     ("oneOf-disjoint", {"oneOf": [{"type": "object", "properties": {"kind": {"const": "a"}, "x": INT},
                                    "required": ["kind", "x"], "additionalProperties": False},
                                   {"type": "object", "properties": {"kind": {"const": "b"}},

@@ -81,6 +81,34 @@ def test_regex_means_what_python_re_means(compiler, backend, pattern) -> None:
     assert not wrong, f"{pattern!r}: the guide and re.fullmatch disagree on {wrong}"
 
 
+@pytest.mark.parametrize(("pattern", "texts"), [(r"\Aab\Z", ["ab", "AabZ"]), (r"\Aa|b\z", ["a", "b", "Aa", "bz"])])
+def test_xgrammar_regex_anchors_anchor(compiler, pattern: str, texts: list[str]) -> None:
+    """``\\A``, ``\\Z`` and ``\\z`` at the ends are anchors (xgrammar matched the letters A, Z, z);
+    the oracle is ``re`` with ``\\z`` read as ``\\Z`` (Python 3.11 lacks ``\\z``)."""
+    spec = GuidedSpec("regex", pattern, backend="xgrammar")
+    python = pattern.replace("\\z", "\\Z")
+    wrong = [text for text in texts if accepts_whole(compiler, spec, text) != bool(re.fullmatch(python, text))]
+    assert not wrong, f"{pattern!r}: the guide and re.fullmatch disagree on {wrong}"
+
+
+@pytest.mark.parametrize("pattern", [r"a\y", r"\Gab", r"a\hb", r"[\q]", r"a\Ab", r"a\Zb"])
+def test_xgrammar_refuses_letter_escapes_it_would_read_as_letters(compiler, pattern: str) -> None:
+    with pytest.raises(GuidedSpecError, match="not supported by the xgrammar backend"):
+        compiler.compile(GuidedSpec("regex", pattern, backend="xgrammar"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_guide_spelling_the_eos_text_spells_it(compiler, backend) -> None:
+    """The regex ``</s>`` is the text "</s>", and EOS only ends it: xgrammar allowed EOS first
+    (its text is "</s>"), and sampled outputs ended there, empty."""
+    spec = GuidedSpec("regex", "</s>", backend=backend)
+    matcher = compiler.compile(spec).new_matcher()
+    mask = allocate_bitmask(1, VOCAB)
+    matcher.fill_bitmask(mask, 0)
+    assert not bitmask_to_ids(mask, VOCAB)[EOS], "EOS allowed before the text"
+    assert accepts_whole(compiler, spec, "</s>")
+
+
 TEXT_GUIDES = [GuidedSpec("regex", "(.|\n)*"), GuidedSpec("regex", "[^x]{0,9}"), GuidedSpec("json_object"),
                GuidedSpec("json_schema", json.dumps({"type": "string"})),
                GuidedSpec("choice", choices=("<unk>", "<s>", "a"))]

@@ -4,6 +4,13 @@ EBNF grammars are the same GBNF dialect as xgrammar's (converted to Lark by llgu
 a structural tag must be of the triggered-tags kind (``structural_tag.py``), which maps
 onto llguidance's own structural tags one to one. Matchers never raise for a bad token: they
 enter an error state, which ``accept_token`` reports as False.
+
+Every grammar runs without llguidance's forcing (``no_forcing``): where a grammar forces bytes,
+llguidance offers the tokenizer's own tokenization of them, and the tokenizer reads text such as
+``<s>`` or ``</s>`` as that special token, which the grammar then refuses as not being the text.
+A guide spelling a special token's text (a choice ``"<s>"``, a regex ``a</s>b``) was accepted
+and then failed every time. Without forcing, the mask offers every token the bytes allow, as
+xgrammar's does.
 """
 
 from __future__ import annotations
@@ -100,6 +107,10 @@ class LlguidanceBackend(GrammarBackend):
 
     @staticmethod
     def _grammar(spec: GuidedSpec) -> str:
+        return _without_forcing(LlguidanceBackend._llguidance_grammar(spec))
+
+    @staticmethod
+    def _llguidance_grammar(spec: GuidedSpec) -> str:
         if spec.mode == "json_schema":
             json.loads(spec.spec)
             return llguidance.grammar_from("json_schema", spec.spec)
@@ -113,3 +124,15 @@ class LlguidanceBackend(GrammarBackend):
             return llguidance.grammar_from("lark", llguidance.StructTag.to_grammar(structural_tags(spec.spec),
                                                                                   assume_special=False))
         return llguidance.grammar_from("choice", json.dumps(list(spec.choices)))
+
+
+NO_FORCING = '%llguidance {"no_forcing": true}\n'
+
+
+def _without_forcing(grammar: str) -> str:
+    """``grammar`` (what ``llguidance.grammar_from`` gives: a Lark grammar, or a top-level JSON
+    holding one Lark grammar or JSON schema) as a Lark grammar with forcing off."""
+    if grammar.lstrip().startswith("{"):
+        (entry,) = json.loads(grammar)["grammars"]
+        grammar = entry.get("lark_grammar") or "start: %json " + json.dumps(entry["json_schema"])
+    return llguidance.grammar_from("lark", NO_FORCING + grammar)

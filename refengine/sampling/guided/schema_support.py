@@ -9,7 +9,9 @@ project's pinned xgrammar, each guide judged by ``jsonschema`` (``tests/unit/tes
   were ignored (``{"not": {"const": 3}}`` let 3 through);
 - ``allOf`` of two or more subschemas kept one of them (``{"a": 1}`` passed an ``allOf`` that
   also required ``b``); a single one, the form tools generate around a ``$ref``, is enforced;
-- a ``required`` name missing from ``properties`` was not required.
+- a ``required`` name missing from ``properties`` was not required;
+- ``multipleOf`` was enforced only on ``type: integer`` by an integer (``{"type": "number",
+  "multipleOf": 0.5}`` let 0.3 through).
 
 The xgrammar backend refuses such a schema (INVALID_ARGUMENT naming the keyword and where it
 stands) rather than produce output that breaks it; llguidance refuses most of these itself and
@@ -45,6 +47,8 @@ def unenforced_use(schema: Any, where: str = "#") -> str | None:
             return f"{keyword!r} at {where}"
     if schema.get("uniqueItems") is True:
         return f"'uniqueItems' at {where}"
+    if "multipleOf" in schema and not (schema.get("type") == "integer" and _is_integer(schema["multipleOf"])):
+        return f"'multipleOf' at {where} (enforced only on type 'integer', by an integer)"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"'allOf' of {len(schema['allOf'])} subschemas at {where} (xgrammar enforces one)"
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
@@ -52,6 +56,10 @@ def unenforced_use(schema: Any, where: str = "#") -> str | None:
     if missing := [name for name in required if name not in properties]:
         return f"'required' name {missing[0]!r} missing from 'properties' at {where}"
     return _in_subschemas(schema, where)
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _in_subschemas(schema: dict[str, Any], where: str) -> str | None:

@@ -12,7 +12,8 @@ backends (and the oracles users check outputs with) agree:
   matches (llguidance never allows them). EBNF grammars and structural tags keep them: they
   may spell a model's control tokens;
 - a regex's ``.`` matches any character but a newline, as in Python's ``re``, Rust's regex
-  (llguidance) and JSON Schema's ECMA-262 (xgrammar's matched ``\n`` too);
+  (llguidance) and JSON Schema's ECMA-262 (xgrammar's matched ``\n`` too); ``\\A`` and
+  ``\\Z`` anchor, and a letter escape xgrammar does not know is refused (it matched the letter);
 - a JSON schema using a keyword xgrammar compiles but ignores (``not``, ``if``, ``contains``,
   an ``allOf`` of several subschemas...) is refused (``schema_support``);
 - a JSON string bounded by ``minLength``/``maxLength`` holds JSON characters (an escape
@@ -44,6 +45,10 @@ _LOG_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")
 # JSON character (RFC 8259) it should be; a later xgrammar that writes another rule is left alone.
 _BOUNDED_STRING_CHAR = re.compile(r'^(\w+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
 _JSON_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+#: The letter escapes xgrammar 0.2.9 reads as Python does (classes, control characters) or
+#: refuses itself (``\\b``, ``\\B``, ``\\p``, ``\\P``, ``\\k``, ``\\c``) or reads with arguments
+#: (``\\x``, ``\\u``); ``\\e`` is ESC, as in PCRE. Probed letter by letter.
+_XGRAMMAR_LETTER_ESCAPES = frozenset("adDefnrsStvwWbBpPkcxu")
 MODES = ("json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag", "choice")
 
 
@@ -89,9 +94,10 @@ def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
 
 
 def without_special_tokens(info: xgrammar.TokenizerInfo, special: set[int]) -> xgrammar.TokenizerInfo:
-    """``info`` with the ``special`` tokens other than its stop tokens marked special, which
-    xgrammar never allows: it marks a token special when its text is empty."""
-    special = special - set(info.stop_token_ids)
+    """``info`` with the ``special`` tokens marked special, which xgrammar never allows as text:
+    it marks a token special when its text is empty. A special stop token (``</s>``) is blanked
+    too: xgrammar still ends the guide on it by id, but with its text kept it also spelled the
+    literal ``</s>`` a guide asked for, and ended the output there, empty."""
     if not special:
         return info
     vocab = [b"" if i in special else text for i, text in enumerate(info.decoded_vocab)]
@@ -99,14 +105,27 @@ def without_special_tokens(info: xgrammar.TokenizerInfo, special: set[int]) -> x
                                   stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
 
 
-def dot_excludes_newline(pattern: str) -> str:
-    """``pattern`` with each ``.`` outside a character class as ``[^\\n]``: the ``.`` of
-    Python, Rust and ECMA-262 regexes, where xgrammar's also matches a newline."""
+def regex_for_xgrammar(pattern: str) -> str:
+    """``pattern`` as xgrammar should read it:
+
+    - each ``.`` outside a character class as ``[^\\n]``: the ``.`` of Python, Rust and
+      ECMA-262 regexes, where xgrammar's also matches a newline;
+    - a leading ``\\A`` and a trailing ``\\Z`` or ``\\z`` dropped: the whole output matches
+      anyway, and xgrammar reads them as the letters A, Z and z;
+    - any other letter escape xgrammar does not know (``\\G``, ``\\h``, ``\\y``...) refused:
+      xgrammar matches the letter itself, which the pattern's author did not mean.
+    """
     out, in_class, i = [], False, 0
     while i < len(pattern):
         char = pattern[i]
         if char == "\\":  # an escape, whatever follows (``\\.`` is a literal dot)
-            out.append(pattern[i:i + 2])
+            escape = pattern[i:i + 2]
+            if escape[1:].isascii() and escape[1:].isalpha() and escape[1] not in _XGRAMMAR_LETTER_ESCAPES:
+                if not _is_edge_anchor(escape, i, len(pattern), in_class):
+                    raise GuidedSpecError(f"regex escape {escape} at position {i} is not supported by the "
+                                          "xgrammar backend (it would match the letter itself)")
+            else:
+                out.append(escape)
             i += 2
             continue
         if in_class:
@@ -124,6 +143,11 @@ def dot_excludes_newline(pattern: str) -> str:
         out.append(char)
         i += 1
     return "".join(out)
+
+
+def _is_edge_anchor(escape: str, position: int, length: int, in_class: bool) -> bool:
+    return not in_class and ((escape == "\\A" and position == 0)
+                             or (escape in ("\\Z", "\\z") and position + 2 == length))
 
 
 class XGrammarBackend(GrammarBackend):
@@ -160,7 +184,7 @@ class XGrammarBackend(GrammarBackend):
         if spec.mode == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.mode == "regex":
-            return compiler.compile_regex(dot_excludes_newline(spec.spec))
+            return compiler.compile_regex(regex_for_xgrammar(spec.spec))
         if spec.mode == "ebnf_grammar":
             return self._compiler.compile_grammar(spec.spec)
         if spec.mode == "structural_tag":
