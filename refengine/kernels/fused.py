@@ -37,14 +37,15 @@ class _Kernels:
 
     add_rms_norm: Callable[..., None]
     silu_and_mul: Callable[..., None]
-    rotary: Callable[..., None]
+    rotary: Callable[..., int]
 
 
 _SIGNATURES = {
     "add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float],
     "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int],
-    "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64],
+    "rotary": [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64],
 }
+_RESTYPES = {"rotary": ctypes.c_int}  # -1: a position outside the tables, x untouched
 # The library's dtypes: float32, and bfloat16 (bits in uint16, rounded where the torch form rounds).
 _SUFFIXES = {torch.float32: "", torch.bfloat16: "_bf16"}
 
@@ -57,7 +58,7 @@ def _kernels(dtype: torch.dtype) -> _Kernels | None:
     functions = {}
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name + _SUFFIXES[dtype])
-        function.argtypes, function.restype = argtypes, None
+        function.argtypes, function.restype = argtypes, _RESTYPES.get(name)
         functions[name] = function
     return _Kernels(**functions)
 
@@ -98,33 +99,38 @@ class FusedOps:
         self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         """``residual += delta`` in place (the residual stream), then return
-        ``rms_norm(residual) * weight``. ``residual`` must be contiguous ``[T, hidden]``
-        for the C kernel (otherwise the torch form runs); Triton takes any layout."""
+        ``rms_norm(residual) * weight``. The C kernel takes ``residual`` contiguous
+        ``[T, hidden]``, ``delta`` of its shape and ``weight`` contiguous ``[hidden]`` (it reads
+        them as such: anything else runs the torch form); Triton takes any layout."""
         operands = (residual, weight) if delta is None else (residual, delta, weight)
         if self._triton(*operands):
             return triton_ops.add_rms_norm(residual, delta, weight, eps)
         library = self._kernel(*operands)
-        if library is None or not residual.is_contiguous():
+        shape = residual.shape  # read once: each read of a shape costs ~0.1 us, and this runs twice a layer
+        if (library is None or len(shape) != 2 or not residual.is_contiguous() or not weight.is_contiguous()
+                or weight.shape != (shape[1],) or (delta is not None and delta.shape != shape)):
             if delta is not None:
                 residual.add_(delta)
             return rms_norm(residual, weight, eps)
         delta = None if delta is None else delta.contiguous()
         out = torch.empty_like(residual)
         library.add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(), out.data_ptr(),
-                             weight.data_ptr(), residual.shape[0], residual.shape[1], eps)
+                             weight.data_ptr(), shape[0], shape[1], eps)
         return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[T, 2 * inter]``."""
+        """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[T, 2 * inter]`` (the C kernel takes it
+        contiguous and 2-D; other shapes run the torch form)."""
         if self._triton(gate_up):
             return triton_ops.silu_and_mul(gate_up)
         library = self._kernel(gate_up)
-        if library is None or not gate_up.is_contiguous():
+        shape = gate_up.shape
+        if library is None or len(shape) != 2 or shape[1] % 2 or not gate_up.is_contiguous():
             gate, up = gate_up.chunk(2, dim=-1)
             return F.silu(gate) * up
-        inter = gate_up.shape[1] // 2
-        out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype)
-        library.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        rows, inter = shape[0], shape[1] // 2
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
+        library.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter)
         return out
 
     def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
@@ -132,20 +138,27 @@ class FusedOps:
         ``signed_sin`` ``[max_positions, D]`` hold ``cos`` and ``[-sin_low, sin_high]``, so
         the rotation is ``x * cos + roll(x, D / 2) * signed_sin``. Rows of ``x`` may be
         strided (a view into the fused QKV output); heads within a row are contiguous
-        (for the C kernel; Triton takes any strides)."""
+        (for the C kernel, with int64 ``positions`` ``[T]``, contiguous tables and an even D;
+        Triton takes any strides). Positions outside the tables raise IndexError on the CPU paths."""
         if self._triton(x, cos, signed_sin):
             triton_ops.rotary_(x, positions, cos, signed_sin)
             return
         library = self._kernel(x, cos, signed_sin)
         rows, heads, head_dim = x.shape
-        if library is None or x.stride(2) != 1 or x.stride(1) != head_dim or positions.dtype != torch.int64:
-            rotated = torch.addcmul(x * cos[positions].unsqueeze(1), x.roll(head_dim // 2, dims=-1),
-                                    signed_sin[positions].unsqueeze(1))
-            x.copy_(rotated)
-            return
-        positions = positions.contiguous()  # held in a local: the kernel reads its memory
-        library.rotary(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), rows, heads,
-                       head_dim, x.stride(0))
+        # What the kernel assumes, each shape and stride read once (~0.1 us a read, on every layer).
+        strides, table_shape = x.stride(), cos.shape
+        if (library is not None and strides[2] == 1 and strides[1] == head_dim and head_dim % 2 == 0
+                and positions.dtype == torch.int64 and positions.shape == (rows,) and len(table_shape) == 2
+                and table_shape[1] == head_dim and signed_sin.shape == table_shape and cos.is_contiguous()
+                and signed_sin.is_contiguous()):
+            positions = positions.contiguous()  # held in a local: the kernel reads its memory
+            # The kernel refuses (-1, x untouched) a position outside the tables: the torch form below raises.
+            if library.rotary(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), rows, heads,
+                              head_dim, strides[0], table_shape[0]) == 0:
+                return
+        rotated = torch.addcmul(x * cos[positions].unsqueeze(1), x.roll(head_dim // 2, dims=-1),
+                                signed_sin[positions].unsqueeze(1))
+        x.copy_(rotated)
 
 
 _NATIVE_OPS = FusedOps(native=True)

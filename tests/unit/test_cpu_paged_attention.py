@@ -239,6 +239,20 @@ def test_matches_dense_oracle_and_reference(batch, group, head_dim, block_size) 
         torch.testing.assert_close(a, b, atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.parametrize("block_size", [16, 8])  # 16: the chunk kernel; 8: the row kernel
+@pytest.mark.parametrize(("num_heads", "q_head_dim"), [(3, 64), (6, 64), (4, 32)], ids=["3of4", "6of4", "dim32of64"])
+def test_queries_that_do_not_fit_the_cache_raise(num_heads: int, q_head_dim: int, block_size: int) -> None:
+    """Query heads not a multiple of the cache's KV heads, or of another size than its heads, are a
+    ValueError; the kernels once returned rows never written (or read past the KV heads) instead."""
+    backend, kv_heads, head_dim = CpuPagedBackend(), 4, 64
+    k_shape, v_shape = backend.kv_cache_shapes(2, block_size, kv_heads, head_dim)
+    backend.prepare(make_meta([[0, 1]], [5], [5], block_size))
+    q = torch.randn(5, num_heads, q_head_dim)
+    k, v = torch.randn(5, kv_heads, head_dim), torch.randn(5, kv_heads, head_dim)
+    with pytest.raises(ValueError, match="query heads must be a multiple of KV heads"):
+        backend.forward(q, k, v, torch.zeros(k_shape), torch.zeros(v_shape), 0.125)
+
+
 def backend_for(form: str | None) -> CpuPagedBackend:
     """The backend, with bf16 queries on a bf16 cache computed by ``form`` (a name of
     BF16_QUERY_KERNELS), or (None) widened to float32 per step and scored by the float32 kernel,
@@ -599,6 +613,13 @@ def test_build_is_cached(fresh_loader) -> None:
     second = cpu.load("fused_ops")  # a new process would do this: finds the built library
     assert second.library is not None and Path(second.library._name) == path
     assert path.stat().st_mtime_ns == built  # not rebuilt
+
+
+def test_built_library_is_readable_by_everyone(fresh_loader) -> None:
+    """The built library is mode 0755, as a compiler's output is, so that other users of a shared
+    cache can load it (built under mkstemp's name, it was 0711: executable but not readable)."""
+    path = Path(cpu.load("fused_ops").library._name)
+    assert path.stat().st_mode & 0o777 == 0o755
 
 
 def test_unwritable_cache_falls_back(fresh_loader, monkeypatch, tmp_path) -> None:

@@ -216,3 +216,71 @@ def test_loading_the_native_kernels_keeps_subnormal_floats() -> None:
     halved = sys.float_info.min
     halved /= 2
     assert halved > 0.0
+
+
+@native_only
+def test_add_rms_norm_kernel_takes_only_what_it_reads() -> None:
+    """A strided weight, a 3-D residual and a delta that broadcasts give the torch form's result on
+    the native path; the kernel, which reads contiguous [T, hidden] and [hidden], once took them."""
+    g = torch.Generator().manual_seed(11)
+    native, reference = fused.FusedOps(native=True), fused.FusedOps(native=False)
+    strided_weight = torch.randn(2 * 64, generator=g)[::2]
+    cases = [(torch.randn(4, 64, generator=g), None, strided_weight),
+             (torch.randn(2, 3, 64, generator=g), None, torch.randn(64, generator=g)),
+             (torch.randn(4, 64, generator=g), torch.randn(1, 64, generator=g), torch.randn(64, generator=g))]
+    for residual, delta, weight in cases:
+        native_residual, reference_residual = residual.clone(), residual.clone()
+        out = native.add_rms_norm(native_residual, delta, weight, 1e-5)
+        assert torch.equal(out, reference.add_rms_norm(reference_residual, delta, weight, 1e-5))
+        assert torch.equal(native_residual, reference_residual)
+
+
+@native_only
+def test_silu_and_mul_kernel_takes_only_2d_even_rows() -> None:
+    """A 3-D gate_up gives the torch form's [..., inter] (the kernel read it as 2-D: shape (2, 1));
+    an odd width, which the torch form refuses, is refused too rather than split by the kernel."""
+    gate_up = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(12))
+    out = fused.FusedOps(native=True).silu_and_mul(gate_up)
+    assert torch.equal(out, fused.FusedOps(native=False).silu_and_mul(gate_up)) and out.shape == (2, 3, 64)
+    with pytest.raises(RuntimeError):
+        fused.FusedOps(native=True).silu_and_mul(torch.randn(3, 5))
+
+
+@native_only
+def test_rotary_kernel_takes_only_what_it_reads() -> None:
+    """Strided tables, an odd head size and a negative position give the torch form's result; a
+    position past the tables raises IndexError as the torch form does, leaving x as it was (the
+    kernel once read past the tables)."""
+    g = torch.Generator().manual_seed(13)
+    native, reference = fused.FusedOps(native=True), fused.FusedOps(native=False)
+    wide = torch.randn(10, 16, generator=g)
+    cases = [(torch.randn(3, 2, 8, generator=g), torch.tensor([1, 5, 9]), wide[:, ::2], wide[:, 1::2]),
+             (torch.randn(3, 2, 5, generator=g), torch.tensor([1, 5, 9]), wide[:, :5].clone(), wide[:, 5:10].clone()),
+             (torch.randn(3, 2, 8, generator=g), torch.tensor([1, -1, 9]), wide[:, :8].clone(), wide[:, 8:].clone())]
+    for x, positions, cos, signed_sin in cases:
+        native_x, reference_x = x.clone(), x.clone()
+        native.rotary_(native_x, positions, cos, signed_sin)
+        reference.rotary_(reference_x, positions, cos, signed_sin)
+        assert torch.equal(native_x, reference_x)
+    x, cos, signed_sin = cases[2][0], cases[2][2], cases[2][3]
+    for dtype in (torch.float32, torch.bfloat16):
+        rotated = x.to(dtype)
+        with pytest.raises(IndexError):
+            native.rotary_(rotated, torch.tensor([1, 5, 10]), cos.to(dtype), signed_sin.to(dtype))
+        assert torch.equal(rotated, x.to(dtype))
+
+
+@native_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_of_nan_and_infinite_gates_is_torchs(dtype) -> None:
+    """NaN and -inf gates give NaN (torch: -inf * sigmoid(-inf) = -inf * 0), +inf gives inf, gates
+    below exp's overflow 0, in every column: 37 of them put each value in the vector body and in the
+    scalar tail. Under -ffast-math a NaN gate gave 0 (bf16: 0 in the tail only), a -inf gate 0."""
+    specials = torch.tensor([float("nan"), float("-inf"), float("inf"), -100.0, -88.8, 0.0, 1.5, -3.0])
+    gate = specials.repeat(5)[:37]
+    up = torch.randn(37, generator=torch.Generator().manual_seed(14)) + 3.0  # finite, not 0
+    gate_up = torch.cat([gate, up])[None].to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = fused.FusedOps(native=True).silu_and_mul(gate_up)
+    torch.testing.assert_close(out, F.silu(gate) * up, equal_nan=True, rtol=1e-5, atol=1e-30)
+    assert torch.equal(out.isnan(), gate.isnan() | (gate == float("-inf")))

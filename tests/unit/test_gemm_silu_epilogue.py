@@ -88,6 +88,18 @@ def test_gates_past_exp_overflow_give_zero_not_nan() -> None:
     torch.testing.assert_close(got32, F.silu(plain32[:, :1536]) * plain32[:, 1536:], rtol=1e-5, atol=1e-30)
 
 
+def test_infinite_gates_give_torchs_silu() -> None:
+    """A gate sum that overflows to -inf gives NaN as torch's -inf * sigmoid(-inf) does (the epilogue
+    gave 0), to +inf gives inf; the up sums are finite. (A NaN gate sum cannot be had without a NaN
+    or inf in x, which makes up NaN too: silu.h's NaN test is the same one, checked in test_fused_ops.)"""
+    x = torch.zeros(1, 64)
+    x[0, :2], x[0, 2] = 3e38, 1.0  # two products of 3e38 overflow float32; column 2 a plain 1
+    weight = torch.zeros(32, 64)
+    weight[:8, :2], weight[8:16, :2], weight[16:, 2] = -1.0, 1.0, 2.0  # gates -inf, +inf; ups 2
+    out = Linear(weight.bfloat16(), silu_and_mul=True)(x.bfloat16())
+    assert out[0, :8].isnan().all() and torch.equal(out[0, 8:].float(), torch.full((8,), float("inf")))
+
+
 def test_rows_do_not_depend_on_the_call() -> None:
     """G18: a row alone, in batches of every row-tile position, and on 1 or 2 threads: same bits."""
     gate_up, x = _case(37, 1536, 576, seed=3)

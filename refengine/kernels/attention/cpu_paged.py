@@ -179,6 +179,12 @@ class CpuPagedBackend(AttentionBackend):
         assert kv_dtype in self._row_kernels and q.dtype in self._row_kernels and q.is_cpu, \
             "the native kernel takes float32 or bfloat16 queries and caches on CPU"
         num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
+        # The kernels take these from the cache and trust q to fit: a head count not a multiple of the
+        # KV heads left rows unwritten (chunk kernel) or read past the cache's KV heads (row kernel).
+        _, num_heads, q_head_dim = q.shape
+        if num_heads % num_kv_heads or q_head_dim != head_dim:
+            raise ValueError(f"paged attention: {num_heads} query heads of size {q_head_dim} do not fit a cache of "
+                             f"{num_kv_heads} KV heads of size {head_dim} (query heads must be a multiple of KV heads)")
         # Rounded to what the cache holds; skipped when equal, as a .to() that changes nothing still
         # costs its dispatch (~3 us each, per layer of a decode step).
         if k.dtype != kv_dtype or v.dtype != kv_dtype:
@@ -206,7 +212,7 @@ class CpuPagedBackend(AttentionBackend):
                 kernel_q = q.float()
             status = kernel(out.data_ptr(), kernel_q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             self._block_tables.data_ptr(), self._query_start_loc.data_ptr(),
-                            self._seq_lens.data_ptr(), seq_ids.data_ptr(), len(seq_ids), q.shape[1], num_kv_heads,
+                            self._seq_lens.data_ptr(), seq_ids.data_ptr(), len(seq_ids), num_heads, num_kv_heads,
                             head_dim, meta.block_size, self._block_tables.shape[1], scale, kernel_q.stride(0))
             if status != 0:
                 raise MemoryError("paged attention: could not allocate scratch memory")

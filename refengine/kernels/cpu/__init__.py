@@ -117,6 +117,8 @@ def _build(compiler: str, source: Path, target: Path) -> str:
                 return f"{compiler} took over {BUILD_TIMEOUT_SECONDS} s to build {source.name}"
             if result.returncode != 0:
                 return f"{compiler} failed to build {source.name}: {result.stderr.strip()[:500]}"
+        # mkstemp makes the file owner-only (the link left it 0711): a shared cache needs others to read it.
+        os.chmod(tmp, 0o755)
         os.replace(tmp, target)
         return ""
     finally:

@@ -59,10 +59,17 @@ void STEP_NAME(silu_and_mul)(const ELEM_T *gate_up, ELEM_T *out, int64_t rows, i
  *   x[i + half] = x[i + half] * cos[i + half] + x[i] * signed_sin[i + half]
  * with signed_sin = [-sin_low, sin_high], the tables indexed by position. torch form:
  * addcmul(x * cos, roll(x), signed_sin), the product with cos rounded, then the sum
- * (addcmul computes in float32). */
-void STEP_NAME(rotary)(ELEM_T *x, const int64_t *positions, const ELEM_T *cos_table,
-                       const ELEM_T *signed_sin_table, int64_t rows, int heads, int head_dim, int64_t row_stride)
+ * (addcmul computes in float32). Returns -1, with x untouched, when a position is outside the
+ * tables' num_positions rows (the caller then runs the torch form, whose indexing raises IndexError
+ * past the tables and wraps a negative position); 0 when done. Checked here, one integer compare a
+ * row, as a max over the positions in torch would cost a reduction's dispatch on every call. */
+int STEP_NAME(rotary)(ELEM_T *x, const int64_t *positions, const ELEM_T *cos_table,
+                      const ELEM_T *signed_sin_table, int64_t rows, int heads, int head_dim, int64_t row_stride,
+                      int64_t num_positions)
 {
+    for (int64_t r = 0; r < rows; r++)
+        if (positions[r] < 0 || positions[r] >= num_positions)
+            return -1;
     const int half = head_dim / 2;
 #pragma omp parallel for schedule(static) if (rows * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
@@ -80,4 +87,5 @@ void STEP_NAME(rotary)(ELEM_T *x, const int64_t *positions, const ELEM_T *cos_ta
             }
         }
     }
+    return 0;
 }
