@@ -124,8 +124,13 @@ def run_local(args: argparse.Namespace, options: GenerateOptions) -> int:
         return USAGE_ERROR
     prompt = args.prompt
     if args.chat:
-        prompt = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        from refengine.model.chat import apply_chat_template
+
+        try:
+            prompt = apply_chat_template(engine.tokenizer, config.model, prompt)
+        except ValueError as exc:  # no chat template, or one that does not render
+            print(f"refengine generate: error: {exc}", file=sys.stderr)
+            return USAGE_ERROR
     try:
         stream = engine.add_request(engine_request(options, prompt, "cli"))
     except RequestError as exc:  # refused before acceptance, e.g. a regex that does not compile

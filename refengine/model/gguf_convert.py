@@ -5,6 +5,8 @@ tokenizer.json + tokenizer_config.json), so the loader and the oracle tests know
 format only. A GGUF is dequantized (with the ``gguf`` package), renamed to Hugging
 Face parameter names, and its q/k rows are put back in Hugging Face order: llama.cpp
 permutes them for its interleaved RoPE layout, Hugging Face uses the rotate-half layout.
+The tokenizer is built from the GGUF alone (``gguf_tokenizer``). Metadata the conversion
+needs is checked first: a file without it is refused naming the file and the key.
 
 The cache entry is written into a temporary sibling directory, the marker file last,
 then renamed into place: a crash leaves no marker (and no final directory), so the
@@ -32,6 +34,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from refengine.model.gguf_tokenizer import convert_tokenizer
 from refengine.model.manifest import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -163,13 +166,24 @@ def hf_tensor_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
 
 
-def _hf_config(reader: Any, arch: str, tied: bool, vocab_size: int) -> dict[str, Any]:
+def _required(reader: Any, gguf_path: Path, key: str) -> Any:
+    """A metadata value the conversion cannot do without: a positive int or float, or
+    UnsupportedModelError naming the file and the key (before any arithmetic uses it)."""
+    value = _meta(reader, key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise UnsupportedModelError(f"{gguf_path}: metadata {key} is {value!r}, a positive number is required")
+    return value
+
+
+def _hf_config(reader: Any, gguf_path: Path, arch: str, tied: bool, vocab_size: int) -> dict[str, Any]:
     """config.json contents from the GGUF metadata (``<arch>.*`` keys)."""
     hf_class, model_type, _ = _ARCHITECTURES[arch]
     if _meta(reader, f"{arch}.rope.scaling.type", "none") not in ("none", None):
         raise UnsupportedModelError("GGUF RoPE scaling is not supported; convert from the HF checkpoint")
-    hidden = _meta(reader, f"{arch}.embedding_length")
-    heads = _meta(reader, f"{arch}.attention.head_count")
+    required = {name: _required(reader, gguf_path, f"{arch}.{name}") for name in (
+        "embedding_length", "attention.head_count", "feed_forward_length", "block_count", "context_length",
+        "attention.layer_norm_rms_epsilon")}
+    hidden, heads = required["embedding_length"], required["attention.head_count"]
     eos = [_meta(reader, "tokenizer.ggml.eos_token_id")]
     eos += [v for k in ("eot", "eom") if (v := _meta(reader, f"tokenizer.ggml.{k}_token_id")) is not None]
     eos = list(dict.fromkeys(e for e in eos if e is not None))
@@ -178,14 +192,14 @@ def _hf_config(reader: Any, arch: str, tied: bool, vocab_size: int) -> dict[str,
         "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": _meta(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _meta(reader, f"{arch}.block_count"),
+        "intermediate_size": required["feed_forward_length"],
+        "num_hidden_layers": required["block_count"],
         "num_attention_heads": heads,
         "num_key_value_heads": _meta(reader, f"{arch}.attention.head_count_kv", heads),
         "head_dim": _meta(reader, f"{arch}.attention.key_length", hidden // heads),
         "hidden_act": "silu",
-        "max_position_embeddings": _meta(reader, f"{arch}.context_length"),
-        "rms_norm_eps": _meta(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": required["context_length"],
+        "rms_norm_eps": required["attention.layer_norm_rms_epsilon"],
         "rope_theta": _meta(reader, f"{arch}.rope.freq_base", 10000.0),
         "tie_word_embeddings": tied,
         "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
@@ -210,13 +224,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = MAX_SHAR
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(gguf_path)
+    try:
+        reader = GGUFReader(gguf_path)
+    except (ValueError, OSError) as exc:  # the reader's own checks (magic, version, sizes)
+        raise UnsupportedModelError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
     arch = _meta(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported ({sorted(_ARCHITECTURES)})")
     names = {t.name: t for t in reader.tensors}
-    embed = names["token_embd.weight"]
-    config = _hf_config(reader, arch, tied="output.weight" not in names, vocab_size=int(embed.shape[-1]))
+    if "token_embd.weight" not in names:
+        raise UnsupportedModelError(f"{gguf_path} has no token_embd.weight tensor (the embeddings)")
+    vocab_size = int(names["token_embd.weight"].shape[-1])
+    config = _hf_config(reader, gguf_path, arch, tied="output.weight" not in names, vocab_size=vocab_size)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     permuted = _ARCHITECTURES[arch][2]
 
@@ -252,34 +271,4 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = MAX_SHAR
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    _convert_tokenizer(gguf_path, out_dir, config)
-
-
-def _convert_tokenizer(gguf_path: Path, out_dir: Path, config: dict[str, Any]) -> None:
-    """Let transformers build the fast tokenizer from the GGUF once, and save it as files.
-
-    The chat template goes into tokenizer_config.json (``save_jinja_files=False``), where
-    every Hugging Face directory of this generation keeps it. The special-token ids are
-    checked after a reload, because a wrong bos/eos silently breaks prompts and stopping.
-    """
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
-    )
-    tokenizer.model_max_length = config["max_position_embeddings"]
-    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
-    config_path = out_dir / "tokenizer_config.json"
-    saved = json.loads(config_path.read_text())
-    for load_time_key in ("is_local", "local_files_only"):  # how it was loaded, not what it is
-        saved.pop(load_time_key, None)
-    config_path.write_text(json.dumps(saved, indent=2, ensure_ascii=False))
-
-    reloaded = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
-    eos = config["eos_token_id"]
-    first_eos = eos[0] if isinstance(eos, list) else eos
-    if (reloaded.bos_token_id, reloaded.eos_token_id) != (config["bos_token_id"], first_eos):
-        raise UnsupportedModelError(
-            f"tokenizer from {gguf_path.name} has bos/eos {reloaded.bos_token_id}/{reloaded.eos_token_id}, "
-            f"the GGUF metadata says {config['bos_token_id']}/{first_eos}"
-        )
+    convert_tokenizer(gguf_path, out_dir, config)

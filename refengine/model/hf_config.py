@@ -2,10 +2,13 @@
 
 Anything malformed -- invalid JSON, a missing or mistyped field, values ModelConfig refuses --
 raises UnsupportedModelError naming the file and the field, never a bare KeyError.
+A key the file omits takes the default of transformers' config class for its model type, as
+transformers does when it loads the same file (``_transformers_defaults``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -25,12 +28,30 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+#: Omitted keys refengine does not take from transformers' defaults: special-token ids come from
+#: the files (a default eos of 2 would stop on an arbitrary token of another vocabulary).
+_NOT_DEFAULTED = frozenset({"bos_token_id", "eos_token_id", "pad_token_id"})
+
+
+def _transformers_defaults(model_type: str) -> dict[str, Any]:
+    """The value transformers' config class for ``model_type`` gives a key the file omits: its
+    declared field defaults (e.g. Mistral's ``sliding_window`` 4096, Llama's 4096 hidden size for
+    a LLaVA text_config saved as a diff). Fields declared None are derived from others in
+    ``__post_init__`` (head_dim, num_key_value_heads, rope_parameters) and stay this module's job."""
+    from transformers import CONFIG_MAPPING  # the class only: no remote code, no network
+
+    return {f.name: f.default for f in dataclasses.fields(CONFIG_MAPPING[model_type])
+            if isinstance(f.default, bool | int | float | str) and f.name not in _NOT_DEFAULTED}
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from ``path``; UnsupportedModelError naming the file when it is not one."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UnsupportedModelError(f"{path} is not valid UTF-8 JSON: {exc}") from exc
+    except OSError as exc:  # e.g. a directory where the file should be
+        raise UnsupportedModelError(f"cannot read {path}: {exc}") from exc
     if not isinstance(value, dict):
         raise UnsupportedModelError(f"{path} must hold a JSON object, not {type(value).__name__}")
     return value
@@ -49,6 +70,8 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
     transformers >= 5 writes ``rope_parameters`` (theta inside); older files have
     ``rope_theta`` plus ``rope_scaling`` (``type`` in the oldest). ``rope_scaling`` is
     returned without theta, and only for a non-default kind (llama3 is the one we run).
+    llama3's ``original_max_position_embeddings`` follows transformers' precedence: a
+    top-level one wins, then the one inside, else ``max_position_embeddings``.
     """
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
@@ -57,6 +80,12 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
         return float(theta), None
     if rope_type != "llama3":
         raise UnsupportedModelError(f"RoPE scaling {rope_type!r} is not implemented (only 'llama3')")
+    if "factor" not in params:
+        raise UnsupportedModelError("config.json: llama3 RoPE scaling (rope_parameters) needs 'factor'")
+    if config.get("original_max_position_embeddings") is not None:
+        params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    else:
+        params.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
     return float(theta), {"rope_type": rope_type, **params}
 
 
@@ -93,11 +122,14 @@ def _parse_model_config(hf_dir: Path) -> ModelConfig:
         )
     model_type = SUPPORTED_ARCHITECTURES[architecture]
     if model_type == "llava":  # the LM's own config; the vision part is model/vision.py's
-        config = {"eos_token_id": config.get("eos_token_id"),
-                  "tie_word_embeddings": config.get("tie_word_embeddings", False), **config["text_config"]}
-        model_type = config.get("model_type", "llama")
+        text_config = config["text_config"]
+        model_type = text_config.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2"):
             raise UnsupportedModelError(f"{hf_dir}: a {model_type!r} language model is not supported")
+        config = {**_transformers_defaults(model_type), "eos_token_id": config.get("eos_token_id"),
+                  "tie_word_embeddings": config.get("tie_word_embeddings", False), **text_config}
+    else:
+        config = {**_transformers_defaults(model_type), **config}
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{hf_dir}: activation {config['hidden_act']!r} is not supported")
     if model_type != "qwen2" and (config.get("attention_bias") or config.get("mlp_bias")):

@@ -17,10 +17,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from refengine.config import default_cache_dir
 from refengine.model.gguf_convert import ensure_converted, source_fingerprint
@@ -43,6 +43,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
+
+#: model_fingerprint hashes weight files up to this size whole, larger ones by header + windows.
+FINGERPRINT_WHOLE_FILE_BYTES = 64 << 20
+FINGERPRINT_WINDOWS = 64
+FINGERPRINT_WINDOW_BYTES = 4 << 10
 
 #: LLaVA checkpoints name the LM's tensors under a prefix (two spellings: the original one,
 #: and transformers 5's module tree); loaded, they are renamed to the plain LM's names.
@@ -151,16 +156,10 @@ def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32,
     llava = "vision_config" in config
     weights: dict[str, torch.Tensor] = {}
     for path in weight_files(hf_dir):
-        with safe_open(path, framework="pt") as f:
-            for stored in f.keys():
-                if stored.endswith("rotary_emb.inv_freq"):
-                    continue
-                name = _llava_name(stored) if llava else stored
-                if prefixes is not None and not name.startswith(prefixes):
-                    continue
-                if name in weights:
-                    raise UnsupportedModelError(f"{hf_dir}: tensor {name} appears in two weight files")
-                weights[name] = f.get_tensor(stored).to(dtype)
+        try:
+            _read_weight_file(path, llava, prefixes, dtype, weights)
+        except (OSError, SafetensorError) as exc:  # missing shard, truncated or garbage file
+            raise UnsupportedModelError(f"{path}: cannot read the weights: {exc}") from exc
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
         expected = {_llava_name(n) if llava else n for n in _index_weight_map(index)
@@ -174,6 +173,21 @@ def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32,
     _drop_tied_head(weights, model_config.tie_word_embeddings, hf_dir)
     check_lm_weights(weights, model_config, hf_dir)
     return weights
+
+
+def _read_weight_file(path: Path, llava: bool, prefixes: tuple[str, ...] | None, dtype: torch.dtype,
+                      weights: dict[str, torch.Tensor]) -> None:
+    """Add ``path``'s tensors to ``weights`` (see load_weights)."""
+    with safe_open(path, framework="pt") as f:
+        for stored in f.keys():
+            if stored.endswith("rotary_emb.inv_freq"):
+                continue
+            name = _llava_name(stored) if llava else stored
+            if prefixes is not None and not name.startswith(prefixes):
+                continue
+            if name in weights:
+                raise UnsupportedModelError(f"{path.parent}: tensor {name} appears in two weight files")
+            weights[name] = f.get_tensor(stored).to(dtype)
 
 
 def _drop_tied_head(weights: dict[str, torch.Tensor], tied: bool, hf_dir: Path) -> None:
@@ -214,13 +228,46 @@ def load_tokenizer(hf_dir: Path) -> PreTrainedTokenizerFast:
 
 
 def model_fingerprint(hf_dir: Path) -> str:
-    """A stable identity of the weights, for prefix-cache keys: equal fingerprints => equal KV.
+    """A stable identity of the weights, for prefix-cache keys and for a decode engine's check of a
+    prefill's KV: equal fingerprints => equal KV.
 
-    Hashes the canonical config plus each weight file's name and size (not the contents,
-    which would take seconds per start); the directory's location does not count.
+    Hashes the canonical config and each weight file's name, size and contents: the whole file when
+    it is small (<= 64 MiB), else its safetensors header (every tensor's name, dtype, shape and
+    offsets) plus 64 evenly spread 4 KiB windows of its data -- a few milliseconds where hashing
+    gigabytes would take seconds per start. A fine-tune or another checkpoint of the same shapes
+    changes (nearly) every weight, so the sample catches it; a file crafted to differ only between
+    the windows would not be caught (this is an identity, not a defence). The directory's location
+    does not count.
     """
     config = read_json(hf_dir / "config.json")
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for path in weight_files(hf_dir):
-        digest.update(f"\0{path.name}\0{path.stat().st_size}".encode())
+        try:
+            _hash_weight_file(digest, path)
+        except OSError as exc:
+            raise UnsupportedModelError(f"{path}: cannot read the weights: {exc}") from exc
     return digest.hexdigest()[:32]
+
+
+def _hash_weight_file(digest: hashlib._Hash, path: Path) -> None:
+    """Add ``path``'s name, size and content (whole, or header + sampled windows) to ``digest``."""
+    size = path.stat().st_size
+    digest.update(f"\0{path.name}\0{size}\0".encode())
+    with path.open("rb") as f:
+        if size <= FINGERPRINT_WHOLE_FILE_BYTES:
+            _hash_bytes(digest, f, size)
+            return
+        header_end = min(size, 8 + int.from_bytes(f.read(8), "little"))  # length-prefixed JSON header
+        f.seek(0)
+        _hash_bytes(digest, f, header_end)
+        span = max(0, size - header_end - FINGERPRINT_WINDOW_BYTES)
+        for i in range(FINGERPRINT_WINDOWS):
+            f.seek(header_end + span * i // (FINGERPRINT_WINDOWS - 1))
+            digest.update(f.read(FINGERPRINT_WINDOW_BYTES))
+
+
+def _hash_bytes(digest: hashlib._Hash, f: BinaryIO, count: int) -> None:
+    """The next ``count`` bytes of ``f``, in 1 MiB reads (a header can be large)."""
+    while count > 0 and (chunk := f.read(min(count, 1 << 20))):
+        digest.update(chunk)
+        count -= len(chunk)

@@ -89,9 +89,12 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.block_size = cache.block_size
-        self.model = LlamaModel(config, weights, max_positions=max_model_len, kernels=kernels, lora=lora)
         self.num_blocks = cache.num_blocks or max(1, cache.kv_memory_bytes // kv_bytes_per_block(
             config, cache.block_size, kv_dtype))
+        # No sequence outgrows the pool, so RoPE tables and graph block tables stop there: a config's
+        # max_position_embeddings (2**40 in a hostile file) never sizes an allocation on its own.
+        max_model_len = min(max_model_len, self.num_blocks * cache.block_size)
+        self.model = LlamaModel(config, weights, max_positions=max_model_len, kernels=kernels, lora=lora)
         self.attention = attention or TorchReferenceBackend()
         # Why this run has no decode graphs ("" = it has them; see the module docstring).
         self.graphs_unavailable = graphs_unavailable_reason(kernels.cuda_graphs, device, self.attention)

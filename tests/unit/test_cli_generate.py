@@ -430,6 +430,30 @@ def test_engine_flags_that_cannot_build_an_engine_exit_2(flags: list[str], says:
     assert says in err and "Traceback" not in err, err
 
 
+
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}{{ m['content'] }"], ids=["none", "syntax-error"])
+def test_a_missing_or_broken_chat_template_is_a_usage_error(template: str | None, tmp_path: Path, servers: Servers,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--chat with a model that has no chat template, or one that does not render, is a one-line
+    usage error (exit 2) naming the model, in process and with --remote, not a traceback."""
+    from tests.unit.test_loader import save_model, tiny_model
+
+    directory = save_model(tiny_model(), tmp_path / "m")
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    if template is not None:
+        (directory / "chat_template.jinja").write_text(template)
+    capsys.readouterr()  # the save's progress bar
+    for argv in (["generate", "hi", "--chat", "--max-tokens", "1", "--num-kv-blocks", "8", "--model", str(directory)],
+                 _argv(servers, ("--chat", "--model-name", str(directory)))):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("refengine generate: error: model ") and "chat template" in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not servers.remote.requests
+
 # -- the in-process path, without an engine ---------------------------------------------
 
 def _options(*flags: str) -> Any:

@@ -160,7 +160,8 @@ def test_legacy_config_layout(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(legacy))
     config = load_model_config(tmp_path)
     assert (config.head_dim, config.num_key_value_heads, config.eos_token_ids) == (16, 4, (5, 6))
-    assert config.rope_scaling == {"rope_type": "llama3", "factor": 8.0}
+    # original_max_position_embeddings defaults to max_position_embeddings, as in transformers
+    assert config.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
     (tmp_path / "config.json").write_text(json.dumps(legacy | {"rope_scaling": {"type": "yarn"}}))
     with pytest.raises(UnsupportedModelError, match="yarn"):
         load_model_config(tmp_path)

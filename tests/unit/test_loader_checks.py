@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,7 +22,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from refengine.model import UnsupportedModelError, load_model_config, load_tokenizer, load_weights
+from refengine.model import UnsupportedModelError, load_model_config, load_tokenizer, load_weights, loader
+from refengine.model.loader import model_fingerprint
 from tests.unit.test_loader import save_model, tiny_model
 
 
@@ -66,7 +68,7 @@ def test_a_missing_tensor_is_named(model_dir: Path) -> None:
     [
         ("{not json", "config.json is not valid UTF-8 JSON"),
         ("[1, 2]", "config.json must hold a JSON object, not list"),
-        (None, "config.json: required field 'hidden_size' is missing"),
+        (None, "config.json: required field 'text_config' is missing"),
         ({"hidden_size": "wide"}, "config.json: "),
         ({"num_attention_heads": 0, "head_dim": None}, "config.json: "),
         ({"text_config": 3, "architectures": ["LlavaForConditionalGeneration"]}, "config.json: "),
@@ -76,9 +78,8 @@ def test_a_missing_tensor_is_named(model_dir: Path) -> None:
 def test_malformed_config_json_names_the_file(model_dir: Path, text: object, message: str) -> None:
     path = model_dir / "config.json"
     config = json.loads(path.read_text())
-    if text is None:
-        del config["hidden_size"]
-        path.write_text(json.dumps(config))
+    if text is None:  # every other field has a transformers default (test_hf_config)
+        path.write_text(json.dumps(config | {"architectures": ["LlavaForConditionalGeneration"]}))
     elif isinstance(text, dict):
         path.write_text(json.dumps(config | text))
     else:
@@ -144,3 +145,67 @@ def test_a_malformed_tokenizer_json_is_refused(model_dir: Path) -> None:
     (model_dir / "tokenizer.json").write_text('{"model": {"type": "nonsense"}}')
     with pytest.raises(UnsupportedModelError, match="cannot load the tokenizer"):
         load_tokenizer(model_dir)
+
+
+def _remove_a_shard(directory: Path) -> Path:
+    shard = sorted(directory.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    return shard
+
+
+def _garble(directory: Path) -> Path:
+    path = directory / "model-00001-of-00006.safetensors"
+    path.write_bytes(b"\0" * 100)
+    return path
+
+
+def _truncate(directory: Path) -> Path:
+    path = directory / "model-00001-of-00006.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    return path
+
+
+def _config_dir(directory: Path) -> Path:
+    path = directory / "config.json"
+    path.unlink()
+    path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_remove_a_shard, "cannot read the weights: No such file"),
+        (_garble, "cannot read the weights: Error while deserializing header"),
+        (_truncate, "cannot read the weights: .*incomplete metadata"),
+        (_config_dir, "cannot read .*config.json: .*Is a directory"),
+    ],
+    ids=["missing-shard", "garbage", "truncated", "config-is-a-directory"],
+)
+def test_unreadable_weight_files_are_named(tmp_path: Path, damage: Callable[[Path], Path], message: str) -> None:
+    """A missing shard, a garbage or truncated safetensors file, or a config.json that is a directory:
+    UnsupportedModelError naming the file, not FileNotFoundError/SafetensorError/IsADirectoryError."""
+    directory = save_model(tiny_model(), tmp_path / "m", max_shard_size="20KB")
+    assert len(list(directory.glob("model-*-of-00006.safetensors"))) == 6
+    path = damage(directory)
+    with pytest.raises(UnsupportedModelError, match=message) as raised:
+        load_weights(directory)
+    assert str(path) in str(raised.value)
+
+
+def test_the_fingerprint_covers_the_weights_not_only_their_shapes(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same config and shapes, other weights (another fine-tune): another fingerprint, since equal
+    fingerprints must mean equal KV. Also where a large file is only sampled (header + windows)."""
+    a = save_model(tiny_model(), tmp_path / "a")
+    other = tiny_model()
+    with torch.no_grad():
+        for param in other.parameters():
+            param.mul_(-1.0)
+    b = save_model(other, tmp_path / "b")
+    same = save_model(tiny_model(), tmp_path / "same")
+    assert model_fingerprint(a) != model_fingerprint(b)
+    assert model_fingerprint(a) == model_fingerprint(same)
+    monkeypatch.setattr(loader, "FINGERPRINT_WHOLE_FILE_BYTES", 0)  # the path of files over 64 MiB
+    assert model_fingerprint(a) != model_fingerprint(b)
+    assert model_fingerprint(a) == model_fingerprint(same)
