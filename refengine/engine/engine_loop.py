@@ -48,6 +48,7 @@ class EngineLoopMixin:
         self.guides.close()
 
     def _loop(self: Engine) -> None:
+        self.core.runner.use_device()
         while True:
             with self._lock:
                 while not self._stopping and not self._wants_step():

@@ -84,10 +84,11 @@ class ModelRunner:
         ``dtype`` and converts what it stores and reads. ``kv_huge_pages``: a CPU cache on
         transparent huge pages (for NIXL's reads; ``host_memory``)."""
         kv_dtype = kv_dtype or dtype
+        self.device = device
+        self.use_device()  # this thread builds, warms up and captures on it
         weights = {name: w.to(dtype=dtype, device=device) for name, w in weights.items()}
         kernels = kernels or KernelConfig()
         self.config = config
-        self.device = device
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks or max(1, cache.kv_memory_bytes // kv_bytes_per_block(
             config, cache.block_size, kv_dtype))
@@ -111,6 +112,14 @@ class ModelRunner:
                                        max_num_seqs=max_num_seqs,
                                        max_num_blocks_per_seq=-(-max_model_len // cache.block_size),
                                        block_size=cache.block_size, scratch_block=self.num_blocks)
+
+    def use_device(self) -> None:
+        """Make the runner's GPU the calling thread's current CUDA device (a no-op on CPU). Triton
+        launches on the current device and its stream, not on its tensors' device: on ``cuda:1``
+        a thread still on GPU 0 would launch there. Each thread that runs the model calls it."""
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks before a step writes into them."""

@@ -30,7 +30,11 @@ and generator. No step mixes rows (no cross-row reduction); the only reductions 
 are ones whose result does not depend on how the row is split across threads (max, argmax,
 topk, integer counts, and sequential cumsums instead of float sums). A row with its own
 ``generator`` draws exactly one float64 uniform from it per step; rows without one draw,
-together, from the sampler's shared generator.
+together, from the sampler's shared generator. All of this holds on CPU. On CUDA torch's scan
+splits a row into chunks sized by the batch's shape, so a cumsum may round differently with
+other rows present (summing in 32-element chunks instead moved 1 top-p decision in 20,000
+random rows), and cuBLAS GEMMs are not batch-invariant either: there G17 and G18 hold only
+where no near-tie meets that rounding.
 """
 
 from __future__ import annotations
@@ -113,7 +117,7 @@ def truncation_cutoffs(
         k_cut = torch.where(has_k, values.gather(1, (ks - 1)[:, None])[:, 0], float("-inf"))
         top_p = torch.tensor([top_ps[i] for i in pending], device=device)
         sorted_probs = probs[index[:, None], ids]
-        cum = torch.cumsum(sorted_probs, -1)  # sequential: the same prefix sums whatever the size
+        cum = torch.cumsum(sorted_probs, -1)  # sequential on CPU: the same prefix sums whatever the size
         before = cum.roll(1, -1)  # mass strictly before each token
         before[:, 0] = 0.0
         # top-p is renormalized over the top-k set: its mass is the cumsum at the set's last

@@ -215,7 +215,9 @@ class TritonPagedBackend(CapturableBackend, AttentionBackend):
         num_kv_heads = k_cache.shape[2]
         assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
         assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "rows must be contiguous in head_dim"
-        head_dim_pad = triton.next_power_of_2(head_dim)
+        # tl.dot needs K >= 16 on NVIDIA GPUs (the interpreter takes any): a head_dim under 16 is
+        # padded there, the loads and stores masked by HEAD_DIM.
+        head_dim_pad = max(16, triton.next_power_of_2(head_dim))
         store_kv[(num_tokens, num_kv_heads)](
             k, v, k_cache, v_cache, step.slot_mapping, step.block_size,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
