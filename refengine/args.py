@@ -61,6 +61,7 @@ FIELD_FLAGS = {
     "KernelConfig.device_sampling": "--no-device-sampling",
     "GuidedConfig.default_backend": "--guided-default-backend",
     "GuidedConfig.compile_timeout_seconds": "--guided-compile-timeout",
+    "GuidedConfig.max_token_seconds": "--guided-max-token-seconds",
     "GuidedConfig.compile_threads": "--guided-compile-threads",
     "GuidedConfig.cache_size": "--guided-cache-size",
     "GuidedConfig.max_spec_bytes": "--guided-max-spec-kib",
@@ -261,6 +262,9 @@ def _add_guided_args(g: argparse._ArgumentGroup) -> None:
                    help="grammar backend for requests that name none (default: %(default)s)")
     g.add_argument("--guided-compile-timeout", type=float, default=d.compile_timeout_seconds, metavar="SECONDS",
                    help="a grammar that takes longer to compile is refused (INVALID_ARGUMENT) (default: %(default)s)")
+    g.add_argument("--guided-max-token-seconds", type=float, default=d.max_token_seconds, metavar="SECONDS",
+                   help="a grammar whose matching of one token takes longer fails its request (INVALID_ARGUMENT); "
+                   "the step waits for it (default: %(default)s)")
     g.add_argument("--guided-compile-threads", type=int, default=d.compile_threads,
                    help="worker threads that compile grammars (default: %(default)s)")
     g.add_argument("--guided-cache-size", type=int, default=d.cache_size,
@@ -372,6 +376,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                              cuda_graphs=not args.no_cuda_graphs, device_sampling=not args.no_device_sampling),
         guided=GuidedConfig(default_backend=args.guided_default_backend,
                             compile_timeout_seconds=args.guided_compile_timeout,
+                            max_token_seconds=args.guided_max_token_seconds,
                             compile_threads=args.guided_compile_threads, cache_size=args.guided_cache_size,
                             max_spec_bytes=args.guided_max_spec_kib << 10, max_choices=args.guided_max_choices),
         kv_events=KvEventsConfig(enabled=not args.no_kv_events, retained_batches=args.kv_events_retained_batches,

@@ -28,6 +28,8 @@ class GuidedConfig:
     background, and its result is cached). ``cache_size`` compiled grammars are kept (LRU,
     keyed by backend, mode, spec and tokenizer). ``max_spec_bytes`` bounds the size of a
     schema, regex, grammar or structural tag; ``max_choices`` the entries of a choice list.
+    ``max_token_seconds`` bounds one output's matching of one token (mask and acceptance, on
+    the step thread): a guide that takes longer fails its request alone (``guided/budget.py``).
     """
 
     default_backend: str = "xgrammar"
@@ -36,10 +38,12 @@ class GuidedConfig:
     cache_size: int = 256
     max_spec_bytes: int = 64 * 1024
     max_choices: int = 1024
+    max_token_seconds: float = 0.25
 
     def __post_init__(self) -> None:
         check_choice(self, "default_backend", GUIDED_BACKENDS)
         check_positive_float(self, "compile_timeout_seconds")
+        check_positive_float(self, "max_token_seconds")
         check_int(self, "compile_threads", 1)
         check_int(self, "cache_size", 1)
         check_int(self, "max_spec_bytes", 1)

@@ -184,6 +184,7 @@ FLAG_SETTINGS = [
     (["--no-device-sampling"], "KernelConfig.device_sampling", False),
     (["--guided-default-backend", "llguidance"], "GuidedConfig.default_backend", "llguidance"),
     (["--guided-compile-timeout", "0.5"], "GuidedConfig.compile_timeout_seconds", 0.5),
+    (["--guided-max-token-seconds", "0.5"], "GuidedConfig.max_token_seconds", 0.5),
     (["--guided-compile-threads", "3"], "GuidedConfig.compile_threads", 3),
     (["--guided-cache-size", "8"], "GuidedConfig.cache_size", 8),
     (["--guided-max-spec-kib", "4"], "GuidedConfig.max_spec_bytes", 4 << 10),

@@ -455,7 +455,10 @@ def test_a_spec_that_only_waited_for_a_busy_worker_is_overloaded_not_blamed() ->
             try:
                 compiler.compile(GuidedSpec("regex", "[a-c]{1,4}", backend="xgrammar"))
                 break
-            except OverloadedError:
+            except (OverloadedError, GuidedSpecError) as exc:
+                # On a busy machine even this regex can outlast 0.05 s once it has a worker: its
+                # compile runs on, is cached, and the next call takes it from the cache.
+                assert isinstance(exc, OverloadedError) or "took longer" in str(exc), exc
                 assert time.monotonic() < deadline, "the worker never became free"
     finally:
         compiler.close()

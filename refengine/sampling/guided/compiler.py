@@ -24,6 +24,7 @@ from refengine.config import GUIDED_BACKENDS, GuidedConfig
 from refengine.sampling.guided import llguidance_backend, xgrammar_backend
 from refengine.sampling.guided.base import CompiledGuide, GrammarBackend, GuidedSpecError
 from refengine.sampling.guided.bitmask import allocate_bitmask, num_allowed
+from refengine.sampling.guided.budget import BudgetedGuide
 from refengine.types import GuidedSpec, OverloadedError
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ class GuideCompiler:
         vocab_size = self._backend_args[1]
         mask = allocate_bitmask(1, vocab_size)
         matcher.fill_bitmask(mask, 0)
-        error = matcher.error()
+        error = matcher.error()  # a budgeted matcher's: over the time budget already
         if num_allowed(mask, 0, vocab_size) == 0:
             raise GuidedSpecError(f"the {spec.mode} admits no output: no token may start it"
                                   + (f" ({error})" if error else ""))
@@ -181,7 +182,7 @@ class GuideCompiler:
     def _compile(self, key: CacheKey, backend: GrammarBackend, spec: GuidedSpec) -> CompiledGuide:
         """On a worker: compile, cache (LRU-bounded), forget the in-flight entry."""
         try:
-            compiled = backend.compile(spec)
+            compiled = BudgetedGuide(backend.compile(spec), self.config.max_token_seconds)
             self._check_start(compiled, spec)
         except BaseException:
             with self._lock:
