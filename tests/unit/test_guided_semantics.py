@@ -109,6 +109,33 @@ def test_a_guide_spelling_the_eos_text_spells_it(compiler, backend) -> None:
     assert accepts_whole(compiler, spec, "</s>")
 
 
+SURROGATE_GUIDES = [(GuidedSpec("json_schema", json.dumps({"type": "string"})), '"', '"'),
+                    (GuidedSpec("json_schema", json.dumps({"type": "string", "maxLength": 4})), '"', '"'),
+                    (GuidedSpec("json_object"), '{"', '":1}'), (GuidedSpec("regex", "[^a]+"), "", ""),
+                    (GuidedSpec("regex", ".+"), "", "")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("guide", "prefix", "suffix"), SURROGATE_GUIDES,
+                         ids=lambda g: g.mode + ":" + g.spec if isinstance(g, GuidedSpec) else None)
+def test_no_guide_lets_a_surrogate_through(compiler, backend, guide, prefix, suffix) -> None:
+    """The bytes ED A0 80 (U+D800) are not UTF-8: after the lead byte ED, no token starting with
+    A0-BF is allowed (xgrammar allowed them, and completed the guide after them); ED 9F BF
+    (U+D7FF) and 'é' still are. Judged by Python's UTF-8 decoder."""
+    spec = GuidedSpec(guide.mode, guide.spec, backend=backend)
+    matcher = compiler.compile(spec).new_matcher()
+    assert all(matcher.accept_token(BYTE_TOKENS[b]) for b in (prefix.encode() + b"\xed"))
+    mask = allocate_bitmask(1, VOCAB)
+    matcher.fill_bitmask(mask, 0)
+    allowed = bitmask_to_ids(mask, VOCAB)
+    assert not allowed[BYTE_TOKENS[0xA0:0xC0]].any(), "a surrogate's second byte is allowed after ED"
+    assert allowed[BYTE_TOKENS[0x9F]]
+    for text in ("\ud7ff", "é"):  # xgrammar's JSON object has a space after its ':'
+        assert any(accepts_whole(compiler, spec, prefix + text + end) for end in (suffix, suffix.replace(":", ": ")))
+    with pytest.raises(UnicodeDecodeError):
+        b"\xed\xa0\x80".decode()
+
+
 TEXT_GUIDES = [GuidedSpec("regex", "(.|\n)*"), GuidedSpec("regex", "[^x]{0,9}"), GuidedSpec("json_object"),
                GuidedSpec("json_schema", json.dumps({"type": "string"})),
                GuidedSpec("choice", choices=("<unk>", "<s>", "a"))]
@@ -161,3 +188,17 @@ def test_a_refusal_without_a_reason_still_says_what_failed(compiler) -> None:
     """xgrammar refuses a schema number past float range with an empty message."""
     with pytest.raises(GuidedSpecError, match=r"cannot compile this json_schema: \S"):
         compiler.compile(GuidedSpec("json_schema", '{"type": "integer", "minimum": 1e400}', backend="xgrammar"))
+
+
+def test_the_surrogate_guard_on_a_vocabulary_with_merged_bytes() -> None:
+    """Byte-level vocabularies merge bytes: a token may end on ED, start with a second byte, or
+    (never in a trained one) hold a whole surrogate, which is then never allowed."""
+    from refengine.sampling.guided.utf8_guard import SurrogateGuard
+
+    vocab = [b"a", b"x\xed", b"\xa0b", b"\xed\xa0\x80", b"\x9f\xbf", b"\xbf"]
+    guard = SurrogateGuard(vocab, len(vocab))
+    assert guard.ends_on_lead == {1}
+    for after_lead, allowed in ((False, [0, 1, 2, 4, 5]), (True, [0, 1, 4])):
+        mask = allocate_bitmask(1, len(vocab))
+        guard.restrict(mask[0], after_lead)
+        assert bitmask_to_ids(mask, len(vocab)).nonzero().flatten().tolist() == allowed

@@ -16,6 +16,7 @@ backends (and the oracles users check outputs with) agree:
   ``\\Z`` anchor, and a letter escape xgrammar does not know is refused (it matched the letter);
 - a JSON schema using a keyword xgrammar compiles but ignores (``not``, ``if``, ``contains``,
   an ``allOf`` of several subschemas...) is refused (``schema_support``);
+- no output holds a UTF-16 surrogate's bytes, which xgrammar read as a code point (``utf8_guard``);
 - a JSON string bounded by ``minLength``/``maxLength`` holds JSON characters (an escape
   counts as one): xgrammar's bounded repeat admitted raw control characters (a TAB: invalid
   JSON) and no escapes (xgrammar issue #800).
@@ -35,6 +36,7 @@ import xgrammar
 from refengine.sampling.guided import structural_tag
 from refengine.sampling.guided.base import CompiledGuide, GrammarBackend, GuidedSpecError, GuideMatcher
 from refengine.sampling.guided.schema_support import unenforced_use
+from refengine.sampling.guided.utf8_guard import SurrogateGuard
 from refengine.types import GuidedSpec
 
 if TYPE_CHECKING:
@@ -53,25 +55,31 @@ MODES = ("json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag"
 
 
 class _Matcher(GuideMatcher):
-    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgrammar.CompiledGrammar, guard: SurrogateGuard) -> None:
         self._matcher = xgrammar.GrammarMatcher(compiled)
+        self._guard = guard
+        self._after_lead = False  # the last token ended on the byte ED: a surrogate could follow
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._guard.restrict(bitmask[row], self._after_lead)
 
     def accept_token(self, token_id: int) -> bool:
-        return self._matcher.accept_token(token_id)
+        accepted = self._matcher.accept_token(token_id)
+        self._after_lead = accepted and token_id in self._guard.ends_on_lead
+        return accepted
 
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
 
 class _Compiled(CompiledGuide):
-    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgrammar.CompiledGrammar, guard: SurrogateGuard) -> None:
         self._compiled = compiled
+        self._guard = guard
 
     def new_matcher(self) -> GuideMatcher:
-        return _Matcher(self._compiled)
+        return _Matcher(self._compiled, self._guard)
 
 
 def _message(exc: Exception) -> str:
@@ -161,12 +169,13 @@ class XGrammarBackend(GrammarBackend):
         # Grammars and structural tags may spell a model's control tokens (``<|python_tag|>``),
         # so they keep them; the text modes (schemas, regexes, choices) never allow them.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._guard = SurrogateGuard(info.decoded_vocab, vocab_size)
         self._text_compiler = xgrammar.GrammarCompiler(without_special_tokens(info, special_token_ids(tokenizer)),
                                                        max_threads=1, cache_enabled=False)
 
     def compile(self, spec: GuidedSpec) -> CompiledGuide:
         try:
-            return _Compiled(self._compile(spec))
+            return _Compiled(self._compile(spec), self._guard)
         except GuidedSpecError:
             raise
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors for a bad spec
