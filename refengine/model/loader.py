@@ -227,9 +227,10 @@ def load_tokenizer(hf_dir: Path) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def model_fingerprint(hf_dir: Path) -> str:
-    """A stable identity of the weights, for prefix-cache keys and for a decode engine's check of a
-    prefill's KV: equal fingerprints => equal KV.
+def model_fingerprint(hf_dir: Path, compute_dtype: str = "") -> str:
+    """A stable identity of the weights as run, for prefix-cache keys and for a decode engine's check
+    of a prefill's KV: equal fingerprints => equal KV. ``compute_dtype`` (the engine's ``--dtype``)
+    counts: the same weights run in bfloat16 and in float32 compute different KV.
 
     Hashes the canonical config and each weight file's name, size and contents: the whole file when
     it is small (<= 64 MiB), else its safetensors header (every tensor's name, dtype, shape and
@@ -241,6 +242,8 @@ def model_fingerprint(hf_dir: Path) -> str:
     """
     config = read_json(hf_dir / "config.json")
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    if compute_dtype:
+        digest.update(f"\0dtype {compute_dtype}".encode())
     for path in weight_files(hf_dir):
         try:
             _hash_weight_file(digest, path)

@@ -209,3 +209,6 @@ def test_the_fingerprint_covers_the_weights_not_only_their_shapes(tmp_path: Path
     monkeypatch.setattr(loader, "FINGERPRINT_WHOLE_FILE_BYTES", 0)  # the path of files over 64 MiB
     assert model_fingerprint(a) != model_fingerprint(b)
     assert model_fingerprint(a) == model_fingerprint(same)
+    # The same weights run in another dtype compute other KV (a prefill in bfloat16 and a decode in
+    # float32 with float32 caches passed the KV check before).
+    assert model_fingerprint(a, "bfloat16") != model_fingerprint(a, "float32") != model_fingerprint(a)
