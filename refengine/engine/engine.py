@@ -126,7 +126,9 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
         self._inbox: list[Request] = []
         self._abort_ids: set[str] = set()
         self._active_ids: set[str] = set()  # inbox + accepted, for duplicate detection
-        self._finished_ids: OrderedDict[str, None] = OrderedDict()
+        self._finished_ids: OrderedDict[str, bool] = OrderedDict()  # id -> whether an abort ended it
+        self._probe_ids: set[str] = set()  # active health probes: not client work, not aborted by abort_all
+        self._num_steps = 0  # steps run in total: GetLoad's figures say nothing of progress
         self._sinks: dict[str, OutputSink] = {}  # touched by the step thread only
         self._new_sinks: dict[str, OutputSink] = {}  # guarded by the lock, moved with the inbox
         self._unadmitted: list[Request] = []  # taken by a step that failed before the core had them
@@ -177,6 +179,8 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
             if len(self._active_ids) >= self.config.scheduler.max_active_requests:
                 raise OverloadedError("too many requests in flight; retry later")
             self._active_ids.add(params.request_id)
+            if params.health_probe:
+                self._probe_ids.add(params.request_id)
             self._finished_ids.pop(params.request_id, None)
             self._inbox.append(request)
             self._new_sinks[params.request_id] = sink
@@ -194,7 +198,7 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
 
     def abort_all(self) -> list[str]:
         with self._lock:
-            ids = list(self._active_ids)
+            ids = list(self._active_ids - self._probe_ids)
             self._abort_ids.update(ids)
             self._lock.notify_all()
             return ids
@@ -202,6 +206,10 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
     def was_finished(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._finished_ids
+
+    def ended_by_abort(self, request_id: str) -> bool | None:
+        with self._lock:
+            return self._finished_ids.get(request_id)
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -213,7 +221,7 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
         step), plus the requests enqueued since, also those a step has taken and not yet scheduled."""
         with self._lock:
             snapshot, num_new = self._stats, len(self._inbox) + self._num_taken
-        return replace(snapshot, waiting_requests=snapshot.waiting_requests + num_new)
+            return replace(snapshot, waiting_requests=snapshot.waiting_requests + num_new, num_steps=self._num_steps)
 
     # -- the step (engine thread) ----------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -265,11 +273,13 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
             self._stats = stats
             # a step that ran nothing (e.g. only pulls in flight): the loop waits for a wake
             self._stalled = not outputs and stats.prefill_batch_size + stats.decode_batch_size == 0
+            self._num_steps += 1
             for out in outputs:
                 if out.finished:
                     self._active_ids.discard(out.request_id)
+                    self._probe_ids.discard(out.request_id)
                     self._abort_ids.discard(out.request_id)
-                    self._finished_ids[out.request_id] = None
+                    self._finished_ids[out.request_id] = out.ended_by_abort
             while len(self._finished_ids) > FINISHED_ID_WINDOW:
                 self._finished_ids.popitem(last=False)
         for out in outputs:

@@ -65,6 +65,10 @@ class EngineClient(Protocol):
     def was_finished(self, request_id: str) -> bool:
         """Whether ``request_id`` finished recently (a bounded window)."""
 
+    def ended_by_abort(self, request_id: str) -> bool | None:
+        """For a request that finished recently: whether an abort ended it (an output CANCELLED),
+        rather than its own stop; None while it runs, or when it is not known."""
+
     @property
     def has_unfinished_requests(self) -> bool: ...
 

@@ -27,6 +27,9 @@ class NoGenerate:
     def was_finished(self, request_id: str) -> bool:
         return False
 
+    def ended_by_abort(self, request_id: str) -> bool | None:
+        return None
+
     @property
     def has_unfinished_requests(self) -> bool:
         return False

@@ -29,7 +29,7 @@ import grpc
 from google.protobuf import struct_pb2
 
 import refengine
-from refengine.engine.interface import EngineInfo
+from refengine.engine.interface import EngineClient, EngineInfo
 from refengine.protocol import oe
 from refengine.server import kv_events_service
 from refengine.server.capabilities import (
@@ -43,6 +43,7 @@ from refengine.server.errors import Rejection, invalid
 from refengine.server.health import ROLES, health_response
 from refengine.server.profiles import PROFILES_KEY, profiles_of
 from refengine.server.state import ServerState
+from refengine.server.stream_bridge import ABORT_CONFIRM_SECONDS
 from refengine.server.unary import run_unary
 from refengine.server.validation import check_model
 from refengine.types import EngineStats, LoraAdapterSpec, LoraDisabledError
@@ -206,7 +207,7 @@ class ControlServicer(oe.ControlServicer):
                                         message=f"aborted {len(aborted)} requests")
             if not request.request_id:
                 raise invalid("request_id must be non-empty")
-            if engine.abort(request.request_id):  # A2
+            if engine.abort(request.request_id) and await _cancelled_by(engine, request.request_id):  # A2
                 return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED, message="aborted")
             if engine.was_finished(request.request_id):
                 return oe.AbortResponse(status=oe.ABORT_STATUS_ALREADY_FINISHED, message="already finished")
@@ -253,3 +254,14 @@ class ControlServicer(oe.ControlServicer):
 
     async def SubscribeKvEvents(self, request, context):  # noqa: ANN001, ANN201, N802
         await kv_events_service.subscribe(self.state, request, context)
+
+
+async def _cancelled_by(engine: EngineClient, request_id: str) -> bool:
+    """After an accepted abort: whether it ended the request (A4), rather than the request's own
+    stop in the step already running (its last token): then the answer is ALREADY_FINISHED, not
+    ABORTED. Waits for the engine's final output, at most ABORT_CONFIRM_SECONDS (then ABORTED:
+    the abort stands, and the stream will end CANCELLED)."""
+    deadline = time.monotonic() + ABORT_CONFIRM_SECONDS
+    while (ended := engine.ended_by_abort(request_id)) is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    return ended is not False

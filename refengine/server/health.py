@@ -115,7 +115,7 @@ async def inference_probe(engine: EngineClient, timeout: float) -> oe.HealthChec
         health_probe=True,
         priority=PROBE_PRIORITY,
     )
-    started = time.perf_counter()
+    started, steps_before = time.perf_counter(), engine.stats().num_steps
     try:
         engine.add_request(params, sink)
     except RequestError as exc:
@@ -124,7 +124,12 @@ async def inference_probe(engine: EngineClient, timeout: float) -> oe.HealthChec
         out = await asyncio.wait_for(asyncio.shield(done), timeout)
     except TimeoutError:
         engine.abort(request_id)
-        return _check("inference_probe", oe.HEALTH_STATE_NOT_READY, f"no token within {timeout:g} s")
+        stats = engine.stats()
+        if stats.num_steps > steps_before:  # serving, and full: the probe waited for room (H3: not NOT_READY)
+            return _check("inference_probe", oe.HEALTH_STATE_DEGRADED,
+                          f"no token within {timeout:g} s: saturated ({stats.running_requests} requests running, "
+                          f"{stats.waiting_requests} waiting, {stats.num_steps - steps_before} steps meanwhile)")
+        return _check("inference_probe", oe.HEALTH_STATE_NOT_READY, f"no token within {timeout:g} s, and no step ran")
     elapsed_ms = (time.perf_counter() - started) * 1000
     if out.error is not None:
         return _check("inference_probe", oe.HEALTH_STATE_NOT_READY, f"probe failed: {out.error.message}")

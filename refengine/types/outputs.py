@@ -93,6 +93,12 @@ class RequestOutput:
     # token deltas come with it. The edge adds the routable endpoints.
     prefill: KvSessionSpec | None = None
 
+    @property
+    def ended_by_abort(self) -> bool:
+        """A final output in which an output was cancelled (an abort, a drain, a stalled
+        client), rather than every output ending by its own stop."""
+        return any(d.finish is not None and d.finish.reason is FinishReason.CANCELLED for d in self.deltas)
+
 
 @dataclass(frozen=True)
 class EngineFault:
@@ -123,6 +129,7 @@ class EngineStats:
     media: MediaStats | None = None  # encoder role: its handles and rows
     embedding_pulled_bytes: int = 0  # consumers: embedding rows received from encoders, in total
     embedding_pull_seconds: float = 0.0  # ... and the time those pulls took
+    num_steps: int = 0  # steps the engine has run, in total: progress (a busy engine's steps advance)
 
 
 @dataclass(frozen=True)

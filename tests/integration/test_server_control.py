@@ -134,6 +134,23 @@ def test_abort_request(client: OpenEngineClient) -> None:
     wait_idle(client)
 
 
+def test_an_abort_during_the_last_step_answers_as_the_stream_ends(client: OpenEngineClient) -> None:
+    """A2/A4: an abort sent as the request computes its last token: ABORTED only when the stream
+    then ends CANCELLED, else ALREADY_FINISHED (it answered ABORTED for streams that ended LENGTH
+    with every token, 20 times in 20, found by review)."""
+    for trial in range(4):
+        request = greedy_request(f"last-step-{trial}", "Count to ten.", max_tokens=4, ignore_eos=True)
+        events = client.generate(request, timeout=60)
+        seen = [next(events) for _ in range(3)]  # three token events: the last step is under way
+        status = client.abort(request.request_id).status
+        stream = Stream(events=[*seen, *events])
+        check_stream(stream, request)
+        reason = stream.finished(0).reason
+        assert (status, reason) in ((oe.ABORT_STATUS_ABORTED, oe.FINISH_REASON_CANCELLED),
+                                    (oe.ABORT_STATUS_ALREADY_FINISHED, oe.FINISH_REASON_LENGTH)), (status, reason)
+    wait_idle(client)
+
+
 def test_abort_all_requests(client: OpenEngineClient) -> None:
     wait_idle(client)
     idle = client.abort(all_requests=True)

@@ -263,3 +263,55 @@ def test_unload_lora_waiting_for_a_load_does_not_block_the_event_loop() -> None:
     worst_gap, name = asyncio.run(scenario())
     assert name == "b"
     assert worst_gap < 0.3, f"the event loop stalled {worst_gap:.2f} s while UnloadLora waited"
+
+
+def _tiny_engine(max_num_seqs: int):  # noqa: ANN202 - an Engine on a tiny random model
+    from refengine.config import EngineConfig, SchedulerConfig
+    from refengine.engine.engine import Engine
+    from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
+    from tests.unit.tokenizer_fixture import byte_fallback_tokenizer
+
+    tokenizer = byte_fallback_tokenizer()
+    model = make_tiny_hf_model(vocab_size=len(tokenizer), max_position_embeddings=4096)
+    config = EngineConfig(max_model_len=4096, max_sequences_per_request=1,
+                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
+    return Engine(config, model_config_from_hf(model), hf_weights(model), tokenizer, model_fingerprint="tiny")
+
+
+def test_a_saturated_engine_probes_degraded_not_not_ready() -> None:
+    """H3: every running slot busy (max_num_seqs 1), the probe waits for room past its timeout
+    while the engine keeps stepping: DEGRADED, saturated. It said NOT_READY, which takes a busy
+    but healthy replica out of service (found by review)."""
+    from refengine.server.health import inference_probe
+    from refengine.types import GenerationRequest, SamplingParams, StoppingParams
+
+    engine = _tiny_engine(max_num_seqs=1)
+    engine.start()
+    try:
+        busy = engine.add_request(GenerationRequest("busy", prompt_token_ids=[5, 6, 7],
+                                                    sampling=SamplingParams(temperature=0.0),
+                                                    stopping=StoppingParams(max_tokens=3000, ignore_eos=True)))
+        deadline = time.monotonic() + 10
+        while engine.stats().running_requests == 0:  # admitted first: a probe queued beside it would go ahead
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        check = asyncio.run(inference_probe(engine, timeout=0.3))
+        assert check.state == oe.HEALTH_STATE_DEGRADED and "saturated" in check.message, check
+        engine.abort("busy")
+        busy.result(30)
+    finally:
+        engine.shutdown()
+
+
+def test_abort_all_leaves_health_probes_alone() -> None:
+    """A3: a probe in flight is not client work: Abort(all_requests) on an otherwise idle server
+    aborts nothing (it answered ABORTED, "aborted 1 requests", and the probe was cancelled)."""
+    from refengine.types import GenerationRequest, StoppingParams
+
+    engine = _tiny_engine(max_num_seqs=4)  # not started: the requests stay active
+    engine.add_request(GenerationRequest("refengine-health-probe-x", prompt_token_ids=[1], health_probe=True,
+                                         stopping=StoppingParams(max_tokens=1)))
+    assert engine.abort_all() == []
+    engine.add_request(GenerationRequest("client", prompt_token_ids=[1], stopping=StoppingParams(max_tokens=1)))
+    assert engine.abort_all() == ["client"]
+    engine.shutdown()
