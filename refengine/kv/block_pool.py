@@ -141,15 +141,20 @@ class BlockPool:
         token_ids: Sequence[int],
         extra_keys: tuple[str, ...],
         lora: LoraAdapterSpec | None = None,
+        parent_block_id: int | None = None,
     ) -> bool:
         """Seal a full, referenced block and publish it under its chain hash if allowed.
-        Returns whether it was published (and a ``BlockStored`` queued).
+        Returns whether it was published (and a ``BlockStored`` queued). ``parent_block_id``:
+        the block before it in its sequence's table (None for the first).
 
         Not published, though sealed (so never offered again while in use), when:
         caching is off; the block is already sealed; another block already published
         ``block_hash`` (computed concurrently: the first one wins); or ``parent_hash``
-        is not published (evicted or reset since), because a subscriber must never
-        see a child whose parent it does not know.
+        is not published by ``parent_block_id`` itself: evicted or reset since, because a
+        subscriber must never see a child whose parent it does not know, or published by
+        another block (the sequence's own parent is a concurrent duplicate), because that
+        other block, referenced by no sequence here, could be evicted while this child stays
+        published: an orphan no lookup reaches, announced as cached.
         """
         block = self.blocks[block_id]
         _require(block.ref_count > 0, f"publishing KV block {block_id}, which nobody references")
@@ -158,7 +163,7 @@ class BlockPool:
         block.sealed = True
         if not self.enable_caching or block_hash in self.hash_to_block:
             return False
-        if parent_hash is not None and parent_hash not in self.hash_to_block:
+        if parent_hash is not None and self.hash_to_block.get(parent_hash, -1) != parent_block_id:
             return False
         block.block_hash = block_hash
         self.hash_to_block[block_hash] = block_id

@@ -126,7 +126,8 @@ class KvCacheManager:
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             parent = hashes[i - 1] if i else None
             keys = block_extra_keys(i, self.block_size, seq.extra_keys, seq.media_spans)
-            self.pool.cache_block(seq.block_table[i], hashes[i], parent, tokens, keys, seq.lora)
+            self.pool.cache_block(seq.block_table[i], hashes[i], parent, tokens, keys, seq.lora,
+                                  seq.block_table[i - 1] if i else None)
 
     def _block_at(self, seq: KvSequence, slot: int) -> KvBlock:
         return self.pool.blocks[seq.block_table[slot]]

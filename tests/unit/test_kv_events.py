@@ -142,11 +142,18 @@ def test_concurrent_duplicates_store_one_event_per_hash() -> None:
     assert_chain(events, first.token_ids)  # 2 blocks, once each
     assert set(first.block_table).isdisjoint(second.block_table)
     second.token_ids += [1, 2, 3, 4]
-    compute(kv, second, 4)  # chains onto the hash `first` published
-    (child,) = stored(kv.pool.take_events())
-    assert child.parent_hash == events[-1].block_hash
-    assert kv.pool.lookup(child.block_hash) == second.block_table[2]
+    compute(kv, second, 4)  # its own parent is a duplicate: `first`'s block holds the parent hash
+    assert kv.pool.take_events() == [], "a child whose parent block is another's copy stays unpublished"
     kv.check_integrity([first.block_table, second.block_table])
+    # Were it published, evicting `first`'s blocks (nobody else holds them) would leave it an
+    # orphan: announced as cached, its parent removed, reachable by no lookup (E2, E4).
+    kv.free(first)
+    taken = kv.pool.allocate(kv.pool.num_available)
+    view = View()
+    view.apply(kv.pool.snapshot())
+    assert all(parent is None or parent in view.blocks for parent in view.blocks.values())
+    assert set(view.blocks) == set(kv.pool.hash_to_block)
+    kv.pool.free(taken)
 
 
 def test_no_child_is_stored_after_its_parent_was_evicted() -> None:
