@@ -130,6 +130,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
     try:
         options = options_from_args(args)
         engine_config = engine_config_from_args(args)
+        if options.kv_events_zmq and (not engine_config.kv_events.enabled or engine_config.role == "encoder"):
+            raise ValueError("--kv-events-zmq needs KV events: drop --no-kv-events (an encoder server has none)")
     except ValueError as exc:
         print(f"refengine serve: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """``refengine serve`` refuses settings it cannot honour at start (exit 2, one line), before
 loading anything: out-of-range ports (gRPC would bind the port modulo 65536, possibly another
 server's), a wildcard ``--advertise-host`` (E6: it is what clients are told to connect to), an
-unknown log level."""
+unknown log level, a ZMQ KV event source on a server without KV events."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ from refengine.cli import build_parser, main
     (["--advertise-host", "[::]"], "is a bind wildcard"),
     (["--advertise-host", "::ffff:0.0.0.0"], "is a bind wildcard"),
     (["--advertise-host", "*"], "is a bind wildcard"),
+    # A ZMQ source without KV events crashed with a traceback once the model had loaded (found by review).
+    (["--kv-events-zmq", "tcp://127.0.0.1:0", "--no-kv-events"], "--kv-events-zmq needs KV events"),
+    (["--kv-events-zmq", "tcp://127.0.0.1:0", "--role", "encoder"], "--kv-events-zmq needs KV events"),
 ])
 def test_settings_refused_at_start(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
     assert main(["serve", *args]) == 2
