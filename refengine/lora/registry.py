@@ -68,6 +68,11 @@ def _check_spec(spec: LoraAdapterSpec) -> None:
 
 class LoraRegistry:
     def __init__(self, config: LoraConfig, model: ModelConfig) -> None:
+        if config.enabled and model.architecture == "LlavaForConditionalGeneration":
+            # PEFT names a LLaVA language model's modules under language_model, which the adapter
+            # reader does not map: every adapter was refused, while the server advertised LoRA.
+            raise ValueError("--enable-lora is not supported for LLaVA models (adapters of their language model "
+                             "are not read); serve without it")
         self.config = config
         self.model = model
         self._roots = tuple(os.path.realpath(root) for root in config.roots)

@@ -631,3 +631,17 @@ def test_chunked_prefills_and_preemptions_in_a_mixed_batch_match_peft(tiny, adap
     assert tokens(engine, requests) == expected
     assert preempted, "no preemption: the test would not cover recompute under an adapter"
     assert_idle(engine)
+
+
+def test_lora_on_a_llava_model_is_refused_at_start(tiny, tmp_path) -> None:
+    """R6: PEFT names a LLaVA language model's modules under ``language_model``, which the adapter
+    reader does not map: every adapter was refused ("not a LoRA A/B weight ... embedding, lm_head,
+    DoRA") while the server advertised LoRA (found by review). Such a server does not start."""
+    from dataclasses import replace
+
+    from refengine.lora.registry import LoraRegistry
+
+    llava = replace(tiny[1], architecture="LlavaForConditionalGeneration")
+    with pytest.raises(ValueError, match="--enable-lora is not supported for LLaVA models"):
+        LoraRegistry(LoraConfig(enabled=True, roots=(str(tmp_path),), max_loras=2), llava)
+    LoraRegistry(LoraConfig(enabled=False), llava)  # without LoRA it serves
