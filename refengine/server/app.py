@@ -34,7 +34,6 @@ from grpc_reflection.v1alpha import reflection
 from refengine.args import engine_config_from_args
 from refengine.config import EngineConfig
 from refengine.engine.interface import EngineClient
-from refengine.protocol import oe
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as kv_pull
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as kv_pull_grpc
 from refengine.protocol.v1alpha1 import media_pb2, media_pb2_grpc
@@ -54,6 +53,7 @@ from refengine.server.wire import add_servicer
 from refengine.types import KvEndpointSpec
 
 KV_PULL_SERVICE = kv_pull.DESCRIPTOR.services_by_name["KvPull"].full_name
+INFERENCE_SERVICE, CONTROL_SERVICE = "openengine.v1.Inference", "openengine.v1.Control"
 MEDIA_SERVICE = media_pb2.DESCRIPTOR.services_by_name["Media"].full_name
 
 logger = logging.getLogger("refengine.server")
@@ -154,7 +154,7 @@ class Server:
     def __init__(self, options: ServerOptions, engine_config: EngineConfig) -> None:
         self.options = options
         self.state = ServerState(options, engine_config)
-        self.health = GrpcHealth(oe.SERVICE_NAMES)
+        self.health = GrpcHealth()
         self.listeners: list[grpc.aio.Server] = []
         self._stop = asyncio.Event()
         self._signals = 0
@@ -165,24 +165,26 @@ class Server:
     def _build_listeners(self) -> None:
         o = self.options
         inference, control = InferenceServicer(self.state), ControlServicer(self.state)
-        reflected = (*oe.SERVICE_NAMES, KV_PULL_SERVICE, MEDIA_SERVICE, "grpc.health.v1.Health",
-                     reflection.SERVICE_NAME)
         shared = o.control_port is None
         main = grpc.aio.server(options=o.grpc_options())
         add_servicer(inference, "Inference", main)
         kv_pull_grpc.add_KvPullServicer_to_server(KvPullServicer(self.state), main)
         media_pb2_grpc.add_MediaServicer_to_server(MediaServicer(self.state), main)
-        plan = [(main, o.host, o.port, "Inference" + (" + Control" if shared else ""))]
+        main_services = (INFERENCE_SERVICE, *((CONTROL_SERVICE,) if shared else ()))
+        # Each listener lists (reflection) and reports (grpc.health.v1) only what it serves.
+        plan = [(main, o.host, o.port, main_services, (KV_PULL_SERVICE, MEDIA_SERVICE))]
         if shared:
             add_servicer(control, "Control", main)
         else:
             side = grpc.aio.server(options=o.grpc_options())
             add_servicer(control, "Control", side)
-            plan.append((side, o.control_host or o.host, o.control_port, "Control"))
-        for server, host, port, what in plan:
-            self.health.register(server)
-            reflection.enable_server_reflection(reflected, server)
+            plan.append((side, o.control_host or o.host, o.control_port, (CONTROL_SERVICE,), ()))
+        for server, host, port, services, others in plan:
+            self.health.register(server, services)
+            reflection.enable_server_reflection((*services, *others, "grpc.health.v1.Health", reflection.SERVICE_NAME),
+                                                server)
             bound = server.add_insecure_port(f"{host}:{port}")
+            what = " + ".join(name.rsplit(".", 1)[-1] for name in services)
             print(f"refengine: listening on {host}:{bound} ({what})", flush=True)
             self.listeners.append(server)
             if server is main:  # K4, ENC9: sessions and embedding handles are pulled from the Inference port
@@ -202,8 +204,8 @@ class Server:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self.state.on_change(lambda lifecycle: self._background(self.health.follow(lifecycle)))
-        await self.health.follow(Lifecycle.STARTING)
         self._build_listeners()
+        await self.health.follow(Lifecycle.STARTING)
         for server in self.listeners:
             await server.start()
         for sig in (signal.SIGTERM, signal.SIGINT):

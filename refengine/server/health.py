@@ -186,17 +186,23 @@ async def encode_probe(engine: EngineClient, timeout: float) -> oe.HealthCheck:
 
 
 class GrpcHealth:
-    """grpc.health.v1: SERVING exactly while READY, for "" and every OpenEngine service."""
+    """grpc.health.v1: SERVING exactly while READY, for "" and each OpenEngine service of the
+    listener asked (register listeners before the first ``follow``). A service another listener
+    serves is unknown here (NOT_FOUND), as the protocol says: with ``--control-port`` both
+    listeners answered SERVING for Control and Inference alike."""
 
-    def __init__(self, service_names: tuple[str, ...]) -> None:
-        self.servicer = GrpcHealthServicer()
-        self.service_names = ("",) + tuple(service_names)
+    def __init__(self) -> None:
+        self._listeners: list[tuple[GrpcHealthServicer, tuple[str, ...]]] = []
 
     async def follow(self, lifecycle: Lifecycle) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if lifecycle is Lifecycle.READY
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in self.service_names:
-            await self.servicer.set(name, status)
+        for servicer, names in self._listeners:
+            for name in names:
+                await servicer.set(name, status)
 
-    def register(self, server: grpc.aio.Server) -> None:
-        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+    def register(self, server: grpc.aio.Server, service_names: tuple[str, ...]) -> None:
+        """``server``'s own health service, for the OpenEngine ``service_names`` it serves."""
+        servicer = GrpcHealthServicer()
+        self._listeners.append((servicer, ("", *service_names)))
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)

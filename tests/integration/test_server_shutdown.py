@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from refengine.client import OpenEngineClient
 from refengine.conformance.kv_subscriber import KvSubscriber
@@ -45,9 +46,10 @@ class Starting:
     server_info_code: grpc.StatusCode
 
 
-def _grpc_health(address: str) -> int:
+def _grpc_health(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        request = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
 
 
 def _observe_starting(server: ServerProcess) -> Starting:
@@ -107,6 +109,16 @@ def test_control_on_its_own_listener(own_server: tuple[ServerProcess, Starting])
         request = greedy_request("right-port", "Hi", max_tokens=2)
         check_stream(collect(inference, request), request)
         assert _grpc_health(server.address) == health_pb2.HealthCheckResponse.SERVING
+    # Each listener lists and reports only its own services (both said SERVING for both before).
+    for address, own, other in ((server.address, "openengine.v1.Inference", "openengine.v1.Control"),
+                                (server.control_address, "openengine.v1.Control", "openengine.v1.Inference")):
+        assert _grpc_health(address, own) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as unknown:
+            _grpc_health(address, other)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        with grpc.insecure_channel(address) as channel:
+            services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        assert own in services and other not in services, (address, services)
 
 
 def _consume(client: OpenEngineClient, request: oe.GenerateRequest, into: Stream, started: threading.Event) -> None:
