@@ -194,6 +194,8 @@ class ControlServicer(oe.ControlServicer):
             engine = self.state.engine_for_control()
             if target == "kv_session":  # A2, K7
                 session_id = request.kv_session.session_id
+                if not session_id:
+                    raise invalid("kv_session.session_id must be non-empty")
                 if not engine.abort_kv_session(session_id):
                     raise Rejection(grpc.StatusCode.NOT_FOUND,
                                     f"KV session {session_id!r} not found: never made here, released or expired")

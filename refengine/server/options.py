@@ -75,6 +75,9 @@ class ServerOptions:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:  # gRPC would bind port % 65536 (another server's)
                 raise ValueError(f"--{name.replace('_', '-')} must be in 0..65535 (0: a free port), got {port}")
+        if self.port and self.control_port == self.port and (self.control_host or self.host) == self.host:
+            raise ValueError(f"--control-port {self.control_port} is --port: give Control its own port, or leave "
+                             "--control-port out to serve it on --port")
         if self.advertise_host is not None and is_wildcard_host(self.advertise_host):
             raise ValueError(f"--advertise-host {self.advertise_host!r} is a bind wildcard; name a host clients "
                              "can connect to (E6)")

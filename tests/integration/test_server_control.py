@@ -164,6 +164,7 @@ def test_abort_all_requests(client: OpenEngineClient) -> None:
     wait_idle(client)  # A4: KV freed
     session = oe.KvSessionRef(session_id="nope")
     assert _code(client.abort, kv_session=session) == grpc.StatusCode.NOT_FOUND
+    assert _code(client.abort, kv_session=oe.KvSessionRef()) == grpc.StatusCode.INVALID_ARGUMENT  # no id: malformed
 
 
 @pytest.mark.parametrize("rpc,request_,code", [

@@ -25,6 +25,7 @@ from refengine.cli import build_parser, main
     # A ZMQ source without KV events crashed with a traceback once the model had loaded (found by review).
     (["--kv-events-zmq", "tcp://127.0.0.1:0", "--no-kv-events"], "--kv-events-zmq needs KV events"),
     (["--kv-events-zmq", "tcp://127.0.0.1:0", "--role", "encoder"], "--kv-events-zmq needs KV events"),
+    (["--port", "8100", "--control-port", "8100"], "--control-port 8100 is --port"),  # a bind traceback before
 ])
 def test_settings_refused_at_start(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
     assert main(["serve", *args]) == 2
