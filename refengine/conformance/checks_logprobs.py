@@ -114,6 +114,25 @@ def _check_ranked(cands: Any, where: str) -> None:
         expect(ranks == sorted(ranks) and ranks[0] == 1, f"{where}: ranks {ranks} not ascending from 1")
 
 
+RANK_TIE_LOGPROB = 1e-6  # logprobs this close may be ranked either way
+
+
+def _check_top(cands: Any, where: str) -> None:
+    """top_n candidates are the most likely tokens, none left out: each one's rank is one more
+    than the number of candidates above it (ties, within RANK_TIE_LOGPROB, either way), so the
+    ranks run 1, 2, 3 (or 1, 1, 3 for a tie); 1, 3 means rank 2 was left out. Ids are distinct."""
+    ids = [c.token_id for c in cands]
+    expect(len(set(ids)) == len(ids), f"{where}: repeated candidate ids {ids}")
+    for c in cands:
+        if not c.HasField("rank"):
+            continue
+        above = sum(other.logprob > c.logprob + RANK_TIE_LOGPROB for other in cands)
+        above_or_tied = sum(other.logprob > c.logprob - RANK_TIE_LOGPROB for other in cands if other is not c)
+        expect(above + 1 <= c.rank <= above_or_tied + 1,
+               f"{where}: token {c.token_id} has rank {c.rank}, but {above} candidates are above it: the top "
+               f"candidates are not all there (ranks {[x.rank for x in cands]})")
+
+
 @check("L4", "candidates: top_n ≤ N by rank, token_ids exactly those ids, all = whole vocabulary")
 def candidate_modes(t: Target) -> str:
     """L4: each advertised CandidateTokenSelection mode; unadvertised modes and top_n above
@@ -127,6 +146,7 @@ def candidate_modes(t: Target) -> str:
         for i, info in enumerate(expect_valid(t.generate(req)).token_infos()):
             expect(0 < len(info.candidates) <= 3, f"top_n 3: token {i} has {len(info.candidates)} candidates")
             _check_ranked(info.candidates, f"top_n token {i}")
+            _check_top(info.candidates, f"top_n 3: token {i}")
         if caps.HasField("max_top_n"):
             req = _lp_request(t, "l4m", output_lp=True, max_tokens=1)
             req.response.output_candidates.top_n = caps.max_top_n + 1

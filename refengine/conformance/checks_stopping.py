@@ -84,11 +84,37 @@ def stop_token_excluded(t: Target) -> str:
     expect(res.tokens() == ref.tokens()[:j], f"stop token {token} at position {j}: tokens {res.tokens()}, "
                                              f"expected {ref.tokens()[:j]}")
     expect(ref.text().startswith(res.text()), f"text {res.text()!r} is not a prefix of {ref.text()!r}")
+    # Exact when a delta ends right before token j and no character can be split there: the
+    # reference is ASCII (then every token has text of its own), or a delta also ends right
+    # before token j - 1 and token j - 1 has text (it completes no character with token j).
+    earlier, before, through = _text_through(ref, j - 1), _text_through(ref, j), _text_through(ref, j + 1)
+    ascii_text = ref.text().isascii()
+    exact = before is not None and (ascii_text or (earlier is not None and earlier != before))
+    if exact:
+        expect(res.text() == before, f"stop token {token} excluded: text {res.text()!r}, expected {before!r}")
     if _supports_include(t):
         res = _stop_run(t, stop_token=token, include=True)
         expect(res.tokens() == ref.tokens()[: j + 1],
                f"include_stop_in_output: tokens {res.tokens()}, expected {ref.tokens()[: j + 1]}")
-    return f"stop token {token} at position {j}"
+        expect(ref.text().startswith(res.text()), f"include_stop_in_output: text {res.text()!r} is not a prefix "
+                                                  f"of {ref.text()!r}")
+        if exact and through is not None:
+            expect(res.text() == through, f"include_stop_in_output: text {res.text()!r}, expected {through!r}")
+        elif exact and ascii_text:
+            expect(len(res.text()) > len(before), f"include_stop_in_output: text {res.text()!r} lacks the stop "
+                                                  f"token's own text after {before!r}")
+    return f"stop token {token} at position {j}" + ("" if exact else " (its text not delimited: prefix only)")
+
+
+def _text_through(ref: StreamResult, num_tokens: int) -> str | None:
+    """The reference's text of its first ``num_tokens`` tokens, when a delta ends right there
+    (how a server groups tokens into deltas is its own choice); None otherwise."""
+    text, count = "", 0
+    for event in ref.token_events(0):
+        if count == num_tokens:
+            return text
+        text, count = text + event.text, count + len(event.tokens)
+    return text if count == num_tokens else None
 
 
 @check("G15", "min_tokens suppresses stop tokens until reached")

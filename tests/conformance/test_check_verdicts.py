@@ -133,3 +133,74 @@ def test_a5_without_request_counts_the_release_is_not_observed(monkeypatch: pyte
             checks_abort.client_disconnect(t)
     finally:
         t.close()
+
+
+@pytest.mark.parametrize(("logprobs_and_ranks", "ok"), [
+    ([(-0.1, 1), (-2.0, 2), (-3.0, 3)], True),
+    ([(-1.0, 1), (-1.0, 1), (-3.0, 3)], True),  # a tie shares rank 1
+    ([(-1.0, 1), (-1.0, 2), (-3.0, 3)], True),  # or is ranked in order
+    ([(-0.1, 1), (-3.0, 3)], False),  # rank 2 left out: not the top 2 (it passed, found by review)
+    ([(-0.1, 1), (-0.1, 1), (-0.1, 1)], True),
+    ([(-0.1, 1), (-2.0, 1), (-3.0, 1)], False),
+])
+def test_l4_top_n_candidates_are_the_top_ones(logprobs_and_ranks: list, ok: bool) -> None:
+    from refengine.conformance.checks_logprobs import _check_top
+    from refengine.conformance.registry import CheckFailed
+
+    cands = [oe.LogProb(token_id=i, logprob=lp, rank=rank) for i, (lp, rank) in enumerate(logprobs_and_ranks)]
+    if ok:
+        _check_top(cands, "top_n")
+    else:
+        with pytest.raises(CheckFailed, match="top candidates are not all there"):
+            _check_top(cands, "top_n")
+
+
+def _leak_stop_token_text(request: Any, events: Any) -> Any:
+    """G14 broken: a matched stop token is out of the tokens, its text still sent."""
+    for event in events:
+        finish = event.finished if event.WhichOneof("event") == "finished" else None
+        if (finish is not None and finish.stop_match.WhichOneof("match") == "stop_token_id"
+                and not request.stopping.include_stop_in_output and 0 <= finish.stop_match.stop_token_id < 128):
+            leak = oe.GenerateResponse(request_id=event.request_id)
+            leak.token.output_index = finish.output_index
+            leak.token.text = chr(finish.stop_match.stop_token_id)
+            yield leak
+        yield event
+
+
+def _drop_stop_token_text(request: Any, events: Any) -> Any:
+    """G14 broken: with include_stop_in_output the stop token is kept, its text dropped."""
+    stops = {c.stop_token_id for c in request.stopping.conditions if c.WhichOneof("condition") == "stop_token_id"}
+    for event in events:
+        token = event.token if event.WhichOneof("event") == "token" else None
+        if (request.stopping.include_stop_in_output and token is not None and token.tokens
+                and token.tokens[-1].token_id in stops and token.text.endswith(chr(token.tokens[-1].token_id))):
+            token.text = token.text[:-1]
+        yield event
+
+
+@pytest.mark.parametrize(("mutate", "verdict"), [(None, "pass"), (_leak_stop_token_text, "fail"),
+                                                 (_drop_stop_token_text, "fail")])
+def test_g14_the_stop_tokens_text_follows_the_token(mutate: Any, verdict: str) -> None:
+    """Only the tokens were compared, and the text as a prefix of the reference: a server that kept
+    a stop token's text after dropping the token, or the reverse, passed (found by review)."""
+    from refengine.conformance import run
+    from tests.conformance import fake_server
+    from tests.conformance.toy_engine import Faults, ToyEngine
+
+    engine = ToyEngine(Faults())
+    inner = fake_server.Inference(engine)
+
+    class Mutated(oe.InferenceServicer):
+        def Generate(self, request: Any, context: Any) -> Any:  # noqa: N802
+            events = inner.Generate(request, context)
+            yield from (events if mutate is None else mutate(request, events))
+
+    server, address = fake_server.start(engine, Mutated(), fake_server.Control(engine))
+    try:
+        results = run(address, ["G14"], Options(idle_timeout_s=3.0))
+        (result,) = [r for r in results if r.name.endswith("stop_token_excluded")]
+    finally:
+        server.stop(0)
+        engine.running = False
+    assert result.status.value == verdict, result.message
