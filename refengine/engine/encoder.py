@@ -200,10 +200,12 @@ class EncoderEngine(HandleSessions, NoGenerate):
             raise InvalidRequestError(f"lease_seconds must be a positive finite number, got {seconds}")
         return min(seconds, settings.max_lease_seconds)
 
-    def probe(self) -> None:
-        """Encode one small image, bypassing the cache and making no handle (the health probe)."""
+    def probe(self) -> bool:
+        """Encode one small image, bypassing the cache and making no handle (the health probe).
+        False, at once, when an encode is running: the probe neither waits for it nor holds a
+        worker thread that the server's other RPCs (KvPull reads) need."""
         image = Image.new("RGB", (8, 8), (255, 255, 255))
-        self.media.encode_images([LoadedImage(image, "probe", 0, "PNG")])
+        return self.media.encode_images([LoadedImage(image, "probe", 0, "PNG")], wait=False) is not None
 
     def release_handles(self, handle_ids: Sequence[str]) -> int:
         """Release each live handle (ENC6: idempotent); returns how many were live."""

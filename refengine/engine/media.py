@@ -159,11 +159,16 @@ class MediaInputs:
                 images.append(image_of(item, item_data, self.config))
         return images
 
-    def encode_images(self, images: Sequence[LoadedImage]) -> torch.Tensor:
-        """``[len(images), num_image_tokens, hidden]``: preprocess and encode, no cache."""
+    def encode_images(self, images: Sequence[LoadedImage], wait: bool = True) -> torch.Tensor | None:
+        """``[len(images), num_image_tokens, hidden]``: preprocess and encode, no cache. Without
+        ``wait``, None when another encode is running (a health probe does not queue behind it)."""
         pixels = self.image_processor(images=[image.image for image in images], return_tensors="pt")
-        with self._encode_lock:
+        if not self._encode_lock.acquire(blocking=wait):
+            return None
+        try:
             return self.encoder.encode(pixels["pixel_values"])
+        finally:
+            self._encode_lock.release()
 
     def _embeds(self, images: list[LoadedImage]) -> list[torch.Tensor]:
         found = [self.cache.get(image.identity) for image in images]

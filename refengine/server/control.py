@@ -112,7 +112,7 @@ class ControlServicer(oe.ControlServicer):
         )
 
     def kv_connector(self, info: EngineInfo) -> oe.KvConnectorInfo:
-        if info.role == "aggregated":
+        if info.role in ("aggregated", "encoder"):  # an encoder's handles are its draft profile's (ENC2)
             return oe.KvConnectorInfo(enabled=False)
         prefill = info.role == "prefill"
         return oe.KvConnectorInfo(

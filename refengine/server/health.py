@@ -176,11 +176,13 @@ async def encode_probe(engine: EngineClient, timeout: float) -> oe.HealthCheck:
     """An encoder's probe (ENC2): one small image through the vision path, no handle made."""
     started = time.perf_counter()
     try:
-        await asyncio.wait_for(asyncio.to_thread(engine.probe), timeout)  # type: ignore[attr-defined]
+        encoded = await asyncio.wait_for(asyncio.to_thread(engine.probe), timeout)  # type: ignore[attr-defined]
     except TimeoutError:
         return _check("inference_probe", oe.HEALTH_STATE_NOT_READY, f"no image encoded within {timeout:g} s")
     except Exception as exc:  # noqa: BLE001 - any failure of the vision path is the probe's finding
         return _check("inference_probe", oe.HEALTH_STATE_NOT_READY, f"probe failed: {type(exc).__name__}: {exc}")
+    if not encoded:  # H3: busy is serving; waiting would also hold a worker thread KvPull reads need
+        return _check("inference_probe", oe.HEALTH_STATE_DEGRADED, "not run: busy, an encode is in progress")
     return _check("inference_probe", oe.HEALTH_STATE_READY,
                   f"1 image encoded in {(time.perf_counter() - started) * 1000:.0f} ms")
 

@@ -315,3 +315,17 @@ def test_abort_all_leaves_health_probes_alone() -> None:
     engine.add_request(GenerationRequest("client", prompt_token_ids=[1], stopping=StoppingParams(max_tokens=1)))
     assert engine.abort_all() == ["client"]
     engine.shutdown()
+
+
+def test_an_encoder_server_offers_no_kv_connector() -> None:
+    """An encoder's embedding handles belong to its draft profile (ENC2): its ServerInfo said it
+    pulled decode KV (supports_decode_pull true, found by review)."""
+    from types import SimpleNamespace
+
+    from refengine.server.control import ControlServicer
+
+    servicer = ControlServicer(SimpleNamespace(kv_endpoints=()))
+    for role in ("encoder", "aggregated"):
+        assert not servicer.kv_connector(SimpleNamespace(role=role, kv_transfer_backends=("grpc",))).enabled
+    decode = servicer.kv_connector(SimpleNamespace(role="decode", kv_transfer_backends=("grpc",)))
+    assert decode.enabled and decode.supports_decode_pull

@@ -493,3 +493,26 @@ def test_a_retryable_failure_after_a_handle_was_consumed_is_not_retryable(llava:
     idle(encoder)
     for closing in (engine, alone, encoder):
         closing.shutdown()
+
+
+def test_a_probe_does_not_wait_behind_an_encode(llava: TinyLlava) -> None:
+    """H3, ENC2: while an encode runs, the probe returns at once, DEGRADED (busy): it waited for
+    the encode lock past its timeout and said NOT_READY, and each waiting probe held a worker
+    thread that KvPull reads need (found by review)."""
+    import asyncio
+
+    from refengine.protocol import oe
+    from refengine.server.health import encode_probe
+
+    encoder = make_encoder(llava.directory)
+    try:
+        assert encoder.probe()
+        assert asyncio.run(encode_probe(encoder, 5.0)).state == oe.HEALTH_STATE_READY
+        with encoder.media._encode_lock:  # noqa: SLF001 - an encode in progress
+            started = time.monotonic()
+            assert not encoder.probe()
+            check = asyncio.run(encode_probe(encoder, 5.0))
+            assert time.monotonic() - started < 2
+        assert check.state == oe.HEALTH_STATE_DEGRADED and "busy" in check.message, check
+    finally:
+        encoder.shutdown()
