@@ -102,7 +102,8 @@ class InputProcessor:
             raise InvalidRequestError("this model does not accept media (supports_multimodal=false)")
         decode = self.role.role == "decode"
         return self.media.prepare(prompt_ids, params.media, params.media_handles, need_rows=not decode,
-                                  pull_backends=None if decode else self.handle_backends)
+                                  pull_backends=None if decode else self.handle_backends,
+                                  cache_salt=params.kv.cache_salt)
 
     def _compile(self, params: GenerationRequest) -> CompiledGuide | None:
         """Last, as the costliest check: a compile may wait for a worker, up to its time limit."""

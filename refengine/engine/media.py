@@ -112,7 +112,8 @@ class MediaInputs:
 
     def prepare(self, prompt_ids: Sequence[int], items: Sequence[MediaInput],
                 handles: Sequence[EmbeddingHandleSpec] = (), need_rows: bool = True,
-                pull_backends: tuple[str, ...] | None = ()) -> tuple[list[int], tuple[MediaRun, ...]]:
+                pull_backends: tuple[str, ...] | None = (), cache_salt: str | None = None,
+                ) -> tuple[list[int], tuple[MediaRun, ...]]:
         """The expanded prompt and its media runs (see the module docstring). ``need_rows``
         False: identities only (decode role: nothing encoded or pulled). ``pull_backends``: what
         handles may be pulled with."""
@@ -131,7 +132,7 @@ class MediaInputs:
         data = self.fetch(items)
         with self.decoding:
             images = self.decode(items, data)
-            embeds = self._embeds(images) if need_rows else [None] * len(images)
+            embeds = self._embeds(images, cache_salt) if need_rows else [None] * len(images)
         return expanded, tuple(MediaRun(start, image.identity, vision.num_image_tokens, rows)
                                for start, image, rows in zip(starts, images, embeds, strict=True))
 
@@ -170,8 +171,12 @@ class MediaInputs:
         finally:
             self._encode_lock.release()
 
-    def _embeds(self, images: list[LoadedImage]) -> list[torch.Tensor]:
-        found = [self.cache.get(image.identity) for image in images]
+    def _embeds(self, images: list[LoadedImage], cache_salt: str | None = None) -> list[torch.Tensor]:
+        """Each image's rows, from the encoder cache where it holds them. A salted request's
+        entries are its salt's alone (K2): a ``uuid`` is the client's name for an image, and
+        another tenant naming a different image the same way got this one's rows."""
+        keys = [image.identity if not cache_salt else f"{image.identity}\0salt:{cache_salt}" for image in images]
+        found = [self.cache.get(key) for key in keys]
         missing = [i for i, rows in enumerate(found) if rows is None]
         if missing:
             encoded = self.encode_images([images[i] for i in missing])
@@ -179,7 +184,7 @@ class MediaInputs:
                 # a copy: a view of ``encoded`` would keep the whole batch alive as long as any one
                 # of its entries stays cached (the cache bounds entries, not batches)
                 found[i] = encoded[row].clone() if len(missing) > 1 else encoded[row]
-                self.cache.put(images[i].identity, found[i])
+                self.cache.put(keys[i], found[i])
         return [rows for rows in found if rows is not None]
 
 

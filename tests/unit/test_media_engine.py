@@ -357,3 +357,21 @@ def test_adjacent_placeholders_are_one_image_each_as_in_transformers(llava, expa
     with pytest.raises(InvalidRequestError, match=r"placeholder 0 is 17 tokens long"):
         engine.add_request(request("odd", [5] + [IMAGE_TOKEN] * (NUM_IMAGE_TOKENS + 1) + [6], images[:2]))
     assert_idle(engine)
+
+
+def test_a_uuid_does_not_cross_cache_salts(llava) -> None:
+    """K2: tenant B (salt "b") names a different image with tenant A's uuid: it gets its own
+    image's output, not A's rows from the encoder cache (it got A's, found by review). Without
+    salts a uuid still names one image (the client's assertion, as documented)."""
+    from refengine.types import KvParams
+
+    engine = make_engine(llava)
+    prompt = prompt_with(1)
+
+    def salted(rid: str, image: bytes, salt: str | None) -> GenerationRequest:
+        return dataclasses.replace(request(rid, prompt, [image], uuid="u"), kv=KvParams(cache_salt=salt))
+
+    alone = tokens(make_engine(llava), [salted("b-alone", IMAGES[1], "b")])
+    assert tokens(engine, [salted("a", IMAGES[0], "a")]) != alone
+    assert tokens(engine, [salted("b", IMAGES[1], "b")]) == alone
+    assert_idle(engine)
