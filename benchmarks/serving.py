@@ -104,7 +104,8 @@ def measure(path: str, n: int, requests: list[workload.BenchRequest], send: runn
 def load_engine(engine_flags: list[str], threads: int):  # noqa: ANN201 - Engine
     import torch
 
-    from refengine.args import add_engine_args, engine_config_from_args
+    from refengine.args import add_engine_args
+    from refengine.args_config import engine_config_from_args
     from refengine.engine.engine import Engine
 
     torch.set_num_threads(threads)

@@ -105,7 +105,7 @@ def _events(client: OpenEngineClient, prefill_client: OpenEngineClient | None,
 
 def run_local(args: argparse.Namespace, options: GenerateOptions) -> int:
     """In this process, on an engine built from the engine flags."""
-    from refengine.args import engine_config_from_args
+    from refengine.args_config import engine_config_from_args
     from refengine.engine.engine import Engine
     from refengine.model import ModelNotFoundError, UnsupportedModelError
     from refengine.runtime import apply_process_settings

@@ -31,7 +31,7 @@ import threading
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from refengine.args import engine_config_from_args
+from refengine.args_config import engine_config_from_args
 from refengine.config import EngineConfig
 from refengine.engine.interface import EngineClient
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as kv_pull

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from refengine import cli
-from refengine.args import FIELD_FLAGS, add_engine_args, engine_config_from_args
+from refengine.args import add_engine_args
+from refengine.args_config import FIELD_FLAGS, engine_config_from_args
 from refengine.config import (
     ATTENTION_BACKENDS,
     CacheConfig,

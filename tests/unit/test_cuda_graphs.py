@@ -16,7 +16,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from refengine.args import add_engine_args, engine_config_from_args
+from refengine.args import add_engine_args
+from refengine.args_config import engine_config_from_args
 from refengine.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
 from refengine.kernels.attention import AttentionBackend, AttentionMetadata, TorchReferenceBackend
 from refengine.model.cuda_graphs import (

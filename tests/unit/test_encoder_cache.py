@@ -12,7 +12,8 @@ import argparse
 import pytest
 import torch
 
-from refengine.args import add_engine_args, engine_config_from_args
+from refengine.args import add_engine_args
+from refengine.args_config import engine_config_from_args
 from refengine.config import MediaConfig
 from refengine.engine.media import MediaInputs
 from refengine.model.loader import load_model_config, load_weights

@@ -16,7 +16,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from refengine.args import add_engine_args, engine_config_from_args
+from refengine.args import add_engine_args
+from refengine.args_config import engine_config_from_args
 from refengine.config import CacheConfig, EngineConfig, KernelConfig
 from refengine.kernels.attention import TorchReferenceBackend, make_attention_backend, registry
 from refengine.kernels.attention.cpu_paged import CpuPagedBackend, native_kernel_unavailable_reason

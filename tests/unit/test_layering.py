@@ -25,6 +25,7 @@ BOTTOM = ("types", "config", "package", "keys", "transfer_api")
 #: functions a router (or an edge) may call without touching the KV cache's state.
 MODULE_COMPONENTS = {"refengine.encoder_client": "client",
                      "refengine.config_checks": "config", "refengine.config_features": "config",
+                     "refengine.args_config": "args",
                      "refengine.kv.keys": "keys", "refengine.kv.prefix_hash": "keys", "refengine.kv": "keys",
                      "refengine.kv.transfer": "transfer_api", "refengine.kv.transfer.base": "transfer_api",
                      "refengine.kv.transfer.attributes": "transfer_api"}
