@@ -5,7 +5,8 @@ the checks that judge a release of work (A4, A5, H4).
 Each check owns the rule it names, and only that rule: a structural problem is tagged with
 its rule id (``"G10: ..."``), and a check sees only the problems of its own rule
 (``StreamResult.rule``, set by the runner). So a server that omits ``output_index`` fails
-G10 alone, not every check that happens to read a stream; the G10 check finds it.
+G10 alone, not every check that happens to read a stream; the G10 check finds it, and so do
+the run-wide checks (:mod:`checks_structure`) in any other check's stream.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ TRANSPORT_CODES = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
 #: CANCELLED (A4), a decode stream ends with one (K9). Any other check skips a stream missing
 #: one (:func:`expect_valid`): it is G12's finding.
 FINISH_RULES = frozenset({"A4", "K9"})
+MISSING_FINISH = "G12: stream ended OK without GenerationFinished"
 
 
 def expect_rejected(res: StreamResult, codes: Iterable[grpc.StatusCode] = INVALID, what: str = "") -> None:
@@ -53,7 +55,17 @@ def stream_violations(res: StreamResult, num_sequences: int = 1, cancelled_ok: b
     not cumulative; G12 one finish per output, nothing after it, never UNSPECIFIED; G16
     usage only on the final event and consistent; X1 an EngineError is the last event and
     the status is OK. ``cancelled_ok`` allows a client-cancelled status (the stream was cut)."""
-    return _owned(_all_violations(res, num_sequences, cancelled_ok), res.rule)
+    every = _all_violations(res, num_sequences, cancelled_ok)
+    _record(res, every)
+    return _owned(every, res.rule)
+
+
+def _record(res: StreamResult, problems: list[str]) -> None:
+    """Leave the problems of other rules for the run-wide checks (:mod:`stream_ledger`); not a
+    missing finish in the streams of :data:`FINISH_RULES`, whose checks judge it."""
+    if res.ledger is not None:
+        owned_finish = res.rule in FINISH_RULES
+        res.ledger.record(res, [p for p in problems if not (owned_finish and p.startswith(MISSING_FINISH))])
 
 
 def _owned(problems: list[str], rule: str) -> list[str]:
@@ -98,7 +110,7 @@ def _all_violations(res: StreamResult, num_sequences: int, cancelled_ok: bool) -
     if res.ok and not errors and res.events:
         missing = set(range(num_sequences)) - finished
         if missing and not res.of("prefill_ready") and not unindexed:
-            problems.append(f"G12: stream ended OK without GenerationFinished for output(s) {sorted(missing)}")
+            problems.append(f"{MISSING_FINISH} for output(s) {sorted(missing)}")
         if not res.events[-1].HasField("usage"):
             problems.append(f"G16: the final response ({res.kinds()[-1]}) carries no usage")
     if errors and not res.ok:
@@ -152,6 +164,7 @@ def expect_valid(res: StreamResult, num_sequences: int = 1, what: str = "") -> S
         err = res.of("error")[0]
         raise CheckFailed(f"{label}stream ended with EngineError {enum_name(oe.ErrorCode, err.code)}: {err.message!r}")
     every = _all_violations(res, num_sequences, False)
+    _record(res, every)
     problems = _owned(every, res.rule)
     if problems:
         raise CheckFailed(f"{label}" + "; ".join(problems[:4]))

@@ -1,4 +1,5 @@
-"""Imports every section module so that their checks register (order = RULES.md, then the draft profiles)."""
+"""Imports every section module so that their checks register (order = RULES.md, then the draft
+profiles, then the run-wide checks)."""
 
 from refengine.conformance import (  # noqa: F401
     checks_abort,
@@ -22,4 +23,5 @@ from refengine.conformance import (  # noqa: F401
     checks_output,
     checks_prefix_cache,
     checks_stopping,
+    checks_structure,
 )

@@ -225,10 +225,54 @@ def finish_eos_match(t: Target) -> str:
     eos = eos_reference(t)
     if eos is None:
         skip("no prompt reached EOS within 48 tokens: an EOS stop cannot be observed")
-    match = eos[1].finished().stop_match
+    req, res = eos
+    match = res.finished().stop_match
     expect(match.WhichOneof("match") == "eos_token_id",
-           f"output of {eos[0].prompt!r} stopped at EOS (STOP, no stop condition set) with stop_match {match}")
-    return f"EOS ({match.eos_token_id}) matched"
+           f"output of {req.prompt!r} stopped at EOS (STOP, no stop condition set) with stop_match {match}")
+    named, tokens = match.eos_token_id, res.tokens()
+    through = ignoring_eos(t, req, tokens)
+    if named in (through[len(tokens)], tokens[-1] if tokens else None):
+        return f"EOS ({named}) matched"
+    # Under ignore_eos the model went on with another token: the name is wrong, or the server
+    # masks EOS under ignore_eos (no rule forbids it). The prompt logprobs of the output with
+    # the named token appended tell: greedy decoding chose it there, so it ranks first.
+    rank = rank_after(t, req, tokens, named)
+    if rank is None:
+        skip(f"under ignore_eos the output went on with token {through[len(tokens)]} where it had stopped at EOS "
+             f"(named {named}), and without prompt logprobs for token ids it cannot be told whether the server "
+             "masks EOS there or named the wrong token")
+    expect(rank == 1, f"output of {req.prompt!r} stopped at EOS naming eos_token_id {named}, but that token ranks "
+                      f"{rank} there, not 1 (greedy chose the token the output stopped at)")
+    return f"EOS ({named}) matched (ranks first there; EOS masked under ignore_eos)"
+
+
+def ignoring_eos(t: Target, req: Any, tokens: list[int]) -> list[int]:
+    """The same greedy request with ``ignore_eos``, one token longer than the EOS-ended output
+    ``tokens``: it goes on through the EOS token unless the server masks EOS then (G15; greedy
+    output is the same whatever else runs, G18)."""
+    again = t.request("eosig", prompt=req.prompt, max_tokens=len(tokens) + 1, ignore_eos=True)
+    through = expect_valid(t.generate(again), what="EOS probe with ignore_eos").tokens()
+    if through[:len(tokens)] != tokens or len(through) <= len(tokens):
+        skip(f"the EOS probe with ignore_eos produced {through}, not the EOS-ended output {tokens} and one more "
+             "token: where the EOS was cannot be told (G18 judges greedy reproducibility)")
+    return through
+
+
+def rank_after(t: Target, req: Any, tokens: list[int], token: int) -> int | None:
+    """The rank of ``token`` after ``req``'s prompt and ``tokens`` (prompt logprobs of them all
+    sent as token ids); None when the server offers no prompt logprobs or token-id input."""
+    caps = t.caps.prompt_logprobs
+    if not (t.caps.HasField("prompt_logprobs") and caps.supported and t.model_info.supports_token_ids_input):
+        return None
+    asked = t.request("eosp", prompt=req.prompt, max_tokens=1)
+    asked.response.return_prompt_logprobs = True
+    prompt = [info.token_id for out in expect_valid(t.generate(asked)).of("prompt") for info in out.tokens]
+    scored = t.request("eosr", token_ids=prompt + tokens + [token], max_tokens=1)
+    scored.response.return_prompt_logprobs = True
+    infos = [info for out in expect_valid(t.generate(scored)).of("prompt") for info in out.tokens]
+    expect(bool(infos) and infos[-1].token_id == token and infos[-1].HasField("rank"),
+           f"prompt logprobs of {len(prompt + tokens) + 1} token ids end with {infos[-1:]}, not a ranked {token}")
+    return infos[-1].rank
 
 
 @check("G13", "CANCELLED when the request is aborted")

@@ -99,16 +99,18 @@ class Check:
     title: str
     fn: CheckFn
     name: str
+    run_last: bool = False  # a run-wide check judging what the other checks received
 
     @property
     def section(self) -> str:
         return rule_section(self.rule)
 
     @property
-    def key(self) -> tuple[str, int, str]:
-        """Sort key: section in :data:`SECTIONS` order, rule number, check name."""
+    def key(self) -> tuple[bool, int, int, str]:
+        """Sort key: run-wide checks last, then section in :data:`SECTIONS` order, rule number,
+        check name."""
         section, number = rule_key(self.rule)
-        return (f"{section:02d}", number, self.name)
+        return (self.run_last, section, number, self.name)
 
 
 _REGISTRY: dict[str, Check] = {}
@@ -127,15 +129,16 @@ def rule_key(rule: str) -> tuple[int, int]:
     return list(SECTIONS).index(section), int(rule[len(section):])
 
 
-def check(rule: str, title: str) -> Callable[[CheckFn], CheckFn]:
-    """Register ``fn`` as a check of ``rule`` (e.g. ``"G14"``, ``"ENC3"``) with a one-line title."""
+def check(rule: str, title: str, run_last: bool = False) -> Callable[[CheckFn], CheckFn]:
+    """Register ``fn`` as a check of ``rule`` (e.g. ``"G14"``, ``"ENC3"``) with a one-line title;
+    ``run_last``: after every other check, whose streams it judges."""
     rule_section(rule)
 
     def register(fn: CheckFn) -> CheckFn:
         name = f"{rule}:{fn.__name__}"
         if name in _REGISTRY:
             raise ValueError(f"check {name} registered twice")
-        _REGISTRY[name] = Check(rule=rule, title=title, fn=fn, name=name)
+        _REGISTRY[name] = Check(rule=rule, title=title, fn=fn, name=name, run_last=run_last)
         return fn
 
     return register

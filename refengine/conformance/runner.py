@@ -93,12 +93,12 @@ def run_check(check: Check, target: Target) -> Result:
     if not claimed:
         status, message = Status.NOT_CLAIMED, f"profile {profile.name} not claimed: {why}"
     else:
-        target.rule = check.rule
+        target.rule, target.check = check.rule, check.name
         target.exchanges.clear()
         try:
             status, message = _outcome(check, target)
         finally:
-            target.rule = ""
+            target.rule = target.check = ""
         if status is Status.FAIL:
             evidence = target.exchanges.render()
     return Result(check.rule, check.section, check.title, check.name, status, message,

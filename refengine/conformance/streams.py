@@ -7,11 +7,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from refengine.conformance.registry import CheckFailed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from refengine.conformance.stream_ledger import StreamLedger
 
 
 @dataclass
@@ -25,6 +28,8 @@ class StreamResult:
     code: grpc.StatusCode = grpc.StatusCode.OK
     details: str = ""
     started: float = 0.0
+    check: str = ""  # the name of that check (a finding of the run-wide checks names it)
+    ledger: StreamLedger | None = field(default=None, repr=False)  # where its structure is recorded
 
     @property
     def ok(self) -> bool:

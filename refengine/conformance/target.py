@@ -24,6 +24,7 @@ from refengine.conformance.enums import EnumLog
 from refengine.conformance.evidence import ExchangeLog
 from refengine.conformance.options import Options
 from refengine.conformance.registry import CheckFailed, not_claimed
+from refengine.conformance.stream_ledger import StreamLedger
 from refengine.conformance.streams import Background, StreamResult
 from refengine.conformance.target_load import LoadWaits
 from refengine.protocol import oe
@@ -66,6 +67,8 @@ class Target(LoadWaits):
         self.enums = EnumLog()  # X4: every enum value received, whichever check caused it
         self.engine_errors: list[Any] = []  # X3: every EngineError event received (append is thread-safe)
         self.rule = ""  # the rule of the check running now (set by the runner): streams are judged by it
+        self.check = ""  # that check's name (set by the runner)
+        self.ledger = StreamLedger()  # structural problems of every stream the checks read
         self.exchanges = ExchangeLog()  # the latest RPCs of the running check: a failure's evidence
 
     # -- lifecycle -------------------------------------------------------------
@@ -210,7 +213,8 @@ class Target(LoadWaits):
 
         ``on_event(result, event, call)`` runs after each event; returning True cancels
         the call (the status is then CANCELLED, as the client sees it)."""
-        result = StreamResult(request_id=req.request_id, rule=self.rule, started=time.perf_counter())
+        result = StreamResult(request_id=req.request_id, rule=self.rule, started=time.perf_counter(),
+                              check=self.check, ledger=self.ledger)
         call = self.inference.Generate(req, metadata=metadata, timeout=timeout or self.options.stream_timeout_s)
         try:
             for event in call:

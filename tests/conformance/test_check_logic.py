@@ -59,7 +59,7 @@ class ScriptedTarget(Target):
         res = self.answer(req) if self.answer else None
         if res is None:
             res = _finished_stream(req, self.rule)
-        res.rule = self.rule
+        res.rule, res.check, res.ledger = self.rule, self.check, self.ledger
         for event in res.events:
             self.observe(event)
         return res

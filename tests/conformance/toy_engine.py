@@ -84,13 +84,16 @@ class Faults:
     omit_output_index: bool = False  # G10: no output_index on TokenOutput / GenerationFinished
     cumulative_text: bool = False  # G11: TokenOutput.text is the whole text so far
     double_finish: bool = False  # G12: every GenerationFinished is sent twice
+    double_finish_on_stop_text: bool = False  # G12: sent twice when a stop string ended the output
     omit_finish: bool = False  # G12: no STOP/LENGTH GenerationFinished; ends OK after an empty TokenOutput
     stop_text_without_match: bool = False  # G13: STOP by a stop string carries no stop_match
     eos_without_match: bool = False  # G13: STOP at EOS carries no stop_match
+    eos_named_wrong: bool = False  # G13: STOP at EOS names token 0, not the EOS token
     leak_stop: bool = False  # G14: stop strings stay in the text
     min_tokens_ignored: bool = False  # G15: stop tokens and EOS end outputs below min_tokens
     usage_every_event: bool = False  # G16: usage on every event
     omit_usage: bool = False  # G16: no usage at all, not even on the final response
+    omit_usage_with_logprobs: bool = False  # G16: no usage when output logprobs were asked for
     one_delta: bool = False  # not a fault (G11 allows it): an output's tokens all in one TokenOutput, at its end
     seed_drifts: bool = False  # G17: the seeded stream depends on how many requests ran before
     greedy_shifts_beside_sampling: bool = False  # G18: greedy output changes beside a sampled request
@@ -219,8 +222,6 @@ class ToyEngine(Streams):
         masked = set()
         if len(out.tokens) < st.min_tokens and not f.min_tokens_ignored:
             masked |= job.stop_ids | {EOS}
-        if st.ignore_eos:
-            masked.add(EOS)
         ctx, temperature, shift = job.prompt + out.tokens, job.temperature, self.shift(job, batch)
         lp = distribution(ctx, job.prompt, temperature, masked, shift)
         reported = distribution(ctx, job.prompt, 1.0, masked, shift) if f.logprobs_before_temperature else lp
@@ -241,9 +242,10 @@ class ToyEngine(Streams):
     def advance(self, job: Job, out: Output, tok: int, info: Any) -> bool:
         """Add ``tok`` to ``out`` (or end it); True when the whole job ended with an error."""
         st = job.req.stopping
-        if tok == EOS:
+        if tok == EOS and not st.ignore_eos:  # under ignore_eos an EOS is an ordinary, textless token (as vLLM)
             self.finish(job, out, oe.FINISH_REASON_STOP,
-                        None if self.faults.eos_without_match else oe.StopMatch(eos_token_id=EOS))
+                        None if self.faults.eos_without_match else
+                        oe.StopMatch(eos_token_id=0 if self.faults.eos_named_wrong else EOS))
             return False
         if tok in job.stop_ids:
             if st.include_stop_in_output:
@@ -253,7 +255,7 @@ class ToyEngine(Streams):
             self.finish(job, out, oe.FINISH_REASON_STOP, oe.StopMatch(stop_token_id=tok))
             return False
         out.tokens.append(tok)
-        out.text += chr(tok)
+        out.text += chr(tok) if tok != EOS else ""
         out.pending.append(info)
         hits = [(out.text.find(x, max(0, out.emitted - len(x))), x) for x in job.stops]
         hits = [(i, x) for i, x in hits if i >= 0]

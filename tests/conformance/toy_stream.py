@@ -105,7 +105,8 @@ class Streams:
             fin.output_index = out.index
         if match is not None:
             fin.stop_match.CopyFrom(match)
-        if self.faults.double_finish:
+        if self.faults.double_finish or (self.faults.double_finish_on_stop_text and match is not None
+                                         and match.WhichOneof("match") == "stop_text"):
             self.put(job, self.event(job, finished=fin), final=False)
         self.put(job, self.event(job, finished=fin), final=last)
         if last:
@@ -136,7 +137,9 @@ class Streams:
         job.events.put(None)
 
     def put(self, job: Job, ev: Any, final: bool) -> None:
-        if (final and not self.faults.omit_usage) or self.faults.usage_every_event:
+        omitted = self.faults.omit_usage or (self.faults.omit_usage_with_logprobs
+                                             and job.req.response.return_output_logprobs)
+        if (final and not omitted) or self.faults.usage_every_event:
             done = sum(len(o.tokens) for o in job.outputs)
             ev.usage.CopyFrom(oe.Usage(prompt_tokens=len(job.prompt), completion_tokens=done,
                                        total_tokens=len(job.prompt) + done, cached_prompt_tokens=job.cached))
