@@ -257,9 +257,9 @@ def generate_disaggregated(prefill_client: OpenEngineClient, decode_client: Open
     (best effort), so a refused, failed or abandoned decode leaves no KV held until the lease."""
     prompt_events: list[oe.GenerateResponse] = []
     ready = prefill(prefill_client, request, timeout, metadata, prompt_events)
-    yield from prompt_events
     decoded = False
     try:
+        yield from prompt_events  # inside: a caller stopping here (Ctrl-C) releases the session too
         for event in decode_client.generate(decode_request_for(request, ready), timeout=timeout, metadata=metadata):
             decoded = event.WhichOneof("event") == "finished"
             yield event

@@ -68,8 +68,10 @@ class RequestOptions:
 
 
 def _lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
-    """``n`` lengths uniform in [mean*(1-R), mean*(1+R)] (vllm's random dataset), at least 1."""
-    low, high = max(1, math.floor(mean * (1 - range_ratio))), max(1, math.ceil(mean * (1 + range_ratio)))
+    """``n`` lengths uniform in [mean*(1-R), mean*(1+R)] (vllm's random dataset), at least 1 and
+    at most what a uint32 field holds (max_tokens)."""
+    low = max(1, math.floor(mean * (1 - range_ratio)))
+    high = min(UINT32_MAX, max(1, math.ceil(mean * (1 + range_ratio))))
     return [rng.randint(low, high) for _ in range(n)]
 
 

@@ -46,6 +46,9 @@ def _check_route(args: argparse.Namespace) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:  # a console that cannot show a character gets "?", not a traceback
+        reconfigure(errors="replace")
     try:
         _check_route(args)
         options = options_from_args(args)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -74,8 +75,8 @@ class TextPrinter:
         self.rows: dict[int, list[TokenRow]] = {}
         self.completion_tokens: int | None = None
         self.start = time.perf_counter()
-        if num_sequences > 1:
-            print("[0] ", end="", flush=True)
+        self.label = "[0] " if num_sequences > 1 else ""  # printed with output 0's first text
+        self.mid_line = False  # output 0's text is on the line: an error message starts a new one
 
     def wire(self, event: oe.GenerateResponse) -> None:
         kind = event.WhichOneof("event")
@@ -96,7 +97,9 @@ class TextPrinter:
 
     def _token(self, index: int, text: str, rows: list[TokenRow]) -> None:
         if index == 0:
-            print(text, end="", flush=True)
+            piece, self.label = self.label + text, ""
+            print(piece, end="", flush=True)
+            self.mid_line = not piece.endswith("\n") if piece else self.mid_line
         else:
             self.others[index] = self.others.get(index, "") + text
         if self.tables:
@@ -104,7 +107,7 @@ class TextPrinter:
 
     def close(self) -> None:
         """After a successful stream: the collected outputs, then stderr's tables and usage."""
-        print()
+        print(self.label)
         for index in sorted(self.others):
             print(f"[{index}] {self.others[index]}")
         sys.stdout.flush()
@@ -119,12 +122,19 @@ class TextPrinter:
 
 
 def _compact(value: Any) -> Any:
+    """Plain JSON values: no empty fields, named tuples (``Candidate``) as objects, and a
+    non-finite float (a candidate the grammar forbids has logprob -inf) as proto3 JSON writes
+    it, the string "-Infinity", since JSON has no such number."""
     if isinstance(value, dict):
         return {key: _compact(item) for key, item in value.items() if item is not None and item not in ((), [], {})}
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):
+        return _compact(value._asdict())
     if isinstance(value, list | tuple):
         return [_compact(item) for item in value]
     if isinstance(value, enum.Enum):
         return value.value
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     return value
 
 
@@ -136,13 +146,15 @@ def engine_output_json(out: RequestOutput) -> dict[str, Any]:
 class JsonPrinter:
     """One JSON object per event, flushed per line."""
 
+    mid_line = False  # every line is whole
+
     def wire(self, event: oe.GenerateResponse) -> None:
         from google.protobuf import json_format
 
         print(json_format.MessageToJson(event, indent=None), flush=True)
 
     def engine(self, out: RequestOutput) -> None:
-        print(json.dumps(engine_output_json(out)), flush=True)
+        print(json.dumps(engine_output_json(out), allow_nan=False), flush=True)
 
     def close(self) -> None:
         """Nothing follows the events."""

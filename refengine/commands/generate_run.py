@@ -41,6 +41,7 @@ def run_remote(args: argparse.Namespace, options: GenerateOptions) -> int:
 
     prefill_client = OpenEngineClient(args.prefill) if args.prefill else None
     encoder_client = OpenEngineClient(args.encoder) if args.encoder else None
+    printer: Printer | None = None
     try:
         with OpenEngineClient(args.remote or args.decode) as client:
             try:
@@ -66,8 +67,10 @@ def run_remote(args: argparse.Namespace, options: GenerateOptions) -> int:
                       file=sys.stderr)
                 return REFUSED
             printer.close()
-    except grpc.RpcError as exc:  # refused before acceptance, e.g. INVALID_ARGUMENT for a bad regex
-        print(f"refengine generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    except grpc.RpcError as exc:  # refused before acceptance (a bad regex), or the stream broke
+        broke_a_line = printer is not None and printer.mid_line
+        print(f"{chr(10) if broke_a_line else ''}refengine generate: {exc.code().name}: {exc.details()}",
+              file=sys.stderr)
         return REFUSED
     except (GenerationError, PrefillFailed) as exc:
         print(f"\nrefengine generate: {exc}", file=sys.stderr)

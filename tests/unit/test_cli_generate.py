@@ -49,6 +49,7 @@ from refengine.types import (
 IMAGE = b"\x89PNG not really an image"
 REFUSE, FAIL = "refuse me", "fail me"  # prompts the recording server refuses / fails after acceptance
 CUT, ODD_CODE = "cut me", "odd code"  # it ends the stream without Finished / fails with an unnamed code
+BREAK = "break me"  # one TokenOutput, then the call fails with UNAVAILABLE (the server went away)
 HANDLES_KEY = "refengine.v1alpha1.media_handles"
 
 
@@ -82,6 +83,8 @@ class Recorder(oe.InferenceServicer, oe.ControlServicer):
             return
         if request.prompt == CUT:
             return
+        if request.prompt == BREAK:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "server going away")
         for index in range(count):
             yield oe.GenerateResponse(
                 request_id=rid, finished=oe.GenerationFinished(output_index=index, reason=oe.FINISH_REASON_LENGTH),
@@ -397,6 +400,20 @@ def test_an_unnamed_error_code_and_a_cut_stream_exit_1(servers: Servers, capsys:
     assert "refengine generate: ErrorCode(999): failed on purpose" in capsys.readouterr().err
     assert main(["generate", CUT, "--remote", remote, "--num-sequences", "2"]) == 1
     assert "the stream ended before output(s) [0, 1] finished" in capsys.readouterr().err
+
+
+def test_a_broken_stream_s_message_starts_its_own_line(servers: Servers, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: after streamed text the status message was glued to it ("okrefengine
+    generate: ..."); a request refused before any output left a dangling "[0] " label."""
+    remote = servers.addresses["@remote"]
+    assert main(["generate", BREAK, "--remote", remote]) == 1
+    out = capsys.readouterr()
+    assert out.out == "ok" and out.err == "\nrefengine generate: UNAVAILABLE: server going away\n"
+    assert main(["generate", REFUSE, "--remote", remote, "--num-sequences", "2"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("refengine generate: INVALID_ARGUMENT")
+    assert main(["generate", "fine", "--remote", remote, "--num-sequences", "2"]) == 0
+    assert capsys.readouterr().out == "[0] ok\n[1] ok1\n"
 
 
 def test_the_client_names_a_health_state_it_does_not_know(servers: Servers) -> None:
