@@ -47,12 +47,12 @@ def _prompt_hash(request: Request) -> int:
                        "" if request.lora is None else request.lora.cache_key)
 
 
-def session_content(request: Request) -> str:
-    """What a KV session holds: the prompt (its hash, with media and LoRA adapter). The source
-    says it and the decode side, which has the same prompt, checks it before it uses the blocks,
-    so a session id swapped for another prompt's fails the pull instead of putting that prompt's
-    KV into the prefix cache under this prompt's hashes (K10)."""
-    return f"prompt {_prompt_hash(request)}"
+def session_content(prompt_digest: int) -> str:
+    """What a KV session holds: the prompt (``_prompt_hash``: with media and LoRA adapter). The
+    source says it and the decode side, which has the same prompt, checks it before it uses the
+    blocks, so a session id swapped for another prompt's fails the pull instead of putting that
+    prompt's KV into the prefix cache under this prompt's hashes (K10)."""
+    return f"prompt {prompt_digest}"
 
 
 class KvLoads:
@@ -145,14 +145,15 @@ class Disaggregation:
         """Move output 0's blocks (the prompt's KV) into a new session; returns its handle."""
         ttl = self.config.kv_transfer.session_ttl_seconds
         backend = self.backends[self.config.kv_transfer.backend]
-        session = KvSession(secrets.token_hex(16), session_content(request), (), time.monotonic() + ttl)
+        prompt_digest = _prompt_hash(request)  # hashing a long prompt costs: once for both uses
+        session = KvSession(secrets.token_hex(16), session_content(prompt_digest), (), time.monotonic() + ttl)
         session.block_ids = self.kv.transfer(out.seq, session.owner)
         self.sessions.add(session)
         attributes = SessionAttributes(
             model_fingerprint=self.fingerprint, block_size=self.kv.block_size, kv_dtype=self.store.dtype,
             kv_layout=self.store.layout, block_nbytes=self.store.block_nbytes,
             num_prompt_tokens=len(request.prompt_token_ids),
-            prompt_hash=_prompt_hash(request),
+            prompt_hash=prompt_digest,
             num_blocks=len(session.block_ids),
             first_token=FirstToken(token.token_id, token.logprob, token.rank, tuple(token.candidates)),
             lease_expires_unix_nanos=time.time_ns() + int(ttl * 1e9), lease_seconds=ttl,
@@ -175,7 +176,7 @@ class Disaggregation:
             assert session is not None
             self._receiving[load.request_id] = self.loads.start(PullOrder(
                 load.request_id, session, load.first_block_index, load.dest_block_ids, request.params.trace,
-                content=session_content(request)))
+                content=session_content(_prompt_hash(request))))
 
     def cancel_receiving(self, out: OutputState) -> None:
         """An output ends before its pull was applied: its blocks are freed when its pull's end
