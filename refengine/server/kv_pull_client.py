@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable
 
 import grpc
@@ -48,6 +49,9 @@ MIN_RECEIVE_MESSAGE_BYTES = 80 << 20
 #: that holds no sessions (still loading after a restart, which lost them all, or of another
 #: role: FAILED_PRECONDITION); an endpoint without the KvPull service (UNIMPLEMENTED).
 NEVER_SERVED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+#: Source endpoints whose channel is kept (least recently used dropped first). A session's
+#: endpoint is named by the client, so an unbounded cache grew by one channel per name sent.
+MAX_CACHED_SOURCES = 64
 
 
 def _log_failed_release(session_id: str, call: grpc.Future) -> None:
@@ -62,8 +66,8 @@ class GrpcKvTransfer(KvTransferBackend):
     def __init__(self, pull_timeout_seconds: float) -> None:
         self.pull_timeout_seconds = pull_timeout_seconds
         self._store: BlockStore | None = None
-        self._channels: dict[str, grpc.Channel] = {}
-        self._stubs: dict[str, pb_grpc.KvPullStub] = {}  # one per channel: building one costs ~0.1 ms
+        # target -> its channel and stub (building a stub costs ~0.1 ms), most recently used last
+        self._sources: OrderedDict[str, tuple[grpc.Channel, pb_grpc.KvPullStub]] = OrderedDict()
         self._lock = threading.Lock()
 
     def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
@@ -75,13 +79,18 @@ class GrpcKvTransfer(KvTransferBackend):
             raise TransferFailure("failed", f"session {session.session_id!r} names no grpc endpoint")
         target = f"{endpoint.host}:{endpoint.port}"
         with self._lock:
-            if target not in self._channels:
-                block_nbytes = self._store.block_nbytes if self._store is not None else 0
-                largest = max(MIN_RECEIVE_MESSAGE_BYTES, block_nbytes + (1 << 20))
-                channel = grpc.insecure_channel(target, options=(("grpc.max_receive_message_length", largest),))
-                self._channels[target] = channel
-                self._stubs[target] = pb_grpc.KvPullStub(channel)
-            return self._stubs[target]
+            if target in self._sources:
+                self._sources.move_to_end(target)
+                return self._sources[target][1]
+            block_nbytes = self._store.block_nbytes if self._store is not None else 0
+            largest = max(MIN_RECEIVE_MESSAGE_BYTES, block_nbytes + (1 << 20))
+            channel = grpc.insecure_channel(target, options=(("grpc.max_receive_message_length", largest),))
+            self._sources[target] = (channel, pb_grpc.KvPullStub(channel))
+            if len(self._sources) > MAX_CACHED_SOURCES:
+                # Dropped, not closed: a pull or pin still running on it holds it, and it is
+                # freed once the last of them ends.
+                self._sources.popitem(last=False)
+            return self._sources[target][1]
 
     def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
         assert self._store is not None, "bind first"
@@ -173,6 +182,7 @@ class GrpcKvTransfer(KvTransferBackend):
 
     def close(self) -> None:
         with self._lock:
-            channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+            channels = [channel for channel, _ in self._sources.values()]
+            self._sources.clear()
         for channel in channels:
             channel.close()

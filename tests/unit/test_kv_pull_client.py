@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -15,8 +16,9 @@ import grpc
 import pytest
 
 from refengine.kv.transfer.base import SESSION_CONTENT_KEY, Cancellation, PullOrder, TransferFailure, content_digest
+from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
-from refengine.server.kv_pull_client import GrpcKvTransfer
+from refengine.server.kv_pull_client import MAX_CACHED_SOURCES, GrpcKvTransfer
 from refengine.types import KvEndpointSpec, KvSessionSpec
 
 PULL_TIMEOUT_S = 30.0
@@ -122,3 +124,57 @@ def test_rows_of_another_item_are_refused(holds: str, says: str) -> None:
         transfer.close()
         server.stop(0)
     assert says in str(failure.value) and not failure.value.retryable
+
+
+class _SlowSource(pb_grpc.KvPullServicer):
+    """Sends block 0, waits for ``gate``, then block 1 (16 bytes each); Release answers."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.first_sent = threading.Event()
+
+    def Pull(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:  # noqa: N802
+        for index in range(2):
+            if index == 1:
+                self.gate.wait(10.0)
+            data = bytes([index + 1]) * 16
+            yield pb.KvChunk(first_block_index=index, num_blocks=1, data=data, crc32=zlib.crc32(data))
+            self.first_sent.set()
+
+    def Release(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        return pb.SessionReply(num_blocks=2)
+
+
+class _WrittenStore(_Store):
+    def __init__(self) -> None:
+        self.written: list[tuple[Any, bytes]] = []
+
+    def write(self, block_ids: Any, data: Any) -> None:
+        self.written.append((tuple(block_ids), bytes(data)))
+
+
+def test_channels_to_client_named_sources_are_bounded_and_a_running_pull_outlives_its_eviction() -> None:
+    """Found by review: a session's endpoint is named by the client, and every name sent kept a
+    channel for the server's life. Now the least recently used beyond MAX_CACHED_SOURCES is
+    dropped; a pull still running on a dropped channel completes."""
+    source = _SlowSource()
+    server, port = _serve(source)
+    store = _WrittenStore()
+    transfer = GrpcKvTransfer(PULL_TIMEOUT_S)
+    transfer.bind(store, lambda *_: None)
+    try:
+        pulling = futures.ThreadPoolExecutor(1).submit(transfer.pull, _order(port), threading.Event())
+        assert source.first_sent.wait(10.0)
+        for other in range(MAX_CACHED_SOURCES + 6):  # closed ports: each pin fails, its channel is kept
+            session = KvSessionSpec("s-x", "grpc", (KvEndpointSpec(host="127.0.0.2", port=1 + other, protocol="grpc"),))
+            transfer.start_pin(session, 1.0)
+        assert len(transfer._sources) == MAX_CACHED_SOURCES
+        source.gate.set()
+        pulling.result(timeout=10.0)
+        assert [data[0] for _, data in store.written] == [1, 2]
+        source.gate.set()
+        transfer.pull(_order(port), threading.Event())  # the source again: a fresh channel
+        assert len(store.written) == 4
+    finally:
+        transfer.close()
+        server.stop(0)
