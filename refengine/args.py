@@ -201,6 +201,8 @@ def _add_guided_args(g: argparse._ArgumentGroup) -> None:
                    help="worker threads that compile grammars (default: %(default)s)")
     g.add_argument("--guided-cache-size", type=int, default=d.cache_size,
                    help="compiled grammars kept, least recently used dropped first (default: %(default)s)")
+    g.add_argument("--guided-cache-mib", type=float, default=d.cache_bytes / (1 << 20),
+                   help="memory the kept grammars' token masks may hold, MiB (default: %(default)s)")
     g.add_argument("--guided-max-spec-kib", type=int, default=d.max_spec_bytes >> 10,
                    help="largest schema, regex, grammar or structural tag, KiB (default: %(default)s)")
     g.add_argument("--guided-max-choices", type=int, default=d.max_choices,

@@ -26,7 +26,8 @@ class GuidedConfig:
     request is accepted, on one of ``compile_threads`` worker threads; a compile that takes
     longer than ``compile_timeout_seconds`` refuses the request (the worker finishes in the
     background, and its result is cached). ``cache_size`` compiled grammars are kept (LRU,
-    keyed by backend, mode, spec and tokenizer). ``max_spec_bytes`` bounds the size of a
+    keyed by backend, mode, spec and tokenizer), holding at most ``cache_bytes`` of token masks
+    (xgrammar's; the newest entry is kept whatever its size). ``max_spec_bytes`` bounds the size of a
     schema, regex, grammar or structural tag; ``max_choices`` the entries of a choice list.
     ``max_token_seconds`` bounds one output's matching of one token (mask and acceptance, on
     the step thread): a guide that takes longer fails its request alone (``guided/budget.py``).
@@ -36,6 +37,7 @@ class GuidedConfig:
     compile_timeout_seconds: float = 5.0
     compile_threads: int = 2
     cache_size: int = 256
+    cache_bytes: int = 256 << 20
     max_spec_bytes: int = 64 * 1024
     max_choices: int = 1024
     max_token_seconds: float = 0.25
@@ -46,6 +48,7 @@ class GuidedConfig:
         check_positive_float(self, "max_token_seconds")
         check_int(self, "compile_threads", 1)
         check_int(self, "cache_size", 1)
+        check_int(self, "cache_bytes", 0)
         check_int(self, "max_spec_bytes", 1)
         check_int(self, "max_choices", 1)
 

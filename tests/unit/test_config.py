@@ -188,6 +188,7 @@ FLAG_SETTINGS = [
     (["--guided-max-token-seconds", "0.5"], "GuidedConfig.max_token_seconds", 0.5),
     (["--guided-compile-threads", "3"], "GuidedConfig.compile_threads", 3),
     (["--guided-cache-size", "8"], "GuidedConfig.cache_size", 8),
+    (["--guided-cache-mib", "8"], "GuidedConfig.cache_bytes", 8 << 20),
     (["--guided-max-spec-kib", "4"], "GuidedConfig.max_spec_bytes", 4 << 10),
     (["--guided-max-choices", "9"], "GuidedConfig.max_choices", 9),
     (["--no-kv-events"], "KvEventsConfig.enabled", False),

@@ -47,6 +47,12 @@ class CompiledGuide(ABC):
     def new_matcher(self) -> GuideMatcher:
         """A fresh matcher at the start of the grammar."""
 
+    @property
+    def memory_bytes(self) -> int:
+        """Memory the compiled form holds (its precomputed token masks), which bounds the
+        compile cache; 0 for a backend that computes masks as it goes (llguidance)."""
+        return 0
+
 
 class GrammarBackend(ABC):
     """One grammar engine (xgrammar, llguidance) bound to one tokenizer and vocabulary."""

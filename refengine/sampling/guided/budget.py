@@ -63,3 +63,7 @@ class BudgetedGuide(CompiledGuide):
 
     def new_matcher(self) -> GuideMatcher:
         return BudgetedMatcher(self._compiled.new_matcher(), self._max_token_seconds)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._compiled.memory_bytes

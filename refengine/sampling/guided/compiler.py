@@ -98,6 +98,7 @@ class GuideCompiler:
         self._pool = _DaemonPool(config.compile_threads)
         self._lock = threading.Lock()
         self._cache: OrderedDict[CacheKey, CompiledGuide] = OrderedDict()
+        self._cached_bytes = 0  # the entries' memory_bytes, bounded by config.cache_bytes
         self._compiling: dict[CacheKey, Future[CompiledGuide]] = {}
 
     def close(self) -> None:
@@ -192,6 +193,10 @@ class GuideCompiler:
         with self._lock:
             self._compiling.pop(key, None)
             self._cache[key] = compiled
-            while len(self._cache) > self.config.cache_size:
-                self._cache.popitem(last=False)
+            self._cached_bytes += compiled.memory_bytes
+            # A 20-character regex compiles to ~9 MB of token masks (49k tokens): a count alone
+            # let 256 of them hold gigabytes. The newest entry stays, whatever its size.
+            while len(self._cache) > 1 and (len(self._cache) > self.config.cache_size
+                                            or self._cached_bytes > self.config.cache_bytes):
+                self._cached_bytes -= self._cache.popitem(last=False)[1].memory_bytes
         return compiled

@@ -81,6 +81,10 @@ class _Compiled(CompiledGuide):
     def new_matcher(self) -> GuideMatcher:
         return _Matcher(self._compiled, self._guard)
 
+    @property
+    def memory_bytes(self) -> int:
+        return self._compiled.memory_size_bytes
+
 
 def _message(exc: Exception) -> str:
     """xgrammar's error text without its C++ log prefix (``[12:00:00] /project/cpp/x.cc:12: ``)."""
