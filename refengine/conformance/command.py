@@ -25,7 +25,8 @@ from refengine.conformance.report import FORMATS, render
 from refengine.conformance.runner import Result, run_report
 from refengine.conformance.target import ConnectError, Options
 
-DESCRIPTION = (f"Check an {RELEASE} server against contract/RULES.md and the draft profiles of docs/profiles/; "
+DESCRIPTION = (f"Check an {RELEASE} server against the contract's numbered rules (tests/data/RULES.md) and the "
+               "draft profiles of docs/profiles/; "
                "print a support matrix per profile and per rule.")
 EPILOG = ("exit status: 0 when nothing failed, 1 when a check (or the load run) failed, 2 on a bad command line "
           "or when the target cannot be tested (unreachable, or its discovery fails)")
