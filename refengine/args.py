@@ -35,10 +35,13 @@ from refengine.config import (
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: …)" only to flags whose help does not state its default already
-    (the engine flags all do, in words where the bare value would mislead: "None", "False")."""
+    (the engine flags all do, in words where the bare value would mislead: "None", "False"),
+    and not where there is nothing to show (an empty or unset default, a switch off)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if "(default: " in (action.help or ""):
+        nothing = action.default is None or action.default is False or (
+            isinstance(action.default, str | list) and not action.default)  # not `in`: 0 == False
+        if "(default: " in (action.help or "") or nothing:
             return action.help
         return super()._get_help_string(action)
 
@@ -132,10 +135,12 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                    "--dtype (default: %(default)s)")
     g.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
-                   help="auto: the first available of cpu (the native paged kernel, float32 on CPU, built with "
-                   "the machine's C compiler on first use) and torch (the reference) (default: %(default)s)")
+                   help="auto: the first available of flashinfer (CUDA, 16-bit), triton (CUDA), cpu (the native "
+                   "paged kernel: float32, or bfloat16 on CPUs with native bf16; built with the machine's C compiler "
+                   "on first use) and torch (the reference) (default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="context limit in tokens, >= 2 (default: None = the model's own limit)")
+                   help="context limit in tokens, >= 2 (default: None = the model's own limit, bounded by what "
+                   "the KV pool holds for one sequence)")
     g.add_argument("--max-sequences-per-request", type=int, default=None,
                    help=f"most outputs one request may ask for (num_sequences); at most --max-num-seqs "
                    f"(default: {d.max_sequences_per_request}, or --max-num-seqs when that is smaller)")
@@ -179,7 +184,7 @@ def _add_kernel_args(g: argparse._ArgumentGroup) -> None:
                    "paths run instead (default: used where they fit)")
     g.add_argument("--no-onednn", action="store_true",
                    help="run projections with F.linear instead of oneDNN on prepacked weights (default: oneDNN "
-                   "for float32 on CPU when available)")
+                   "on CPU, when available, for float32 and for bfloat16 weights the native GEMMs do not take)")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every decode step eagerly instead of replaying CUDA graphs captured per padded batch "
                    "size (default: graphs on CUDA when the attention backend supports capture; never on CPU)")
@@ -258,3 +263,9 @@ def _add_kv_transfer_args(g: argparse._ArgumentGroup) -> None:
                    help="pulls a decode engine runs at once (default: %(default)s)")
     g.add_argument("--kv-pull-timeout", type=float, default=t.pull_timeout_seconds, metavar="SECONDS",
                    help="a pull taking longer fails with KV_TRANSFER_FAILED (default: %(default)s)")
+    g.add_argument("--kv-source-allow", action="append", metavar="SOURCE",
+                   help="a server this one may pull KV sessions and embedding handles from: a host name (not "
+                   "resolved), an IP address or CIDR network, 'loopback' (this host: loopback addresses, localhost, "
+                   "its host name) or 'any' (every client trusted to name sources); repeatable; a request naming "
+                   "another is INVALID_ARGUMENT (default: "
+                   f"{' '.join(t.allowed_sources)})")

@@ -4,7 +4,9 @@ allowed range. No torch (the server imports the configs)."""
 
 from __future__ import annotations
 
+import ipaddress
 import numbers
+import re
 
 
 def check_int(owner: object, name: str, minimum: int, maximum: int | None = None, optional: bool = False) -> None:
@@ -48,3 +50,28 @@ def check_name(owner: object, name: str, optional: bool = False) -> None:
     if not isinstance(value, str) or not value:
         none = " or None" if optional else ""
         raise ValueError(f"{type(owner).__name__}.{name} must be a non-empty string{none}, got {value!r}")
+
+
+#: ``KvTransferConfig.allowed_sources`` entries that are not a host or network.
+LOOPBACK_SOURCES, ANY_SOURCE = "loopback", "any"
+
+
+def source_entry(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | str:
+    """One allowed KV source: an IP network (an address is a /32 or /128), else a host name
+    (lower case), else ``loopback`` or ``any``; raises ``ValueError`` for anything else."""
+    if not isinstance(entry, str):
+        raise ValueError(f"{entry!r} is not a string")
+    if entry in (LOOPBACK_SOURCES, ANY_SOURCE):
+        return entry
+    try:
+        return ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        pass
+    if not _HOST_NAME.fullmatch(entry):
+        raise ValueError(f"{entry!r} is not a host name, IP address, CIDR network, {LOOPBACK_SOURCES!r} or "
+                         f"{ANY_SOURCE!r}")
+    return entry.lower()
+
+
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
+                        r"[A-Za-z0-9])?)*\.?")

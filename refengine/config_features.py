@@ -9,10 +9,12 @@ import os
 from dataclasses import dataclass
 
 from refengine.config_checks import (
+    LOOPBACK_SOURCES,
     check_bool,
     check_choice,
     check_int,
     check_positive_float,
+    source_entry,
 )
 
 GUIDED_BACKENDS = ("xgrammar", "llguidance")
@@ -88,7 +90,11 @@ class KvTransferConfig:
     ``session_ttl_seconds``: the lease of a session not yet pulled; its KV is freed at
     expiry. ``chunk_bytes``: the most KV bytes in one gRPC pull chunk (each checksummed).
     ``num_transfer_threads``: pulls a decode engine runs at once. ``pull_timeout_seconds``:
-    the longest one pull may take before it fails (KV_TRANSFER_FAILED).
+    the longest one pull may take before it fails (KV_TRANSFER_FAILED). ``allowed_sources``:
+    the servers a KV session's or an embedding handle's endpoint may name (host names, IP
+    addresses or CIDR networks, ``loopback``, ``any``): pulled rows enter the prefix cache under
+    the request's prompt, so a source a client made up could put made-up KV there for every
+    later client (``engine/kv_sources.py``). Loopback only by default.
     """
 
     backend: str = "grpc"
@@ -96,6 +102,7 @@ class KvTransferConfig:
     chunk_bytes: int = 4 << 20
     num_transfer_threads: int = 4
     pull_timeout_seconds: float = 30.0
+    allowed_sources: tuple[str, ...] = (LOOPBACK_SOURCES,)
 
     def __post_init__(self) -> None:
         check_choice(self, "backend", TRANSFER_BACKENDS)
@@ -103,6 +110,13 @@ class KvTransferConfig:
         check_int(self, "chunk_bytes", 1 << 12, 1 << 26)
         check_int(self, "num_transfer_threads", 1, 64)
         check_positive_float(self, "pull_timeout_seconds")
+        if not self.allowed_sources or not isinstance(self.allowed_sources, tuple):
+            raise ValueError("KvTransferConfig.allowed_sources must be a non-empty tuple (loopback: this host only)")
+        for entry in self.allowed_sources:
+            try:
+                source_entry(entry)
+            except ValueError as exc:
+                raise ValueError(f"KvTransferConfig.allowed_sources: {exc}") from None
 
 
 @dataclass(frozen=True)

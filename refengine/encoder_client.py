@@ -35,8 +35,8 @@ class MediaClient:
         self.stub = media_grpc.MediaStub(client.channel)
 
     def encode(self, items: Sequence[oe.MediaItem], lease_seconds: float | None = None, model: str = "",
-               timeout: float | None = None) -> list[media.EmbeddingHandle]:
-        request = media.EncodeRequest(model=model, items=list(items))
+               timeout: float | None = None, cache_salt: str = "") -> list[media.EmbeddingHandle]:
+        request = media.EncodeRequest(model=model, items=list(items), cache_salt=cache_salt)
         if lease_seconds is not None:
             request.lease_seconds = lease_seconds
         reply = self.stub.Encode(request, timeout=timeout or self.client.timeout, metadata=self.client.metadata)
@@ -87,8 +87,11 @@ def generate_epd(encoder: MediaClient, prefill_client: OpenEngineClient, decode_
     """Encode ``request.media`` on the encoder, then generate with the handles: on
     ``prefill_client`` alone (an aggregated server) when ``decode_client`` is None, else prefill
     then decode. The decode request carries the handles too (it learns their identities; it
-    never pulls them). Handles are released at the end, whatever happened."""
-    handles = encoder.encode(list(request.media), timeout=timeout) if request.media else []
+    never pulls them). Handles are released at the end, whatever happened. A request with a
+    ``kv.cache_salt`` encodes under the same salt: its images share the encoder's cache only with
+    requests of that salt, as its prompt shares the prefix cache."""
+    handles = (encoder.encode(list(request.media), timeout=timeout, cache_salt=request.kv.cache_salt)
+               if request.media else [])
     consumer_request = with_handles(request, handles)
     try:
         if decode_client is None:

@@ -180,8 +180,8 @@ class Media:
         self.stub = media_grpc.MediaStub(server.channel)
         self.made: list[str] = []
 
-    def encode(self, *items: Any, lease: float | None = None, model: str = "") -> list[Any]:
-        request = media.EncodeRequest(model=model, items=list(items))
+    def encode(self, *items: Any, lease: float | None = None, model: str = "", cache_salt: str = "") -> list[Any]:
+        request = media.EncodeRequest(model=model, items=list(items), cache_salt=cache_salt)
         if lease is not None:
             request.lease_seconds = lease
         reply = self.stub.Encode(request, timeout=self.server.options.stream_timeout_s)

@@ -33,7 +33,7 @@ from refengine.config import EngineConfig
 from refengine.engine.encoder_sessions import HandleSessions
 from refengine.engine.info import engine_info
 from refengine.engine.interface import EngineInfo
-from refengine.engine.media import MediaInputs
+from refengine.engine.media import MediaInputs, salted
 from refengine.engine.no_generate import NoGenerate
 from refengine.kv.transfer.base import KvTransferBackend
 from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
@@ -66,7 +66,8 @@ class EncoderEngine(HandleSessions, NoGenerate):
         row_nbytes = expected.hidden_size * media.encoder.dtype.itemsize
         self.arena = EmbeddingArena(max(1, (config.encoder.memory_mib << 20) // row_nbytes), expected.hidden_size,
                                     media.encoder.dtype)
-        self._lock = threading.Lock()  # guards entries and the arena's rows being written
+        self._lock = threading.Lock()  # guards entries, _entry_keys and the arena's rows being written
+        self._entry_keys: dict[str, str] = {}  # handle id -> the cache entry it holds (its identity, salted)
         self.entries = EmbeddingEntries(RowPool(self.arena.num_rows), config.encoder.max_cached_entries)
         self._sweep = threading.Condition()
         self.handles = KvSessionStore(on_change=self._wake_sweeper)
@@ -111,9 +112,11 @@ class EncoderEngine(HandleSessions, NoGenerate):
         return ordered
 
     # -- the Media service -------------------------------------------------------
-    def encode(self, items: Sequence[MediaInput], lease_seconds: float | None = None) -> list[EmbeddingHandleSpec]:
-        """One handle per item, in order (see the module docstring). Raises ``InvalidRequestError``
-        for bad media or lease, ``OverloadedError`` when the arena has no room."""
+    def encode(self, items: Sequence[MediaInput], lease_seconds: float | None = None,
+               cache_salt: str = "") -> list[EmbeddingHandleSpec]:
+        """One handle per item, in order (see the module docstring); with ``cache_salt``, cache
+        entries of that salt only. Raises ``InvalidRequestError`` for bad media or lease,
+        ``OverloadedError`` when the arena has no room."""
         if not items:
             raise InvalidRequestError("items: at least one media item is required")
         if len(items) > self.config.media.max_items:
@@ -121,10 +124,10 @@ class EncoderEngine(HandleSessions, NoGenerate):
         lease = self._lease(lease_seconds)
         data = self.media.fetch(items)
         with self.media.decoding:  # from decoded to encoded: the pixels' memory is bounded
-            return self._encode_and_hold(self.media.decode(items, data), lease)
+            return self._encode_and_hold(self.media.decode(items, data), lease, cache_salt)
 
-    def _encode_and_hold(self, images: list[LoadedImage], lease: float) -> list[EmbeddingHandleSpec]:
-        identities = [image.identity for image in images]
+    def _encode_and_hold(self, images: list[LoadedImage], lease: float, cache_salt: str) -> list[EmbeddingHandleSpec]:
+        identities = [salted(image.identity, cache_salt) for image in images]  # the entries' keys
         with self._lock:
             hits = [self.entries.acquire(identity) for identity in identities]
         held = [identity for identity, rows in zip(identities, hits, strict=True) if rows is not None]
@@ -145,25 +148,26 @@ class EncoderEngine(HandleSessions, NoGenerate):
                 for identity in held:
                     self.entries.drop(identity)
             raise
-        handles = self._make_handles(identities, [rows_of[identity] for identity in identities],
+        handles = self._make_handles(identities, [image.identity for image in images],
+                                     [rows_of[identity] for identity in identities],
                                      [rows is not None for rows in hits], lease)
         self._wake_sweeper()  # its wait now ends at the first of these leases
         return handles
 
-    def _make_handles(self, identities: list[str], rows: list[tuple[int, ...]], cached: list[bool],
+    def _make_handles(self, keys: list[str], identities: list[str], rows: list[tuple[int, ...]], cached: list[bool],
                       lease: float) -> list[EmbeddingHandleSpec]:
         """One handle per item, each taking over one of the item's holds; all or nothing (ENC3):
         when one cannot be made, the handles made are released and the other holds dropped, so
         nothing stays held by a handle no client knows of."""
         handles: list[EmbeddingHandleSpec] = []
         try:
-            for identity, item_rows, hit in zip(identities, rows, cached, strict=True):
-                handles.append(self._new_handle(identity, item_rows, hit, lease))
+            for key, identity, item_rows, hit in zip(keys, identities, rows, cached, strict=True):
+                handles.append(self._new_handle(key, identity, item_rows, hit, lease))
         except BaseException:
             self.release_handles([handle.handle_id for handle in handles])
             with self._lock:
-                for identity in identities[len(handles):]:
-                    self.entries.drop(identity)
+                for key in keys[len(handles):]:
+                    self.entries.drop(key)
             raise
         return handles
 
@@ -180,11 +184,14 @@ class EncoderEngine(HandleSessions, NoGenerate):
         self.arena.put(rows, values)
         return rows
 
-    def _new_handle(self, identity: str, rows: tuple[int, ...], cached: bool, lease: float) -> EmbeddingHandleSpec:
+    def _new_handle(self, key: str, identity: str, rows: tuple[int, ...], cached: bool,
+                    lease: float) -> EmbeddingHandleSpec:
         handle_id = secrets.token_hex(16)
         # the transfers first: the handle exists (and owns its hold on the rows) only once nothing can fail
         transfers = tuple(EmbeddingTransferSpec(name, (), backend.source_attributes(handle_id, rows))
                           for name, backend in self.backends.items())
+        with self._lock:
+            self._entry_keys[handle_id] = key
         self.handles.add(KvSession(handle_id, identity, rows, time.monotonic() + lease))
         mm_hash, algorithm = split_identity(identity)
         expected = self.expectation
@@ -229,7 +236,7 @@ class EncoderEngine(HandleSessions, NoGenerate):
         if due:
             with self._lock:
                 for handle in due:
-                    self.entries.drop(handle.content)
+                    self.entries.drop(self._entry_keys.pop(handle.session_id))
 
     def _wake_sweeper(self) -> None:
         with self._sweep:

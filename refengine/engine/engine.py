@@ -116,7 +116,7 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
             model_config.vocab_size, max_model_len, config.max_sequences_per_request, config.max_logprobs),
             self.guides,
             RoleCheck(config.role, model_fingerprint, config.cache.block_size, self.block_io, backends,
-                      model_config.vocab_size), self.loras, media,
+                      model_config.vocab_size, config.kv_transfer.allowed_sources), self.loras, media,
             tuple(self.core.media_pulls.backends) if self.core.media_pulls else ())
         self._init_front_end()
 

@@ -101,6 +101,10 @@ class InputProcessor:
         if self.media is None:
             raise InvalidRequestError("this model does not accept media (supports_multimodal=false)")
         decode = self.role.role == "decode"
+        if not decode:  # a decode engine never pulls a handle's rows
+            for index, handle in enumerate(params.media_handles):
+                self.role.sources.check((e for t in handle.transfers for e in t.endpoints),
+                                        f"extra media handle {index}")
         return self.media.prepare(prompt_ids, params.media, params.media_handles, need_rows=not decode,
                                   pull_backends=None if decode else self.handle_backends,
                                   cache_salt=params.kv.cache_salt)

@@ -175,7 +175,7 @@ class MediaInputs:
         """Each image's rows, from the encoder cache where it holds them. A salted request's
         entries are its salt's alone (K2): a ``uuid`` is the client's name for an image, and
         another tenant naming a different image the same way got this one's rows."""
-        keys = [image.identity if not cache_salt else f"{image.identity}\0salt:{cache_salt}" for image in images]
+        keys = [salted(image.identity, cache_salt) for image in images]
         found = [self.cache.get(key) for key in keys]
         missing = [i for i, rows in enumerate(found) if rows is None]
         if missing:
@@ -186,6 +186,11 @@ class MediaInputs:
                 found[i] = encoded[row].clone() if len(missing) > 1 else encoded[row]
                 self.cache.put(keys[i], found[i])
         return [rows for rows in found if rows is not None]
+
+
+def salted(identity: str, cache_salt: str | None) -> str:
+    """The encoder-cache key of an image: its identity, within ``cache_salt`` when one is given."""
+    return f"{identity}\0salt:{cache_salt}" if cache_salt else identity
 
 
 @contextlib.contextmanager

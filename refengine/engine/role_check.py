@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from refengine.config_checks import LOOPBACK_SOURCES
+from refengine.engine.kv_sources import SourcePolicy
 from refengine.kv.transfer.attributes import SessionAttributes, prompt_hash
 from refengine.kv.transfer.base import BlockStore, KvTransferBackend
 from refengine.types import GenerationRequest, InvalidRequestError, KvSessionSpec
@@ -25,8 +27,10 @@ from refengine.types import GenerationRequest, InvalidRequestError, KvSessionSpe
 
 class RoleCheck:
     def __init__(self, role: str, fingerprint: str, block_size: int, store: BlockStore,
-                 backends: Mapping[str, KvTransferBackend], vocab_size: int) -> None:
+                 backends: Mapping[str, KvTransferBackend], vocab_size: int,
+                 allowed_sources: tuple[str, ...] = (LOOPBACK_SOURCES,)) -> None:
         self.role = role
+        self.sources = SourcePolicy(allowed_sources)  # where sessions and handles may be pulled from
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.store = store
@@ -61,6 +65,7 @@ class RoleCheck:
         if session.transfer_backend not in self.backends:
             raise InvalidRequestError(f"kv.session.transfer_backend {session.transfer_backend!r} is not one this "
                                       f"engine has: {list(self.backends)}")
+        self.sources.check(session.endpoints, "kv.session")
         try:
             attrs = SessionAttributes.from_json(session.attributes)
         except ValueError as exc:

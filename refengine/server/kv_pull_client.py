@@ -49,6 +49,9 @@ MIN_RECEIVE_MESSAGE_BYTES = 80 << 20
 #: that holds no sessions (still loading after a restart, which lost them all, or of another
 #: role: FAILED_PRECONDITION); an endpoint without the KvPull service (UNIMPLEMENTED).
 NEVER_SERVED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+#: Answers a KvPull source gives on purpose: their details are its own, passed on to the client.
+SOURCE_ANSWERS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                  grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 #: Source endpoints whose channel is kept (least recently used dropped first). A session's
 #: endpoint is named by the client, so an unbounded cache grew by one channel per name sent.
 MAX_CACHED_SOURCES = 64
@@ -151,6 +154,12 @@ class GrpcKvTransfer(KvTransferBackend):
     @staticmethod
     def _failure(err: grpc.RpcError, order: PullOrder) -> TransferFailure:
         code, details = err.code(), err.details()
+        if code not in SOURCE_ANSWERS:
+            # A connection error or a peer that is no KvPull server: its details would tell the
+            # client what listens at the address it named (a port scan); the log keeps them.
+            logger.warning("pulling session %s from %s failed: %s: %s", order.session.session_id,
+                           [f"{e.host}:{e.port}" for e in order.session.endpoints], code.name, details)
+            details = "see the server's log"
         where = f"pulling session {order.session.session_id!r}: {code.name}: {details}"
         if code == grpc.StatusCode.NOT_FOUND:
             return TransferFailure("not_found", where)

@@ -48,7 +48,7 @@ class MediaServicer(media_grpc.MediaServicer):
                 check_model(request.model, self.state.caps)
             lease = request.lease_seconds if request.HasField("lease_seconds") else None
             items = [media_input(item) for item in request.items]
-            handles = await _encode_owned(engine, items, lease)
+            handles = await _encode_owned(engine, items, lease, request.cache_salt)
             return media.EncodeResponse(handles=[handle_to_pb(h, self.state.kv_endpoints) for h in handles])
 
         return await self._run(context, build)
@@ -73,11 +73,11 @@ class MediaServicer(media_grpc.MediaServicer):
 
 
 async def _encode_owned(engine, items: Sequence[MediaInput],  # noqa: ANN001 - the EncoderEngine
-                        lease: float | None) -> list[EmbeddingHandleSpec]:
+                        lease: float | None, cache_salt: str) -> list[EmbeddingHandleSpec]:
     """``engine.encode`` on a worker thread. When the RPC ends first (the client cancelled, its
     deadline passed), the thread still finishes and makes handles whose ids no client will ever
     learn, so nothing but their leases would free them: they are released as soon as it is done."""
-    work = asyncio.ensure_future(asyncio.to_thread(engine.encode, items, lease))
+    work = asyncio.ensure_future(asyncio.to_thread(engine.encode, items, lease, cache_salt))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:

@@ -57,6 +57,12 @@ def _cache_hit_unreported(request: Any, context: grpc.ServicerContext, forward: 
     return reply
 
 
+def _salt_ignored(request: Any, context: grpc.ServicerContext, forward: Forward) -> Any:
+    """ENC4: Encode's cache_salt is dropped: salted and unsalted Encodes share cache entries."""
+    request.cache_salt = ""
+    return forward(request)
+
+
 def _lease_unbounded(request: Any, context: grpc.ServicerContext, forward: Forward) -> Any:
     """ENC5: a lease above the maximum is granted in full: each handle's lease ends lease_seconds from now."""
     reply = forward(request)
@@ -203,6 +209,7 @@ def controls() -> list[EncoderControl]:
         EncoderControl("encoder-takes-text", "ENC2", encoder={"Control/GetModelInfo": _encoder_takes_text}),
         EncoderControl("empty-encode-accepted", "ENC3", encoder={"Media/Encode": _empty_encode_accepted}),
         EncoderControl("cache-hit-unreported", "ENC4", encoder={"Media/Encode": _cache_hit_unreported}),
+        EncoderControl("cache-salt-ignored", "ENC4", encoder={"Media/Encode": _salt_ignored}),
         EncoderControl("zero-lease-default", "ENC5", encoder={"Media/Encode": _zero_lease_default}),
         EncoderControl("lease-unbounded", "ENC5", encoder={"Media/Encode": _lease_unbounded}),
         EncoderControl("abort-keeps-handle", "ENC6", encoder={"Control/Abort": _abort_keeps_handle}),

@@ -89,6 +89,11 @@ BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
     ("lora_rank", lambda: LoraConfig(max_lora_rank=0), r"LoraConfig\.max_lora_rank must be an integer"),
     ("lora_loaded", lambda: LoraConfig(max_loras=8, max_loaded_loras=4),
      r"max_loaded_loras \(4\) must be >= max_loras"),
+    ("kv_source_cidr", lambda: KvTransferConfig(allowed_sources=("10.0.0.0/33",)),
+     r"allowed_sources: '10\.0\.0\.0/33' is not a host name, IP address, CIDR network"),
+    ("kv_source_url", lambda: KvTransferConfig(allowed_sources=("http://prefill",)), r"'http://prefill' is not"),
+    ("kv_source_type", lambda: KvTransferConfig(allowed_sources=(5,)), r"allowed_sources: 5 is not a string"),
+    ("kv_source_none", lambda: KvTransferConfig(allowed_sources=()), r"allowed_sources must be a non-empty tuple"),
 ]
 
 
@@ -200,6 +205,8 @@ FLAG_SETTINGS = [
     (["--kv-pull-chunk-kib", "64"], "KvTransferConfig.chunk_bytes", 64 << 10),
     (["--kv-transfer-threads", "2"], "KvTransferConfig.num_transfer_threads", 2),
     (["--kv-pull-timeout", "7"], "KvTransferConfig.pull_timeout_seconds", 7.0),
+    (["--kv-source-allow", "10.0.0.0/8", "--kv-source-allow", "prefill-0"], "KvTransferConfig.allowed_sources",
+     ("10.0.0.0/8", "prefill-0")),
     (["--enable-lora", "--lora-root", "/srv/a"], "LoraConfig.enabled", True),
     (["--lora-root", "/srv/a", "--lora-root", "/srv/b"], "LoraConfig.roots", ("/srv/a", "/srv/b")),
     (["--max-loras", "2"], "LoraConfig.max_loras", 2),
@@ -269,6 +276,8 @@ def test_flag_errors_name_the_flag_and_the_field() -> None:
         parse("--kv-memory-mib", "0")
     with pytest.raises(ValueError, match=r"^--seed: EngineConfig\.seed"):
         parse("--seed", "-1")
+    with pytest.raises(ValueError, match=r"^--kv-source-allow: KvTransferConfig\.allowed_sources: 'a b' is not"):
+        parse("--kv-source-allow", "a b")
 
 
 def serve_parser() -> argparse.ArgumentParser:

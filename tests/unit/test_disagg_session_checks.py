@@ -15,7 +15,7 @@ import pytest
 from refengine.protocol import oe
 from refengine.server.metadata import RequestMetadata
 from refengine.server.validation import Rejection, check_role
-from refengine.types import InvalidRequestError, KvParams
+from refengine.types import InvalidRequestError, KvEndpointSpec, KvParams
 from tests.unit.test_disagg_engine import PROMPTS, request, run, tiny, trio  # noqa: F401
 
 
@@ -53,6 +53,23 @@ def test_malformed_nixl_block_ids_are_refused_before_acceptance(trio, edit: str)
     bad = replace(session, transfer_backend="nixl", attributes=attributes)
     with pytest.raises(InvalidRequestError, match="unusable by the 'nixl' backend"):
         decode.add_request(replace(params, kv=KvParams(session=bad)))
+
+
+@pytest.mark.parametrize("host", ["10.9.9.9", "attacker.example", "169.254.169.254", "0.0.0.0"])
+def test_a_session_naming_a_source_not_allowed_is_refused_before_acceptance(trio, host: str) -> None:  # noqa: F811
+    """K5 (ref), found by review: a session's attributes can be copied from a real one, and the
+    source it names sent whatever rows it liked, which entered the decode engine's prefix cache
+    under the prompt for later hand-overs of it. Sources are --kv-source-allow's (loopback by
+    default); the request is refused naming the endpoint, and nothing is dialed."""
+    _, prefill, decode, _ = trio
+    params = request("src", PROMPTS[1], None, 0.0)
+    session = run(prefill, params).prefill
+    forged = replace(session, endpoints=(KvEndpointSpec(host, 7000, "grpc"),))  # the server adds them
+    with pytest.raises(InvalidRequestError, match=rf"kv.session: endpoint {host}:7000 is not a source this server"):
+        decode.add_request(replace(params, kv=KvParams(session=forged)))
+    local = replace(session, endpoints=(KvEndpointSpec("127.0.0.1", 7000, "grpc"),))
+    assert decode.add_request(replace(params, request_id="src-ok", kv=KvParams(session=local))).result(30).error \
+        is None
 
 
 @pytest.mark.parametrize("protocol", ["tcp", ""])

@@ -46,7 +46,7 @@ from tests.tiny_llava import NUM_IMAGE_TOKENS, TinyLlava, png, prompt_with
 from tests.unit.test_disagg_engine import InProcessPull
 
 IMAGES = [png(1, (56, 56)), png(2, (80, 64)), png(3, (64, 64))]
-ENDPOINT = (KvEndpointSpec("loopback", 1, "grpc"),)
+ENDPOINT = (KvEndpointSpec("127.0.0.1", 1, "grpc"),)
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +183,26 @@ def test_encode_cache_release_expiry_and_integrity(llava: TinyLlava) -> None:
     with pytest.raises(InvalidRequestError, match="at least one"):
         encoder.encode(())
     assert encoder.reset_prefix_cache() > 0 and encoder.media_stats().cached_entries == 0
+    encoder.shutdown()
+
+
+def test_a_salted_encode_uses_only_its_salt_s_cache_entries(llava: TinyLlava) -> None:
+    """ENC4's salt (before it, an Encode had no salt): a uuid names an image within one salt
+    alone. Another salt, or no salt, naming a different image by the same uuid gets that image's
+    own rows, not the first one's; within the salt the uuid is trusted (a hit)."""
+    encoder = make_encoder(llava.directory)
+    named = [MediaInput("image", raw_bytes=IMAGES[i], uuid="cat") for i in (0, 1)]
+    first, = encoder.encode(named[:1], cache_salt="tenant-a")
+    other, = encoder.encode(named[1:], cache_salt="tenant-b")
+    plain, = encoder.encode(named[1:])
+    same, = encoder.encode(named[1:], cache_salt="tenant-a")
+    assert [h.cached for h in (first, other, plain, same)] == [False, False, False, True]
+    assert {h.mm_hash for h in (first, other, plain, same)} == {"cat"}
+    rows = {h: encoder.read_kv_session(h.handle_id, 0, NUM_IMAGE_TOKENS) for h in (first, other, plain, same)}
+    assert rows[other] == rows[plain] != rows[first] == rows[same]
+    assert encoder.release_handles([h.handle_id for h in rows]) == 4
+    idle(encoder)
+    assert encoder.media_stats().cached_entries == 3
     encoder.shutdown()
 
 
@@ -346,6 +366,10 @@ def test_incompatible_handles_are_refused_before_acceptance(llava: TinyLlava) ->
         "handle_id": replace(good, handle_id=""),
         "modality": replace(good, modality="audio"),
         "offers no transfer": replace(good, transfers=()),
+        # found by review: a client's own server as the source put made-up rows into the prefix
+        # cache under the real image's identity, for every later client sending that image
+        "is not a source this server pulls from": replace(good, transfers=(EmbeddingTransferSpec(
+            "grpc", (KvEndpointSpec("10.9.9.9", 7000, "grpc"),), {}),)),
     }
     for field, bad in cases.items():
         with pytest.raises(InvalidRequestError, match=field):

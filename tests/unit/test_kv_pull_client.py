@@ -178,3 +178,28 @@ def test_channels_to_client_named_sources_are_bounded_and_a_running_pull_outlive
     finally:
         transfer.close()
         server.stop(0)
+
+
+def test_a_connection_error_s_details_go_to_the_log_not_the_client(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by review: the client saw gRPC's connection error ("Connection refused", "Failed
+    parsing HTTP/2") for the endpoint it named, telling it what listens there. A source's own
+    answer (NOT_FOUND: the session is gone) still reaches it."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    transfer = GrpcKvTransfer(PULL_TIMEOUT_S)
+    transfer.bind(_Store(), lambda *_: None)
+    server, port = _serve(_Source(grpc.StatusCode.NOT_FOUND))
+    try:
+        with pytest.raises(TransferFailure) as refused:
+            transfer.pull(_order(closed_port), threading.Event())
+        with pytest.raises(TransferFailure, match="answered NOT_FOUND"):
+            transfer.pull(_order(port), threading.Event())
+    finally:
+        transfer.close()
+        server.stop(0)
+    told = str(refused.value)
+    assert "UNAVAILABLE" in told and "see the server's log" in told and "onnect" not in told, told
+    assert any("onnect" in record.getMessage() for record in caplog.records), caplog.text

@@ -28,29 +28,29 @@ from refengine.protocol.openengine.v1 import generation_pb2 as openengine_dot_v1
 from refengine.protocol.openengine.v1 import kv_pb2 as openengine_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erefengine/v1alpha1/media.proto\x12\x12refengine.v1alpha1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1eopenengine/v1/generation.proto\x1a\x16openengine/v1/kv.proto\"u\n\rEncodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.openengine.v1.MediaItem\x12\x1a\n\rlease_seconds\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_lease_seconds\"F\n\x0e\x45ncodeResponse\x12\x34\n\x07handles\x18\x01 \x03(\x0b\x32#.refengine.v1alpha1.EmbeddingHandle\"\xbe\x02\n\x0f\x45mbeddingHandle\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x0f\n\x07mm_hash\x18\x02 \x01(\t\x12\x19\n\x11mm_hash_algorithm\x18\x03 \x01(\t\x12)\n\x08modality\x18\x04 \x01(\x0e\x32\x17.openengine.v1.Modality\x12\r\n\x05shape\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t\x12\x38\n\ttransfers\x18\n \x03(\x0b\x32%.refengine.v1alpha1.EmbeddingTransfer\x12 \n\x18lease_expires_unix_nanos\x18\x0b \x01(\x04\x12\x0e\n\x06\x63\x61\x63hed\x18\x0c \x01(\x08\"\x7f\n\x11\x45mbeddingTransfer\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12,\n\tendpoints\x18\x02 \x03(\x0b\x32\x19.openengine.v1.KvEndpoint\x12+\n\nattributes\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"$\n\x0eReleaseRequest\x12\x12\n\nhandle_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"=\n\x11RenewLeaseRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"6\n\x12RenewLeaseResponse\x12 \n\x18lease_expires_unix_nanos\x18\x01 \x01(\x04\x32\x89\x02\n\x05Media\x12O\n\x06\x45ncode\x12!.refengine.v1alpha1.EncodeRequest\x1a\".refengine.v1alpha1.EncodeResponse\x12R\n\x07Release\x12\".refengine.v1alpha1.ReleaseRequest\x1a#.refengine.v1alpha1.ReleaseResponse\x12[\n\nRenewLease\x12%.refengine.v1alpha1.RenewLeaseRequest\x1a&.refengine.v1alpha1.RenewLeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erefengine/v1alpha1/media.proto\x12\x12refengine.v1alpha1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1eopenengine/v1/generation.proto\x1a\x16openengine/v1/kv.proto\"\x89\x01\n\rEncodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.openengine.v1.MediaItem\x12\x1a\n\rlease_seconds\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x04 \x01(\tB\x10\n\x0e_lease_seconds\"F\n\x0e\x45ncodeResponse\x12\x34\n\x07handles\x18\x01 \x03(\x0b\x32#.refengine.v1alpha1.EmbeddingHandle\"\xbe\x02\n\x0f\x45mbeddingHandle\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x0f\n\x07mm_hash\x18\x02 \x01(\t\x12\x19\n\x11mm_hash_algorithm\x18\x03 \x01(\t\x12)\n\x08modality\x18\x04 \x01(\x0e\x32\x17.openengine.v1.Modality\x12\r\n\x05shape\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t\x12\x38\n\ttransfers\x18\n \x03(\x0b\x32%.refengine.v1alpha1.EmbeddingTransfer\x12 \n\x18lease_expires_unix_nanos\x18\x0b \x01(\x04\x12\x0e\n\x06\x63\x61\x63hed\x18\x0c \x01(\x08\"\x7f\n\x11\x45mbeddingTransfer\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12,\n\tendpoints\x18\x02 \x03(\x0b\x32\x19.openengine.v1.KvEndpoint\x12+\n\nattributes\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"$\n\x0eReleaseRequest\x12\x12\n\nhandle_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"=\n\x11RenewLeaseRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\"6\n\x12RenewLeaseResponse\x12 \n\x18lease_expires_unix_nanos\x18\x01 \x01(\x04\x32\x89\x02\n\x05Media\x12O\n\x06\x45ncode\x12!.refengine.v1alpha1.EncodeRequest\x1a\".refengine.v1alpha1.EncodeResponse\x12R\n\x07Release\x12\".refengine.v1alpha1.ReleaseRequest\x1a#.refengine.v1alpha1.ReleaseResponse\x12[\n\nRenewLease\x12%.refengine.v1alpha1.RenewLeaseRequest\x1a&.refengine.v1alpha1.RenewLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'refengine.protocol.v1alpha1.media_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENCODEREQUEST']._serialized_start=140
-  _globals['_ENCODEREQUEST']._serialized_end=257
-  _globals['_ENCODERESPONSE']._serialized_start=259
-  _globals['_ENCODERESPONSE']._serialized_end=329
-  _globals['_EMBEDDINGHANDLE']._serialized_start=332
-  _globals['_EMBEDDINGHANDLE']._serialized_end=650
-  _globals['_EMBEDDINGTRANSFER']._serialized_start=652
-  _globals['_EMBEDDINGTRANSFER']._serialized_end=779
-  _globals['_RELEASEREQUEST']._serialized_start=781
-  _globals['_RELEASEREQUEST']._serialized_end=817
-  _globals['_RELEASERESPONSE']._serialized_start=819
-  _globals['_RELEASERESPONSE']._serialized_end=854
-  _globals['_RENEWLEASEREQUEST']._serialized_start=856
-  _globals['_RENEWLEASEREQUEST']._serialized_end=917
-  _globals['_RENEWLEASERESPONSE']._serialized_start=919
-  _globals['_RENEWLEASERESPONSE']._serialized_end=973
-  _globals['_MEDIA']._serialized_start=976
-  _globals['_MEDIA']._serialized_end=1241
+  _globals['_ENCODEREQUEST']._serialized_start=141
+  _globals['_ENCODEREQUEST']._serialized_end=278
+  _globals['_ENCODERESPONSE']._serialized_start=280
+  _globals['_ENCODERESPONSE']._serialized_end=350
+  _globals['_EMBEDDINGHANDLE']._serialized_start=353
+  _globals['_EMBEDDINGHANDLE']._serialized_end=671
+  _globals['_EMBEDDINGTRANSFER']._serialized_start=673
+  _globals['_EMBEDDINGTRANSFER']._serialized_end=800
+  _globals['_RELEASEREQUEST']._serialized_start=802
+  _globals['_RELEASEREQUEST']._serialized_end=838
+  _globals['_RELEASERESPONSE']._serialized_start=840
+  _globals['_RELEASERESPONSE']._serialized_end=875
+  _globals['_RENEWLEASEREQUEST']._serialized_start=877
+  _globals['_RENEWLEASEREQUEST']._serialized_end=938
+  _globals['_RENEWLEASERESPONSE']._serialized_start=940
+  _globals['_RENEWLEASERESPONSE']._serialized_end=994
+  _globals['_MEDIA']._serialized_start=997
+  _globals['_MEDIA']._serialized_end=1262
 # @@protoc_insertion_point(module_scope)

@@ -11,14 +11,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("model", "items", "lease_seconds")
+    __slots__ = ("model", "items", "lease_seconds", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     items: _containers.RepeatedCompositeFieldContainer[_generation_pb2.MediaItem]
     lease_seconds: float
-    def __init__(self, model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[_generation_pb2.MediaItem, _Mapping]]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., items: _Optional[_Iterable[_Union[_generation_pb2.MediaItem, _Mapping]]] = ..., lease_seconds: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("handles",)
