@@ -28,6 +28,7 @@ import xgrammar
 from refengine.config import CacheConfig, EngineConfig, GuidedConfig, SchedulerConfig
 from refengine.engine.engine import Engine
 from refengine.sampling.guided import GuideCompiler, GuidedSpecError, backend_modes
+from refengine.sampling.guided.compiler import MAX_SCHEMA_DEPTH
 from refengine.types import (
     GUIDED_MODES,
     CandidateSpec,
@@ -507,6 +508,27 @@ def test_spec_size_and_choice_count_limits(tiny) -> None:
     assert_refused(engine, GuidedSpec("choice", choices=("a", "b", "c", "d")))
     (ok,) = engine.run_until_done([request("ok", GuidedSpec("choice", choices=("a", "b", "c")), prompt(3, 4))])
     assert ok.outputs[0].text in ("a", "b", "c")
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_schema_nested_too_deep_is_refused_before_compiling(tiny, backend: str) -> None:
+    """Found by review: 900 nested arrays (22 KB) compiled for 36 s, past the 5 s limit, on a
+    worker that kept compiling; two such specs held both workers and refused every other guide.
+    Now nesting past MAX_SCHEMA_DEPTH is refused at once; below it, it compiles (brackets inside
+    strings do not count; llguidance's own parser stops near 100 levels)."""
+    def nested(depth: int) -> str:
+        schema: dict = {"type": "string", "description": "[[{"}
+        for _ in range(depth - 1):
+            schema = {"type": "array", "items": schema, "maxItems": 1}
+        return json.dumps(schema)
+
+    engine = make_engine(tiny)
+    started = time.perf_counter()
+    assert_refused(engine, GuidedSpec("json_schema", nested(900), backend=backend), "nests objects and arrays 900")
+    assert time.perf_counter() - started < 1.0
+    assert MAX_SCHEMA_DEPTH >= 64
+    engine.guides.compile(GuidedSpec("json_schema", nested(64), backend=backend))
     assert_idle(engine)
 
 
