@@ -30,7 +30,7 @@ class SlowEncoder:
         self.started, self.finish, self.released_all = threading.Event(), threading.Event(), threading.Event()
         self.released: list[str] = []
 
-    def encode(self, items: list[MediaInput], lease: float | None) -> list[EmbeddingHandleSpec]:
+    def encode(self, items: list[MediaInput], lease: float | None, cache_salt: str = "") -> list[EmbeddingHandleSpec]:
         self.started.set()
         assert self.finish.wait(WAIT)
         return [spec(f"h{i}") for i in range(len(items))]
