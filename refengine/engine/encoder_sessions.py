@@ -6,17 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from refengine.kv.transfer.sessions import KvSessionStore
+from refengine.kv.transfer.base import KvTransferBackend
+from refengine.kv.transfer.sessions import KvSessionStore, expecting
 from refengine.model.embedding_io import EmbeddingArena
 from refengine.types import InvalidRequestError
 
 
 class HandleSessions:
-    """Mixed into ``EncoderEngine``, which sets ``handles`` and ``arena`` and defines
-    ``release_handles`` and ``_free_due``."""
+    """Mixed into ``EncoderEngine``, which sets ``handles``, ``arena`` and ``backends`` and
+    defines ``release_handles`` and ``_free_due``."""
 
     handles: KvSessionStore
     arena: EmbeddingArena
+    backends: dict[str, KvTransferBackend]
 
     def release_handles(self, handle_ids: Sequence[str]) -> int:
         raise NotImplementedError
@@ -44,8 +46,11 @@ class HandleSessions:
     def kv_layout(self) -> str:
         return self.arena.layout
 
-    def pin_kv_session(self, session_id: str, seconds: float) -> tuple[int, ...]:
-        return self.handles.pin(session_id, seconds)
+    def pin_kv_session(self, session_id: str, seconds: float, expected_content: str = "") -> tuple[int, ...]:
+        return self.handles.pin(session_id, seconds, expecting(expected_content, self.kv_read_identity()))
+
+    def kv_read_identity(self) -> str:
+        return next((b.read_identity for b in self.backends.values() if b.read_identity), "")
 
     def confirm_kv_session(self, session_id: str, pinned: bool = False) -> bool:
         """A consumer pulled the handle: it is released (ENC6), and its pin ends if it pinned one."""

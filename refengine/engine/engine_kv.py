@@ -17,7 +17,7 @@ from refengine.engine.core import EngineCore, KvEventSink
 from refengine.engine.kv_events import KvEventHub, KvEventSubscription
 from refengine.kv.transfer.base import KvTransferBackend, SessionPinner
 from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
-from refengine.kv.transfer.sessions import KvSessionStore
+from refengine.kv.transfer.sessions import KvSessionStore, expecting
 from refengine.model.kv_io import KvBlockIO
 from refengine.types import EngineStats, InvalidRequestError, KvEvent
 
@@ -70,6 +70,7 @@ class EngineKvMixin:
         for backend in backends.values():  # a backend's own confirmation follows a pinned READ (NIXL's)
             backend.bind(self.block_io, lambda session_id, pulled: self.confirm_kv_session(session_id, pinned=True)
                          if pulled else self.kv_sessions.unpin(session_id))
+        self._kv_read_identity = next((b.read_identity for b in backends.values() if b.read_identity), "")
 
     # -- KV events and the prefix cache (any thread; each waits for the current step) --
     def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,
@@ -116,8 +117,11 @@ class EngineKvMixin:
     def kv_layout(self) -> str:
         return self.block_io.layout
 
-    def pin_kv_session(self, session_id: str, seconds: float) -> tuple[int, ...]:
-        return self.kv_sessions.pin(session_id, seconds)
+    def pin_kv_session(self, session_id: str, seconds: float, expected_content: str = "") -> tuple[int, ...]:
+        return self.kv_sessions.pin(session_id, seconds, expecting(expected_content, self._kv_read_identity))
+
+    def kv_read_identity(self) -> str:
+        return self._kv_read_identity
 
     def confirm_kv_session(self, session_id: str, pinned: bool = False) -> bool:
         return self.kv_sessions.release(session_id, "pulled", pulled=True, pinned=pinned)

@@ -95,9 +95,14 @@ class EngineClient(Protocol):
     def kv_layout(self) -> str:
         """The KV cache layout (``BlockStore.layout``): equal strings = compatible blocks."""
 
-    def pin_kv_session(self, session_id: str, seconds: float) -> tuple[int, ...]:
+    def pin_kv_session(self, session_id: str, seconds: float, expected_content: str = "") -> tuple[int, ...]:
         """Keep a live session's blocks for a one-sided remote read of up to ``seconds``;
-        returns their ids."""
+        returns their ids. ``expected_content``: the digest of what the reader will READ
+        (``pinned_content``); another one raises ``KvSessionMismatch`` and pins nothing."""
+
+    def kv_read_identity(self) -> str:
+        """What a one-sided reader of this engine's sessions reads from (its NIXL agent and
+        regions, ``nixl_source.source_identity``); a pin says it, "" when none is offered."""
 
     def confirm_kv_session(self, session_id: str, pinned: bool = False) -> bool:
         """A decode engine has pulled it: free it. ``pinned``: that pull had pinned it (a

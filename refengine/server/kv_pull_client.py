@@ -172,8 +172,9 @@ class GrpcKvTransfer(KvTransferBackend):
 
     def start_pin(self, session: KvSessionSpec, seconds: float, trace: tuple[tuple[str, str], ...] = (),
                   content: str = "") -> Callable[[], None]:
-        call = self._stub(session).Pin.future(pb.PinRequest(session_id=session.session_id, seconds=seconds),
-                                              timeout=self.pull_timeout_seconds, metadata=trace)
+        pin = pb.PinRequest(session_id=session.session_id, seconds=seconds,
+                            expected_content=content_digest(content) if content else "")
+        call = self._stub(session).Pin.future(pin, timeout=self.pull_timeout_seconds, metadata=trace)
         order = PullOrder("", session, 0, (), content=content)
 
         def outcome() -> None:

@@ -24,7 +24,7 @@ from refengine.kv.transfer.base import SESSION_CONTENT_KEY, content_digest, pinn
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
 from refengine.server.state import ServerState
-from refengine.types import InvalidRequestError, KvSessionNotFound
+from refengine.types import InvalidRequestError, KvSessionMismatch, KvSessionNotFound
 
 #: Room in a chunk's message for its fields besides the data (two varints, a length, a CRC).
 CHUNK_OVERHEAD_BYTES = 1024
@@ -89,10 +89,13 @@ class KvPullServicer(pb_grpc.KvPullServicer):
         seconds = min(max(request.seconds, 0.0), self.state.engine_config.kv_transfer.pull_timeout_seconds)
         try:
             content = engine.kv_session_content(request.session_id)
-            block_ids = engine.pin_kv_session(request.session_id, seconds)
-            # What the puller's READ reads (ENC8, K10): the content, in the blocks it names itself.
-            digest = content_digest(pinned_content(content, block_ids))
+            block_ids = engine.pin_kv_session(request.session_id, seconds, request.expected_content)
+            # What the puller's READ reads (ENC8, K10): the content, in the blocks and the memory it
+            # names itself (from attributes a client forwards).
+            digest = content_digest(pinned_content(content, block_ids, engine.kv_read_identity()))
             await context.send_initial_metadata(((SESSION_CONTENT_KEY, digest),))
             return pb.SessionReply(num_blocks=len(block_ids))
         except KvSessionNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except KvSessionMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

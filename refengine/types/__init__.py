@@ -11,6 +11,7 @@ before acceptance), ``kv_events`` (what the prefix cache published); import them
 from refengine.types.errors import (
     DuplicateRequestError,
     InvalidRequestError,
+    KvSessionMismatch,
     KvSessionNotFound,
     LoraConflictError,
     LoraDisabledError,
@@ -77,6 +78,7 @@ __all__ = [
     "KvEvent",
     "KvEventBatch",
     "KvParams",
+    "KvSessionMismatch",
     "KvSessionNotFound",
     "KvSessionSpec",
     "LogprobParams",

@@ -21,6 +21,10 @@ class KvSessionNotFound(LookupError):
     """No such KV session here: never made, released, or its lease expired (K7, A2)."""
 
 
+class KvSessionMismatch(ValueError):
+    """A pin named other blocks or memory than the session holds: nothing was pinned."""
+
+
 
 class LoraDisabledError(RequestError):
     """LoRA is not enabled on this engine (R5)."""

@@ -9,6 +9,7 @@ no test hook in the engine.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import signal
@@ -29,7 +30,8 @@ from refengine.conformance.registry import Status
 from refengine.conformance.report import format_matrix
 from refengine.conformance.runner import run
 from refengine.conformance.target import Options
-from refengine.kv.transfer.nixl_backend import nixl_available
+from refengine.kv.transfer.base import KvRegion
+from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
 from refengine.protocol import oe
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
 from tests.integration.conftest import ServerProcess, Stream, free_port, start_server, wait_ready
@@ -338,13 +340,36 @@ def test_an_incompatible_session_is_refused_before_acceptance(clients, change: s
     wait_idle(clients["decode"])
 
 
-@pytest.mark.parametrize("backend", ["grpc", "nixl"])
+class _ForgedMemory:
+    """Memory of a NIXL agent the client runs, laid out like the source's regions (all zeros)."""
+
+    layout, dtype = "forged", "float32"
+
+    def __init__(self, regions: list[list]) -> None:
+        self.buffers = [bytearray(int(n) * int(size)) for _, n, size in regions]
+        self.regions = tuple(KvRegion(ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b)), int(n), int(size))
+                             for b, (_, n, size) in zip(self.buffers, regions, strict=True))
+        self.block_nbytes = sum(r.block_nbytes for r in self.regions)
+
+
+def _forged_agent(transfer: dict) -> tuple[NixlKvTransfer, dict]:
+    """The session's NIXL attributes naming the client's own agent, whose memory has the source's layout."""
+    agent = NixlKvTransfer(None)
+    agent.bind(_ForgedMemory(transfer["nixl_regions"]), lambda *_: None)
+    forged = agent.source_attributes("forged", transfer["nixl_block_ids"])
+    return agent, {**transfer, **{k: forged[k] for k in ("nixl_agent_name", "nixl_agent_metadata", "nixl_regions")}}
+
+
+@pytest.mark.parametrize("backend", ["grpc", "nixl", "nixl-agent"])
 def test_a_session_of_another_prompt_fails_the_pull_and_poisons_nothing(clients, backend: str) -> None:
     """K10 (found by review): prompts A and B of the same length; A's session with B's session
     id (gRPC), or with B's block ids (NIXL: the decode engine READs the ids the attributes name).
     The decode engine checks the attributes against its prompt, but the blocks were B's: it
     decoded on them and cached them under A's block hashes, so A's own session then reused them.
-    Now the source says what it holds (the prompt, and for a pin the blocks) and the pull fails."""
+    Now the source says what it holds (the prompt, and for a pin the blocks) and the pull fails.
+    ``nixl-agent``: A's session naming an agent the client runs, whose memory holds zeros; the
+    pin at the real source succeeded and the READ took the zeros. Now a pin also says which
+    agent and regions it holds the blocks in."""
     prefill_name = "prefill" if backend == "grpc" else "prefill_nixl"
     if prefill_name not in clients:
         pytest.skip(f"nixl: {nixl_available()[1]}")
@@ -359,12 +384,16 @@ def test_a_session_of_another_prompt_fails_the_pull_and_poisons_nothing(clients,
     a_session, b_session = (prefill(clients[prefill_name], req, timeout=60).prefill_ready.kv_session for req in reqs)
     edited = oe.KvSessionRef()
     edited.CopyFrom(a_session)
+    forged_agent = None
     if backend == "grpc":
         edited.session_id = b_session.session_id
     else:
         attributes = json_format.MessageToDict(a_session.attributes_struct)
-        attributes["transfer"]["nixl_block_ids"] = json_format.MessageToDict(
-            b_session.attributes_struct)["transfer"]["nixl_block_ids"]
+        if backend == "nixl":
+            attributes["transfer"]["nixl_block_ids"] = json_format.MessageToDict(
+                b_session.attributes_struct)["transfer"]["nixl_block_ids"]
+        else:
+            forged_agent, attributes["transfer"] = _forged_agent(attributes["transfer"])
         edited.attributes_struct.Clear()
         edited.attributes_struct.update(attributes)
     decode_req = oe.GenerateRequest()
@@ -380,6 +409,8 @@ def test_a_session_of_another_prompt_fails_the_pull_and_poisons_nothing(clients,
     clients[prefill_name].control.Abort(oe.AbortRequest(kv_session=b_session), timeout=10)
     for name in (prefill_name, "decode"):
         wait_idle(clients[name])
+    if forged_agent is not None:
+        forged_agent.close()
 
 
 def test_role_mismatch_is_refused(clients) -> None:

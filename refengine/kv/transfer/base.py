@@ -76,10 +76,12 @@ def content_digest(content: str) -> str:
     return hashlib.sha256(content.encode()).hexdigest()
 
 
-def pinned_content(content: str, block_ids: Sequence[int]) -> str:
-    """What a pin's source says it holds: the content and the blocks a one-sided READ reads. The
-    reader names the blocks itself (from the session's attributes), so they are checked too."""
-    return f"{content}; blocks {','.join(map(str, block_ids))}"
+def pinned_content(content: str, block_ids: Sequence[int], read_from: str = "") -> str:
+    """What a pin's source says it holds: the content, the blocks a one-sided READ reads and
+    ``read_from``, the identity of the memory it reads (``nixl_source.source_identity``). The
+    reader takes blocks and memory from the session's attributes, which come with the request:
+    a client could name its own agent there, so both are checked against the source."""
+    return f"{content}; blocks {','.join(map(str, block_ids))}; from {read_from}"
 
 
 class Cancellation(threading.Event):
@@ -144,6 +146,9 @@ class KvTransferBackend(ABC):
 
     name: str  # as in KvSessionRef.transfer_backend
     protocol: str  # as in KvEndpoint.protocol of the sessions it offers
+    #: Source side, once bound: the identity of this engine's memory as a one-sided reader of
+    #: it names it (``pinned_content``'s ``read_from``); "" for a backend no one READs through.
+    read_identity: str = ""
 
     @abstractmethod
     def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:

@@ -41,6 +41,7 @@ from refengine.kv.transfer.nixl_source import (
     descriptor_ranges,
     fail,
     parse_source,
+    source_identity,
     source_problem,
 )
 
@@ -124,7 +125,9 @@ class NixlKvTransfer(KvTransferBackend):
         self._registered = self._agent.register_memory(
             [(r.address, r.num_blocks * r.block_nbytes, 0, "") for r in store.regions], "DRAM")
         # after registering: the metadata carries the registered regions' remote keys
-        self._metadata_b64 = base64.b64encode(self._agent.get_agent_metadata()).decode("ascii")
+        metadata = self._agent.get_agent_metadata()
+        self._metadata_b64 = base64.b64encode(metadata).decode("ascii")
+        self.read_identity = source_identity(self.agent_name, metadata, store.regions)
         self._on_confirmed = on_confirmed
 
     def _watch_once(self) -> None:
@@ -198,7 +201,10 @@ class NixlKvTransfer(KvTransferBackend):
         started = time.perf_counter()
         # The READ overlaps the pin's round trip (see SessionPinner); the release goes only
         # after both, or an early release would make the pin fail.
-        content = pinned_content(order.content, source.block_ids) if order.content else ""
+        # the pin succeeds only if the source holds this content in these blocks of the memory
+        # this READ reads: an agent the request named that is not the pinned server's fails it
+        read_from = source_identity(source.agent_name, source.metadata, source.regions)
+        content = pinned_content(order.content, source.block_ids, read_from) if order.content else ""
         pinner = self._pinner
         pin_outcome = pinner.start_pin(order.session, self._timeout, order.trace, content) if pinner else None
         peer = self._remote(source)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,14 @@ def _parse_region(value: Any) -> KvRegion:
     if int(value[0]) >= 2**64 or value[1] < 1 or value[2] < 1:
         raise fail(f"nixl_regions entry {value!r} is out of range")
     return KvRegion(int(value[0]), int(value[1]), int(value[2]))
+
+
+def source_identity(agent_name: str, metadata: bytes, regions: Sequence[KvRegion]) -> str:
+    """A digest of what a one-sided READ reads from: the agent (its name and metadata, which
+    hold its address and the remote keys) and its registered regions."""
+    digest = hashlib.sha256(f"{agent_name}\0{len(metadata)}\0".encode() + metadata)
+    digest.update(";".join(f"{r.address}:{r.num_blocks}:{r.block_nbytes}" for r in regions).encode())
+    return digest.hexdigest()
 
 
 def parse_source(attributes: Any) -> NixlSource:

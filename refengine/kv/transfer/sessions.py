@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from refengine.types import KvSessionNotFound
+from refengine.kv.transfer.base import content_digest, pinned_content
+from refengine.types import KvSessionMismatch, KvSessionNotFound
 
 
 @dataclass(eq=False)
@@ -81,11 +82,15 @@ class KvSessionStore:
         if due:  # the last reader of a released or expired session: wake the step loop to free it
             self._on_change()
 
-    def pin(self, session_id: str, seconds: float) -> tuple[int, ...]:
+    def pin(self, session_id: str, seconds: float, check: Callable[[KvSession], None] | None = None,
+            ) -> tuple[int, ...]:
         """Keep a live session's blocks for a one-sided read of up to ``seconds`` (it also
-        outlives its lease that long). Returns its block ids."""
+        outlives its lease that long). Returns its block ids. ``check`` may refuse the pin by
+        raising (nothing is pinned then)."""
         with self._lock:
             session = self._live(session_id)
+            if check is not None:
+                check(session)
             session.pinned_until = max(session.pinned_until, self._clock() + seconds)
             session.pins += 1
             return session.block_ids
@@ -181,3 +186,16 @@ class KvSessionStore:
     def __contains__(self, session_id: str) -> bool:
         with self._lock:
             return session_id in self._sessions
+
+
+def expecting(expected_content: str, read_from: str) -> Callable[[KvSession], None] | None:
+    """A ``pin`` check: the session holds what the reader will READ (``expected_content``, the
+    digest of ``pinned_content``; ``read_from``: this engine's memory, ``read_identity``)."""
+    if not expected_content:
+        return None
+
+    def check(session: KvSession) -> None:
+        if content_digest(pinned_content(session.content, session.block_ids, read_from)) != expected_content:
+            raise KvSessionMismatch(f"KV session {session.session_id!r} holds another item than the pin names "
+                                    "(its content, its blocks, or the memory they are read from)")
+    return check

@@ -36,12 +36,14 @@ class SessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("session_id", "seconds")
+    __slots__ = ("session_id", "seconds", "expected_content")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CONTENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    expected_content: str
+    def __init__(self, session_id: _Optional[str] = ..., seconds: _Optional[float] = ..., expected_content: _Optional[str] = ...) -> None: ...
 
 class SessionReply(_message.Message):
     __slots__ = ("num_blocks",)
