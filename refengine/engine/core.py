@@ -151,12 +151,9 @@ class EngineCore(CoreInflowMixin):
         prefill step is load, not idleness). Its KV events are published also when it raises: a
         snapshot taken before the engine's ``fail_all`` must hold no block stored after it (E2)."""
         try:
-            outputs = self._step(abort_ids, on_scheduled)
+            return self._step(abort_ids, on_scheduled)
         finally:
             self._publish_kv_events()
-        if self.config.debug_kv_integrity and not self.requests:
-            self.check_idle()
-        return outputs
 
     def _step(self, abort_ids: Iterable[str], on_scheduled: Callable[[], None] | None) -> list[RequestOutput]:
         outcome = StepOutcome()
@@ -280,9 +277,14 @@ class EngineCore(CoreInflowMixin):
         self._prompt_logprobs_pending.discard(request.request_id)
 
     def _publish_kv_events(self) -> None:
+        """After ``_emit`` retired the finished requests: a failing sink must not end the step
+        (their outputs would be lost, their streams never end), so it is logged instead."""
         sink = self.kv_event_sink
         if sink is not None and (events := self.pool.take_events()):
-            sink(events)
+            try:
+                sink(events)
+            except Exception:
+                logger.exception("publishing %d KV events failed; they are lost to subscribers", len(events))
 
     # -- observation -------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -242,6 +242,7 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
             # (a long prefill is load); otherwise the last step's snapshot still describes it.
             outputs = self.core.step(abort_ids, on_scheduled=self._take_stats if new else None)
         self._deliver(outputs)
+        self._check_when_idle()
         return outputs
 
     def _take_stats(self) -> None:

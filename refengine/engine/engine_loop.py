@@ -63,6 +63,14 @@ class EngineLoopMixin:
                 logger.exception("engine step failed")
                 self.fail_all(f"engine fault: {type(exc).__name__}: {exc}")
 
+    def _check_when_idle(self: Engine) -> None:
+        """``--debug-kv-integrity``: the pool's integrity once no request is left. After a step's
+        outputs were delivered: a failing check must not lose the end of a request it retired."""
+        if self.config.debug_kv_integrity:
+            with self._step_lock:
+                if not self.core.requests:
+                    self.core.check_idle()
+
     def _wait_seconds(self: Engine) -> float | None:
         due = self.kv_sessions.seconds_until_due()
         return min(STALLED_POLL_SECONDS, due if due is not None else STALLED_POLL_SECONDS) if self._stalled else due
