@@ -67,10 +67,15 @@ def source_entry(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | 
         return ipaddress.ip_network(entry, strict=False)
     except ValueError:
         pass
-    if not _HOST_NAME.fullmatch(entry):
+    if not is_host_name(entry):
         raise ValueError(f"{entry!r} is not a host name, IP address, CIDR network, {LOOPBACK_SOURCES!r} or "
                          f"{ANY_SOURCE!r}")
-    return entry.lower()
+    return entry.lower().rstrip(".")
+
+
+def is_host_name(text: str) -> bool:
+    """Letters, digits and hyphens in dot-separated labels (RFC 1123), an optional final dot."""
+    return bool(_HOST_NAME.fullmatch(text))
 
 
 _HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
