@@ -176,8 +176,8 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
         with self._lock:
             if params.request_id in self._active_ids:
                 raise DuplicateRequestError(f"request_id {params.request_id!r} is already active")
-            if len(self._active_ids) >= self.config.scheduler.max_active_requests:
-                raise OverloadedError("too many requests in flight; retry later")
+            if self._stopping or len(self._active_ids) >= self.config.scheduler.max_active_requests:
+                raise OverloadedError("the engine is shut down" if self._stopping else "too many requests in flight")
             self._active_ids.add(params.request_id)
             if params.health_probe:
                 self._probe_ids.add(params.request_id)

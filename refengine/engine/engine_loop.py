@@ -1,6 +1,7 @@
 """Driving the engine: its step loop on a background thread, woken by new work, and its
-shutdown. A mixin of ``Engine`` (it uses the front end's lock, inbox and flags), kept apart so
-``engine.py`` reads as the front end alone. ``Engine.run_until_done`` steps synchronously instead.
+shutdown, which ends what is still active. A mixin of ``Engine`` (it uses the front end's lock,
+inbox and flags), kept apart so ``engine.py`` reads as the front end alone.
+``Engine.run_until_done`` steps synchronously instead.
 
 The loop steps while requests are active, unless the last step ran nothing (only pulls in
 flight: ``_stalled``), in which case it waits for a wake or polls every ``STALLED_POLL_SECONDS``;
@@ -33,12 +34,21 @@ class EngineLoopMixin:
         self._loop_thread.start()
 
     def shutdown(self: Engine) -> None:
+        """Stop the loop, then end every request still active with one terminal error (a
+        server drains first; an in-process caller would otherwise wait on them forever)."""
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
         if self._loop_thread is not None:
             self._loop_thread.join()
             self._loop_thread = None
+        with self._lock:  # the loop is gone: this thread steps now; queued requests end too
+            self._unadmitted += self._inbox
+            self._inbox = []
+            self._sinks.update(self._new_sinks)
+            self._new_sinks = {}
+        if self._active_ids:
+            self.fail_all("the engine shut down")
         if self.core.disagg is not None:
             self.core.disagg.loads.shutdown()
             for backend in self.core.disagg.backends.values():

@@ -129,4 +129,5 @@ class EngineClient(Protocol):
         """Run the step loop on a background thread."""
 
     def shutdown(self) -> None:
-        """Stop the step loop (requests still active are left as they are)."""
+        """Stop the step loop; requests still active then end with one terminal error, and
+        ``add_request`` refuses new ones (OverloadedError) until ``start``."""

@@ -1,0 +1,46 @@
+"""``Engine.shutdown`` with requests still active (found by review): they were left as they
+were, so an in-process caller waited on them forever, and a request added afterwards was
+accepted and never served. Now each ends with one terminal error, its KV freed, and a later
+``add_request`` is refused (OverloadedError) until ``start``."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from refengine.types import OverloadedError
+from tests.unit.test_engine import greedy, make_engine, prompt, tiny  # noqa: F401 - tiny: a fixture
+
+
+def test_shutdown_ends_running_and_queued_requests_and_refuses_new_ones(tiny) -> None:  # noqa: F811
+    engine = make_engine(tiny)
+    running = engine.add_request(greedy("running", prompt(0, 8), max_tokens=200))
+    engine.start()
+    deadline = time.monotonic() + 30
+    while engine.stats().running_requests == 0:  # until it is being computed
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.01)
+    engine.shutdown()
+    queued = engine.add_request  # after shutdown: refused, nothing accepted
+    with pytest.raises(OverloadedError, match="shut down"):
+        queued(greedy("late", prompt(1, 8), max_tokens=4))
+    completion = running.result(timeout=5)
+    assert completion.error is not None and "shut down" in completion.error.message
+    assert not engine.has_unfinished_requests
+    assert engine.core.pool.num_used == 0
+    engine.start()  # a restarted engine serves again
+    try:
+        again = engine.add_request(greedy("again", prompt(2, 8), max_tokens=3)).result(timeout=30)
+        assert again.error is None and len(again.outputs[0].token_ids) == 3
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_ends_requests_no_step_took_yet(tiny) -> None:  # noqa: F811
+    engine = make_engine(tiny)  # never started: nothing steps
+    waiting = engine.add_request(greedy("waiting", prompt(3, 8), max_tokens=4))
+    engine.shutdown()
+    completion = waiting.result(timeout=5)
+    assert completion.error is not None and "shut down" in completion.error.message
+    assert not engine.has_unfinished_requests
