@@ -36,7 +36,7 @@ spec = importlib.util.spec_from_file_location("gpu_check", "benchmarks/gpu_check
 gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # for its dataclasses
 spec.loader.exec_module(gpu_check)
 timed = gpu_check.best_of
-gpu_check.best_of = lambda fn, device: timed(fn, device, repeats=1)  # the interpreter is slow
+gpu_check.best_of = lambda fn, device, calls=1: timed(fn, device, repeats=1)  # the interpreter is slow: one call
 rows = gpu_check.decode_tuning(gpu_check.shapes(dry_run=True), bandwidth=1e9)
 assert [(r["block_n"], r["num_warps"], r["num_stages"]) for r in rows] == gpu_check.TUNING, rows
 assert all(r.get("ms", 0) > 0 and r["fraction_of_copy"] > 0 for r in rows), rows
