@@ -12,7 +12,10 @@ greedy prefill → decode output with the target's when the target is AGGREGATED
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
+from google.protobuf import struct_pb2
 
 from refengine.conformance.assertions import settled
 from refengine.conformance.enums import enum_name
@@ -72,10 +75,29 @@ def prefill_ready_only(t: Target) -> str:
     return f"backend {session.transfer_backend}, {len(session.attributes_struct)} attributes"
 
 
+def _inexact_numbers(value: Any, path: str) -> list[str]:
+    """``path=value`` of each number in a Struct/ListValue/Value tree at or past 2^53 in magnitude."""
+    if isinstance(value, struct_pb2.Struct):
+        return [p for key, item in value.fields.items() for p in _inexact_numbers(item, f"{path}.{key}")]
+    if isinstance(value, struct_pb2.ListValue):
+        return [p for i, item in enumerate(value.values) for p in _inexact_numbers(item, f"{path}[{i}]")]
+    kind = value.WhichOneof("kind")
+    if kind in ("struct_value", "list_value"):
+        return _inexact_numbers(getattr(value, kind), path)
+    if kind == "number_value" and abs(value.number_value) >= 2.0 ** 53:
+        return [f"{path}={value.number_value!r}"]
+    return []
+
+
 @check("K9", "the decode server takes the session unchanged and streams tokens")
 def forwarded_session_decodes(t: Target) -> str:
+    """K9: no number in ``attributes_struct`` is past 2^53 (a JSON number cannot hold such an
+    identifier exactly: it travels as a decimal string; found by review: unchecked), and the
+    decode server decodes the session forwarded unchanged."""
     pre, dec = _pair(t)
     req, stream = _prefill(pre, "k9")
+    inexact = _inexact_numbers(_session(stream).attributes_struct, "attributes_struct")
+    expect(not inexact, f"numbers JSON cannot hold exactly (64-bit values must be decimal strings): {inexact[:3]}")
     out = _decode(dec, req, _session(stream))
     expect(out.ok and out.tokens() and out.finished() is not None and not out.of("error"),
            f"decode of a forwarded session: {out.describe()}")
@@ -87,18 +109,22 @@ def decode_refuses_bad_sessions(t: Target) -> str:
     pre, dec = _pair(t)
     req, stream = _prefill(pre, "k5")
     good = _session(stream)
-    bad_backend, no_id = oe.KvSessionRef(), oe.KvSessionRef()
-    bad_backend.CopyFrom(good)
-    bad_backend.transfer_backend = "no-such-backend"
-    no_id.CopyFrom(good)
-    no_id.session_id = ""
+    malformed = {name: oe.KvSessionRef() for name in ("unknown backend", "empty session_id", "no endpoints",
+                                                      "endpoint port 0")}
+    for session in malformed.values():
+        session.CopyFrom(good)
+    malformed["unknown backend"].transfer_backend = "no-such-backend"
+    malformed["empty session_id"].session_id = ""
+    malformed["no endpoints"].ClearField("endpoints")  # K5 names the endpoints (found by review: unchecked)
+    for endpoint in malformed["endpoint port 0"].endpoints:
+        endpoint.port = 0
     without = dec.generate(dec.request("k5-none", max_tokens=8))
     expect(not without.ok and not without.events, f"no session: {without.describe()}")
-    for name, session in (("unknown backend", bad_backend), ("empty session_id", no_id)):
+    for name, session in malformed.items():
         out = _decode(dec, req, session)
         expect(out.code == grpc.StatusCode.INVALID_ARGUMENT and not out.events, f"{name}: {out.describe()}")
     pre.unary("Abort", oe.AbortRequest(kv_session=good))
-    return "3 refused"
+    return f"{len(malformed) + 1} refused"
 
 
 @check("K6", "a session sent to a PREFILL server is refused before acceptance")

@@ -17,9 +17,9 @@ from refengine.conformance.options import Options
 from refengine.conformance.registry import CheckFailed, CheckSkipped
 
 #: The rules whose checks judge whether a server returns to idle (no running or queued request,
-#: KV blocks released) after work they caused: abort (A4), client cancel (A5), load counts (H4),
-#: session release (K7). See :meth:`Target.wait_idle`.
-IDLE_RULES = frozenset({"A4", "A5", "H4", "K7"})
+#: KV blocks released) after work they caused: abort all (A3), abort (A4), client cancel (A5), load
+#: counts (H4), session release (K7). See :meth:`Target.wait_idle`.
+IDLE_RULES = frozenset({"A3", "A4", "A5", "H4", "K7"})
 
 
 class LoadWaits:

@@ -189,6 +189,8 @@ class Control(oe.ControlServicer):
             ids = list(self.engine.jobs)
             for rid in ids:
                 self.engine.abort(rid)
+            if ids and f.abort_all_leaks:
+                self.engine.leaked_blocks += 2
             aborted = ids and not f.abort_all_wrong_status
             return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED if aborted else oe.ABORT_STATUS_ALREADY_FINISHED)
         status = self.engine.abort(request.request_id)

@@ -110,6 +110,8 @@ class Faults:
     count_own_blocks: bool = False  # K3: a request's freshly stored blocks counted as cached
     prefill_leaks_tokens: bool = False  # K4: the PREFILL stream sends a TokenOutput before PrefillReady
     decode_accepts_bad_backend: bool = False  # K5: DECODE takes a session of an unknown transfer backend
+    decode_accepts_any_endpoints: bool = False  # K5: DECODE takes a session without endpoints, or with port 0
+    identifier_as_number: bool = False  # K9: a 64-bit identifier in attributes_struct as a JSON number
     prefill_accepts_session: bool = False  # K6: PREFILL takes a request carrying kv.session
     session_abort_leaks_blocks: bool = False  # K7: Abort(kv_session) forgets the session, keeps its KV
     missing_session_status: bool = False  # K8: a gone session refused by status, not an EngineError
@@ -121,6 +123,7 @@ class Faults:
     unknown_abort_finished: bool = False  # A2: Abort(unknown request_id) → ALREADY_FINISHED
     finished_ids_forgotten: bool = False  # A2: Abort(finished request_id) → NOT_FOUND, not ALREADY_FINISHED
     abort_all_wrong_status: bool = False  # A3: Abort(all) with requests running answers ALREADY_FINISHED
+    abort_all_leaks: bool = False  # A3: Abort(all) ends the streams CANCELLED but keeps 2 KV blocks
     abort_first_output_only: bool = False  # A4: Abort finishes only the first unfinished output
     cancel_reason: int = oe.FINISH_REASON_CANCELLED  # X4: e.g. 4, a FinishReason the release lacks
     finish_reason: int = 0  # X4: when set (e.g. 17), the reason of every GenerationFinished
@@ -137,6 +140,7 @@ class Faults:
     lora_path_unchecked: bool = False  # R1: any source_path accepted
     already_loaded_false: bool = False  # R2: an identical second load reports already_loaded = false
     conflict_replaces: bool = False  # R3: a load sharing a loaded adapter's name, id or path replaces it
+    path_ignored_when_loaded: bool = False  # R3: the same id and name with another path is "already loaded"
     unknown_lora_invalid: bool = False  # R4: Generate naming an unknown adapter → INVALID_ARGUMENT
     lora_disabled_invalid: bool = False  # R5: LoRA disabled, the lifecycle RPCs → INVALID_ARGUMENT
     max_loras_zero: bool = False  # R6: supports_lora = true with max_loras = 0

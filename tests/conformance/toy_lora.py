@@ -63,7 +63,8 @@ class ToyLoras:
             return oe.LoadLoraResponse()  # X2's fault: the failure hidden in an OK answer
         self._valid(a)
         with self.lock:
-            if any(_same(a, b) for b in self.loaded.values()):
+            if any(_same(a, b) or (self.faults.path_ignored_when_loaded and (a.lora_id, a.lora_name)
+                                   == (b.lora_id, b.lora_name)) for b in self.loaded.values()):
                 return oe.LoadLoraResponse(adapter=a, already_loaded=not self.faults.already_loaded_false)
             clashing = [name for name, b in self.loaded.items() if _shares(a, b)]
             require(not clashing or self.faults.conflict_replaces, f"conflicts with loaded {clashing}",

@@ -77,6 +77,8 @@ class PrefillInference(Inference):
         session = oe.KvSessionRef(session_id=self.store.hold(prompt), transfer_backend=BACKEND,
                                   endpoints=[oe.KvEndpoint(host="127.0.0.1", port=self.port, protocol="grpc")])
         json_format.ParseDict(ATTRIBUTES, session.attributes_struct)
+        if self.engine.faults.identifier_as_number:
+            session.attributes_struct["block_table_id"] = 18446744073709551557  # 2^64 - 59: inexact as a double
         yield oe.GenerateResponse(request_id=request.request_id, prefill_ready=oe.PrefillReady(kv_session=session),
                                   usage=oe.Usage(prompt_tokens=len(prompt), completion_tokens=0,
                                                  total_tokens=len(prompt), cached_prompt_tokens=0))
@@ -132,7 +134,8 @@ class DecodeInference(Inference):
         session = request.kv.session
         if not request.kv.HasField("session"):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a DECODE engine needs kv.session")
-        if not session.session_id or not session.endpoints or \
+        endpoints_ok = bool(session.endpoints) and all(0 < e.port < 65536 for e in session.endpoints)
+        if not session.session_id or not (endpoints_ok or f.decode_accepts_any_endpoints) or \
                 (session.transfer_backend != BACKEND and not f.decode_accepts_bad_backend):
             context.abort(INVALID, f"malformed kv.session: {session}")
         prompt = self.store.take(session.session_id)
