@@ -6,9 +6,9 @@ that prompt or image, and have this server dial any address it likes. So each en
 checked before acceptance against ``KvTransferConfig.allowed_sources`` (``--kv-source-allow``):
 by default this host only: the loopback addresses, ``localhost`` and the machine's own host name
 (what a server bound to a wildcard advertises), so prefill, encoder and consumer on one host
-need no flag. A host name
-matches only itself (it is not resolved: a name could resolve elsewhere by the time the pull
-dials it); an address matches a listed network; ``any`` trusts every client to name sources.
+need no flag. A host name matches only itself (it is not resolved: a name could resolve
+elsewhere by the time the pull dials it); an address matches a listed network; ``any`` trusts
+every client to name sources.
 """
 
 from __future__ import annotations
