@@ -16,6 +16,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from refengine.types import EngineFault, RequestOutput
+
 if TYPE_CHECKING:
     from refengine.engine.engine import Engine
 
@@ -71,7 +73,29 @@ class EngineLoopMixin:
                 self.step()
             except Exception as exc:
                 logger.exception("engine step failed")
-                self.fail_all(f"engine fault: {type(exc).__name__}: {exc}")
+                self._end_all(f"engine fault: {type(exc).__name__}: {exc}")
+
+    def _end_all(self: Engine, message: str) -> None:
+        """``fail_all``. When that raises too, the engine's state is broken: every stream still
+        ends, with one terminal error sent straight to its sink, and the engine stops (new
+        requests are refused; its health probe fails). Before, the loop thread died unnoticed
+        and every waiting client hung."""
+        try:
+            self.fail_all(message)
+        except Exception:
+            logger.exception("ending the requests after an engine fault failed too: the engine stops")
+            with self._lock:
+                self._stopping = True
+                sinks = {**self._sinks, **self._new_sinks}
+                self._sinks, self._new_sinks, self._inbox = {}, {}, []
+                self._active_ids.clear()
+                self._abort_ids.clear()
+            fault = EngineFault("internal", f"{message}; the engine stopped", retryable=False)
+            for request_id, sink in sinks.items():
+                try:
+                    sink(RequestOutput(request_id, finished=True, error=fault))
+                except Exception:  # a broken consumer must not keep the others from their end
+                    logger.exception("output sink of request %s failed", request_id)
 
     def _check_when_idle(self: Engine) -> None:
         """``--debug-kv-integrity``: the pool's integrity once no request is left. After a step's

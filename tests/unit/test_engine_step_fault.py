@@ -12,6 +12,7 @@ import pytest
 
 from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from refengine.engine.engine import Engine
+from refengine.types import OverloadedError
 from tests.unit.test_engine import TOKENIZER, assert_idle, greedy, make_engine, prompt, tiny  # noqa: F401 - tiny: a fixture
 
 
@@ -84,5 +85,36 @@ def test_a_failing_integrity_check_loses_no_request_s_end(tiny, monkeypatch: pyt
         completion = stream.result(timeout=30)
         assert completion.error is None and len(completion.outputs[0].token_ids) == 1
         assert not engine.has_unfinished_requests
+    finally:
+        engine.shutdown()
+
+
+def test_a_fault_while_ending_the_requests_after_a_fault_still_ends_them(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811, E501
+    """Found by review: the loop ran ``fail_all`` unguarded, so a second fault inside it killed the
+    step loop silently; every client then waited forever and new requests were accepted and never
+    served. Now each stream ends with one terminal error and the engine stops, refusing new work."""
+    engine = make_engine(tiny)
+
+    def broken_step(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        raise RuntimeError("injected step fault")
+
+    finish = engine.core.scheduler.finish
+    calls = []
+
+    def finish_once_broken(seq) -> None:  # noqa: ANN001
+        calls.append(seq)
+        if len(calls) == 1:
+            raise ValueError("list.remove(x): x not in list")
+        finish(seq)
+
+    monkeypatch.setattr(engine.core.runner, "execute", broken_step)
+    monkeypatch.setattr(engine.core.scheduler, "finish", finish_once_broken)
+    stream = engine.add_request(greedy("x", prompt(0, 6), max_tokens=4))
+    engine.start()
+    try:
+        completion = stream.result(timeout=30)
+        assert completion.error is not None and "the engine stopped" in completion.error.message
+        with pytest.raises(OverloadedError, match="shut down"):
+            engine.add_request(greedy("y", prompt(1, 6), max_tokens=2))
     finally:
         engine.shutdown()
