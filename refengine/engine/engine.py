@@ -25,7 +25,7 @@ from refengine.engine.disagg import Disaggregation
 from refengine.engine.engine_kv import EngineKvMixin, choose_transfer_backends
 from refengine.engine.engine_loop import EngineLoopMixin
 from refengine.engine.engine_lora import EngineLoraMixin, StepLora
-from refengine.engine.info import engine_info, kernel_paths
+from refengine.engine.info import context_bounded_by_pool, engine_info, kernel_paths
 from refengine.engine.input_processor import InputProcessor
 from refengine.engine.interface import OutputSink
 from refengine.engine.kv_events import KvEventHub
@@ -46,6 +46,7 @@ from refengine.types import (
     DuplicateRequestError,
     EngineFault,
     EngineStats,
+    EngineStoppedError,
     GenerationRequest,
     OverloadedError,
     RequestOutput,
@@ -58,15 +59,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FINISHED_ID_WINDOW = 4096  # finished request ids remembered for abort's ALREADY_FINISHED
-
-
-def _bounded_by_pool(max_model_len: int, pool_tokens: int) -> int:
-    """The context served: the model's, or less when the KV pool cannot hold one sequence of it
-    (every request of a longer context would be refused or wait forever); said at start-up."""
-    if pool_tokens < max_model_len:
-        logger.warning("the KV pool holds %d tokens, less than max_model_len %d: serving a %d-token context "
-                       "(raise --num-kv-blocks or --kv-memory-mib for more)", pool_tokens, max_model_len, pool_tokens)
-    return min(max_model_len, pool_tokens)
 
 
 class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
@@ -91,7 +83,7 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
                             model_config.max_position_embeddings)
         backends = choose_transfer_backends(config, transfer_backends)
         runner = make_runner(config, model_config, weights, max_model_len, kv_huge_pages="nixl" in backends)
-        max_model_len = _bounded_by_pool(max_model_len, runner.num_blocks * config.cache.block_size)
+        max_model_len = context_bounded_by_pool(max_model_len, runner.num_blocks * config.cache.block_size)
         lora = config.lora
         self.loras = LoraRegistry(lora, model_config)
         self.kv_events = KvEventHub(config.kv_events.retained_batches, config.kv_events.subscriber_buffer)
@@ -167,17 +159,18 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
 
     # -- accepting work (any thread) ------------------------------------------
     def add_request(self, params: GenerationRequest, sink: OutputSink | None = None) -> RequestStream | None:
-        """Validate and enqueue. Raises a ``RequestError`` subclass (nothing allocated)
-        when the request is refused. Returns the default stream when no sink is given."""
+        """Validate and enqueue; returns the default stream when no sink is given. A refusal
+        raises a ``RequestError`` subclass, with nothing allocated."""
         request = self.input_processor.process(params)
-        stream = None
-        if sink is None:
-            stream = sink = RequestStream(params.request_id, params.sampling.num_sequences)
+        stream = RequestStream(params.request_id, params.sampling.num_sequences) if sink is None else None
+        sink = sink or stream
         with self._lock:
             if params.request_id in self._active_ids:
                 raise DuplicateRequestError(f"request_id {params.request_id!r} is already active")
-            if self._stopping or len(self._active_ids) >= self.config.scheduler.max_active_requests:
-                raise OverloadedError("the engine is shut down" if self._stopping else "too many requests in flight")
+            if self._stopping:
+                raise EngineStoppedError("the engine is shut down")
+            if len(self._active_ids) >= self.config.scheduler.max_active_requests:
+                raise OverloadedError("too many requests in flight; retry later")
             self._active_ids.add(params.request_id)
             if params.health_probe:
                 self._probe_ids.add(params.request_id)

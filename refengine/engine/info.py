@@ -76,3 +76,12 @@ def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_na
         attention_backend_reason=kernels[1],
         cpu_bf16_path=kernels[2],
     )
+
+
+def context_bounded_by_pool(max_model_len: int, pool_tokens: int) -> int:
+    """The context served: the model's, or less when the KV pool cannot hold one sequence of it
+    (every request of a longer context would be refused or wait forever); said at start-up."""
+    if pool_tokens < max_model_len:
+        logger.warning("the KV pool holds %d tokens, less than max_model_len %d: serving a %d-token context "
+                       "(raise --num-kv-blocks or --kv-memory-mib for more)", pool_tokens, max_model_len, pool_tokens)
+    return min(max_model_len, pool_tokens)

@@ -130,4 +130,4 @@ class EngineClient(Protocol):
 
     def shutdown(self) -> None:
         """Stop the step loop; requests still active then end with one terminal error, and
-        ``add_request`` refuses new ones (OverloadedError) until ``start``."""
+        ``add_request`` refuses new ones (EngineStoppedError) until ``start``."""

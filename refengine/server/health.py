@@ -36,6 +36,7 @@ from refengine.protocol import oe
 from refengine.server.state import Lifecycle, ServerState
 from refengine.server.validation import check_model
 from refengine.types import (
+    EngineStoppedError,
     FinishReason,
     GenerationRequest,
     KvParams,
@@ -118,8 +119,9 @@ async def inference_probe(engine: EngineClient, timeout: float) -> oe.HealthChec
     started, steps_before = time.perf_counter(), engine.stats().num_steps
     try:
         engine.add_request(params, sink)
-    except RequestError as exc:
-        return _check("inference_probe", oe.HEALTH_STATE_DEGRADED, f"probe not admitted: {exc}")
+    except RequestError as exc:  # a stopped engine serves nothing: NOT_READY; else busy, or a limit
+        state = oe.HEALTH_STATE_NOT_READY if isinstance(exc, EngineStoppedError) else oe.HEALTH_STATE_DEGRADED
+        return _check("inference_probe", state, f"probe not admitted: {exc}")
     try:
         out = await asyncio.wait_for(asyncio.shield(done), timeout)
     except TimeoutError:

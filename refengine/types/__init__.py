@@ -10,6 +10,7 @@ before acceptance), ``kv_events`` (what the prefix cache published); import them
 
 from refengine.types.errors import (
     DuplicateRequestError,
+    EngineStoppedError,
     InvalidRequestError,
     KvSessionMismatch,
     KvSessionNotFound,
@@ -88,6 +89,7 @@ __all__ = [
     "LoraNotFoundError",
     "MediaInput",
     "MediaStats",
+    "EngineStoppedError",
     "OverloadedError",
     "RequestError",
     "RequestOutput",

@@ -40,3 +40,8 @@ class LoraConflictError(RequestError):
 
 class OverloadedError(RequestError):
     """The engine cannot take more work now; retrying later may succeed."""
+
+
+class EngineStoppedError(OverloadedError):
+    """The engine was shut down, or stopped after a fault it could not recover from: another
+    replica may take the request (so it stays an overload to a client), this one will not."""

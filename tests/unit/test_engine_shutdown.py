@@ -1,7 +1,7 @@
 """``Engine.shutdown`` with requests still active (found by review): they were left as they
 were, so an in-process caller waited on them forever, and a request added afterwards was
 accepted and never served. Now each ends with one terminal error, its KV freed, and a later
-``add_request`` is refused (OverloadedError) until ``start``."""
+``add_request`` is refused (EngineStoppedError, an OverloadedError) until ``start``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from refengine.types import OverloadedError
+from refengine.types import EngineStoppedError
 from tests.unit.test_engine import greedy, make_engine, prompt, tiny  # noqa: F401 - tiny: a fixture
 
 
@@ -23,7 +23,7 @@ def test_shutdown_ends_running_and_queued_requests_and_refuses_new_ones(tiny) ->
         time.sleep(0.01)
     engine.shutdown()
     queued = engine.add_request  # after shutdown: refused, nothing accepted
-    with pytest.raises(OverloadedError, match="shut down"):
+    with pytest.raises(EngineStoppedError, match="shut down"):
         queued(greedy("late", prompt(1, 8), max_tokens=4))
     completion = running.result(timeout=5)
     assert completion.error is not None and "shut down" in completion.error.message
@@ -44,3 +44,18 @@ def test_shutdown_ends_requests_no_step_took_yet(tiny) -> None:  # noqa: F811
     completion = waiting.result(timeout=5)
     assert completion.error is not None and "shut down" in completion.error.message
     assert not engine.has_unfinished_requests
+
+
+def test_a_stopped_engine_s_health_probe_is_not_ready(tiny) -> None:  # noqa: F811
+    """An engine that stopped (shut down, or after a fault it could not end its requests from)
+    refuses the probe with EngineStoppedError: NOT_READY, where a busy one is DEGRADED."""
+    import asyncio
+
+    from refengine.protocol import oe
+    from refengine.server.health import inference_probe
+
+    engine = make_engine(tiny)
+    engine.start()
+    engine.shutdown()
+    check = asyncio.run(inference_probe(engine, timeout=5.0))
+    assert check.state == oe.HEALTH_STATE_NOT_READY and "shut down" in check.message, check
