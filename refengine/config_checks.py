@@ -74,9 +74,11 @@ def source_entry(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | 
 
 
 def is_host_name(text: str) -> bool:
-    """Letters, digits and hyphens in dot-separated labels (RFC 1123), an optional final dot."""
+    """Letters, digits, hyphens and underscores (names a resolver takes, as Docker's service
+    names) in dot-separated labels, an optional final dot: nothing a dialer would decode or
+    split (``%``, ``/``, ``:``, ``@``, spaces)."""
     return bool(_HOST_NAME.fullmatch(text))
 
 
-_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
-                        r"[A-Za-z0-9])?)*\.?")
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?(\.[A-Za-z0-9_]"
+                        r"([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")

@@ -80,7 +80,8 @@ class GrpcKvTransfer(KvTransferBackend):
         endpoint = next((e for e in session.endpoints if e.protocol in PULL_PROTOCOLS), None)
         if endpoint is None:
             raise TransferFailure("failed", f"session {session.session_id!r} names no grpc endpoint")
-        target = f"{endpoint.host}:{endpoint.port}"
+        host = endpoint.host
+        target = f"[{host}]:{endpoint.port}" if ":" in host and not host.startswith("[") else f"{host}:{endpoint.port}"
         with self._lock:
             if target in self._sources:
                 self._sources.move_to_end(target)

@@ -203,3 +203,23 @@ def test_a_connection_error_s_details_go_to_the_log_not_the_client(caplog: pytes
     told = str(refused.value)
     assert "UNAVAILABLE" in told and "see the server's log" in told and "onnect" not in told, told
     assert any("onnect" in record.getMessage() for record in caplog.records), caplog.text
+
+
+def test_an_ipv6_source_named_without_brackets_is_dialed() -> None:
+    """Found by review: ``::1`` and a port made the target ``::1:PORT``, which gRPC cannot read
+    (the source allow-list takes IPv6 hosts with or without brackets)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_KvPullServicer_to_server(_Source(grpc.StatusCode.NOT_FOUND), server)
+    port = server.add_insecure_port("[::1]:0")
+    if not port:
+        pytest.skip("no IPv6 loopback here")
+    server.start()
+    transfer = GrpcKvTransfer(PULL_TIMEOUT_S)
+    transfer.bind(_Store(), lambda *_: None)
+    session = KvSessionSpec("s-1", "grpc", (KvEndpointSpec(host="::1", port=port, protocol="grpc"),))
+    try:
+        with pytest.raises(TransferFailure, match="answered NOT_FOUND"):  # it reached the source
+            transfer.pull(PullOrder("r-1", session, 0, (0, 1)), threading.Event())
+    finally:
+        transfer.close()
+        server.stop(0)

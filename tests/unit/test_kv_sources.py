@@ -55,6 +55,12 @@ def test_a_host_the_dialer_would_read_otherwise_is_never_allowed(host: str) -> N
         assert not SourcePolicy(allowed).allows(host), (allowed, host)
 
 
+def test_any_takes_every_name_a_resolver_takes() -> None:
+    """Found by review of the host check: a Docker service name (an underscore) was refused under `any`."""
+    assert SourcePolicy(("any",)).allows("prefill_server")
+    assert SourcePolicy(("prefill_server",)).allows("prefill_server")
+
+
 def test_entries_written_with_a_final_dot_or_ipv4_mapped_match() -> None:
     """Found by review: both were accepted and then matched nothing."""
     policy = SourcePolicy(("prefill.example.", "::ffff:10.0.0.0/104"))
