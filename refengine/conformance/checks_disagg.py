@@ -12,6 +12,7 @@ greedy prefill → decode output with the target's when the target is AGGREGATED
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import grpc
@@ -37,6 +38,8 @@ def _pair(t: Target) -> tuple[Target, Target]:
         expect(roles == [oe.ENGINE_ROLE_PREFILL, oe.ENGINE_ROLE_DECODE],
                f"--prefill/--decode report roles {[enum_name(oe.EngineRole, r) for r in roles]}")
         t.cache["k_pair"] = pair
+    for peer in t.cache["k_pair"]:  # judged by the running check's rule: a leak another check waits out is
+        peer.rule = t.rule          # that rule's finding there, not this one's (wait_idle)
     return t.cache["k_pair"]
 
 
@@ -158,6 +161,31 @@ def abort_releases_the_session(t: Target) -> str:
     expect(code == grpc.StatusCode.NOT_FOUND, f"a released session aborted again: {code.name}, want NOT_FOUND")
     pre.wait_idle("K7: after Abort(kv_session)", baseline=base.used_kv_blocks)
     return "released, then NOT_FOUND"
+
+
+@check("K7", "a finished prefill → decode hand-over releases the KV of both servers")
+def finish_releases_both(t: Target) -> str:
+    """K7 (finish): after a session is decoded to its end, both servers are back to the KV they
+    used before it (found by review: only Abort(kv_session) was judged, so a DECODE server
+    keeping KV after every finished decode passed). Needs GetLoad on both (optional: else skip)."""
+    pre, dec = _pair(t)
+    if not (pre.has_load and dec.has_load):
+        skip("needs GetLoad on the PREFILL and DECODE servers to see their KV")
+    before = settled(pre, "K7 finish: prefill before"), settled(dec, "K7 finish: decode before")
+    req, stream = _prefill(pre, "k7f")
+    out = _decode(dec, req, _session(stream))
+    if not (out.ok and out.finished() is not None and not out.of("error")):
+        skip(f"the decode did not finish ({out.describe()}): K9 judges the decode stream")
+    for server, base, what in ((pre, before[0], "PREFILL"), (dec, before[1], "DECODE")):
+        load = server.wait_until(functools.partial(_back_to, base.used_kv_blocks))
+        expect(_back_to(base.used_kv_blocks, load),
+               f"the {what} server holds {load.used_kv_blocks} KV blocks after a finished hand-over, "
+               f"{base.used_kv_blocks} before it (running {load.running_requests}, queued {load.queued_requests})")
+    return "both servers back to their KV after the decode finished"
+
+
+def _back_to(used_kv_blocks: int, load: Any) -> bool:
+    return load.running_requests == 0 and load.queued_requests == 0 and load.used_kv_blocks <= used_kv_blocks
 
 
 @check("K8", "decoding a released session ends with one not-retryable KV error, then OK")

@@ -131,6 +131,7 @@ CONTROLS = [
     Control("identifier-as-number", "K9", broken(identifier_as_number=True)),
     Control("prefill-accepts-session", "K6", broken(prefill_accepts_session=True)),
     Control("session-abort-leaks-blocks", "K7", broken(session_abort_leaks_blocks=True)),
+    Control("decode-leaks-on-finish", "K7", broken(decode_leaks_on_finish=True)),
     Control("gone-session-refused-by-status", "K8", broken(missing_session_status=True)),
     Control("decode-omits-finish", "K9", broken(decode_omits_finish=True)),
     Control("decode-differs", "K10", broken(decode_differs=True)),

@@ -111,6 +111,7 @@ class Faults:
     prefill_leaks_tokens: bool = False  # K4: the PREFILL stream sends a TokenOutput before PrefillReady
     decode_accepts_bad_backend: bool = False  # K5: DECODE takes a session of an unknown transfer backend
     decode_accepts_any_endpoints: bool = False  # K5: DECODE takes a session without endpoints, or with port 0
+    decode_leaks_on_finish: bool = False  # K7: the DECODE server keeps 2 KV blocks after each finished decode
     identifier_as_number: bool = False  # K9: a 64-bit identifier in attributes_struct as a JSON number
     prefill_accepts_session: bool = False  # K6: PREFILL takes a request carrying kv.session
     session_abort_leaks_blocks: bool = False  # K7: Abort(kv_session) forgets the session, keeps its KV

@@ -154,6 +154,8 @@ class DecodeInference(Inference):
         for event in super().Generate(decode, context):
             if not (f.decode_omits_finish and event.WhichOneof("event") == "finished"):
                 yield event
+        if f.decode_leaks_on_finish:
+            self.engine.leaked_blocks += 2
 
 
 class DecodeControl(Control):

@@ -589,7 +589,7 @@ def test_conformance_section_k_passes_on_the_pair(servers, server_address: str) 
     print("\n" + format_matrix(results))
     for result in results:
         observe("prefill+decode", result)
-    assert len(results) == 10 and all(r.status is Status.PASS for r in results), format_matrix(results)
+    assert len(results) == 11 and all(r.status is Status.PASS for r in results), format_matrix(results)
 
 
 def test_a_prefill_server_whose_block_exceeds_its_message_limit_does_not_start(
