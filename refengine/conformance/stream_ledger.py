@@ -38,7 +38,6 @@ class StreamLedger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._seen: dict[int, StreamResult] = {}  # held, so that no later stream reuses an id()
         self._rules_of_streams: list[str] = []  # the owning rule of each stream recorded
         self._findings: list[Finding] = []
 
@@ -47,9 +46,9 @@ class StreamLedger:
         if not res.ok:  # a cut or failed stream is judged by its own check (X1, A4, A5)
             return
         with self._lock:
-            if id(res) in self._seen:
+            if res.recorded:
                 return
-            self._seen[id(res)] = res
+            res.recorded = True  # a flag, not a set of the results: they stay free to go
             self._rules_of_streams.append(res.rule)
             for problem in problems:
                 rule, _, text = problem.partition(": ")

@@ -30,6 +30,7 @@ class StreamResult:
     started: float = 0.0
     check: str = ""  # the name of that check (a finding of the run-wide checks names it)
     ledger: StreamLedger | None = field(default=None, repr=False)  # where its structure is recorded
+    recorded: bool = field(default=False, repr=False)  # by the ledger, once
 
     @property
     def ok(self) -> bool:

@@ -109,6 +109,12 @@ def json_depth(text: str) -> int:
     return deepest
 
 
+def _check_depth(spec: GuidedSpec) -> None:
+    if spec.mode in ("json_schema", "structural_tag") and (depth := json_depth(spec.spec)) > MAX_SCHEMA_DEPTH:
+        raise GuidedSpecError(f"the {spec.mode} nests objects and arrays {depth} deep; the limit is "
+                              f"{MAX_SCHEMA_DEPTH}")
+
+
 class GuideCompiler:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: tuple[int, ...],
                  config: GuidedConfig) -> None:
@@ -140,8 +146,14 @@ class GuideCompiler:
                 self._cache.move_to_end(key)
                 return cached
             future = self._compiling.get(key)
-            if future is None:
-                future = self._compiling[key] = self._pool.submit(lambda: self._compile(key, backend, spec))
+        if future is None:  # not compiled yet: the scan (3 ms for 64 KiB) is not repeated on each hit
+            _check_depth(spec)
+            with self._lock:
+                if (cached := self._cache.get(key)) is not None:  # compiled meanwhile
+                    return cached
+                future = self._compiling.get(key)
+                if future is None:
+                    future = self._compiling[key] = self._pool.submit(lambda: self._compile(key, backend, spec))
         timeout = self.config.compile_timeout_seconds
         try:
             return future.result(timeout)
@@ -177,9 +189,6 @@ class GuideCompiler:
                                   f"{len(spec.choices)}")
         if spec.mode not in ("json_object", "choice") and not spec.spec:
             raise GuidedSpecError(f"guided.{spec.mode} is empty")
-        if spec.mode in ("json_schema", "structural_tag") and (depth := json_depth(spec.spec)) > MAX_SCHEMA_DEPTH:
-            raise GuidedSpecError(f"the {spec.mode} nests objects and arrays {depth} deep; the limit is "
-                                  f"{MAX_SCHEMA_DEPTH}")
         return name
 
     def _backend(self, name: str) -> GrammarBackend:
