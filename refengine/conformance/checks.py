@@ -15,6 +15,8 @@ from refengine.conformance import (  # noqa: F401
     checks_kv_block_events,
     checks_kv_connector,
     checks_kv_events,
+    checks_kv_hash,
+    checks_kv_sources,
     checks_logprobs,
     checks_lora,
     checks_media,

@@ -1,47 +1,35 @@
-"""Section E — KV events (E1–E6): ``Control.SubscribeKvEvents`` and ``GetKvEventSources``.
+"""Section E — KV events, E1 and E2: ``Control.SubscribeKvEvents``'s numbering, replay and snapshot.
 
 What a client can see on any server: while the suite generates a few requests with fresh
-prompts, the batches a subscriber receives are numbered strictly increasing per rank (E1);
-a snapshot lists the blocks cached by an earlier request and live batches follow it
-without a gap (E2); a replay from a number still retained gives the same batches again and
-one that is gone ends with exactly one terminal ``EngineError``, then status OK (E1, E5);
-every stored block's parent is known to a view built from a snapshot (E3/E4), and a salted
-copy of a prompt stores blocks of its own (E4); ``GetKvEventSources`` never advertises a
-wildcard host, answers one source per requested rank or none, and refuses unknown or
-repeated ranks (E6). Every check skips, saying why, on a server whose ``SubscribeKvEvents``
-is UNIMPLEMENTED.
-
-:class:`KvSubscriber` and :class:`KvView` are also used by refengine's own integration tests.
+prompts, the batches a subscriber receives are numbered strictly increasing per rank (E1); a
+replay from a number still retained gives the same batches again, and one that is gone is not
+served silently (E1; that it fails as one terminal ``EngineError``, then OK, is E5's,
+``checks_kv_sources``); a snapshot lists exactly the blocks a live subscriber knows to be
+cached, and live batches follow it without a gap (E2). Every check skips, saying why, on a
+server whose ``SubscribeKvEvents`` is UNIMPLEMENTED. E3 is ``checks_kv_block_events``, E4
+``checks_kv_hash``, E5 and E6 ``checks_kv_sources``.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from refengine.conformance.enums import enum_name
-from refengine.conformance.hosts import is_wildcard_host
-from refengine.conformance.kv_subscriber import (  # noqa: F401
-    _MISSING,
+from refengine.conformance.kv_subscriber import (
     EVENT_WAIT_S,
-    SETTLE_S,
-    HashKey,
-    KvSubscriber,
     KvView,
-    _block_size,
     _key,
     _need_text,
     fresh_prompt,
     generate,
-    latest_number,
     live_batches,
+    publish_up_to,
     subscribe,
     terminal_error,
 )
-from refengine.conformance.registry import check, expect, not_claimed, skip
+from refengine.conformance.registry import check, expect, skip
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
@@ -95,7 +83,7 @@ def replay_expired(t: Target) -> str:
     should be an error event is E5's."""
     live, _ = live_batches(t, "e1x", wanted=2)
     try:
-        newest = _publish_up_to(t, live, t.options.replay_budget_batches)
+        newest = publish_up_to(t, live, t.options.replay_budget_batches, "e1x")
     finally:
         live.close()
     if newest <= 1:
@@ -119,160 +107,78 @@ def replay_expired(t: Target) -> str:
     return f"replay from 1 (newest {newest}): {enum_name(oe.ErrorCode, error.code)} {error.message!r}, then OK"
 
 
-def _publish_up_to(t: Target, live: KvSubscriber, budget: int) -> int:
-    """Fresh requests, one at a time, until ``live`` has seen batch number ``budget`` (or a
-    request caused no batch, or ``budget`` requests were sent); the newest number seen."""
-    newest = max(b.sequence_number for b in live.batches)
-    for n in range(budget):
-        if newest >= budget:
-            break
-        seen = len(live.batches)
-        generate(t, fresh_prompt(t, f"e1x{n}"))
-        if not live.wait(lambda s, seen=seen: len(s.batches) > seen, 2.0):
-            break
-        newest = max(b.sequence_number for b in live.batches)
-    return newest
-
-
 # -- E2 ------------------------------------------------------------------------------------
 @check("E2", "include_snapshot: first the cached blocks, then live batches without a gap")
 def snapshot_then_live(t: Target) -> str:
-    """E2: after a long prompt ran, a snapshot's first batch lists blocks (BlockStored only);
-    the first live batch a new request causes is numbered right after it."""
+    """E2: a live subscriber (the watcher) sees a 4-block prompt's blocks stored; a snapshot
+    taken after it is one batch of BlockStored events, parents first, listing every block the
+    watcher knows to be cached up to the snapshot's number and none it saw removed; the first
+    live batch a new request causes is numbered right after the snapshot."""
     _need_text(t)
-    generate(t, fresh_prompt(t, "e2", blocks=4))
-    sub = subscribe(t, include_snapshot=True)
+    watcher = subscribe(t)
     try:
-        expect(bool(sub.responses), f"include_snapshot sent nothing within {EVENT_WAIT_S:.0f} s: "
-                                    f"{sub.describe()}")
-        expect(sub.kinds()[0] == "batch", f"include_snapshot's first response is not a batch: {sub.describe()}")
-        snap = sub.batches[0]
-        kinds = {e.WhichOneof("event") for e in snap.events}
-        expect(bool(snap.events), "the snapshot is empty right after a 4-block prompt ran; it lists the blocks "
-                                  "currently cached")
-        expect(kinds == {"block_stored"}, f"the snapshot holds {sorted(kinds)}; it lists cached blocks "
-                                          "(BlockStored only)")
-        view = KvView()
-        view.apply(snap)
-        expect(not view.problems, f"snapshot: {view.problems[:3]} (parents come before children)")
-        generate(t, fresh_prompt(t, "e2live"))
-        expect(sub.wait_responses(2), f"no live batch after the snapshot and a new request: {sub.describe()}")
-        live = sub.batches[1]
+        generate(t, fresh_prompt(t, "e2", blocks=4))
+        watcher.wait(lambda s: bool(s.batches), EVENT_WAIT_S)
+        sub = subscribe(t, include_snapshot=True)
+        try:
+            snap, view = _snapshot(sub)
+            expect(watcher.wait_sequence(snap.sequence_number),
+                   f"the snapshot includes batches up to {snap.sequence_number}; a live subscriber opened before "
+                   f"it has not received that batch within {EVENT_WAIT_S:.0f} s ({watcher.describe()})")
+            _expect_same_blocks(watcher.batches, snap.sequence_number, set(view.blocks))
+            generate(t, fresh_prompt(t, "e2live"))
+            expect(sub.wait_responses(2), f"no live batch after the snapshot and a new request: {sub.describe()}")
+            live = sub.batches[1]
+        finally:
+            sub.close()
     finally:
-        sub.close()
+        watcher.close()
     expect(live.sequence_number == snap.sequence_number + 1,
            f"snapshot numbered {snap.sequence_number}, first live batch {live.sequence_number}: a gap or a "
            "duplicate (the snapshot carries the number of the last batch it includes)")
     return f"snapshot {snap.sequence_number} with {len(view.blocks)} blocks, live from {live.sequence_number}"
 
 
-# -- E3/E4 ---------------------------------------------------------------------------------
-def _new_batches(sub: KvSubscriber, request: Callable[[], None]) -> list[Any]:
-    """The batches that arrive after ``request`` (one Generate that stores fresh blocks, or none)."""
-    before = len(sub.batches)
-    request()
-    sub.wait(lambda s: len(s.batches) > before, 2.0)
-    time.sleep(SETTLE_S)  # the rest of its batches
-    return sub.batches[before:]
-
-
-@check("E4", "every BlockStored's parent is known; a salted copy of a prompt stores blocks of its own")
-def stored_events_chain(t: Target) -> str:
-    """E3/E4: a view built from a snapshot and the live batches never meets a child before
-    its parent or a removal of an unknown block; with ``supports_cache_salt``, the same prompt
-    under a new salt stores its blocks again (under other hashes: the salt is part of them).
-    A child of a block the view never saw, after an empty snapshot, may be the snapshot's
-    omission (E2's finding): then the chain cannot be judged (skip)."""
-    _need_text(t)
-    sub = subscribe(t, include_snapshot=True)
-    salted = bool(t.caps.supports_cache_salt)
-    try:
-        expect(bool(sub.batches), f"include_snapshot sent no batch: {sub.describe()}")
-        prompt = fresh_prompt(t, "e4")
-        _new_batches(sub, lambda: generate(t, prompt))
-        # a shared prefix: its new blocks chain onto cached ones
-        _new_batches(sub, lambda: generate(t, prompt + " And then"))
-        again = _new_batches(sub, lambda: generate(t, prompt, salt=t.new_id("salt"))) if salted else []
-        batches = sub.batches
-        expect(not sub.errors, f"the subscription failed: {sub.describe()}")
-    finally:
-        sub.close()
+def _snapshot(sub: Any) -> tuple[Any, KvView]:
+    """The snapshot batch (the first response): BlockStored only, not empty, parents first."""
+    expect(bool(sub.responses), f"include_snapshot sent nothing within {EVENT_WAIT_S:.0f} s: {sub.describe()}")
+    expect(sub.kinds()[0] == "batch", f"include_snapshot's first response is not a batch: {sub.describe()}")
+    snap = sub.batches[0]
+    kinds = {e.WhichOneof("event") for e in snap.events}
+    expect(bool(snap.events), "the snapshot is empty right after a 4-block prompt ran; it lists the blocks "
+                              "currently cached")
+    expect(kinds == {"block_stored"}, f"the snapshot holds {sorted(kinds)}; it lists cached blocks "
+                                      "(BlockStored only)")
     view = KvView()
-    for b in batches:  # in arrival order: how they are numbered is E1's
-        view.apply(b)
-    if view.problems and not batches[0].events:
-        skip(f"{view.problems[0]}, after an empty snapshot (E2 fails for it): the chain cannot be followed")
-    expect(not view.problems, "; ".join(view.problems[:3]))
-    if not salted:
-        return f"{len(batches)} batches chain; cache_salt not advertised"
-    stored = sum(len(e.block_stored.block_hashes) for b in again for e in b.events
-                 if e.WhichOneof("event") == "block_stored")
-    expect(stored > 0, "the same prompt under a new cache_salt stored no block: its blocks hash as the unsalted "
-                       "ones, so the salt is not in the block hash (E4, K2)")
-    return f"{len(batches)} batches chain; a salted copy stored {stored} blocks of its own"
+    view.apply(snap)
+    expect(not view.problems, f"snapshot: {view.problems[:3]} (parents come before children)")
+    return snap, view
 
 
-# -- E5 ------------------------------------------------------------------------------------
-@check("E5", "a failure after acceptance (replay point not retained) is one final error event, then OK")
-def failure_is_error_then_ok(t: Target) -> str:
-    """E5: a replay from a number far beyond the newest batch cannot be served (not retained):
-    exactly one EngineError, nothing after it, status OK."""
-    _need_text(t)
-    start = latest_number(t) + 1000
-    sub = subscribe(t, start=start)
-    try:
-        if not sub.wait_responses(1, 3.0) and not sub.ended:
-            skip(f"replay from {start} (beyond the newest batch) waits instead of failing: no failure to observe")
-        error = terminal_error(sub, f"replay from {start}, beyond the newest batch")
-    finally:
-        sub.close()
-    return f"{enum_name(oe.ErrorCode, error.code)} (retryable={error.retryable}) {error.message!r}, then OK"
-
-
-# -- E6 ------------------------------------------------------------------------------------
-def _sources(t: Target, ranks: list[int]) -> tuple[grpc.StatusCode, Any]:
-    return t.unary_code("GetKvEventSources", oe.GetKvEventSourcesRequest(data_parallel_ranks=ranks))
-
-
-def _ranks(t: Target) -> tuple[int, int]:
-    """(first rank, number of ranks) as ServerInfo.parallelism reports them (0, 1 when absent)."""
-    p = t.server_info.parallelism
-    first = p.data_parallel_start_rank if p.HasField("data_parallel_start_rank") else 0
-    size = p.data_parallel_size if p.HasField("data_parallel_size") and p.data_parallel_size > 0 else 1
-    return first, size
-
-
-def _source_problems(sources: Any) -> list[str]:
-    problems = []
-    for s in sources:
-        host = s.endpoint_addr.host
-        if is_wildcard_host(host):
-            problems.append(f"source for rank {s.data_parallel_rank} advertises wildcard host {host!r}")
-        if not 0 < s.endpoint_addr.port < 65536:
-            problems.append(f"source for rank {s.data_parallel_rank} has port {s.endpoint_addr.port}")
-    return problems
-
-
-@check("E6", "GetKvEventSources: no wildcard host, one source per requested rank or none, bad ranks refused")
-def kv_event_sources(t: Target) -> str:
-    """E6: every endpoint is connectable (a concrete host, a port); asking for one rank gives
-    that rank's source or none; an unknown rank and a rank named twice are INVALID_ARGUMENT."""
-    code, every = _sources(t, [])
-    if code == grpc.StatusCode.UNIMPLEMENTED:
-        not_claimed("GetKvEventSources is UNIMPLEMENTED")
-    expect(code == grpc.StatusCode.OK, f"GetKvEventSources() returned {code.name}")
-    problems = _source_problems(every.sources)
-    expect(not problems, "; ".join(problems))
-    first, size = _ranks(t)
-    code, one = _sources(t, [first])
-    expect(code == grpc.StatusCode.OK, f"GetKvEventSources([{first}]) returned {code.name}")
-    expect(len(one.sources) <= 1, f"GetKvEventSources([{first}]) returned {len(one.sources)} sources; one per rank")
-    for s in one.sources:
-        expect(not s.HasField("data_parallel_rank") or s.data_parallel_rank == first,
-               f"asked for rank {first}, got a source for rank {s.data_parallel_rank}")
-    expect(not _source_problems(one.sources), "; ".join(_source_problems(one.sources)))
-    for what, ranks in (("an unknown rank", [first + size]), ("a rank named twice", [first, first])):
-        code, _ = _sources(t, ranks)
-        expect(code == grpc.StatusCode.INVALID_ARGUMENT,
-               f"GetKvEventSources({ranks}) ({what}) returned {code.name}; expected INVALID_ARGUMENT")
-    return f"{len(every.sources)} source(s); ranks [{first + size}] and [{first}, {first}] refused"
+def _expect_same_blocks(batches: list[Any], until: int, listed: set[Any]) -> None:
+    """E2: what the live ``batches`` numbered up to ``until`` say is cached is in the snapshot
+    (``listed``), and what they say was removed (or cleared) and not stored again is not."""
+    cached: set[Any] = set()
+    removed: set[Any] = set()
+    cleared = False
+    for batch in batches:
+        if batch.sequence_number > until:
+            break
+        for event in batch.events:
+            kind = event.WhichOneof("event")
+            if kind == "block_stored":
+                keys = {_key(h) for h in event.block_stored.block_hashes}
+                cached |= keys
+                removed -= keys
+            elif kind == "block_removed":
+                keys = {_key(h) for h in event.block_removed.block_hashes}
+                cached -= keys
+                removed |= keys
+            elif kind == "all_blocks_cleared":
+                cached, removed, cleared = set(), set(), True
+    missing = cached - listed
+    stale = (listed - cached) if cleared else (removed & listed)
+    expect(not missing, f"the snapshot (up to batch {until}) leaves out {len(missing)} of the {len(cached)} blocks "
+                        "a live subscriber saw stored and not removed by then; it lists every block cached")
+    expect(not stale, f"the snapshot (up to batch {until}) lists {len(stale)} blocks a live subscriber saw removed "
+                      "by then; it lists only the blocks cached")

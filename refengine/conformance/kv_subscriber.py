@@ -188,11 +188,14 @@ def tagged_prompt(t: Target, tag: str, repeats: int) -> str:
     return f"[{t.new_id(tag)}] " + " ".join([t.options.prompt] * repeats)
 
 
-def generate(t: Target, prompt: str, salt: str = "") -> Any:
-    """One short greedy request; it must succeed. Its Usage (None when the server sent none)."""
+def generate(t: Target, prompt: str, salt: str = "", lora_name: str = "") -> Any:
+    """One short greedy request (under ``salt`` and adapter ``lora_name`` when given); it must
+    succeed. Its Usage (None when the server sent none)."""
     req = t.request("e", prompt=prompt, max_tokens=2)
     if salt:
         req.kv.cache_salt = salt
+    if lora_name:
+        req.lora_name = lora_name
     res = t.generate(req)
     expect(res.ok and not res.of("error"), f"Generate for the KV event checks failed: {res.describe()}")
     return res.usage()
@@ -226,6 +229,37 @@ def live_batches(t: Target, tag: str, wanted: int = 2, max_requests: int = 4) ->
     return sub, batches
 
 
+def publish_up_to(t: Target, live: KvSubscriber, budget: int, tag: str) -> int:
+    """Fresh requests, one at a time, until ``live`` has seen batch number ``budget`` (or a
+    request caused no batch, or ``budget`` requests were sent); the newest number seen. So a
+    check that needs batch 1 expired does not depend on how many checks ran before it."""
+    newest = max(b.sequence_number for b in live.batches)
+    for n in range(budget):
+        if newest >= budget:
+            break
+        seen = len(live.batches)
+        generate(t, fresh_prompt(t, f"{tag}{n}"))
+        if not live.wait(lambda s, seen=seen: len(s.batches) > seen, 2.0):
+            break
+        newest = max(b.sequence_number for b in live.batches)
+    return newest
+
+
+def new_batches(sub: KvSubscriber, request: Callable[[], None]) -> list[Any]:
+    """The batches that arrive after ``request`` (one Generate that stores fresh blocks, or none)."""
+    before = len(sub.batches)
+    request()
+    sub.wait(lambda s: len(s.batches) > before, 2.0)
+    time.sleep(SETTLE_S)  # the rest of its batches
+    return sub.batches[before:]
+
+
+def stored_count(batches: list[Any]) -> int:
+    """The blocks the ``BlockStored`` events of ``batches`` store."""
+    return sum(len(e.block_stored.block_hashes) for b in batches for e in b.events
+               if e.WhichOneof("event") == "block_stored")
+
+
 def latest_number(t: Target) -> int:
     """The newest batch number: a snapshot's (E2), else a live batch caused by one request."""
     sub = subscribe(t, include_snapshot=True)
@@ -254,6 +288,3 @@ def terminal_error(sub: KvSubscriber, what: str) -> Any:
     expect(sub.code == grpc.StatusCode.OK, f"{what}: status {sub.code.name} after the EngineError; expected OK")
     expect(errors[0].code != oe.ERROR_CODE_UNSPECIFIED, f"{what}: EngineError code UNSPECIFIED")
     return errors[0]
-
-
-# -- E1 ------------------------------------------------------------------------------------

@@ -33,11 +33,12 @@ from tests.integration.conftest import MODEL, ServerProcess, refengine_server, s
 #: 128 KV blocks of 16 = 2 x 1024 tokens: the checks' concurrent requests fit (four of them at
 #: the full context would preempt, which refengine handles), and E3's eviction check fills the
 #: prefix cache with ~2.5k prompt tokens (with the default 1 GiB cache, ~23k, it would skip).
-#: 16 event batches retained: E1's expiry check (which has 32 published first) sees batch 1 gone
-#: (with the default 10,000 it would skip).
+#: 16 event batches retained: E1's and E5's expiry checks (which have 32 published first) see
+#: batch 1 gone (with the default 10,000 they would skip). The ZMQ publisher on a free loopback
+#: port gives GetKvEventSources a source, which E6 dials (without it refengine lists none).
 SERVER_ARGS = ("--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
                "--num-kv-blocks", "128", "--served-model-alias", "oeconf-alias",
-               "--kv-events-retained-batches", "16")
+               "--kv-events-retained-batches", "16", "--kv-events-zmq", "tcp://127.0.0.1:0")
 
 
 @pytest.fixture(scope="session")

@@ -107,6 +107,7 @@ class Faults:
     raw_guided_logprobs: bool = False  # L6 (and L5): logprobs of the distribution before the grammar mask
     bypass_ignored: bool = False  # K1: bypass_prefix_cache still reuses cached blocks
     prefix_salt_ignored: bool = False  # K2: cache_salt not part of the prefix-cache key
+    lora_not_in_hash: bool = False  # E4: the adapter is in neither cache's block key (LoRA requests hit base blocks)
     count_own_blocks: bool = False  # K3: a request's freshly stored blocks counted as cached
     prefill_leaks_tokens: bool = False  # K4: the PREFILL stream sends a TokenOutput before PrefillReady
     decode_accepts_bad_backend: bool = False  # K5: DECODE takes a session of an unknown transfer backend
@@ -305,7 +306,7 @@ class ToyEngine(Streams):
             outputs = [Output(i, self.rng(req, i), llguidance.LLMatcher(TOKENIZER, grammar, log_level=0)
                               if grammar else None) for i in range(n)]
             job = Job(req, prompt, max_tokens, priority, queue.Queue(), outputs, shift,
-                      self.cache.serve(prompt, req.kv.cache_salt, req.kv.bypass_prefix_cache),
+                      self.cache.serve(prompt, req.kv.cache_salt, req.lora_name, req.kv.bypass_prefix_cache),
                       int(fail_after) if fail_after is not None else None)
             self.jobs[rid] = job
             self.finished.discard(rid)

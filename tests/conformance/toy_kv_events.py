@@ -6,7 +6,9 @@ not cached yet, as one batch, evicting the least recently used blocks first when
 
 from __future__ import annotations
 
+import socket
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -33,11 +35,14 @@ class KvFaults:
     silent_eviction: bool = False  # E3: evicted blocks get no BlockRemoved
     announce_once: bool = False  # E3: a block evicted and computed again is cached but not stored again
     empty_snapshot: bool = False  # E2: include_snapshot sends an empty first batch
+    leafless_snapshot: bool = False  # E2: the snapshot leaves out every block no cached block chains onto
     salt_ignored: bool = False  # E4: the cache salt is not in the block hash
     orphans: bool = False  # E4: a prompt's first block is never stored, its children are
     status_on_failure: bool = False  # E5: a replay that cannot be served ends with a status, no error event
+    status_on_expired: bool = False  # E5: only a replay from an expired number ends with a bare status
     silent_expired: bool = False  # E1: an expired replay starts at the oldest retained batch, no error
     wildcard_host: bool = False  # E6: a source advertises 0.0.0.0
+    unconnectable_source: bool = False  # E6: the advertised port has no listener
     accept_bad_ranks: bool = False  # E6: unknown and repeated ranks are accepted
 
 
@@ -51,8 +56,9 @@ class ToyKvCache:
         self.published: OrderedDict[bytes, BlockStored] = OrderedDict()
         self.ever_published: set[bytes] = set()
 
-    def store_prompt(self, token_ids: list[int], salt: str) -> None:
+    def store_prompt(self, token_ids: list[int], salt: str, lora_name: str) -> None:
         extra = ("toy",) + ((f"salt:{salt}",) if salt and not self.faults.salt_ignored else ())
+        extra += (f"lora:{lora_name}",) if lora_name else ()
         keys = block_keys(token_ids, BLOCK, extra)
         with self.lock:
             stored, parent = [], None
@@ -93,6 +99,9 @@ class ToyKvCache:
 
         for event in list(self.published.values()):
             visit(event)
+        if self.faults.leafless_snapshot:
+            parents = {event.parent_hash for event in ordered.values()}
+            return [event for event in ordered.values() if event.block_hash in parents]
         return list(ordered.values())
 
     def evict(self, count: int) -> list[BlockRemoved]:
@@ -111,7 +120,8 @@ class KvInference(Inference):
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         tokens = [ord(c) % 128 for c in request.prompt] or list(request.token_ids.ids)
-        self.cache.store_prompt(tokens, request.kv.cache_salt)
+        self.cache.store_prompt(tokens, request.kv.cache_salt,
+                                "" if self.engine.faults.lora_not_in_hash else request.lora_name)
         yield from super().Generate(request, context)
 
 
@@ -119,6 +129,14 @@ class KvControl(Control):
     def __init__(self, engine: ToyEngine, cache: ToyKvCache) -> None:
         super().__init__(engine)
         self.cache = cache
+        # The advertised event source: a TCP listener (E6 dials it), or under the fault a port
+        # that was bound and closed again, where nothing listens.
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.source_port = listener.getsockname()[1]
+        if cache.faults.unconnectable_source:
+            listener.close()
+        else:
+            weakref.finalize(self, listener.close)
 
     def _check_ranks(self, ranks: list[int], context: grpc.ServicerContext) -> None:
         if not self.cache.faults.accept_bad_ranks and (set(ranks) - {0} or len(set(ranks)) != len(ranks)):
@@ -128,7 +146,7 @@ class KvControl(Control):
         self._check_ranks(list(request.data_parallel_ranks), context)
         host = "0.0.0.0" if self.cache.faults.wildcard_host else "127.0.0.1"
         return oe.GetKvEventSourcesResponse(sources=[oe.KvEventSource(
-            transport="zmq", endpoint_addr=oe.KvEndpoint(host=host, port=5557, protocol="tcp"),
+            transport="zmq", endpoint_addr=oe.KvEndpoint(host=host, port=self.source_port, protocol="tcp"),
             data_parallel_rank=0)])
 
     def SubscribeKvEvents(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
@@ -136,12 +154,13 @@ class KvControl(Control):
         cache, faults, ready = self.cache, self.cache.faults, threading.Event()
         start = request.start_sequence_number
         with cache.lock:
-            if faults.silent_expired and 0 < start < cache.oldest():
+            expired = 0 < start < cache.oldest()
+            if faults.silent_expired and expired:
                 start = cache.oldest()
             snapshot = [] if faults.empty_snapshot else cache.snapshot()
             sub = cache.hub.subscribe(ready.set, snapshot if request.include_snapshot else None, start)
         try:
-            if faults.status_on_failure and sub.failure:
+            if sub.failure and (faults.status_on_failure or (faults.status_on_expired and expired)):
                 context.abort(grpc.StatusCode.OUT_OF_RANGE, sub.failure)
             while context.is_active():
                 ready.wait(0.05)

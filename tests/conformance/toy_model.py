@@ -82,16 +82,17 @@ def token_info(tok: int, lp: tuple[float, ...] | None, spec: Any | None, faults:
 
 
 class PrefixCache:
-    """Full CACHE_BLOCK-token blocks, each keyed by its whole prefix and the cache salt."""
+    """Full CACHE_BLOCK-token blocks, each keyed by its whole prefix, the cache salt and the LoRA adapter."""
 
     def __init__(self, faults: Faults) -> None:
         self.faults = faults
         self.blocks: set[int] = set()
 
-    def serve(self, prompt: list[int], salt: str, bypass: bool) -> int:
-        """K1-K3: store the prompt's blocks; returns the prompt tokens served from cache."""
+    def serve(self, prompt: list[int], salt: str, lora_name: str, bypass: bool) -> int:
+        """K1-K3, E4: store the prompt's blocks; returns the prompt tokens served from cache."""
         salt = "" if self.faults.prefix_salt_ignored else salt
-        keys, key = [], hash(salt)
+        lora_name = "" if self.faults.lora_not_in_hash else lora_name
+        keys, key = [], hash((salt, lora_name))
         for end in range(CACHE_BLOCK, len(prompt) + 1, CACHE_BLOCK):
             key = hash((key, tuple(prompt[end - CACHE_BLOCK:end])))
             keys.append(key)
