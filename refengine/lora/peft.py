@@ -8,7 +8,8 @@ What is supported is what the model's projections can take: ``peft_type`` LORA o
 ``lora_alpha / r`` or, with ``use_rslora``, ``lora_alpha / sqrt(r)``. Everything else that
 changes the math — DoRA, LoRA biases, ``bias`` other than "none", ``modules_to_save``,
 trainable tokens, target parameters, embedding or lm_head adapters, ``fan_in_fan_out``,
-activated LoRA — is refused with ``InvalidRequestError`` naming it, before any weight is kept.
+activated LoRA, an unconverted PiSSA/OLoRA/CorDA/LoftQ init — is refused with
+``InvalidRequestError`` naming it, before any weight is kept.
 
 The result is grouped the way the engine's projections are fused (``ProjectionDeltas``:
 q, k and v under ``qkv_proj``, gate and up under ``gate_up_proj``), each module's pair
@@ -44,6 +45,12 @@ PATTERN_SECONDS = 0.1  # the longest one target_modules / rank_pattern / alpha_p
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn\.(q|k|v|o)|mlp\.(gate|up|down))"
                   r"_proj\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# ``init_lora_weights`` values whose init rewrites the base weights (W := W - scale * B0 @ A0 for
+# PiSSA, OLoRA and CorDA; a quantization residual for LoftQ) and which PEFT redoes when loading
+# an adapter saved unconverted: its A and B were trained against that rewritten base, so applied
+# to the unchanged one they give other outputs. PEFT's converted save
+# (``path_initial_model_for_weight_conversion``) writes ``init_lora_weights: true`` and loads.
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
 # Options whose non-default values change the math in ways the engine does not implement.
 _REFUSED_OPTIONS = {"use_dora": (False, None), "bias": ("none", None), "lora_bias": (False, None),
                     "fan_in_fan_out": (False, None), "modules_to_save": (None, []), "layer_replication": (None, []),
@@ -110,6 +117,11 @@ def _read_config(path: Path, data: bytes) -> dict[str, Any]:
         raise _refuse(path, f"{CONFIG_FILE} must hold a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise _refuse(path, f"peft_type {config.get('peft_type')!r} is not supported (only LORA)")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise _refuse(path, f"init_lora_weights={init!r} is not supported: the adapter was trained against base "
+                            "weights that init rewrote; save it converted to plain LoRA (PEFT's save_pretrained with "
+                            "path_initial_model_for_weight_conversion)")
     for option, allowed in _REFUSED_OPTIONS.items():
         if config.get(option, allowed[0]) not in allowed:
             raise _refuse(path, f"{option}={config[option]!r} is not supported")

@@ -294,6 +294,12 @@ BROKEN = {
     "half-pair": (None, lambda w: {k: v for k, v in w.items() if k != _first_a(w)}, "but not both lora_A and lora_B"),
     "empty": (None, lambda w: {}, "holds no LoRA weights"),
     "alora": (dict(alora_invocation_tokens=[60, 61]), None, "alora_invocation_tokens=.60, 61. is not supported"),
+    # inits that rewrite the base weights, saved unconverted (PEFT redoes the rewrite on load)
+    "pissa": (dict(init_lora_weights="pissa"), None, "init_lora_weights='pissa' is not supported"),
+    "pissa-niter": (dict(init_lora_weights="pissa_niter_4"), None, "init_lora_weights='pissa_niter_4' is not"),
+    "olora": (dict(init_lora_weights="olora"), None, "init_lora_weights='olora' is not supported"),
+    "corda": (dict(init_lora_weights="corda"), None, "init_lora_weights='corda' is not supported"),
+    "loftq": (dict(init_lora_weights="loftq"), None, "init_lora_weights='loftq' is not supported"),
     "alpha-nan": (dict(lora_alpha=float("nan")), None, "lora_alpha must be a finite number > 0, got nan"),
     "alpha-inf": (dict(lora_alpha=float("inf")), None, "lora_alpha must be a finite number > 0, got inf"),
     "alpha-pattern-string": (dict(alpha_pattern={"q_proj": "16"}), None,
