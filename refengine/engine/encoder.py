@@ -134,6 +134,8 @@ class EncoderEngine(HandleSessions, NoGenerate):
         try:
             missing = {i: image for i, image, rows in zip(identities, images, hits, strict=True) if rows is None}
             encoded = self.media.encode_images(list(missing.values())) if missing else None
+            self._check_fits({i: len(rows) for i, rows in zip(identities, hits, strict=True) if rows is not None}
+                             | {identity: encoded[index].shape[0] for index, identity in enumerate(missing)})
             with self._lock:
                 rows_of = {i: rows for i, rows in zip(identities, hits, strict=True) if rows is not None}
                 for index, identity in enumerate(missing):
@@ -171,6 +173,14 @@ class EncoderEngine(HandleSessions, NoGenerate):
             raise
         return handles
 
+    def _check_fits(self, rows_of: dict[str, int]) -> None:
+        """A request whose distinct images need more rows than the whole arena can never be
+        held: INVALID_ARGUMENT, not a "retry later" that every retry repeats (found by review)."""
+        needed = sum(rows_of.values())
+        if needed > self.arena.num_rows:
+            raise InvalidRequestError(f"the request's {len(rows_of)} distinct media items need {needed} embedding "
+                                      f"rows; this encoder holds {self.arena.num_rows} in all (--encoder-memory-mib)")
+
     def _store(self, identity: str, values: torch.Tensor) -> tuple[int, ...]:
         """Lock held: rows holding ``values`` for ``identity`` (another Encode's, when it stored
         them meanwhile). Written before the lock is let go, so no handle ever sees them unwritten."""
@@ -179,8 +189,8 @@ class EncoderEngine(HandleSessions, NoGenerate):
             return rows
         rows = self.entries.add(identity, values.shape[0])
         if rows is None:
-            raise OverloadedError(f"the encoder's embedding memory is full ({self.arena.num_rows} rows held by live "
-                                  "handles); release handles or retry later")
+            raise OverloadedError(f"the encoder's embedding memory is full ({self.entries.held_rows} of its "
+                                  f"{self.arena.num_rows} rows held by live handles); release handles or retry later")
         self.arena.put(rows, values)
         return rows
 

@@ -87,8 +87,11 @@ class EngineKvMixin:
             return self.kv_events.subscribe(on_ready, snapshot, start_sequence_number)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (blocks in use stay); one ``AllBlocksCleared`` is
-        published at once. Returns how many cached blocks were freed."""
+        """Forget every cached prefix (blocks in use stay) and every cached image encoding, as
+        the encoder role does; one ``AllBlocksCleared`` is published at once. Returns how many
+        cached blocks were freed."""
+        if self.media is not None:
+            self.media.cache.clear()
         with self._step_lock:
             freed = self.core.reset_prefix_cache()
             stats = self.core.stats()

@@ -189,8 +189,12 @@ class MediaInputs:
 
 
 def salted(identity: str, cache_salt: str | None) -> str:
-    """The encoder-cache key of an image: its identity, within ``cache_salt`` when one is given."""
-    return f"{identity}\0salt:{cache_salt}" if cache_salt else identity
+    """The encoder-cache key of an image: its identity, within ``cache_salt`` when one is given.
+    One-to-one: the salt comes first, length-prefixed, and an unsalted identity starts with
+    ``uuid:`` or ``sha256:``, never ``salt``. (Found by review: ``identity + "\\0salt:" + salt``
+    let an unsalted uuid ``"u\\0salt:a"`` name tenant ``a``'s entry for uuid ``"u"``, reading its
+    embeddings or, sent first, poisoning them.)"""
+    return f"salt{len(cache_salt)}:{cache_salt}|{identity}" if cache_salt else identity
 
 
 @contextlib.contextmanager

@@ -61,6 +61,11 @@ class EncoderCache(Generic[Value]):
         if entry is not None:
             self.num_bytes -= entry[1]
 
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.num_bytes = 0
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
