@@ -91,6 +91,8 @@ def _validate_candidates(name: str, spec: CandidateSpec | None, limits: Limits) 
         )
     elif spec.mode == "token_ids":
         _require(len(spec.token_ids) > 0, f"{name}.token_ids must list at least one token id")
+        # (ref) each id once: a list of 200,000 copies of one id passed every size estimate (found by review)
+        _require(len(set(spec.token_ids)) == len(spec.token_ids), f"{name}.token_ids lists a token id more than once")
         for token_id in spec.token_ids:
             _require(0 <= token_id < limits.vocab_size, f"{name} token id {token_id} is not in the vocabulary")
 

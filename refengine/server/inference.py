@@ -147,8 +147,11 @@ class InferenceServicer(oe.InferenceServicer):
         try:
             while not builder.terminal_sent:
                 out = await bridge.next()
+                oversized = builder.oversized
                 for event in builder.events(out):
                     await context.write(event)
+                if oversized is None and builder.oversized is not None:  # its final output ends the stream
+                    self.state.engine.abort(request.request_id)
         finally:
             self.state.streams.discard(bridge)
             bridge.close()

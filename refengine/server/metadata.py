@@ -102,6 +102,12 @@ def _number(key: str, text: str, pattern: re.Pattern[str], low: int, high: int, 
     raise invalid(f"metadata {key!r} must be a base-10 {kind}, got {shown!r}")
 
 
+def check_rank(what: str, rank: int) -> None:
+    """A data-parallel rank a request names must exist here: this server has one, rank 0."""
+    if rank != 0:
+        raise invalid(f"{what} is {rank}, but this server has data_parallel_size 1 (only rank 0)")
+
+
 def read_inference_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> RequestMetadata:
     """Parse and check the metadata of an Inference RPC (M1–M3). Raises ``Rejection``."""
     metadata = list(metadata or ())
@@ -115,9 +121,8 @@ def read_inference_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) 
         raise invalid(f"metadata {ROUTING_KEY!r} must be a non-empty ASCII string")
     rank_text = _one(found, TARGET_DP_RANK)
     rank = None if rank_text is None else _number(TARGET_DP_RANK, rank_text, _UINT, 0, UINT32_MAX, "uint32")
-    if rank is not None and rank != 0:
-        raise invalid(f"metadata {TARGET_DP_RANK!r} is {rank}, but this server has data_parallel_size 1 "
-                      "(only rank 0)")
+    if rank is not None:
+        check_rank(f"metadata {TARGET_DP_RANK!r}", rank)
     priority_text = _one(found, PRIORITY)
     priority = None if priority_text is None else _number(PRIORITY, priority_text, _INT, INT32_MIN,
                                                           INT32_MAX, "int32")

@@ -11,7 +11,12 @@ For one request, :class:`ResponseBuilder` turns each ``RequestOutput`` into even
 
 Every event carries the request id (G9). A ``TokenOutput`` too large for one gRPC message
 (e.g. ``all`` candidates over several held-back tokens) is split by tokens; the text rides
-on the last piece, so concatenation is unchanged (G11).
+on the last piece, so concatenation is unchanged (G11). An event that still cannot fit (one
+token's or the prompt's candidates, which validation estimates before acceptance but cannot
+size exactly: a token's text may be 80 bytes) is never written, since gRPC would end the
+stream with a bare RESOURCE_EXHAUSTED (X1, found by review): the stream ends with
+``EngineError(INVALID_ARGUMENT)`` instead, with the usage of the engine's final output, and
+``oversized`` tells the caller to abort the request.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class ResponseBuilder:
         self.finished_indexes: set[int] = set()
         self.prompt_sent = False
         self.terminal_sent = False
+        self.oversized: oe.EngineError | None = None  # set: an event could not fit; the next final output ends it
 
     def _event(self, **event) -> oe.GenerateResponse:  # noqa: ANN003 - one oneof field
         return oe.GenerateResponse(request_id=self.request_id, **event)
@@ -95,6 +101,27 @@ class ResponseBuilder:
         """Events for one engine output. Empty list = nothing to send."""
         if self.terminal_sent:
             raise RuntimeError(f"request {self.request_id}: output after the terminal event")
+        if self.oversized is not None:  # the request is being aborted: only its end is sent
+            return self._terminal_error([], out, self.oversized) if out.finished else []
+        return self._fitting(self._events(out), out)
+
+    def _fitting(self, events: list[oe.GenerateResponse], out: RequestOutput) -> list[oe.GenerateResponse]:
+        """``events`` up to the first that cannot fit one message; from there the stream's
+        end: at once when ``out`` was final, else after the abort (``oversized``)."""
+        sizes = [event.ByteSize() for event in events]
+        first = next((i for i, size in enumerate(sizes) if size > self.max_message_bytes), None)
+        if first is None:
+            return events
+        error = oe.EngineError(code=oe.ERROR_CODE_INVALID_ARGUMENT, retryable=False, message=(
+            f"an event of this stream needs {sizes[first]} bytes, more than the {self.max_message_bytes >> 20} MiB "
+            "message limit (--max-send-message-mib): ask for fewer candidates or logprob positions"))
+        if self.terminal_sent:  # ``out`` was the final output
+            self.terminal_sent = False
+            return self._terminal_error(events[:first], out, error)
+        self.oversized = error
+        return events[:first]
+
+    def _events(self, out: RequestOutput) -> list[oe.GenerateResponse]:
         events: list[oe.GenerateResponse] = []
         if out.prompt_tokens is not None and not self.prompt_sent:
             prompt = oe.PromptOutput(tokens=[token_info(t) for t in out.prompt_tokens])

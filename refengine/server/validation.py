@@ -27,7 +27,7 @@ from refengine.protocol import oe
 from refengine.server.capabilities import Capabilities
 from refengine.server.errors import Rejection, invalid
 from refengine.server.kv_pull_client import PULL_PROTOCOLS
-from refengine.server.metadata import RequestMetadata
+from refengine.server.metadata import RequestMetadata, check_rank
 from refengine.server.options import is_wildcard_host
 
 #: Conservative wire size of one candidate (``LogProb``) and of one ``TokenInfo`` without them.
@@ -61,6 +61,7 @@ def _check_session(session: oe.KvSessionRef, backends: tuple[str, ...]) -> None:
     this engine and prompt by the engine: ``engine/role_check.py``)."""
     if not session.session_id:
         raise invalid("kv.session.session_id must be non-empty")
+    check_rank("kv.session.dp_rank", session.dp_rank)  # M3: authoritative, so it must exist (found by review)
     if not session.endpoints:
         raise invalid("kv.session.endpoints is empty: the session names no prefill server to pull from")
     for endpoint in session.endpoints:

@@ -16,6 +16,7 @@ from google.protobuf import struct_pb2
 from refengine.protocol import oe
 from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
 from refengine.server.errors import Rejection
+from refengine.server.kv_pull_client import PULL_PROTOCOLS
 from refengine.server.metadata import RequestMetadata, read_inference_metadata
 from refengine.server.responses import ResponseBuilder
 from refengine.server.stream_bridge import OutputBridge
@@ -85,6 +86,21 @@ def test_role_checks(role: str, request_: oe.GenerateRequest, meta: RequestMetad
     assert info.value.code.name == code and info.value.message
 
 
+@pytest.mark.parametrize("rank", [0, 1, 7])
+def test_a_session_naming_a_rank_this_server_lacks_is_refused(rank: int) -> None:
+    """M3: ``kv.session.dp_rank`` is authoritative, so, like the target-dp-rank header, it must
+    name a rank that exists (found by review: any rank was decoded on rank 0)."""
+    request = _with_session(session_id="s", transfer_backend="kvpull", dp_rank=rank,
+                            endpoints=[oe.KvEndpoint(host="127.0.0.1", port=5, protocol=PULL_PROTOCOLS[0])])
+    if rank == 0:
+        check_role(request, "decode", RequestMetadata(), backends=("kvpull",))
+        return
+    with pytest.raises(Rejection) as info:
+        check_role(request, "decode", RequestMetadata(), backends=("kvpull",))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"kv.session.dp_rank is {rank}, but this server has data_parallel_size 1" in info.value.message
+
+
 def test_extra_stream_settings() -> None:
     server = StreamSettings(stream_buffer=8, stall_timeout_seconds=5.0)
     extra = struct_pb2.Struct()
@@ -143,6 +159,26 @@ def test_large_token_output_is_split_by_tokens() -> None:
     events = builder.events(RequestOutput("r", deltas=(SequenceDelta(0, tokens, "ttt"),)))
     assert [len(e.token.tokens) for e in events] == [1, 1, 1]
     assert "".join(e.token.text for e in events) == "ttt" and events[-1].token.text == "ttt"
+
+
+def test_an_event_that_cannot_fit_ends_the_stream_with_one_engine_error() -> None:
+    """Mid-stream: the events before it go out, ``oversized`` asks for the abort, outputs that
+    still come are dropped and the final one becomes the EngineError with its usage. In a final
+    output: the EngineError at once, in place of the oversized event and those after it."""
+    huge = (TokenInfo(7, "x", -0.5, 1, tuple(Candidate(i, -1.0, i + 1, "tok") for i in range(20_000))),)
+    small = (TokenInfo(1, "a"),)
+    builder = ResponseBuilder("r", 1, 64 << 10)
+    first = builder.events(RequestOutput("r", deltas=(SequenceDelta(0, small, "a"),)))
+    second = builder.events(RequestOutput("r", deltas=(SequenceDelta(0, small, "a"), SequenceDelta(0, huge, "x"))))
+    assert [e.WhichOneof("event") for e in first + second] == ["token", "token"] and builder.oversized is not None
+    assert builder.events(RequestOutput("r", deltas=(SequenceDelta(0, small, "b"),))) == []
+    end = builder.events(RequestOutput("r", deltas=(SequenceDelta(0, finish=LENGTH),), finished=True, usage=USAGE))
+    assert [e.WhichOneof("event") for e in end] == ["error"] and builder.terminal_sent
+    assert end[0].error.code == oe.ERROR_CODE_INVALID_ARGUMENT and end[0].usage.total_tokens == 6
+    assert "--max-send-message-mib" in end[0].error.message
+    final = ResponseBuilder("r", 1, 64 << 10).events(RequestOutput(
+        "r", deltas=(SequenceDelta(0, small, "a"), SequenceDelta(0, huge, "x", LENGTH)), finished=True, usage=USAGE))
+    assert [e.WhichOneof("event") for e in final] == ["token", "error"] and final[-1].usage.prompt_tokens == 4
 
 
 def test_bridge_detects_a_stalled_consumer_and_reports_the_engine_usage() -> None:
