@@ -5,9 +5,9 @@ One layer's attention (9 query heads, 3 KV heads, head_dim 64, block size 16) th
 queries on a bfloat16 cache), with the peers measured in the same run on the same inputs:
 
 - **Prefill** (one sequence, a chunk of T new tokens after C cached ones): the chunk kernel
-  against the path the backend takes for shapes the chunk kernel refuses -- SDPA's CPU flash
-  kernel for chunks of 64 tokens or more (over the step's own keys for a fresh prompt, over the
-  gathered blocks with a position mask otherwise), the row kernel below that.
+  against the path the backend takes for shapes the chunk kernel refuses, the row kernel (until
+  2026-12-06 SDPA's CPU flash kernel for chunks of 64 tokens or more, which the tables in
+  benchmarks/README.md up to that date compare with).
 - **Decode** (B sequences of one new token after C cached ones, blocks shuffled in a pool
   allocated as an aggregated engine's is, on 4 KiB pages):
   the chunk kernel against the row kernel.
@@ -111,8 +111,8 @@ def main() -> int:
     print("|---|---|---|---:|---:|---|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         for new, cached in PREFILL:
-            peer = "SDPA" if new >= cpu_paged.SDPA_MIN_QUERY_TOKENS else "row kernel"
-            print(_row("prefill", f"{new} new after {cached}", [new], cached, dtype, args.repeats, peer), flush=True)
+            print(_row("prefill", f"{new} new after {cached}", [new], cached, dtype, args.repeats, "row kernel"),
+                  flush=True)
         for batch, cached in DECODE:
             print(_row("decode", f"{batch} × 1 after {cached}", [1] * batch, cached, dtype, args.repeats,
                        "row kernel"), flush=True)

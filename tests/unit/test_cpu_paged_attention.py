@@ -24,7 +24,6 @@ from refengine.kernels.attention import TorchReferenceBackend, make_attention_ba
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
 from refengine.kernels.attention.cpu_paged import (
     BF16_QUERY_KERNELS,
-    SDPA_MIN_QUERY_TOKENS,
     CpuPagedBackend,
     bf16_query_form,
     bf16_query_kernels,
@@ -196,7 +195,7 @@ def max_error_vs_oracle(seqs: list[SeqData], results: StepResults) -> float:
 
 # ----------------------------------------------------------------------------- batches
 
-LONG = SDPA_MIN_QUERY_TOKENS  # where shapes the chunk kernel refuses switch from the row kernel to SDPA
+LONG = 64  # where shapes the chunk kernel refuses once switched from the row kernel to SDPA
 # (context, new) per sequence.
 DECODE_ONLY = [(0, 1), (1, 1), (7, 1), (15, 1), (16, 1), (17, 1), (40, 1), (97, 1)]
 MIXED = [
@@ -207,9 +206,9 @@ MIXED = [
     (3, 1),
     (0, 5),  # short fresh prompts
     (0, LONG - 1),
-    (0, LONG),  # ... and long ones (SDPA over the step's own keys, where the chunk kernel refuses the shape)
+    (0, LONG),  # ... and long ones
     (0, LONG + 9),
-    (37, LONG),  # long chunks continuing a context (SDPA over the gathered blocks, masked by position)
+    (37, LONG),  # long chunks continuing a context
     (16, LONG + 3),
     (0, 300),  # more than one of the chunk kernel's key tiles (256 positions) ...
     (250, 40),  # ... with the chunk straddling the first key tile's end
@@ -222,8 +221,8 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-@pytest.mark.parametrize("block_size", [16, 32, 8, 1])  # 8 and 1: the chunk kernel refuses them (SDPA)
-@pytest.mark.parametrize("head_dim", [64, 128, 80, 40])  # 80: the chunk kernel's 16-wide tail; 40: SDPA
+@pytest.mark.parametrize("block_size", [16, 32, 8, 1])  # 8 and 1: the chunk kernel refuses them (row kernel)
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 40])  # 80: the chunk kernel's 16-wide tail; 40: row kernel
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("batch", [DECODE_ONLY, MIXED], ids=["decode_only", "mixed"])
 def test_matches_dense_oracle_and_reference(batch, group, head_dim, block_size) -> None:
@@ -435,19 +434,22 @@ def test_batch_invariance(head_dim, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 8])
-def test_chunk_kernel_rows_do_not_depend_on_the_chunking(group, dtype) -> None:
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (40, 16), (64, 8)],
+                         ids=["chunk-kernel", "row-kernel-dim40", "row-kernel-block8"])
+def test_rows_do_not_depend_on_the_chunking(group, dtype, head_dim, block_size) -> None:
     """A prompt of 300 tokens as one chunk, or cut into two steps: after 1 (a one-token prompt),
     120, 256 (the first key tile's end) or 299 (the last row as a decode step). Every row is
-    bitwise the same, as the kernel's key tiles start at absolute positions and a vector's
-    arithmetic depends neither on its tile mates nor on the tile's width (SDPA's result depended
-    on the chunk's length, and the row kernel's differed from it)."""
+    bitwise the same: the chunk kernel's key tiles start at absolute positions and a vector's
+    arithmetic depends neither on its tile mates nor on the tile's width; shapes it refuses take
+    the row kernel for every row (they once took SDPA for chunks of 64 rows or more, whose result
+    depended on the chunk's length: 1 ulp apart, found by review)."""
     if dtype == torch.bfloat16 and not native_bf16():
         pytest.skip("this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
-    whole = make_seq(0, 300, NUM_KV_HEADS * group, 64, seed=21)
-    one_chunk = run_steps(CpuPagedBackend(), [whole], 16, seed=7, dtype=dtype).new_out[0]
+    whole = make_seq(0, 300, NUM_KV_HEADS * group, head_dim, seed=21)
+    one_chunk = run_steps(CpuPagedBackend(), [whole], block_size, seed=7, dtype=dtype).new_out[0]
     for cut in (1, 120, 256, 299):
         split = SeqData(cut, 300 - cut, whole.k, whole.v, whole.q_new[:cut], whole.q_new[cut:])
-        two_steps = run_steps(CpuPagedBackend(), [split], 16, seed=8 + cut, dtype=dtype)
+        two_steps = run_steps(CpuPagedBackend(), [split], block_size, seed=8 + cut, dtype=dtype)
         assert torch.equal(two_steps.context_out[0], one_chunk[:cut]), f"first chunk, cut at {cut}"
         assert torch.equal(two_steps.new_out[0], one_chunk[cut:]), f"second chunk, cut at {cut}"
 

@@ -14,11 +14,12 @@ and 1.17-1.66x (bfloat16 cache) the speed of the row kernel it replaced for deco
 it on fresh prompts of 128-2,048 tokens; the chunk kernel keeps them for its invariants (why it
 has no AMX form: ``kernels/cpu/paged_attention.c``).
 
-Other shapes take the earlier pair of paths: rows of chunks shorter than
-``SDPA_MIN_QUERY_TOKENS`` go through the row kernel (``paged_attention`` in
-``kernels/cpu/paged_attention.c``), longer chunks through SDPA's fused flash kernel: a fresh
-prompt attends causally to its own new keys straight from the step's ``k``/``v``; a chunk that
-continues a cached context gathers its blocks first and masks by position.
+Other shapes (a block size under 16, a head_dim not a multiple of 16) take the row kernel
+(``paged_attention`` in ``kernels/cpu/paged_attention.c``) for every row: one query vector at a
+time over the paged cache, so the same holds. Long chunks of such shapes once went to SDPA's
+flash kernel instead, whose result depended on the chunk's length: a prompt prefilled in other
+chunks gave logits 1 ulp apart (found by review; G18 promises bit-identical greedy output), so
+they no longer do, at the row kernel's speed.
 
 Keys are stored transposed within each block. float32 or bfloat16 queries (bfloat16 on CPUs
 with native bf16, ``cpu_features``) on a float32 or bfloat16 cache (``--kv-cache-dtype``, any
@@ -48,16 +49,6 @@ import torch
 
 from refengine.kernels import cpu
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
-from refengine.kernels.attention.sdpa import chunk_attention, context_mask
-
-SDPA_MIN_QUERY_TOKENS = 64  # only for shapes the chunk kernel refuses
-
-
-@dataclass(frozen=True)
-class _SdpaChunk:
-    rows: slice  # the chunk's query rows in the step
-    block_ids: torch.Tensor | None  # its blocks, in order; None = a fresh prompt (keys from the step itself)
-    mask: torch.Tensor | None  # [query_len, seq_len], True = attend; None = plain causal
 
 
 def native_kernel_unavailable_reason(enabled: bool = True) -> str:
@@ -151,7 +142,6 @@ class CpuPagedBackend(AttentionBackend):
         self._chunk_kernel_takes = functools.cache(lambda head_dim, block_size: bool(
             chunk_attention_supported(head_dim, block_size)))
         self._meta: AttentionMetadata | None = None
-        self._fallback: tuple[torch.Tensor, list[_SdpaChunk]] | None = None
 
     def kv_cache_shapes(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -162,7 +152,6 @@ class CpuPagedBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
-        self._fallback = None  # planned on first use: only shapes the chunk kernel refuses need it
         # int32 copies the kernels read; kept alive on self until the next prepare().
         self._all_seq_ids = torch.arange(meta.num_seqs, dtype=torch.int32)
         self._query_start_loc = torch.tensor(meta.query_start_loc, dtype=torch.int32)
@@ -195,55 +184,23 @@ class CpuPagedBackend(AttentionBackend):
                             meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim, meta.block_size,
                             k.stride(0), v.stride(0))
         # The kernels' queries and outputs are float32 whatever the cache holds: a bf16 step
-        # collects every row in float32 (SDPA rows round-trip exactly) and rounds once at the end.
+        # collects every row in float32 and rounds once at the end.
         out = torch.empty(q.shape, dtype=torch.float32)
         kernel_q = q
         if self._chunk_kernel_takes(head_dim, meta.block_size):
-            kernel, seq_ids = self._chunk_kernels[kv_dtype], self._all_seq_ids
+            kernel = self._chunk_kernels[kv_dtype]
             if q.dtype == kv_dtype == torch.bfloat16 and self._bf16_query_kernel is not None:
                 kernel = self._bf16_query_kernel  # reads the bf16 queries as they are: no float32 copy
         else:
-            seq_ids, sdpa_chunks = self._fallback_plan(meta)
             kernel = self._row_kernels[kv_dtype]
-            for chunk in sdpa_chunks:
-                out[chunk.rows] = self._sdpa(chunk, q, k, v, k_cache, v_cache, scale)
-        if len(seq_ids):
+        if meta.num_seqs:
             if kernel is not self._bf16_query_kernel and q.dtype != torch.float32:
                 kernel_q = q.float()
             status = kernel(out.data_ptr(), kernel_q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             self._block_tables.data_ptr(), self._query_start_loc.data_ptr(),
-                            self._seq_lens.data_ptr(), seq_ids.data_ptr(), len(seq_ids), num_heads, num_kv_heads,
-                            head_dim, meta.block_size, self._block_tables.shape[1], scale, kernel_q.stride(0))
+                            self._seq_lens.data_ptr(), self._all_seq_ids.data_ptr(), meta.num_seqs, num_heads,
+                            num_kv_heads, head_dim, meta.block_size, self._block_tables.shape[1], scale,
+                            kernel_q.stride(0))
             if status != 0:
                 raise MemoryError("paged attention: could not allocate scratch memory")
         return out if q.dtype == torch.float32 else out.to(q.dtype)
-
-    def _fallback_plan(self, meta: AttentionMetadata) -> tuple[torch.Tensor, list[_SdpaChunk]]:
-        """For shapes the chunk kernel refuses, once per step: the sequences for the row kernel
-        (int32) and the long chunks as SDPA calls."""
-        if self._fallback is None:
-            row_seq_ids, sdpa_chunks = [], []
-            for i in range(meta.num_seqs):
-                query_len = meta.query_len(i)
-                if query_len < SDPA_MIN_QUERY_TOKENS:
-                    row_seq_ids.append(i)
-                    continue
-                rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
-                mask = context_mask(meta.seq_lens[i], query_len)
-                # A fresh prompt (no mask) attends causally to its own new keys, read from the step.
-                block_ids = None if mask is None else meta.block_tables[i, : -(-meta.seq_lens[i] // meta.block_size)]
-                sdpa_chunks.append(_SdpaChunk(rows, block_ids, mask))
-            self._fallback = (torch.tensor(row_seq_ids, dtype=torch.int32), sdpa_chunks)
-        return self._fallback
-
-    @staticmethod
-    def _sdpa(chunk: _SdpaChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        if chunk.block_ids is None:
-            keys, values = k[chunk.rows].transpose(0, 1), v[chunk.rows].transpose(0, 1)
-        else:  # gather the context, turning the transposed key blocks back into rows; only its written positions
-            num_kv_heads, head_dim, seq_len = v_cache.shape[2], v_cache.shape[3], chunk.mask.shape[1]
-            keys = k_cache.index_select(0, chunk.block_ids).permute(1, 0, 3, 2).reshape(num_kv_heads, -1, head_dim)
-            values = v_cache.index_select(0, chunk.block_ids).view(-1, num_kv_heads, head_dim).transpose(0, 1)
-            keys, values = keys[:, :seq_len], values[:, :seq_len]
-        return chunk_attention(q[chunk.rows], keys.to(q.dtype), values.to(q.dtype), chunk.mask, scale)

@@ -10,6 +10,13 @@ sequence's length are masked. The cache may hold another dtype than the queries
 and prefill reads the step's own keys back from the cache, so it sees them rounded just
 as a later chunk or decode step will.
 
+Not invariant to the bit: an SDPA call's reduction depends on its shape, so the same prompt
+prefilled in other chunks gives logits about 1 ulp apart (measured 2026-12-06 on a tiny model:
+token budgets 16 and 7 against 4,096). Greedy tokens flip only at a near tie, but G18's
+bit-identity is the native CPU backend's (``cpu_paged.py``, the default on CPU), not this
+reference's, which serves where nothing faster runs (``--no-native-kernels``, float16 on CPU, no
+C compiler) and as the oracle the kernels are checked against.
+
 CUDA graphs (``supports_cuda_graphs`` True; the runner captures, ``model/cuda_graphs.py``).
 ``init_cuda_graph_state`` allocates, once, the buffers a captured decode step reads: block
 tables ``[max_num_seqs, max_num_blocks_per_seq]``, sequence lengths and slot mapping.
