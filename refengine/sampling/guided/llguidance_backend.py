@@ -112,10 +112,9 @@ class LlguidanceBackend(GrammarBackend):
     @staticmethod
     def _llguidance_grammar(spec: GuidedSpec) -> str:
         if spec.mode == "json_schema":
-            json.loads(spec.spec)
-            return llguidance.grammar_from("json_schema", spec.spec)
+            return llguidance.grammar_from("json_schema", _xgrammar_spacing(json.loads(spec.spec)))
         if spec.mode == "json_object":
-            return llguidance.grammar_from("json_schema", '{"type": "object"}')
+            return llguidance.grammar_from("json_schema", _xgrammar_spacing({"type": "object"}))
         if spec.mode == "regex":
             return llguidance.grammar_from("regex", spec.spec)
         if spec.mode == "ebnf_grammar":
@@ -124,6 +123,18 @@ class LlguidanceBackend(GrammarBackend):
             return llguidance.grammar_from("lark", llguidance.StructTag.to_grammar(structural_tags(spec.spec),
                                                                                   assume_special=False))
         return llguidance.grammar_from("choice", json.dumps(list(spec.choices)))
+
+
+#: xgrammar's spacing (``any_whitespace=False``): one space after ``,`` and ``:``, none elsewhere.
+#: llguidance's default allowed any whitespace between tokens, so its JSON differed from
+#: xgrammar's for the same spec, and a model could loop on newlines (found by review).
+_SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _xgrammar_spacing(schema: object) -> str:
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": _SPACING}
+    return json.dumps(schema)
 
 
 NO_FORCING = '%llguidance {"no_forcing": true}\n'

@@ -11,7 +11,18 @@ project's pinned xgrammar, each guide judged by ``jsonschema`` (``tests/unit/tes
   also required ``b``); a single one, the form tools generate around a ``$ref``, is enforced;
 - a ``required`` name missing from ``properties`` was not required;
 - ``multipleOf`` was enforced only on ``type: integer`` by an integer (``{"type": "number",
-  "multipleOf": 0.5}`` let 0.3 through).
+  "multipleOf": 0.5}`` let 0.3 through);
+- keywords beside ``$ref``, ``anyOf``, ``oneOf``, ``allOf``, ``enum`` or ``const`` were dropped
+  (``{"$ref": ..., "minimum": 5}`` let 1 through), and a ``$ref`` other than a ``#/...`` pointer
+  (an anchor, a remote document) matched any JSON; annotations beside them, and ``type`` beside an
+  ``enum``/``const`` all of whose values have that type, are fine;
+- a quote or backslash in a ``pattern`` or ``patternProperties`` key came out unescaped inside
+  the JSON string (invalid JSON), and a property both in ``properties`` and matched by a
+  ``patternProperties`` key got only its ``properties`` schema (found by review, 2026-12-06).
+
+``format`` is enforced by grammars looser than ``jsonschema``'s format checker (``date`` takes
+2023-02-31, ``ipv4`` leading zeros): accepted, as JSON Schema 2020-12 makes ``format`` an
+annotation unless a validator opts into asserting it; llguidance checks month lengths.
 
 The xgrammar backend refuses such a schema (INVALID_ARGUMENT naming the keyword and where it
 stands) rather than produce output that breaks it; llguidance refuses most of these itself and
@@ -22,6 +33,7 @@ alternatives overlap, a value matching two of them can come out (llguidance refu
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 #: Keywords whose presence (with a constraining value) xgrammar ignores.
@@ -51,6 +63,10 @@ def unenforced_use(schema: Any, where: str = "#") -> str | None:
         return f"'multipleOf' at {where} (enforced only on type 'integer', by an integer)"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"'allOf' of {len(schema['allOf'])} subschemas at {where} (xgrammar enforces one)"
+    if found := _sibling_use(schema, where):
+        return found
+    if found := _pattern_use(schema, where):
+        return found
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     required = schema.get("required") if isinstance(schema.get("required"), list) else []
     if missing := [name for name in required if name not in properties]:
@@ -73,4 +89,67 @@ def _in_subschemas(schema: dict[str, Any], where: str) -> str | None:
     for child, path in children:
         if found := unenforced_use(child, path):
             return found
+    return None
+
+
+#: A quote or backslash written in a regex: literally, or as an escape of its code point.
+_QUOTE_OR_BACKSLASH = re.compile(r'"|\\\\|\\x(22|5c)|\\u00(22|5c)', re.IGNORECASE)
+
+
+def _pattern_use(schema: dict[str, Any], where: str) -> str | None:
+    """A ``pattern`` (or ``patternProperties`` key) matching a quote or backslash, which xgrammar
+    writes unescaped into the JSON string; or a property named in ``properties`` that a
+    ``patternProperties`` key also matches (xgrammar applies only the ``properties`` schema)."""
+    pattern_properties = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+    patterns = [schema["pattern"]] if isinstance(schema.get("pattern"), str) else []
+    for pattern in [*patterns, *pattern_properties]:
+        if _QUOTE_OR_BACKSLASH.search(pattern):
+            return (f"a pattern with a literal quote or backslash at {where} ({pattern!r}: xgrammar writes it "
+                    "unescaped into the JSON string)")
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    for pattern in pattern_properties:
+        try:
+            both = [name for name in properties if re.search(pattern, name)]
+        except re.error:
+            continue  # a pattern Python cannot read: the compile refuses it or judges it
+        if both:
+            return (f"property {both[0]!r} at {where} is also matched by 'patternProperties' key {pattern!r} "
+                    "(xgrammar applies only its 'properties' schema)")
+    return None
+
+
+#: Keywords xgrammar converts alone, dropping the keywords beside them.
+_ALONE = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
+#: Keywords that constrain nothing (annotations) or hold subschemas reached only by $ref.
+_INERT = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+                    "$schema", "$id", "$defs", "definitions", "discriminator"})
+_JSON_TYPES = {"null": type(None), "boolean": bool, "object": dict, "array": list, "string": str}
+
+
+def _of_type(value: Any, name: str) -> bool:
+    if name == "integer":
+        return _is_integer(value) or (isinstance(value, float) and value.is_integer())
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, _JSON_TYPES.get(name, ()))
+
+
+def _sibling_use(schema: dict[str, Any], where: str) -> str | None:
+    """A keyword beside one xgrammar converts alone (``$ref``, a combinator, ``enum``, ``const``), or a
+    ``$ref`` that is not a JSON pointer into this document (an anchor, a remote or ``$id``-relative one)."""
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        return f"'$ref' {ref!r} at {where} (only '#/...' pointers are resolved)"
+    alone = [k for k in _ALONE if k in schema]
+    if not alone:
+        return None
+    values = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
+    for key in schema:
+        if key in _INERT or key == alone[0]:
+            continue
+        if key == "type" and values is not None and isinstance(values, list):
+            types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            if all(any(_of_type(v, t) for t in types) for v in values):
+                continue
+        return f"{key!r} beside {alone[0]!r} at {where} (xgrammar keeps only {alone[0]!r})"
     return None

@@ -147,7 +147,7 @@ def regex_for_xgrammar(pattern: str) -> str:
             # A ``]`` first in the class (after an optional ``^``) is a literal, not its end.
             start = i + 2 if pattern.startswith("^", i + 1) else i + 1
             if pattern.startswith("]", start):
-                out.append(pattern[i:start + 1])
+                out.append(pattern[i:start] + "\\]")  # xgrammar reads "[]" and "[^]" as a whole class
                 i = start + 1
                 continue
         elif char == ".":
