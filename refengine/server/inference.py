@@ -31,7 +31,7 @@ from refengine.server.responses import ResponseBuilder
 from refengine.server.state import ServerState
 from refengine.server.stream_bridge import OutputBridge
 from refengine.server.validation import ServerFacts, prompt_positions_limit, validate_generate
-from refengine.types import GenerationRequest, RequestError
+from refengine.types import GenerationRequest, RequestError, RequestOutput
 
 logger = logging.getLogger(__name__)
 #: How long a request without a deadline, reusing a cancelled stream's id, waits for the engine to
@@ -77,7 +77,7 @@ class InferenceServicer(oe.InferenceServicer):
         settings = stream_settings(request.extra, self.server_stream)
         params = to_engine_request(request, meta, prompt_positions_limit(request, facts))
         bridge = OutputBridge(asyncio.get_running_loop(), request.request_id, settings.stream_buffer,
-                              settings.stall_timeout_seconds, self._on_stall)
+                              settings.stall_timeout_seconds, self._on_stall, engine.abort_kv_session)
         try:
             await self._wait_retired(params.request_id, context.time_remaining())
             if _cheap_to_add(params):
@@ -118,6 +118,7 @@ class InferenceServicer(oe.InferenceServicer):
         """The add of a request whose client left is done: abort an accepted one (the engine's
         final output then retires its id); a refused one never held the id."""
         if adding.exception() is None:
+            bridge.abandon()
             engine.abort(bridge.request_id)
         else:
             bridge.id_released()
@@ -144,16 +145,20 @@ class InferenceServicer(oe.InferenceServicer):
         builder = ResponseBuilder(request.request_id, max(request.sampling.num_sequences, 1),
                                   self.state.options.max_send_message_bytes, self.state.session_ref)
         self.state.add_stream(bridge)  # cut off at once when accepted after the drain deadline
+        unsent: RequestOutput | None = None  # taken from the bridge, its events not all written yet
         try:
             while not builder.terminal_sent:
-                out = await bridge.next()
+                unsent = await bridge.next()
                 oversized = builder.oversized
-                for event in builder.events(out):
+                for event in builder.events(unsent):
                     await context.write(event)
+                unsent = None
                 if oversized is None and builder.oversized is not None:  # its final output ends the stream
                     self.state.engine.abort(request.request_id)
         finally:
             self.state.streams.discard(bridge)
+            if unsent is not None or not builder.terminal_sent:  # the client left, or a write failed (K7)
+                bridge.abandon(unsent)
             bridge.close()
             if not bridge.engine_finished:  # cancelled, disconnected, failed: free the KV (A5)
                 self.state.engine.abort(request.request_id)

@@ -16,7 +16,12 @@ Invariants:
   it returns one synthesized terminal output (``error`` set, the engine's usage) and the
   buffered outputs are dropped;
 - a failure never replaces an outcome the engine already reached (``engine_finished``);
-- the stall clock runs only while the engine request is still active.
+- the stall clock runs only while the engine request is still active;
+- a KV session (a prefill server's ``PrefillReady``) that no client will be handed is released
+  through ``release_session`` at once: one that arrives after a failure, or once the stream gave
+  up (:meth:`abandon`: its client left, or the write of its ``PrefillReady`` failed). Without
+  this, a client cancelling during its last prefill step left the prompt's blocks held by a
+  session nobody knew, until its lease ended (found by review: 94 of 128 blocks for 30 s; K7).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class OutputBridge:
         capacity: int,
         stall_timeout: float,
         on_stall: Callable[[OutputBridge], None],
+        release_session: Callable[[str], object] = lambda session_id: None,
     ) -> None:
         self.request_id = request_id
         self.capacity = capacity
@@ -53,6 +59,8 @@ class OutputBridge:
         self._stall_timer: asyncio.TimerHandle | None = None
         self._final_usage: Usage | None = None
         self._terminal_returned = False
+        self._release_session = release_session
+        self._abandoned = False  # no output will reach a client any more
 
     # -- engine thread ----------------------------------------------------------
     def sink(self, out: RequestOutput) -> None:
@@ -69,11 +77,23 @@ class OutputBridge:
             self.id_released()
             self._final_usage = out.usage
             self._stop_stall_clock()
-        if self.failure is None:
+        if out.prefill is not None and (self.failure is not None or self._abandoned):
+            self._release_session(out.prefill.session_id)  # its PrefillReady will never be sent
+        elif self.failure is None and not self._abandoned:
             self._pending.append(out)
             if len(self._pending) >= self.capacity and not self.engine_finished:
                 self._start_stall_clock()
         self._wakeup.set()
+
+    def abandon(self, unsent: RequestOutput | None = None) -> None:
+        """No client will read on: release the KV sessions of ``unsent`` (an output taken but
+        not delivered), of the outputs waiting, and of any still to come."""
+        self._abandoned = True
+        self._stop_stall_clock()
+        for out in (unsent, *self._pending):
+            if out is not None and out.prefill is not None:
+                self._release_session(out.prefill.session_id)
+        self._pending.clear()
 
     def id_released(self) -> None:
         """The engine holds the request id no more: it finished the request, or it never
