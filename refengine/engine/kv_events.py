@@ -11,12 +11,15 @@ gap-free and duplicate-free.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
 from refengine.types import BlockStored, KvEvent, KvEventBatch
+
+logger = logging.getLogger(__name__)
 
 
 class SubscriptionEnded(Exception):
@@ -95,10 +98,22 @@ class KvEventHub:
             batch = KvEventBatch(self._last_sequence_number, time.time_ns(), self.data_parallel_rank, tuple(events))
             self._retained.append(batch)
             subscribers = list(self._subscribers)
-        dropped = [s for s in subscribers if not s._push(batch)]
+        dropped = [s for s in subscribers if not self._delivered(s, batch)]
         if dropped:
             with self._lock:
                 self._subscribers = [s for s in self._subscribers if s not in dropped]
+
+    @staticmethod
+    def _delivered(sub: KvEventSubscription, batch: KvEventBatch) -> bool:
+        """Push ``batch`` to ``sub``; False when it ends there. A wake-up that raises (a server's
+        event loop already closed) ends that subscription alone: it once ended ``publish`` before
+        the subscribers after it, which then missed every batch without a failure (found by review)."""
+        try:
+            return sub._push(batch)
+        except Exception:
+            logger.exception("a KV event subscriber's wake-up failed: the subscription ends")
+            sub.close()
+            return False
 
     def subscribe(self, on_ready: Callable[[], None], snapshot: list[BlockStored] | None = None,
                   start_sequence_number: int = 0) -> KvEventSubscription:

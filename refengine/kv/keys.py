@@ -18,8 +18,8 @@ after it differ through the parent chain. Nothing is process-random, so keys are
 identical across restarts, processes and replicas for the same model and the same tokens.
 
 On the wire: ``KvBlockHash`` ``{value: the 32 bytes, encoding: "bytes"}`` on the native
-stream; vLLM-compatible (ZMQ) consumers get the unsigned 64-bit integer of the key's first
-8 bytes, big-endian (``block_hash_u64``).
+stream; vLLM-compatible (ZMQ) consumers get the unsigned 64-bit integer of the key's last
+8 bytes, big-endian (``block_hash_u64``: its low 64 bits, as vLLM converts).
 """
 
 from __future__ import annotations
@@ -45,5 +45,8 @@ def block_keys(token_ids: Sequence[int], block_size: int, extra_keys: tuple[str,
 
 
 def block_hash_u64(key: bytes) -> int:
-    """The integer form of a block key that vLLM-style consumers read."""
-    return int.from_bytes(key[:8], "big")
+    """The integer form of a block key that vLLM-style consumers read: its low 64 bits, as
+    vLLM's ``maybe_convert_block_hash`` takes them (``int.from_bytes(key, "big") & (2**64 - 1)``),
+    so a consumer converting the native stream's 32-byte key that way gets the ZMQ stream's
+    integer (the first 8 bytes were used until review found it)."""
+    return int.from_bytes(key[-8:], "big")

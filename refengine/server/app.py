@@ -132,6 +132,12 @@ def serve_from_args(args: argparse.Namespace) -> int:
         engine_config = engine_config_from_args(args)
         if options.kv_events_zmq and (not engine_config.kv_events.enabled or engine_config.role == "encoder"):
             raise ValueError("--kv-events-zmq needs KV events: drop --no-kv-events (an encoder server has none)")
+        if options.kv_events_zmq:
+            from refengine.server.kv_events_zmq import check_bindable  # pyzmq only when asked for
+
+            check_bindable(options.kv_events_zmq, "--kv-events-zmq")
+            if options.kv_events_zmq_replay:
+                check_bindable(options.kv_events_zmq_replay, "--kv-events-zmq-replay")
     except ValueError as exc:
         print(f"refengine serve: {exc}", file=sys.stderr)
         return 2
@@ -231,7 +237,14 @@ class Server:
             return 1
         engine = loading.result()
         engine.start()
-        self.kv_source = kv_events_service.start_compatibility_source(self.state, engine)
+        try:
+            self.kv_source = kv_events_service.start_compatibility_source(self.state, engine)
+        except Exception as exc:  # zmq.ZMQError: the port was taken after the check before loading
+            stopping.cancel()
+            logger.error("--kv-events-zmq %s: %s: %s", self.options.kv_events_zmq, type(exc).__name__, exc)
+            self.state.set_load_failed(f"--kv-events-zmq: {type(exc).__name__}: {exc}")
+            await asyncio.to_thread(engine.shutdown)
+            return 2
         self.state.set_ready(engine)
         logger.info("ready: %s (%d KV blocks)", engine.info.served_model_name, engine.info.total_kv_blocks)
         await stopping

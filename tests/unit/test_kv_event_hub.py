@@ -10,6 +10,7 @@ subscriber and a bad request each end the subscription with a message, never the
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -381,3 +382,19 @@ def test_a_snapshot_between_a_failed_step_and_fail_all_repeats_no_block(tiny, mo
     assert view.failure is None and late.failure is None
     assert len(late.batches[0].events) == 3, "the snapshot: the prompt's three full blocks"
     assert view.blocks.keys() == late.blocks.keys() == published(engine)
+
+
+def test_a_wake_up_that_raises_ends_that_subscription_alone() -> None:
+    """A subscriber whose wake-up raises (a gRPC server's event loop already closed) once ended
+    ``publish`` before the subscribers after it, on every batch: they missed them all without a
+    failure (found by review). Now it alone ends; the others get every batch."""
+    hub = KvEventHub(retained_batches=16, subscriber_buffer=16)
+    closed = asyncio.new_event_loop()
+    closed.close()
+    broken = hub.subscribe(lambda: closed.call_soon_threadsafe(lambda: None))
+    healthy = hub.subscribe(lambda: None)
+    hub.publish([AllBlocksCleared()])
+    hub.publish([AllBlocksCleared()])
+    batches, failure = healthy.take()
+    assert [b.sequence_number for b in batches] == [1, 2] and failure is None
+    assert broken.closed and hub.num_subscribers == 1

@@ -33,6 +33,23 @@ def test_settings_refused_at_start(capsys: pytest.CaptureFixture[str], args: lis
     assert err.startswith("refengine serve: ") and says in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("flag", ["--kv-events-zmq", "--kv-events-zmq-replay"])
+def test_a_busy_zmq_port_is_refused_before_the_model_loads(capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    """It crashed with a traceback and exit 1 once the model had loaded (found by review)."""
+    zmq = pytest.importorskip("zmq")
+    holder = zmq.Context.instance().socket(zmq.PUB)
+    try:
+        port = holder.bind_to_random_port("tcp://127.0.0.1")
+        busy = f"tcp://127.0.0.1:{port}"
+        args = ["--kv-events-zmq", busy] if flag == "--kv-events-zmq" else \
+            ["--kv-events-zmq", "tcp://127.0.0.1:0", "--kv-events-zmq-replay", busy]
+        assert main(["serve", *args]) == 2
+    finally:
+        holder.close(linger=0)
+    err = capsys.readouterr().err
+    assert err.startswith(f"refengine serve: {flag} {busy}: ") and "in use" in err and err.count("\n") == 1, err
+
+
 def test_log_level_is_one_of_the_known_levels(capsys: pytest.CaptureFixture[str]) -> None:
     assert build_parser().parse_args(["serve", "--log-level", "debug"]).log_level == "DEBUG"
     with pytest.raises(SystemExit) as exc:
