@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from refengine.config import EngineConfig
+from refengine.engine.first_token_options import first_token_options
 from refengine.engine.request import OutputState, Request
 from refengine.kv.kv_manager import KvCacheManager
 from refengine.kv.transfer.attributes import FirstToken, SessionAttributes, prompt_hash
@@ -157,7 +158,8 @@ class Disaggregation:
             num_blocks=len(session.block_ids),
             first_token=FirstToken(token.token_id, token.logprob, token.rank, tuple(token.candidates)),
             lease_expires_unix_nanos=time.time_ns() + int(ttl * 1e9), lease_seconds=ttl,
-            transfer=backend.source_attributes(session.session_id, session.block_ids))
+            transfer=backend.source_attributes(session.session_id, session.block_ids),
+            first_token_options=first_token_options(request.params))
         return KvSessionSpec(session.session_id, backend.name, attributes=attributes.to_json())
 
     def free_due_sessions(self) -> int:

@@ -11,14 +11,17 @@ Choices where the contract is silent (ref):
   model fingerprint, block size, KV dtype and layout, block bytes, prompt length and
   prompt hash (media identities included), block count, a backend this engine has, and the
   ``transfer`` attributes that backend reads (NIXL: agent, regions of the same block bytes,
-  block ids). Any mismatch is INVALID_ARGUMENT naming the attribute, before anything is allocated.
+  block ids), and the options that shaped the first token (``first_token_options.py``). Any
+  mismatch is INVALID_ARGUMENT naming the attribute, before anything is allocated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from refengine.config_checks import LOOPBACK_SOURCES
+from refengine.engine.first_token_options import first_option_differing, first_token_options
 from refengine.engine.kv_sources import SourcePolicy
 from refengine.kv.transfer.attributes import SessionAttributes, prompt_hash
 from refengine.kv.transfer.base import BlockStore, KvTransferBackend
@@ -58,10 +61,10 @@ class RoleCheck:
                                           "PrefillReady.kv_session)")
             if params.logprobs.prompt_logprobs or params.logprobs.prompt_candidates is not None:
                 raise InvalidRequestError("prompt logprobs are computed by the prefill engine: ask it for them")
-            self._check_session(session, prompt_ids, media, adapter)
+            self._check_session(session, prompt_ids, media, adapter, first_token_options(params))
 
     def _check_session(self, session: KvSessionSpec, prompt_ids: list[int],
-                       media: tuple[tuple[int, str], ...], adapter: str) -> None:
+                       media: tuple[tuple[int, str], ...], adapter: str, options: dict[str, Any]) -> None:
         if session.transfer_backend not in self.backends:
             raise InvalidRequestError(f"kv.session.transfer_backend {session.transfer_backend!r} is not one this "
                                       f"engine has: {list(self.backends)}")
@@ -86,6 +89,12 @@ class RoleCheck:
                 raise InvalidRequestError(f"kv.session.attributes_struct.{key} is {got!r}, this engine and prompt "
                                           f"need {want!r}: the session was prefilled for another model, layout, "
                                           "prompt or LoRA adapter")
+        if key := first_option_differing(dict(attrs.first_token_options), options):
+            recorded = attrs.first_token_options.get(key)
+            raise InvalidRequestError(f"kv.session.attributes_struct.first_token_options.{key} is {recorded!r}, "
+                                      f"this request asks for {options[key]!r}: the session's first token was sampled "
+                                      "(with its logprob and candidates) under the prefill request's options; send "
+                                      "the decode request with the same")
         if problem := self.backends[session.transfer_backend].source_problem(attrs.transfer, attrs.num_blocks):
             raise InvalidRequestError(f"kv.session.attributes_struct.transfer is unusable by the "
                                       f"{session.transfer_backend!r} backend: {problem}")

@@ -31,7 +31,7 @@ from refengine.server.responses import ResponseBuilder
 from refengine.server.state import ServerState
 from refengine.server.stream_bridge import OutputBridge
 from refengine.server.validation import ServerFacts, prompt_positions_limit, validate_generate
-from refengine.types import GenerationRequest, RequestError, RequestOutput
+from refengine.types import GenerationRequest, RequestError
 
 logger = logging.getLogger(__name__)
 #: How long a request without a deadline, reusing a cancelled stream's id, waits for the engine to
@@ -145,20 +145,21 @@ class InferenceServicer(oe.InferenceServicer):
         builder = ResponseBuilder(request.request_id, max(request.sampling.num_sequences, 1),
                                   self.state.options.max_send_message_bytes, self.state.session_ref)
         self.state.add_stream(bridge)  # cut off at once when accepted after the drain deadline
-        unsent: RequestOutput | None = None  # taken from the bridge, its events not all written yet
         try:
             while not builder.terminal_sent:
-                unsent = await bridge.next()
+                out = await bridge.next()
                 oversized = builder.oversized
-                for event in builder.events(unsent):
+                for event in builder.events(out):
                     await context.write(event)
-                unsent = None
                 if oversized is None and builder.oversized is not None:  # its final output ends the stream
                     self.state.engine.abort(request.request_id)
         finally:
             self.state.streams.discard(bridge)
-            if unsent is not None or not builder.terminal_sent:  # the client left, or a write failed (K7)
-                bridge.abandon(unsent)
+            # K7: the client left before its terminal event was built: a PrefillReady still to come
+            # is never sent, so its session is released. One whose write had begun may have reached
+            # the client (a cancel right after reading it is common): that one keeps its lease.
+            if not builder.terminal_sent:
+                bridge.abandon()
             bridge.close()
             if not bridge.engine_finished:  # cancelled, disconnected, failed: free the KV (A5)
                 self.state.engine.abort(request.request_id)

@@ -19,7 +19,7 @@ Invariants:
 - the stall clock runs only while the engine request is still active;
 - a KV session (a prefill server's ``PrefillReady``) that no client will be handed is released
   through ``release_session`` at once: one that arrives after a failure, or once the stream gave
-  up (:meth:`abandon`: its client left, or the write of its ``PrefillReady`` failed). Without
+  up (:meth:`abandon`: its client left before the terminal event was built). Without
   this, a client cancelling during its last prefill step left the prompt's blocks held by a
   session nobody knew, until its lease ended (found by review: 94 of 128 blocks for 30 s; K7).
 """
@@ -85,13 +85,13 @@ class OutputBridge:
                 self._start_stall_clock()
         self._wakeup.set()
 
-    def abandon(self, unsent: RequestOutput | None = None) -> None:
-        """No client will read on: release the KV sessions of ``unsent`` (an output taken but
-        not delivered), of the outputs waiting, and of any still to come."""
+    def abandon(self) -> None:
+        """No client will read on: release the KV sessions of the outputs waiting and of any
+        still to come."""
         self._abandoned = True
         self._stop_stall_clock()
-        for out in (unsent, *self._pending):
-            if out is not None and out.prefill is not None:
+        for out in self._pending:
+            if out.prefill is not None:
                 self._release_session(out.prefill.session_id)
         self._pending.clear()
 

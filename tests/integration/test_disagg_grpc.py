@@ -592,6 +592,30 @@ def test_conformance_section_k_passes_on_the_pair(servers, server_address: str) 
     assert len(results) == 11 and all(r.status is Status.PASS for r in results), format_matrix(results)
 
 
+def test_a_prefill_cancelled_during_its_last_step_leaves_no_session(clients) -> None:
+    """K7 (found by review): the client cancels while its prompt's only prefill step runs. The
+    step still hands the blocks over to a KV session, but its PrefillReady has no stream left:
+    the session is released at once, not held by an id nobody knows until its lease ends (then
+    94 of 128 blocks for the lease of 30 s)."""
+    prefill = clients["prefill"]
+    req = oe.GenerateRequest(request_id="cancelled-in-step")
+    req.token_ids.ids.extend(random.Random(5).randrange(100, 20000) for _ in range(1500))
+    req.stopping.max_tokens = 8
+    call = prefill.inference.Generate(req, timeout=60)
+    deadline = time.monotonic() + 30
+    while prefill.load().running_requests == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # until its prefill step runs
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as cancelled:
+        list(call)
+    assert cancelled.value.code() == grpc.StatusCode.CANCELLED
+    while prefill.load().running_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = time.monotonic()
+    load = wait_idle(prefill, timeout=SESSION_TTL_S / 3)  # well within the lease: not its expiry
+    assert load.active_kv_sessions == 0 and time.monotonic() - ended < SESSION_TTL_S / 2, load
+
+
 def test_a_prefill_server_whose_block_exceeds_its_message_limit_does_not_start(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """No chunk of whole blocks could carry its KV to a puller: every pull would fail."""
@@ -634,26 +658,3 @@ def test_a_killed_prefill_server_fails_the_decode_cleanly(clients, servers) -> N
     assert errors[0].code == oe.ERROR_CODE_KV_TRANSFER_FAILED and not errors[0].retryable, errors[0]
     wait_idle(clients["decode"])
 
-
-def test_a_prefill_cancelled_during_its_last_step_leaves_no_session(clients) -> None:
-    """K7 (found by review): the client cancels while its prompt's only prefill step runs. The
-    step still hands the blocks over to a KV session, but its PrefillReady has no stream left:
-    the session is released at once, not held by an id nobody knows until its lease ends (then
-    94 of 128 blocks for the lease of 30 s)."""
-    prefill = clients["prefill"]
-    req = oe.GenerateRequest(request_id="cancelled-in-step")
-    req.token_ids.ids.extend(random.Random(5).randrange(100, 20000) for _ in range(1500))
-    req.stopping.max_tokens = 8
-    call = prefill.inference.Generate(req, timeout=60)
-    deadline = time.monotonic() + 30
-    while prefill.load().running_requests == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)  # until its prefill step runs
-    call.cancel()
-    with pytest.raises(grpc.RpcError) as cancelled:
-        list(call)
-    assert cancelled.value.code() == grpc.StatusCode.CANCELLED
-    while prefill.load().running_requests and time.monotonic() < deadline:
-        time.sleep(0.05)
-    ended = time.monotonic()
-    load = wait_idle(prefill, timeout=SESSION_TTL_S / 3)  # well within the lease: not its expiry
-    assert load.active_kv_sessions == 0 and time.monotonic() - ended < SESSION_TTL_S / 2, load

@@ -21,6 +21,7 @@ import pytest
 from refengine.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
 from refengine.engine.disagg import first_sampled_token
 from refengine.engine.engine import Engine
+from refengine.engine.first_token_options import first_token_options
 from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder, SessionConfirmed, TransferFailure
 from refengine.types import (
     CandidateSpec,
@@ -375,16 +376,45 @@ def test_a_guided_request_decodes_as_aggregated(trio) -> None:
 
 
 def test_a_first_token_the_grammar_forbids_fails_only_that_request(trio) -> None:
-    """A session prefilled without the decode request's grammar: when its first token is one the
-    grammar forbids, the decode request fails with a fault naming the grammar, and frees every block."""
+    """A session whose first token the decode request's grammar forbids (a prefill that did not
+    follow the grammar its session claims: the options are forged to match, as the decode engine
+    refuses other options before acceptance): the decode request fails with a fault naming the
+    grammar, and frees every block."""
     _, prefill, decode, _ = trio
     plain = request("f", PROMPTS[2], None, 0.0, logprobs=False)
     handoff = run(prefill, plain)
     first_text = TOKENIZER.decode([first_sampled_token(handoff.prefill).token_id])
     forbidden = next(c for c in "xyz" if not first_text.startswith(c)) * 3  # a choice that token cannot begin
-    guided = replace(plain, guided=GuidedSpec("choice", choices=(forbidden,)), kv=KvParams(session=handoff.prefill))
-    result = run(decode, guided)
+    guided = replace(plain, guided=GuidedSpec("choice", choices=(forbidden,)))
+    forged = replace(handoff.prefill, attributes={**handoff.prefill.attributes,
+                                                  "first_token_options": first_token_options(guided)})
+    result = run(decode, replace(guided, kv=KvParams(session=forged)))
     assert result.error is not None and "grammar rejected token" in result.error.message, result
     for engine in (prefill, decode):
         wait_idle(engine)
         engine.core.check_idle()
+
+
+@pytest.mark.parametrize("change", ["logprobs", "top_n", "guided", "temperature", "seed", "min_tokens"])
+def test_a_decode_request_asking_another_first_token_is_refused_before_acceptance(trio, change: str) -> None:
+    """The session's first token, logprob and candidates were sampled under the prefill request's
+    options; a decode request with other ones would get them as its own (found by review: no
+    logprob though it asked for one, 5 candidates for its top_n 1, an INTERNAL error after
+    acceptance for a grammar). It is refused, naming the option; the session stays for a decode
+    request with the same options."""
+    _, prefill, decode, _ = trio
+    asked = request(f"o-{change}", PROMPTS[2], 7, 0.0, max_tokens=3)  # logprobs + top_n 2
+    handoff = run(prefill, asked)
+    other = {"logprobs": replace(asked, logprobs=LogprobParams(output_logprobs=False)),
+             "top_n": replace(asked, logprobs=LogprobParams(output_logprobs=True,
+                                                            output_candidates=CandidateSpec("top_n", 1))),
+             "guided": replace(asked, guided=GuidedSpec("choice", choices=("xxx",))),
+             "temperature": replace(asked, sampling=SamplingParams(temperature=0.5, seed=7)),
+             "seed": replace(asked, sampling=SamplingParams(temperature=0.0, seed=8)),
+             "min_tokens": replace(asked, stopping=StoppingParams(max_tokens=3, min_tokens=2, ignore_eos=True))}[change]
+    with pytest.raises(InvalidRequestError, match="kv.session.attributes_struct.first_token_options"):
+        run(decode, replace(other, kv=KvParams(session=handoff.prefill)))
+    same = run(decode, replace(asked, request_id=f"o-{change}-same", kv=KvParams(session=handoff.prefill)))
+    assert same.error is None and len(same.outputs[0].tokens[0].candidates) == 2
+    for engine in (prefill, decode):
+        wait_idle(engine)

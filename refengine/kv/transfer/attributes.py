@@ -6,7 +6,7 @@ JSON types are kept (K9): a protobuf ``Struct`` carries numbers as doubles, so i
 that may exceed 2^53 (the prompt hash, the lease expiry in ns, memory addresses) travel
 as decimal strings, and non-finite logprobs as the strings "Infinity"/"-Infinity"/"NaN".
 
-Keys (schema ``refengine.kv-session/1``):
+Keys (schema ``refengine.kv-session/2``; 2 added ``first_token_options``):
 
 - ``schema``; ``model_fingerprint``: the weights that computed the KV;
 - ``block_size``, ``kv_dtype``, ``kv_layout`` (attention backend and per-block shapes),
@@ -15,6 +15,8 @@ Keys (schema ``refengine.kv-session/1``):
   adapter, decimal string), ``num_blocks``: the session holds the prompt's KV, ``num_blocks`` blocks;
 - ``first_token``: ``{token_id, logprob, rank, candidates: [[token_id, logprob, rank], …]}``
   — the token the prefill engine sampled (the decode engine emits it first);
+- ``first_token_options``: the prefill request's options that shaped that draw and its info
+  (``engine/first_token_options.py``), which the decode request must repeat;
 - ``lease_expires_unix_nanos`` (decimal string) and ``lease_seconds``;
 - ``transfer``: the backend's own keys (``KvTransferBackend.source_attributes``).
 """
@@ -27,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEMA = "refengine.kv-session/1"
+SCHEMA = "refengine.kv-session/2"
 
 
 def prompt_hash(token_ids: Sequence[int], media: Sequence[tuple[int, str]] = (), adapter: str = "") -> int:
@@ -75,6 +77,7 @@ class SessionAttributes:
     lease_expires_unix_nanos: int
     lease_seconds: float
     transfer: Mapping[str, Any] = field(default_factory=dict)
+    first_token_options: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         first = self.first_token
@@ -97,6 +100,7 @@ class SessionAttributes:
             "lease_expires_unix_nanos": str(self.lease_expires_unix_nanos),
             "lease_seconds": self.lease_seconds,
             "transfer": dict(self.transfer),
+            "first_token_options": dict(self.first_token_options),
         }
 
     @classmethod
@@ -121,6 +125,7 @@ class SessionAttributes:
             lease_expires_unix_nanos=reader.decimal("lease_expires_unix_nanos"),
             lease_seconds=reader.float("lease_seconds"),
             transfer=reader.map("transfer"),
+            first_token_options=reader.map("first_token_options"),
         )
 
 
