@@ -16,8 +16,8 @@ from refengine.conformance import Options, Status, run
 from tests.conformance.toy_kv_events import KvFaults, serve_kv
 
 E_CHECKS = ["E1:replay_expired", "E1:replay_retained", "E1:sequence_numbers_increase", "E2:snapshot_then_live",
-            "E3:removed_on_eviction", "E3:stored_full_blocks", "E4:stored_events_chain", "E5:failure_is_error_then_ok",
-            "E6:kv_event_sources"]
+            "E3:removed_on_eviction", "E3:stored_full_blocks", "E4:lora_in_block_hash", "E4:stored_events_chain",
+            "E5:expired_replay_is_error_event", "E5:failure_is_error_then_ok", "E6:kv_event_sources"]
 
 
 def run_e(faults: KvFaults, rules: list[str]) -> dict[str, Any]:
@@ -37,7 +37,10 @@ def conforming() -> Iterator[dict[str, Any]]:
 def test_a_conforming_kv_event_server_passes(conforming: dict[str, Any]) -> None:
     assert sorted(conforming) == E_CHECKS
     not_passed = {n: r.message for n, r in conforming.items() if r.status is not Status.PASS}
-    assert list(not_passed) == ["E1:replay_expired"] and "still retained" in not_passed["E1:replay_expired"]
+    # Not judged here: nothing expires in the toy's window of 1,000 batches, and it has no LoRA.
+    assert sorted(not_passed) == ["E1:replay_expired", "E4:lora_in_block_hash", "E5:expired_replay_is_error_event"]
+    assert "still retained" in not_passed["E1:replay_expired"]
+    assert "still retained" in not_passed["E5:expired_replay_is_error_event"]
 
 
 def test_an_expired_replay_passes_with_a_short_window() -> None:
@@ -70,9 +73,13 @@ def test_a_server_without_kv_events_claims_no_check() -> None:
     (KvFaults(status_on_failure=True), "E5:failure_is_error_then_ok", "refused with status OUT_OF_RANGE"),
     (KvFaults(wildcard_host=True), "E6:kv_event_sources", "wildcard host"),
     (KvFaults(accept_bad_ranks=True), "E6:kv_event_sources", "expected INVALID_ARGUMENT"),
+    (KvFaults(leafless_snapshot=True), "E2:snapshot_then_live", "leaves out 1 of the"),
+    (KvFaults(status_on_expired=True, retained=8), "E5:expired_replay_is_error_event", "refused with status"),
+    (KvFaults(unconnectable_source=True), "E6:kv_event_sources", "connection refused"),
 ], ids=["repeat_numbers", "silent_expired", "gap", "empty_snapshot", "partial_blocks", "silent_eviction",
         "announce_once", "salt_ignored", "orphans",
-        "status_on_failure", "wildcard_host", "accept_bad_ranks"])
+        "status_on_failure", "wildcard_host", "accept_bad_ranks", "leafless_snapshot", "status_on_expired",
+        "unconnectable_source"])
 def test_each_violation_is_caught(faults: KvFaults, name: str, says: str) -> None:
     result = run_e(faults, [name.split(":")[0]])[name]
     assert result.status is Status.FAIL and says in result.message, (result.status, result.message)
