@@ -8,7 +8,8 @@ asked for, with more candidates than its ``top_n``, outside its grammar (found b
 happened, the last as an INTERNAL error after acceptance). So every option that shapes the first
 draw or its reported info must match, else INVALID_ARGUMENT naming it:
 
-- sampling: temperature, top_p, top_k, min_p, the three penalties, the seed;
+- sampling: temperature, top_p, top_k, min_p, the three penalties, and the seed where it draws
+  (temperature > 0: a greedy first token is the same under any seed);
 - the ids masked at the first draw: with ``min_tokens`` > 0, the stop token ids and EOS (unless
   ``ignore_eos``); with ``min_tokens`` 0, none, whatever those are;
 - output logprobs and the candidate selection;
@@ -34,7 +35,8 @@ def first_token_options(params: GenerationRequest) -> dict[str, Any]:
     return {
         "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
         "frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty,
-        "repetition_penalty": s.repetition_penalty, "seed": None if s.seed is None else str(s.seed),
+        "repetition_penalty": s.repetition_penalty,
+        "seed": None if s.seed is None or s.temperature == 0 else str(s.seed),
         "masked_at_first_draw": masked,
         "output_logprobs": lp.output_logprobs,
         "output_candidates": _candidates(lp.output_candidates),

@@ -253,7 +253,8 @@ class Server:
 
     def _check_loaded(self, engine: EngineClient) -> None:
         if engine.info.supports_multimodal or engine.info.role == "encoder":
-            self.options.media_item_fits(self.state.engine_config.media.max_bytes)
+            if problem := self.options.media_item_problem(self.state.engine_config.media.max_bytes):
+                logger.warning("%s", problem)
         if engine.info.role in ("prefill", "encoder"):  # its KV sessions are pulled in chunks of whole blocks
             blocks_per_chunk(self.state.engine_config.kv_transfer.chunk_bytes, self.options.max_send_message_bytes,
                              engine.block_nbytes())

@@ -149,7 +149,11 @@ class InferenceServicer(oe.InferenceServicer):
             while not builder.terminal_sent:
                 out = await bridge.next()
                 oversized = builder.oversized
-                for event in builder.events(out):
+                events = builder.events(out)
+                if out.prefill is not None and not any(event.HasField("prefill_ready") for event in events):
+                    # its PrefillReady gave way to an EngineError (an event too large): never sent (K7)
+                    self.state.engine.abort_kv_session(out.prefill.session_id)
+                for event in events:
                     await context.write(event)
                 if oversized is None and builder.oversized is not None:  # its final output ends the stream
                     self.state.engine.abort(request.request_id)

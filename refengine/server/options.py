@@ -36,8 +36,8 @@ class ServerOptions:
       grpc.health.v1 and server reflection are on every listener.
     - ``max_send_message_bytes``/``max_receive_message_bytes``: gRPC message limits. A response
       that could not fit (e.g. ``all`` candidates over a long prompt) is refused before acceptance.
-      The receive limit must carry one media item of ``--media-max-mib`` as a data URI
-      (``media_item_fits``): 32 MiB by default, for the default 20 MiB item.
+      The receive limit should carry one media item of ``--media-max-mib`` as a data URI
+      (``media_item_problem``, a start-up warning): 32 MiB by default, for the default 20 MiB item.
     - ``shutdown_grace_seconds``: on SIGTERM/SIGINT, running streams get this long to finish;
       the rest end with ``EngineError(CANCELLED, retryable)`` naming the drain.
     - ``stream_buffer``: engine outputs one stream may hold undelivered before its stall clock
@@ -92,16 +92,18 @@ class ServerOptions:
         if self.max_send_message_bytes < MIB or self.max_receive_message_bytes < MIB:
             raise ValueError("message size limits must be at least 1 MiB")
 
-    def media_item_fits(self, media_max_bytes: int) -> None:
-        """``ValueError`` unless one media item of ``media_max_bytes`` fits a request: as a data
-        URI (base64, 4 characters per 3 bytes) with ``REQUEST_ROOM_BYTES`` for the rest. Else
-        such an item never reaches the media checks: gRPC refuses the message first, with
-        RESOURCE_EXHAUSTED (read as "overloaded, retry"), not INVALID_ARGUMENT (found by review)."""
+    def media_item_problem(self, media_max_bytes: int) -> str | None:
+        """Why one media item of ``media_max_bytes`` may not fit a request, or None: as a data
+        URI (base64, 4 characters per 3 bytes) with ``REQUEST_ROOM_BYTES`` for the rest. Such an
+        item never reaches the media checks: gRPC refuses the message first, with
+        RESOURCE_EXHAUSTED (read as "overloaded, retry"), not INVALID_ARGUMENT (found by review).
+        A warning, not a refusal: clients that send media by URL never meet it."""
         needed = -(-media_max_bytes * 4 // 3) + REQUEST_ROOM_BYTES
-        if needed > self.max_receive_message_bytes:
-            raise ValueError(f"a media item of --media-max-mib {media_max_bytes / MIB:g} needs a "
-                             f"{-(-needed // MIB)} MiB request as a data URI, more than --max-receive-message-mib "
-                             f"{self.max_receive_message_bytes // MIB}: raise it or lower --media-max-mib")
+        if needed <= self.max_receive_message_bytes:
+            return None
+        return (f"a media item of --media-max-mib {media_max_bytes / MIB:g} needs a {-(-needed // MIB)} MiB request "
+                f"as a data URI, more than --max-receive-message-mib {self.max_receive_message_bytes // MIB}: such "
+                "requests are refused by gRPC with RESOURCE_EXHAUSTED; raise it or lower --media-max-mib")
 
     def grpc_options(self) -> list[tuple[str, int]]:
         return [

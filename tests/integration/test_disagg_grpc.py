@@ -34,7 +34,9 @@ from refengine.kv.transfer.base import KvRegion
 from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
 from refengine.protocol import oe
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
+from refengine.server.validation import CANDIDATE_BYTES, TOKEN_INFO_BYTES
 from tests.integration.conftest import ServerProcess, Stream, free_port, start_server, wait_ready
+from tests.integration.test_server_message_limits import _longest_tokens
 from tests.support_matrix import observe
 
 pytestmark = pytest.mark.timeout(900)
@@ -614,6 +616,26 @@ def test_a_prefill_cancelled_during_its_last_step_leaves_no_session(clients) -> 
     ended = time.monotonic()
     load = wait_idle(prefill, timeout=SESSION_TTL_S / 3)  # well within the lease: not its expiry
     assert load.active_kv_sessions == 0 and time.monotonic() - ended < SESSION_TTL_S / 2, load
+
+
+def test_a_prompt_output_too_large_for_a_message_leaves_no_session(clients) -> None:
+    """K7, X1 (found by review): the PromptOutput and PrefillReady of a prefill come in one final
+    output; when the PromptOutput cannot fit the server's 2 MiB message limit, both give way to one
+    EngineError, and the session whose PrefillReady was never sent is released at once, not
+    held until its lease ends."""
+    prefill = clients["prefill"]
+    ids = _longest_tokens(300)
+    positions = (2 << 20) // (TOKEN_INFO_BYTES + CANDIDATE_BYTES * len(ids))  # what validation lets through
+    req = oe.GenerateRequest(request_id="prompt-output-too-large", token_ids=oe.TokenIds(ids=[504] * positions))
+    req.stopping.max_tokens = 1
+    req.response.return_prompt_logprobs = True
+    req.response.prompt_candidates.token_ids.ids.extend(ids)
+    stream = collect(prefill.generate(req, timeout=120))
+    assert stream.code == grpc.StatusCode.OK and [e.WhichOneof("event") for e in stream.events] == ["error"], stream
+    assert stream.events[0].error.code == oe.ERROR_CODE_INVALID_ARGUMENT
+    ended = time.monotonic()
+    wait_idle(prefill, timeout=SESSION_TTL_S / 3)
+    assert time.monotonic() - ended < SESSION_TTL_S / 2
 
 
 def test_a_prefill_server_whose_block_exceeds_its_message_limit_does_not_start(

@@ -403,18 +403,29 @@ def test_a_decode_request_asking_another_first_token_is_refused_before_acceptanc
     acceptance for a grammar). It is refused, naming the option; the session stays for a decode
     request with the same options."""
     _, prefill, decode, _ = trio
-    asked = request(f"o-{change}", PROMPTS[2], 7, 0.0, max_tokens=3)  # logprobs + top_n 2
+    asked = request(f"o-{change}", PROMPTS[2], 7, 0.3 if change == "seed" else 0.0, max_tokens=3)  # top_n 2
     handoff = run(prefill, asked)
     other = {"logprobs": replace(asked, logprobs=LogprobParams(output_logprobs=False)),
              "top_n": replace(asked, logprobs=LogprobParams(output_logprobs=True,
                                                             output_candidates=CandidateSpec("top_n", 1))),
              "guided": replace(asked, guided=GuidedSpec("choice", choices=("xxx",))),
              "temperature": replace(asked, sampling=SamplingParams(temperature=0.5, seed=7)),
-             "seed": replace(asked, sampling=SamplingParams(temperature=0.0, seed=8)),
+             "seed": replace(asked, sampling=SamplingParams(temperature=0.3, seed=8)),
              "min_tokens": replace(asked, stopping=StoppingParams(max_tokens=3, min_tokens=2, ignore_eos=True))}[change]
     with pytest.raises(InvalidRequestError, match="kv.session.attributes_struct.first_token_options"):
         run(decode, replace(other, kv=KvParams(session=handoff.prefill)))
     same = run(decode, replace(asked, request_id=f"o-{change}-same", kv=KvParams(session=handoff.prefill)))
     assert same.error is None and len(same.outputs[0].tokens[0].candidates) == 2
+    for engine in (prefill, decode):
+        wait_idle(engine)
+
+
+def test_a_greedy_decode_request_may_name_another_seed(trio) -> None:
+    """A greedy first token is the same under any seed: the seed is compared only where it draws."""
+    _, prefill, decode, _ = trio
+    asked = request("greedy-seed", PROMPTS[2], 7, 0.0, max_tokens=3)
+    handoff = run(prefill, asked)
+    other_seed = replace(asked, sampling=SamplingParams(temperature=0.0, seed=8), kv=KvParams(session=handoff.prefill))
+    assert run(decode, other_seed).error is None
     for engine in (prefill, decode):
         wait_idle(engine)

@@ -88,3 +88,23 @@ def test_backends_agree_on_json_spacing(compiler, mode) -> None:  # noqa: F811
     got = {b: accepts_whole(compiler, GuidedSpec(mode, schema if mode == "json_schema" else "", backend=b), text)
            for b in BACKENDS}
     assert len(set(got.values())) == 1, got
+
+
+# What the refusals above must not take with them (found by reviewing them): a negated class
+# keeping quotes or backslashes out, and keys beside $ref or enum that constrain nothing.
+NOT_REFUSED = [
+    (obj_s('^[^"]*$'), '{"s": "ab"}', '{"s": "a\\"b"}'),
+    (obj_s('^[^"\\\\]+$'), '{"s": "ab"}', '{"s": "a\\\\b"}'),
+    ({"$defs": {"c": {"type": "string", "enum": ["r", "g"]}}, "$ref": "#/$defs/c", "x-order": 1}, '"r"', '"b"'),
+    ({"type": "string", "enum": ["r", "g"], "nullable": True}, '"g"', '"b"'),
+    ({"$defs": {"c": {"type": "integer"}}, "$ref": "#/$defs/c", "example": 3}, "3", '"3"'),
+]
+
+
+@pytest.mark.parametrize(("schema", "valid", "invalid"), NOT_REFUSED, ids=["no-quote", "no-quote-or-backslash",
+                                                                           "x-order", "nullable", "example"])
+def test_what_xgrammar_enforces_is_not_refused(compiler, schema, valid: str, invalid: str) -> None:  # noqa: F811
+    spec = GuidedSpec("json_schema", json.dumps(schema), backend="xgrammar")
+    compiler.compile(spec)  # not refused
+    assert _accepted(compiler, spec, valid) and valid_json(schema, valid)
+    assert not _accepted(compiler, spec, invalid) and not valid_json(schema, invalid)

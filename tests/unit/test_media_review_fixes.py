@@ -8,7 +8,8 @@
 - ``reset_prefix_cache`` (SIGUSR1) forgot the encoder role's cached images but not an
   aggregated engine's: the same uuid still gave the old image's output;
 - a media item of the default ``--media-max-mib`` could not reach the server as a data URI:
-  the 16 MiB receive limit refused it first with RESOURCE_EXHAUSTED.
+  the 16 MiB receive limit refused it first with RESOURCE_EXHAUSTED (now 32 MiB, and a server
+  whose limits contradict warns at start).
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def test_reset_prefix_cache_forgets_encoded_images_on_the_aggregated_engine(llav
 
 
 def test_the_default_receive_limit_carries_a_default_media_item_as_a_data_uri() -> None:
-    ServerOptions().media_item_fits(MediaConfig().max_bytes)
-    with pytest.raises(ValueError, match="needs a 28 MiB request as a data URI, more than --max-receive-message-mib "
-                                         "16: raise it or lower --media-max-mib"):
-        ServerOptions(max_receive_message_bytes=16 * MIB).media_item_fits(MediaConfig().max_bytes)
-    ServerOptions(max_receive_message_bytes=16 * MIB).media_item_fits(11 * MIB)
+    assert ServerOptions().media_item_problem(MediaConfig().max_bytes) is None
+    problem = ServerOptions(max_receive_message_bytes=16 * MIB).media_item_problem(MediaConfig().max_bytes)
+    assert problem is not None and "needs a 28 MiB request as a data URI, more than --max-receive-message-mib 16" \
+        in problem and "raise it or lower --media-max-mib" in problem
+    assert ServerOptions(max_receive_message_bytes=16 * MIB).media_item_problem(11 * MIB) is None

@@ -94,6 +94,8 @@ def _in_subschemas(schema: dict[str, Any], where: str) -> str | None:
 
 #: A quote or backslash written in a regex: literally, or as an escape of its code point.
 _QUOTE_OR_BACKSLASH = re.compile(r'"|\\\\|\\x(22|5c)|\\u00(22|5c)', re.IGNORECASE)
+#: A negated class (``[^"\\]``): it keeps quotes and backslashes out, which xgrammar gets right.
+_NEGATED_CLASS = re.compile(r"\[\^(?:\\.|[^\]\\])*\]")
 
 
 def _pattern_use(schema: dict[str, Any], where: str) -> str | None:
@@ -103,7 +105,7 @@ def _pattern_use(schema: dict[str, Any], where: str) -> str | None:
     pattern_properties = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
     patterns = [schema["pattern"]] if isinstance(schema.get("pattern"), str) else []
     for pattern in [*patterns, *pattern_properties]:
-        if _QUOTE_OR_BACKSLASH.search(pattern):
+        if _QUOTE_OR_BACKSLASH.search(_NEGATED_CLASS.sub("", pattern)):
             return (f"a pattern with a literal quote or backslash at {where} ({pattern!r}: xgrammar writes it "
                     "unescaped into the JSON string)")
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
@@ -120,9 +122,16 @@ def _pattern_use(schema: dict[str, Any], where: str) -> str | None:
 
 #: Keywords xgrammar converts alone, dropping the keywords beside them.
 _ALONE = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
-#: Keywords that constrain nothing (annotations) or hold subschemas reached only by $ref.
-_INERT = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
-                    "$schema", "$id", "$defs", "definitions", "discriminator"})
+#: Keywords that constrain a value (JSON Schema's validation and applicator vocabularies, and
+#: ``format``, which xgrammar enforces). Anything else -- annotations, ``$defs``, vendor keys
+#: such as ``x-order`` or OpenAPI's ``nullable`` and ``example`` -- constrains nothing beside them.
+_CONSTRAINING = frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "contains", "maxContains",
+    "minContains", "maxProperties", "minProperties", "required", "dependentRequired", "dependentSchemas",
+    "dependencies", "properties", "patternProperties", "additionalProperties", "propertyNames", "items",
+    "prefixItems", "additionalItems", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not",
+    "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef"})
 _JSON_TYPES = {"null": type(None), "boolean": bool, "object": dict, "array": list, "string": str}
 
 
@@ -145,7 +154,7 @@ def _sibling_use(schema: dict[str, Any], where: str) -> str | None:
         return None
     values = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
     for key in schema:
-        if key in _INERT or key == alone[0]:
+        if key not in _CONSTRAINING or key == alone[0]:
             continue
         if key == "type" and values is not None and isinstance(values, list):
             types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
