@@ -121,21 +121,24 @@ def padded_decode(model_input: ModelInput | None, size: int, max_num_blocks_per_
                   scratch_block: int) -> PaddedDecode:
     """``model_input``'s rows (None: no real rows, the capture placeholder) followed by
     placeholder rows up to ``size``: token 0 at position 0, length 1, slot and every block
-    the scratch block's first. Real rows' tables are padded with block 0 (masked)."""
+    the scratch block's first. The table is as wide as the step's own (the graph buffers zero
+    the columns past it): built ``max_num_blocks_per_seq`` wide, a long-context model's replay
+    made and copied a 16.8 MB table a step at batch 256 (found by review)."""
     real = 0 if model_input is None else model_input.num_seqs
     assert 0 <= real <= size, f"{real} rows do not fit a batch of {size}"
     input_ids = torch.zeros(size, dtype=torch.int64)
     positions = torch.zeros(size, dtype=torch.int64)
     slots = torch.full((size,), scratch_block * block_size, dtype=torch.int64)
-    tables = torch.zeros(size, max_num_blocks_per_seq, dtype=torch.int64)
-    tables[real:] = scratch_block
+    width = 1 if model_input is None else max(1, model_input.block_tables.shape[1])
+    assert width <= max_num_blocks_per_seq, f"a step {width} blocks wide outgrows the graphs' {max_num_blocks_per_seq}"
+    tables = torch.zeros(size, width, dtype=torch.int64)
+    tables[real:, 0] = scratch_block
     seq_lens = [1] * size
     if model_input is not None:
-        width = model_input.block_tables.shape[1]
         input_ids[:real] = model_input.input_ids
         positions[:real] = model_input.positions
         slots[:real] = model_input.slot_mapping
-        tables[:real, :width] = model_input.block_tables
+        tables[:real, : model_input.block_tables.shape[1]] = model_input.block_tables
         seq_lens[:real] = model_input.seq_lens
     meta = AttentionMetadata(query_start_loc=list(range(size + 1)), seq_lens=seq_lens, block_tables=tables,
                              slot_mapping=slots, block_size=block_size)

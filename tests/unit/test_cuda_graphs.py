@@ -146,10 +146,13 @@ def test_padded_decode_buffers() -> None:
     assert padded.meta.slot_mapping.tolist() == [*step.slot_mapping.tolist(), SCRATCH * BLOCK]
     assert padded.meta.seq_lens == [6, 10, 3, 1]
     assert padded.meta.query_start_loc == [0, 1, 2, 3, 4]
-    assert padded.meta.block_tables.shape == (4, 6)
-    assert padded.meta.block_tables[:3, :3].tolist() == step.block_tables.tolist()
-    assert padded.meta.block_tables[:3, 3:].eq(0).all()  # real rows padded with block 0 (masked)
-    assert padded.meta.block_tables[3].eq(SCRATCH).all()  # a padding row sees only the scratch block
+    # As wide as the step's own table, not the graphs' 6 columns (the buffers zero the rest): a
+    # replay built and copied a max_model_len-wide table every step (found by review).
+    assert padded.meta.block_tables.shape == (4, step.block_tables.shape[1]) == (4, 3)
+    assert padded.meta.block_tables[:3].tolist() == step.block_tables.tolist()
+    assert padded.meta.block_tables[3].tolist() == [SCRATCH, 0, 0]  # a padding row: the scratch block, at length 1
+    with pytest.raises(AssertionError, match="outgrows"):
+        padded_decode(step, 4, 2, BLOCK, SCRATCH)
     placeholder = padded_decode(None, 2, 6, BLOCK, SCRATCH)  # capture: padding rows only
     assert placeholder.input_ids.tolist() == [0, 0] and placeholder.meta.seq_lens == [1, 1]
     assert placeholder.meta.slot_mapping.tolist() == [SCRATCH * BLOCK] * 2

@@ -3,10 +3,13 @@ the script works before a lent GPU machine's scarce minutes are spent on it."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.triton_interpreter import requires_triton
 
@@ -53,3 +56,16 @@ def test_decode_tuning_sweep_runs_under_the_triton_interpreter() -> None:
                                                          "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "18 configurations" in result.stdout
+
+
+def test_failing_kernel_tests_fail_the_check(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """gpu_check exited 0 when the GPU kernel tests failed (found by review): only sections with
+    an "error" key counted."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    gpu_check = importlib.import_module("gpu_check")
+    monkeypatch.setattr(gpu_check, "kernel_tests", lambda dry_run: {
+        "command": "pytest", "returncode": 1, "summary": "3 failed, 40 passed in 90s"})
+    for section in ("attention_rates", "decode_tuning", "decode_steps"):
+        monkeypatch.setattr(gpu_check, section, lambda sections, bandwidth: [])
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run", "--out", str(tmp_path / "check.json")])
+    assert gpu_check.main() == 1

@@ -342,3 +342,33 @@ def test_versions_older_than_the_gpu_image_are_named(monkeypatch: pytest.MonkeyP
     assert "torch 2.10.1 (needs >= 2.11)" in triton_paged.stack_too_old()
     monkeypatch.setattr(triton_paged.torch, "__version__", "2.11.0")
     assert triton_paged.stack_too_old() == "" or "triton" in triton_paged.stack_too_old()
+
+
+@kernel_test
+def test_token_offsets_past_2_to_the_31_elements() -> None:
+    """Queries a row stride of 1.6e9 elements apart (a view into a huge fused QKV output): token 2
+    starts 3.2e9 elements in, past int32, which the kernels' token offsets were (found by review: a
+    segfault here; on a GPU, a store to a wrapped offset). Only three rows of the 6.4 GB view are
+    touched."""
+    heads, kv_heads, head_dim, block_size, tokens = 2, 1, 16, 16, 3
+    stride = 3 * 2**29  # < 2**31: Triton passes it as int32; token 2's offset is not
+    try:
+        big = torch.empty(stride * (tokens - 1) + heads * head_dim, dtype=torch.float16, device=DEVICE)
+    except (RuntimeError, MemoryError) as exc:  # a machine that cannot reserve 6.4 GB of address space
+        pytest.skip(f"cannot reserve the 6.4 GB view: {exc}")
+    q = big.as_strided((tokens, heads, head_dim), (stride, head_dim, 1))
+    generator = torch.Generator().manual_seed(0)
+    for t in range(tokens):
+        q[t] = torch.randn(heads, head_dim, generator=generator).half().to(DEVICE)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=generator).half().to(DEVICE)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=generator).half().to(DEVICE)
+    k_cache = torch.zeros(2, block_size, kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+    meta = AttentionMetadata([0, tokens], [tokens], torch.tensor([[1]], device=DEVICE),
+                             torch.tensor([16, 17, 18], device=DEVICE), block_size)
+    reference = TorchReferenceBackend()
+    reference.prepare(meta)
+    want = reference.forward(q, k, v, k_cache.clone(), k_cache.clone(), head_dim ** -0.5)
+    backend = triton_paged.TritonPagedBackend()
+    backend.prepare(meta)
+    got = backend.forward(q, k, v, k_cache.clone(), k_cache.clone(), head_dim ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[torch.float16], rtol=0)

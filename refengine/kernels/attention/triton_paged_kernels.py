@@ -64,7 +64,7 @@ def store_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
              stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     """Cache row ``slot_mapping[t]`` of KV head ``h`` = ``k[t, h]`` (and ``v``), for one (t, h)."""
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token x row stride may pass 2**31 elements
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -105,7 +105,7 @@ def paged_attention(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part
     row = first_row + row_in_tile  # query row within the sequence
     valid_m = (row_in_tile < QUERY_TILE) & (row < query_len) & (head_in_group < group)
     head = kv_head * group + head_in_group
-    token = query_start + row
+    token = (query_start + row).to(tl.int64)  # rows x strides may pass 2**31 elements (found by review)
     query_pos = context + row
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask_d = offs_d < HEAD_DIM
@@ -159,7 +159,7 @@ def paged_attention(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part
 def combine_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_heads, num_splits, stride_ot, stride_oh,
                    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     """``out[t, h]``: the splits' partial outputs rescaled to their common max, summed, divided once."""
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token x row stride may pass 2**31 elements
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     mask_s = offs_s < num_splits
