@@ -53,8 +53,10 @@ def request_id_rules(t: Target) -> str:
     again = oe.GenerateRequest()
     again.CopyFrom(long)
     again.stopping.max_tokens = 2
-    expect_valid(t.generate(again), what="request_id reused after its stream ended")
-    return "empty refused, duplicate ALREADY_EXISTS, reuse after end accepted"
+    expect_valid(t.generate(again), what="request_id reused after its stream ended (aborted)")
+    # ... and after one that finished on its own (found by review: only reuse after an abort was tried)
+    expect_valid(t.generate(again), what="request_id reused after its stream finished (LENGTH)")
+    return "empty refused, duplicate ALREADY_EXISTS, reuse after an abort and after a finish accepted"
 
 
 @check("G3", "model: empty = default (ref), the served name accepted, unknown → NOT_FOUND")

@@ -103,7 +103,29 @@ def token_info_aligned(t: Target) -> str:
         expect(info.token != "" or info.token_id == 0, f"output token {i} ({info.token_id}) has no text")
         if TOP_N in caps.candidate_selection_modes:
             expect(0 < len(info.candidates) <= 2, f"output token {i} has {len(info.candidates)} candidates, top_n 2")
-    return f"{len(infos)} aligned TokenInfo"
+        _expect_candidate_texts(info.candidates, f"output token {i}")
+    return f"{len(infos)} aligned TokenInfo" + _prompt_texts(t)
+
+
+def _expect_candidate_texts(candidates: Any, where: str) -> None:
+    for c in candidates:
+        expect(c.token != "" or c.token_id == 0, f"{where}: candidate {c.token_id} has no text")
+
+
+def _prompt_texts(t: Target) -> str:
+    """L3 on the prompt (found by review: only output tokens were read; an engine may leave the
+    text out of prompt TokenInfos and candidates by default): each position and candidate has
+    its text. "" when prompt logprobs are not advertised."""
+    if not t.caps.HasField("prompt_logprobs") or not t.caps.prompt_logprobs.supported:
+        return ""
+    req = _lp_request(t, "l3p", prompt_lp=True, ids=t.known_token_ids()[:6], max_tokens=1)
+    if _has_mode(t, "prompt_logprobs", TOP_N):
+        req.response.prompt_candidates.top_n = 2
+    tokens = _prompt(expect_valid(t.generate(req)))
+    for i, info in enumerate(tokens):
+        expect(info.token != "" or info.token_id == 0, f"prompt position {i} ({info.token_id}) has no text")
+        _expect_candidate_texts(info.candidates, f"prompt position {i}")
+    return f"; {len(tokens)} prompt positions with their text"
 
 
 def _check_ranked(cands: Any, where: str) -> None:
@@ -133,6 +155,26 @@ def _check_top(cands: Any, where: str) -> None:
                f"candidates are not all there (ranks {[x.rank for x in cands]})")
 
 
+def _top_n_where_the_token_is_not_first(t: Target) -> None:
+    """L4 where the token itself may rank below N (found by review: vLLM's ``logprobs=k`` gives
+    k + 1 entries then, and greedy runs never show it): sampled output tokens (T=1) and prompt
+    positions carry at most N candidates, the top N."""
+    sampled = _lp_request(t, "l4ns", output_lp=True, max_tokens=8, temperature=1.0)
+    sampled.sampling.seed = 77
+    sampled.response.output_candidates.top_n = 3
+    for i, info in enumerate(expect_valid(t.generate(sampled)).token_infos()):
+        expect(0 < len(info.candidates) <= 3, f"top_n 3, sampled (T=1): token {i} (rank {info.rank}) has "
+                                              f"{len(info.candidates)} candidates")
+        _check_top(info.candidates, f"top_n 3, sampled: token {i}")
+    if not _has_mode(t, "prompt_logprobs", TOP_N) or not t.caps.prompt_logprobs.supported:
+        return
+    req = _lp_request(t, "l4np", prompt_lp=True, ids=t.known_token_ids()[:8], max_tokens=1)
+    req.response.prompt_candidates.top_n = 2
+    for i, info in enumerate(_prompt(expect_valid(t.generate(req)))[1:], 1):
+        expect(len(info.candidates) <= 2, f"prompt top_n 2: position {i} has {len(info.candidates)} candidates "
+                                          f"(ranks {[c.rank for c in info.candidates]})")
+
+
 @check("L4", "candidates: top_n ≤ N by rank, token_ids exactly those ids, all = whole vocabulary")
 def candidate_modes(t: Target) -> str:
     """L4: each advertised CandidateTokenSelection mode; unadvertised modes and top_n above
@@ -147,6 +189,7 @@ def candidate_modes(t: Target) -> str:
             expect(0 < len(info.candidates) <= 3, f"top_n 3: token {i} has {len(info.candidates)} candidates")
             _check_ranked(info.candidates, f"top_n token {i}")
             _check_top(info.candidates, f"top_n 3: token {i}")
+        _top_n_where_the_token_is_not_first(t)
         if caps.HasField("max_top_n"):
             req = _lp_request(t, "l4m", output_lp=True, max_tokens=1)
             req.response.output_candidates.top_n = caps.max_top_n + 1

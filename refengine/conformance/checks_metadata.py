@@ -37,6 +37,9 @@ MALFORMED = [
     ("openengine-target-dp-rank", "1.5"),
     ("openengine-target-dp-rank", ""),
     ("openengine-target-dp-rank", "0x1"),
+    ("openengine-target-dp-rank", "0_0"),  # Python's int() takes these three (found by review)
+    ("openengine-priority", "1_000"),
+    ("openengine-priority", "+7"),
     ("openengine-priority", "high"),
     ("openengine-priority", "2147483648"),
     ("openengine-priority", "-2147483649"),

@@ -174,6 +174,11 @@ CONTROLS = [
     Control("overload-not-retryable", "X3", broken(overload_not_retryable=True)),
     Control("unknown-role-rejected", "X4", broken(reject_unknown_role=True)),
     Control("finish-reason-17", "X4", broken(finish_reason=17)),
+    # Found by review (2026-12-06): each passed every check of its rule before.
+    Control("top-n-plus-the-token", "L4", broken(sampled_outside_top_n=True)),
+    Control("prompt-info-without-text", "L3", broken(prompt_info_without_text=True)),
+    Control("python-int-metadata", "M2", broken(python_int_metadata=True)),
+    Control("ids-kept-after-completion", "G2", broken(ids_kept_after_completion=True)),
 ]
 
 #: Rules with a check but no negative control, and why (none today: the draft encoder profile's

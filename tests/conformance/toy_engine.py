@@ -154,6 +154,10 @@ class Faults:
     guided: bool = True  # not a fault: False = a server without guided decoding (not advertised, refused)
     ignore_grammar: bool = False  # D4: guided requests accepted, output unconstrained
     accept_invalid_guide: bool = False  # X1: a spec that does not compile is accepted (and ignored)
+    sampled_outside_top_n: bool = False  # L4: top_n candidates + the token itself when outside them (vLLM's k + 1)
+    prompt_info_without_text: bool = False  # L3: prompt TokenInfos and every candidate carry no text
+    python_int_metadata: bool = False  # M2: numbers parsed with Python's int(): "1_000", "+7", "0_0" accepted
+    ids_kept_after_completion: bool = False  # G2: an id that ended STOP/LENGTH stays refused (an aborted one is freed)
 
 
 class ToyEngine(Streams):
@@ -301,7 +305,8 @@ class ToyEngine(Streams):
         fail_after = json_format.MessageToDict(req.extra).get("toy_fail_after")
         with self.lock:
             rid = req.request_id
-            require(rid not in self.jobs and not (self.faults.ids_not_reusable and rid in self.finished),
+            require(rid not in self.jobs and not (self.faults.ids_not_reusable and rid in self.finished)
+                    and not (self.faults.ids_kept_after_completion and rid in self.completed),
                     "duplicate request_id", grpc.StatusCode.ALREADY_EXISTS)
             outputs = [Output(i, self.rng(req, i), llguidance.LLMatcher(TOKENIZER, grammar, log_level=0)
                               if grammar else None) for i in range(n)]

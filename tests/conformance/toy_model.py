@@ -75,9 +75,12 @@ def token_info(tok: int, lp: tuple[float, ...] | None, spec: Any | None, faults:
     everything = order[:100] if faults.all_candidates_truncated else order
     chosen = {"top_n": lambda: order[: spec.top_n], "all": lambda: everything,
               "token_ids": lambda: list(spec.token_ids.ids)}.get(kind, lambda: [])()
+    if faults.sampled_outside_top_n and kind == "top_n" and tok not in chosen:
+        chosen = [*chosen, tok]  # vLLM's logprobs=k: the top k, and the token itself
     for j in chosen:
         info.candidates.add(token_id=j, logprob=lp[j] if lp[j] != -math.inf else -1e30,
-                            token=chr(j) if j < 128 else "</s>", rank=ranks[j])
+                            token="" if faults.prompt_info_without_text else (chr(j) if j < 128 else "</s>"),
+                            rank=ranks[j])
     return info
 
 

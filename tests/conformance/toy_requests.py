@@ -174,6 +174,11 @@ def _number(value: str, lo: int, hi: int, unsigned: bool, faults: Faults) -> boo
             return lo <= float(value) <= hi
         except ValueError:
             return False
+    if faults.python_int_metadata:  # int() as a Python adapter would: "1_000", "+7", "0_0" are numbers
+        try:
+            return lo <= int(value) <= hi
+        except ValueError:
+            return False
     digits = value.isdigit() if unsigned else value.lstrip("-").isdigit()
     return digits and lo <= int(value) <= hi
 

@@ -67,6 +67,7 @@ class Streams:
         self.faults = faults
         self.jobs: dict[str, Job] = {}
         self.finished: set[str] = set()
+        self.completed: set[str] = set()  # ids that ended STOP/LENGTH (Faults.ids_kept_after_completion)
         self.ended = 0  # jobs ended in the current step
 
     # -- events ------------------------------------------------------------------------
@@ -94,6 +95,8 @@ class Streams:
         if out.pending or out.emitted < len(out.text):
             self.emit(job, out, len(out.text))
         out.done = True
+        if reason in (oe.FINISH_REASON_STOP, oe.FINISH_REASON_LENGTH):
+            self.completed.add(job.req.request_id)
         last = all(o.done for o in job.outputs)
         if self.faults.omit_finish and reason in (oe.FINISH_REASON_STOP, oe.FINISH_REASON_LENGTH):
             if last:
@@ -156,4 +159,6 @@ class Streams:
             bare = i == 0 and not self.faults.first_prompt_logprob
             lp = distribution(prompt[:i], prompt, 1.0, set()) if r.return_prompt_logprobs and not bare else None
             po.tokens.append(token_info(prompt[i], lp, spec, self.faults))
+            if self.faults.prompt_info_without_text:
+                po.tokens[-1].token = ""
         job.events.put(self.event(job, prompt=po))
