@@ -32,7 +32,10 @@ from collections.abc import Callable
 
 from refengine.types import EngineFault, RequestOutput, Usage
 
-ABORT_CONFIRM_SECONDS = 5.0  # how long a failed stream waits for the engine's final usage
+# How long a failed stream waits for the engine's final usage (G16): the engine confirms an abort
+# after the step in flight, and a CPU prefill step of 1,500 tokens took over 5 s on a loaded
+# 2-core machine (the terminal EngineError then went out without its usage). Ends at the confirmation.
+ABORT_CONFIRM_SECONDS = 15.0
 
 
 class OutputBridge:
