@@ -22,10 +22,10 @@ from refengine.conformance.kv_subscriber import (
     KvView,
     _key,
     _need_text,
+    expired_replay,
     fresh_prompt,
     generate,
     live_batches,
-    publish_up_to,
     subscribe,
     terminal_error,
 )
@@ -81,14 +81,7 @@ def replay_expired(t: Target) -> str:
     while batch 1 is still retained. So the outcome does not depend on how many checks ran
     before. A refusal by status (no event) is no silent replay: E1 holds; that the failure
     should be an error event is E5's."""
-    live, _ = live_batches(t, "e1x", wanted=2)
-    try:
-        newest = publish_up_to(t, live, t.options.replay_budget_batches, "e1x")
-    finally:
-        live.close()
-    if newest <= 1:
-        skip(f"the newest batch is {newest}: nothing can have expired yet")
-    sub = subscribe(t, start=1)
+    sub, newest = expired_replay(t, "e1x")
     try:
         sub.wait_responses(1)
         first = sub.responses[0] if sub.responses else None

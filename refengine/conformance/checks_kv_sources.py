@@ -24,9 +24,8 @@ from refengine.conformance.enums import enum_name
 from refengine.conformance.hosts import is_wildcard_host
 from refengine.conformance.kv_subscriber import (
     _need_text,
+    expired_replay,
     latest_number,
-    live_batches,
-    publish_up_to,
     subscribe,
     terminal_error,
 )
@@ -60,14 +59,7 @@ def expired_replay_is_error_event(t: Target) -> str:
     (gone from any retention window shorter than that) ends with exactly one EngineError, then
     OK, not with a bare status. Skips while batch 1 is still retained; a replay that starts
     later without an error is E1's finding (skip here)."""
-    live, _ = live_batches(t, "e5x", wanted=1)
-    try:
-        newest = publish_up_to(t, live, t.options.replay_budget_batches, "e5x")
-    finally:
-        live.close()
-    if newest <= 1:
-        skip(f"the newest batch is {newest}: nothing can have expired yet")
-    sub = subscribe(t, start=1)
+    sub, newest = expired_replay(t, "e5x")
     try:
         first = sub.responses[0] if sub.responses else None
         if first is not None and first.WhichOneof("event") == "batch":

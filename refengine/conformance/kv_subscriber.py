@@ -245,6 +245,20 @@ def publish_up_to(t: Target, live: KvSubscriber, budget: int, tag: str) -> int:
     return newest
 
 
+def expired_replay(t: Target, tag: str) -> tuple[KvSubscriber, int]:
+    """A subscription replaying from batch 1 once ``Options.replay_budget_batches`` batches were
+    published (fresh requests until then: so it does not depend on which checks ran before), and
+    the newest batch number; skips when nothing can have expired yet."""
+    live, _ = live_batches(t, tag, wanted=1)
+    try:
+        newest = publish_up_to(t, live, t.options.replay_budget_batches, tag)
+    finally:
+        live.close()
+    if newest <= 1:
+        skip(f"the newest batch is {newest}: nothing can have expired yet")
+    return subscribe(t, start=1), newest
+
+
 def new_batches(sub: KvSubscriber, request: Callable[[], None]) -> list[Any]:
     """The batches that arrive after ``request`` (one Generate that stores fresh blocks, or none)."""
     before = len(sub.batches)
