@@ -14,14 +14,13 @@ with INVALID_ARGUMENT.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from typing import Any
 
 import grpc
 
 from refengine.conformance.enums import enum_name
-from refengine.conformance.hosts import is_wildcard_host
+from refengine.conformance.hosts import bare_host, is_same_machine, is_wildcard_host
 from refengine.conformance.kv_subscriber import (
     _need_text,
     expired_replay,
@@ -98,30 +97,13 @@ def _source_problems(sources: Any) -> list[str]:
 def _probe(endpoint: Any) -> str | None:
     """Connect to a TCP ``endpoint`` and close: None when it accepted, "refused" when the
     connection was refused, else why it could not be made."""
-    host = endpoint.host.removeprefix("[").removesuffix("]")
     try:
-        with socket.create_connection((host, endpoint.port), timeout=CONNECT_TIMEOUT_S):
+        with socket.create_connection((bare_host(endpoint.host), endpoint.port), timeout=CONNECT_TIMEOUT_S):
             return None
     except ConnectionRefusedError:
         return "refused"
     except OSError as err:
         return f"{type(err).__name__}: {err}"
-
-
-def _bare_host(host: str) -> str:
-    return host.strip().removeprefix("[").removesuffix("]").lower()
-
-
-def _judged_host(host: str, target_host: str) -> bool:
-    """A refusal from ``host`` says nothing listens there when it is a loopback address or the
-    host the suite reached the target at; from elsewhere it may be a firewall's on the way."""
-    host = _bare_host(host)
-    if host in ("localhost", _bare_host(target_host)):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _connectable(sources: Any, target_host: str) -> tuple[list[str], list[str]]:
@@ -133,7 +115,8 @@ def _connectable(sources: Any, target_host: str) -> tuple[list[str], list[str]]:
             continue
         where = f"{endpoint.host}:{endpoint.port}"
         outcome = _probe(endpoint)
-        if outcome == "refused" and _judged_host(endpoint.host, target_host):
+        # a refusal from elsewhere may be a firewall's on the way, not the source's
+        if outcome == "refused" and is_same_machine(endpoint.host, target_host):
             problems.append(f"source for rank {s.data_parallel_rank} at {where}: connection refused (nothing "
                             "listens there)")
         elif outcome is not None:

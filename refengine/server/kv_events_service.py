@@ -30,12 +30,12 @@ from refengine.engine.kv_events import KvEventSubscription
 from refengine.protocol import oe
 from refengine.server.errors import Rejection, invalid
 from refengine.server.kv_events_wire import batch_response, storage_medium
+from refengine.server.metadata import DATA_PARALLEL_RANKS
 from refengine.server.options import ServerOptions, is_wildcard_host
 from refengine.server.state import ServerState
 from refengine.types import RequestError
 
 logger = logging.getLogger(__name__)
-RANKS = (0,)
 
 
 class ZmqSource(Protocol):
@@ -48,10 +48,10 @@ def check_ranks(ranks: list[int]) -> list[int]:
     """E6: known ranks, each once; empty = all."""
     if len(set(ranks)) != len(ranks):
         raise invalid(f"data_parallel_ranks names a rank twice: {ranks}")
-    unknown = sorted(set(ranks) - set(RANKS))
+    unknown = sorted(set(ranks) - set(DATA_PARALLEL_RANKS))
     if unknown:
-        raise invalid(f"data_parallel_ranks {unknown} do not exist; this server has ranks {list(RANKS)}")
-    return list(ranks) or list(RANKS)
+        raise invalid(f"data_parallel_ranks {unknown} do not exist; this server has ranks {list(DATA_PARALLEL_RANKS)}")
+    return list(ranks) or list(DATA_PARALLEL_RANKS)
 
 
 def kv_event_sources(state: ServerState, request: oe.GetKvEventSourcesRequest) -> oe.GetKvEventSourcesResponse:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from refengine.server.errors import invalid
 
 ROUTING_KEY = "openengine-routing-key"
+DATA_PARALLEL_RANKS = (0,)  # this server's ranks: data-parallel size 1
 TARGET_DP_RANK = "openengine-target-dp-rank"
 PRIORITY = "openengine-priority"
 TRACEPARENT = "traceparent"
@@ -103,8 +104,8 @@ def _number(key: str, text: str, pattern: re.Pattern[str], low: int, high: int, 
 
 
 def check_rank(what: str, rank: int) -> None:
-    """A data-parallel rank a request names must exist here: this server has one, rank 0."""
-    if rank != 0:
+    """A data-parallel rank a request names must exist here (``DATA_PARALLEL_RANKS``)."""
+    if rank not in DATA_PARALLEL_RANKS:
         raise invalid(f"{what} is {rank}, but this server has data_parallel_size 1 (only rank 0)")
 
 
