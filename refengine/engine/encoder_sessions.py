@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from refengine.kv.transfer.base import KvTransferBackend
+from refengine.kv.transfer.base import KvTransferBackend, read_identity
 from refengine.kv.transfer.sessions import KvSessionStore, expecting
 from refengine.model.embedding_io import EmbeddingArena
 from refengine.types import InvalidRequestError
@@ -50,7 +50,7 @@ class HandleSessions:
         return self.handles.pin(session_id, seconds, expecting(expected_content, self.kv_read_identity()))
 
     def kv_read_identity(self) -> str:
-        return next((b.read_identity for b in self.backends.values() if b.read_identity), "")
+        return read_identity(self.backends.values())
 
     def confirm_kv_session(self, session_id: str, pinned: bool = False) -> bool:
         """A consumer pulled the handle: it is released (ENC6), and its pin ends if it pinned one."""

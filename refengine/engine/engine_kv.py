@@ -15,7 +15,7 @@ from collections.abc import Sequence as Seq
 from refengine.config import EngineConfig
 from refengine.engine.core import EngineCore, KvEventSink
 from refengine.engine.kv_events import KvEventHub, KvEventSubscription
-from refengine.kv.transfer.base import KvTransferBackend, SessionPinner
+from refengine.kv.transfer.base import KvTransferBackend, SessionPinner, read_identity
 from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
 from refengine.kv.transfer.sessions import KvSessionStore, expecting
 from refengine.model.kv_io import KvBlockIO
@@ -70,7 +70,7 @@ class EngineKvMixin:
         for backend in backends.values():  # a backend's own confirmation follows a pinned READ (NIXL's)
             backend.bind(self.block_io, lambda session_id, pulled: self.confirm_kv_session(session_id, pinned=True)
                          if pulled else self.kv_sessions.unpin(session_id))
-        self._kv_read_identity = next((b.read_identity for b in backends.values() if b.read_identity), "")
+        self._kv_read_identity = read_identity(backends.values())
 
     # -- KV events and the prefix cache (any thread; each waits for the current step) --
     def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -173,6 +173,12 @@ class KvTransferBackend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release connections and registrations (idempotent)."""
+
+
+def read_identity(backends: Iterable[KvTransferBackend]) -> str:
+    """The identity one-sided readers name this engine's memory by: the first bound backend's
+    that has one ("" when none is READ through)."""
+    return next((b.read_identity for b in backends if b.read_identity), "")
 
 
 @runtime_checkable
