@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
-from refengine.conformance.assertions import settled
+from refengine.conformance.assertions import expect_rejected, settled
 from refengine.conformance.enums import enum_name
 from refengine.conformance.hosts import is_routable
 from refengine.conformance.registry import check, expect, skip
@@ -54,12 +54,13 @@ def _session(stream: StreamResult) -> oe.KvSessionRef:
     return ready[0].kv_session
 
 
-def _decode(dec: Target, req: oe.GenerateRequest, session: oe.KvSessionRef) -> StreamResult:
+def _decode(dec: Target, req: oe.GenerateRequest, session: oe.KvSessionRef,
+            metadata: list[tuple[str, str]] | None = None) -> StreamResult:
     decode_req = oe.GenerateRequest()
     decode_req.CopyFrom(req)
     decode_req.request_id = dec.new_id("k-decode")
     decode_req.kv.session.CopyFrom(session)
-    return dec.generate(decode_req)
+    return dec.generate(decode_req, metadata=metadata)
 
 
 @check("K4", "a PREFILL stream is one PrefillReady with a routable KvSessionRef and Usage")
@@ -130,6 +131,29 @@ def decode_refuses_bad_sessions(t: Target) -> str:
         expect(out.code == grpc.StatusCode.INVALID_ARGUMENT and not out.events, f"{name}: {out.describe()}")
     pre.unary("Abort", oe.AbortRequest(kv_session=good))
     return f"{len(malformed) + 1} refused"
+
+
+@check("M3", "DECODE: a target-dp-rank contradicting the session's dp_rank → INVALID_ARGUMENT, session kept")
+def decode_session_rank_conflict(t: Target) -> str:
+    """M3 where a session is meant to go (found by review: M3 was sent only to the target, where
+    a session is also a role mismatch, so a DECODE server routing by the header passed). A real
+    session, so that only the header is wrong; the refusal must lose nothing: the same request
+    with the agreeing header then decodes."""
+    pre, dec = _pair(t)
+    req, stream = _prefill(pre, "m3d")
+    session = _session(stream)
+    rank = [("openengine-target-dp-rank", str(session.dp_rank))]
+    conflicting = [("openengine-target-dp-rank", str((session.dp_rank + 1) % 2**32))]
+    refused = _decode(dec, req, session, metadata=conflicting)
+    decoded = _decode(dec, req, session, metadata=rank) if not refused.ok else None
+    if decoded is None or not decoded.ok:
+        pre.unary_code("Abort", oe.AbortRequest(kv_session=session))  # held otherwise until its lease ends
+    expect_rejected(refused, codes=(grpc.StatusCode.INVALID_ARGUMENT,),
+                    what=f"session dp_rank {session.dp_rank} with target-dp-rank {conflicting[0][1]}")
+    expect(decoded is not None and decoded.ok and bool(decoded.tokens()) and not decoded.of("error"),
+           f"after the refusal, the same session with target-dp-rank {session.dp_rank}: "
+           f"{decoded.describe() if decoded else 'not sent'}")
+    return f"refused with {refused.code.name}; the session then decoded {len(decoded.tokens())} tokens"
 
 
 @check("K6", "a session sent to a PREFILL server is refused before acceptance")

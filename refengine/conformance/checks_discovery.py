@@ -169,6 +169,27 @@ def caps_options(t: Target) -> str:
     return ", ".join(seen)
 
 
+@check("D4", "prompt and output logprobs refused before acceptance when advertised unsupported")
+def caps_logprobs(t: Target) -> str:
+    """D4 for LogprobCapabilities (found by review: a server advertising prompt logprobs as
+    unsupported, then accepting and ignoring them, passed; the L checks are then not claimed).
+    What is advertised as supported is the L section's to check."""
+    done = []
+    for which, field in (("prompt_logprobs", "return_prompt_logprobs"), ("output_logprobs", "return_output_logprobs")):
+        if not t.caps.HasField(which) or not getattr(t.caps, which).HasField("supported"):
+            continue
+        if getattr(t.caps, which).supported:
+            done.append(f"{which} supported (section L)")
+            continue
+        req = t.request("d4lp", max_tokens=2)
+        setattr(req.response, field, True)
+        _rejected(t, req, f"{field} ({which}.supported = false)")
+        done.append(f"{field} refused")
+    if not done:
+        not_claimed("no LogprobCapabilities.supported is reported")
+    return ", ".join(done)
+
+
 @check("D4", "guided decoding: advertised modes accepted, others refused before acceptance")
 def caps_guided(t: Target) -> str:
     """D4: GuidedDecodingCapabilities.modes are exactly the accepted guide kinds."""

@@ -48,18 +48,24 @@ def _prompt(res: StreamResult) -> list[Any]:
 
 @check("L1", "PromptOutput at most once, only when requested, before any TokenOutput")
 def prompt_output_once(t: Target) -> str:
-    """L1: placement and multiplicity of PromptOutput."""
+    """L1: placement and multiplicity of PromptOutput; once per request also with several outputs
+    (found by review: one PromptOutput per output passed), when num_sequences 2 is advertised."""
     res = expect_valid(t.generate(t.request("l1", max_tokens=2)))
     expect(not res.of("prompt"), f"PromptOutput sent without return_prompt_logprobs ({res.kinds()})")
     _caps(t, "prompt_logprobs")
-    for max_tokens in (4, 1):
-        req = _lp_request(t, "l1", prompt_lp=True, ids=t.known_token_ids()[:5], max_tokens=max_tokens)
-        kinds = expect_valid(t.generate(req)).kinds()
-        expect(kinds.count("prompt") == 1, f"return_prompt_logprobs with max_tokens {max_tokens}: "
-                                           f"{kinds.count('prompt')} PromptOutput, expected 1 ({kinds})")
-        if "token" in kinds:
-            expect(kinds.index("prompt") < kinds.index("token"), f"PromptOutput after a TokenOutput: {kinds}")
-    return "absent unless requested; once, first (max_tokens 4 and 1)"
+    sequences = (1, 2) if t.max_num_sequences and t.max_num_sequences >= 2 else (1,)
+    for num_sequences in sequences:
+        for max_tokens in (4, 1):
+            req = _lp_request(t, "l1", prompt_lp=True, ids=t.known_token_ids()[:5], max_tokens=max_tokens)
+            if num_sequences > 1:
+                req.sampling.num_sequences, req.sampling.temperature, req.sampling.seed = num_sequences, 1.0, 5
+            kinds = expect_valid(t.generate(req), num_sequences=num_sequences).kinds()
+            what = f"return_prompt_logprobs with max_tokens {max_tokens}, num_sequences {num_sequences}"
+            expect(kinds.count("prompt") == 1, f"{what}: {kinds.count('prompt')} PromptOutput, expected 1 ({kinds})")
+            if "token" in kinds:
+                expect(kinds.index("prompt") < kinds.index("token"),
+                       f"{what}: PromptOutput after a TokenOutput: {kinds}")
+    return f"absent unless requested; once, first (max_tokens 4 and 1; num_sequences {sequences})"
 
 
 @check("L2", "the first prompt token has no logprob/rank/candidates; prompt_logprob_start skips earlier positions")

@@ -63,6 +63,11 @@ def rgb_png(width: int = 64, height: int = 64) -> bytes:
     return _png(width, height, 2, rows)
 
 
+def solid_png(rgb: tuple[int, int, int] = (200, 30, 30), width: int = 64, height: int = 64) -> bytes:
+    """A valid RGB PNG of one colour (unlike :func:`rgb_png` everywhere)."""
+    return _png(width, height, 2, (b"\x00" + bytes(rgb) * width) * height)
+
+
 def tiny_wav() -> bytes:
     """A valid WAV: 10 ms of 8 kHz mono silence."""
     buf = io.BytesIO()
@@ -87,8 +92,9 @@ def _data_uri(mime: str, data: bytes) -> str:
 MediaSpec = Callable[[Any], None]  # fills one MediaItem
 
 #: One item per modality, each through a different source kind (url, data URI, inline bytes).
+URL_SAMPLE = "image by url"
 SAMPLES: dict[str, MediaSpec] = {
-    "image by url": lambda m: (setattr(m, "modality", oe.MODALITY_IMAGE), setattr(m, "url", UNREACHABLE_URL)),
+    URL_SAMPLE: lambda m: (setattr(m, "modality", oe.MODALITY_IMAGE), setattr(m, "url", UNREACHABLE_URL)),
     "image as inline bytes": lambda m: (setattr(m, "modality", oe.MODALITY_IMAGE),
                                         setattr(m, "raw_bytes", tiny_png()), setattr(m, "mime_type", "image/png")),
     "audio as data URI": lambda m: (setattr(m, "modality", oe.MODALITY_AUDIO),
@@ -109,13 +115,19 @@ def _multimodal(t: Target) -> bool | None:
     return t.model_info.supports_multimodal if t.model_info.HasField("supports_multimodal") else None
 
 
-def _validated_in_time(res: StreamResult, what: str) -> str:
-    """Accepted cleanly or refused before acceptance; a refusal after acceptance fails.
-    Returns "accepted" or "refused"."""
+def _validated_in_time(res: StreamResult, what: str, fetched: bool = False) -> str:
+    """Accepted cleanly or refused before acceptance; a refusal after acceptance fails, except for
+    an item the server must fetch (``fetched``): D9 asks the modality to be validated before
+    acceptance, not the fetch, which may fail later (found by review: a server fetching after
+    acceptance failed D9 for the unreachable URL). Returns "accepted", "refused" or "fetch failed"."""
     if not res.ok or not res.events:
         expect_rejected(res, codes=NON_OK, what=what)
         return "refused"
     late = [e for e in res.of("error") if e.code in LATE_VALIDATION]
+    if late and fetched:
+        problems = stream_violations(res)
+        expect(not problems, f"{what}: " + "; ".join(problems[:3]))
+        return "fetch failed"
     if late:
         fail(f"{what}: accepted, then EngineError {enum_name(oe.ErrorCode, late[0].code)} ({late[0].message!r}); "
              "the modality is validated before acceptance")
@@ -131,19 +143,20 @@ def multimodal_validated(t: Target) -> str:
     mm = _multimodal(t)
     if mm is None:
         not_claimed("supports_multimodal is not reported")
-    outcomes: dict[str, list[str]] = {"accepted": [], "refused": []}
+    outcomes: dict[str, list[str]] = {"accepted": [], "refused": [], "fetch failed": []}
     for what, spec in SAMPLES.items():
         res = t.generate(_with_media(t, "d9", spec))
         if mm:
-            outcomes[_validated_in_time(res, what)].append(what)
+            outcomes[_validated_in_time(res, what, fetched=what == URL_SAMPLE)].append(what)
         else:
             expect_rejected(res, codes=NON_OK, what=f"{what} with supports_multimodal = false")
             outcomes["refused"].append(what)
     t.wait_idle("D9")
     if not mm:
         return f"supports_multimodal = false: {len(SAMPLES)} media items refused before acceptance"
+    fetch = f"; failed after acceptance (a fetch): {outcomes['fetch failed']}" if outcomes["fetch failed"] else ""
     return (f"accepted: {outcomes['accepted'] or 'none'}; refused before acceptance: {outcomes['refused'] or 'none'}"
-            " (synthetic samples without the model's placeholder; acceptance of real media not tested)")
+            f"{fetch} (synthetic samples without the model's placeholder; acceptance of real media not tested)")
 
 
 @check("G19", "supports_multimodal = false: every media item (any modality, any source) refused, never ignored")
@@ -235,6 +248,28 @@ def multimodal_image_accepted(t: Target) -> str:
     usage = res.usage()
     prompt = f", prompt_tokens {usage.prompt_tokens}" if usage is not None else ""
     return f"inline PNG accepted and completed ({len(res.tokens())} tokens{prompt}); as a data URI: {uri}"
+
+
+@check("D9", "supports_multimodal = true: the image is used (two different images, different logprobs)")
+def multimodal_image_used(t: Target) -> str:
+    """D9/G19 (found by review: a server that accepted images and ignored them passed every media
+    check): the same request with two different images must differ in its output logprobs or
+    tokens. Without output logprobs equal tokens prove nothing (the check then skips)."""
+    _placeholder(t)
+    with_logprobs = t.caps.HasField("output_logprobs") and t.caps.output_logprobs.supported
+    seen = []
+    for what, data in (("a gradient", rgb_png()), ("a solid red", solid_png())):
+        req = _image_request(t, "d9use", 1, _image(data))
+        req.response.return_output_logprobs = with_logprobs
+        res = expect_valid(t.generate(req), what=f"{what} 64x64 PNG at the placeholder")
+        seen.append((res.tokens(), [info.logprob for info in res.token_infos()]))
+    if seen[0] != seen[1]:
+        return "two images, different outputs" + (" (logprobs compared)" if with_logprobs else " (tokens)")
+    if not with_logprobs:
+        skip(f"two different images gave the same tokens {seen[0][0]} and output logprobs are not advertised: "
+             "whether the image was used cannot be told")
+    fail(f"two different images gave the same tokens {seen[0][0]} and bit-identical logprobs {seen[0][1]}: "
+         "the image is accepted but not used")
 
 
 @check("G19", "an image count that does not match the prompt's placeholders is refused before acceptance")

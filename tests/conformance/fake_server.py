@@ -116,7 +116,8 @@ class Control(oe.ControlServicer):
             max_context_length=CTX, supports_text_input=True, supports_token_ids_input=True, supports_lora=f.lora,
             supports_multimodal=f.multimodal,
             generation=oe.GenerationCapabilities(
-                prompt_logprobs=lp, output_logprobs=lp, max_num_sequences=MAX_N, supports_priority=True,
+                prompt_logprobs=oe.LogprobCapabilities(supported=False) if f.prompt_logprobs_unadvertised else lp,
+                output_logprobs=lp, max_num_sequences=MAX_N, supports_priority=True,
                 supports_stop_in_output=True, supports_cache_salt=True, supports_prefix_cache_bypass=True,
                 guided_decoding=self.guided_caps()))
         extra: dict[str, Any] = {"generate_extra_keys": {"toy_knob": "number"}}

@@ -87,6 +87,7 @@ CONTROLS = [
     Control("routing-key-strict", "M1", broken(strict_routing_key=True)),
     Control("lenient-numbers", "M2", broken(lenient_metadata=True)),
     Control("header-rank-over-session", "M3", broken(header_rank_over_session=True)),
+    Control("decode-rank-conflict-ignored", "M3", broken(decode_rank_conflict_ignored=True)),
     Control("priority-ignored", "M4", broken(ignore_priority=True)),
     Control("trace-refused-on-getload", "M5", broken(refuse_trace_on_load=True)),
     Control("no-input-accepted", "G1", broken(accept_no_input=True)),
@@ -179,6 +180,11 @@ CONTROLS = [
     Control("prompt-info-without-text", "L3", broken(prompt_info_without_text=True)),
     Control("python-int-metadata", "M2", broken(python_int_metadata=True)),
     Control("ids-kept-after-completion", "G2", broken(ids_kept_after_completion=True)),
+    Control("length-drops-held-text", "G14", broken(length_drops_held_text=True)),
+    Control("length-drops-last-text", "G11", broken(length_drops_last_text=True)),
+    Control("prompt-output-per-sequence", "L1", broken(prompt_output_per_sequence=True)),
+    Control("prompt-logprobs-unadvertised", "D4", broken(prompt_logprobs_unadvertised=True)),
+    Control("media-url-fetch-fails-late", "", broken(multimodal=True, late_fetch_failure=True)),
 ]
 
 #: Rules with a check but no negative control, and why (none today: the draft encoder profile's

@@ -66,9 +66,11 @@ class Faults:
     multimodal: bool = False  # not a fault: supports_multimodal = true (media validated late, see next)
     late_media_validation: bool = False  # D9: media accepted, then EngineError INVALID_ARGUMENT
     ignore_media: bool = False  # D9/G19: media accepted and silently ignored by a text-only model
+    late_fetch_failure: bool = False  # not a fault (D9): media URLs accepted, their fetch fails after acceptance
     strict_routing_key: bool = False  # M1: a routing key with "/" refused
     lenient_metadata: bool = False  # M2: "1.5" and "1e3" accepted as numbers
     header_rank_over_session: bool = False  # M3: with a target-dp-rank header, kv.session is dropped
+    decode_rank_conflict_ignored: bool = False  # M3: DECODE decodes a session its target-dp-rank header contradicts
     ignore_priority: bool = False  # M4: supports_priority advertised, admission first come first served
     refuse_trace_on_load: bool = False  # M5: GetLoad with trace context → INVALID_ARGUMENT
     accept_no_input: bool = False  # G1: a request without input runs on a default prompt
@@ -90,6 +92,8 @@ class Faults:
     eos_without_match: bool = False  # G13: STOP at EOS carries no stop_match
     eos_named_wrong: bool = False  # G13: STOP at EOS names token 0, not the EOS token
     leak_stop: bool = False  # G14: stop strings stay in the text
+    length_drops_held_text: bool = False  # G14: text held back for a partial stop match is dropped at LENGTH
+    length_drops_last_text: bool = False  # G11: at LENGTH, the tokens not sent yet go without their text
     min_tokens_ignored: bool = False  # G15: stop tokens and EOS end outputs below min_tokens
     usage_every_event: bool = False  # G16: usage on every event
     omit_usage: bool = False  # G16: no usage at all, not even on the final response
@@ -99,6 +103,8 @@ class Faults:
     greedy_shifts_beside_sampling: bool = False  # G18: greedy output changes beside a sampled request
     accept_sourceless_media: bool = False  # G19: a media item without source dropped, not refused
     prompt_output_always: bool = False  # L1: PromptOutput also when not requested
+    prompt_output_per_sequence: bool = False  # L1: one PromptOutput for each of num_sequences outputs
+    prompt_logprobs_unadvertised: bool = False  # D4: prompt_logprobs.supported = false, yet they are served
     first_prompt_logprob: bool = False  # L2: the first prompt token carries a logprob
     token_info_without_text: bool = False  # L3: TokenInfo with logprobs has no token text
     all_candidates_truncated: bool = False  # L4: "all" candidates are the top 100 only
@@ -207,7 +213,8 @@ class ToyEngine(Streams):
             return
         if not job.started:  # prefilled now, in its first step: what it computed of the prompt goes first
             job.started = True
-            self.prompt_output(job)
+            for _ in job.outputs if self.faults.prompt_output_per_sequence else job.outputs[:1]:
+                self.prompt_output(job)
         for out in job.outputs:
             for _ in range(TOKENS_PER_STEP):
                 if out.done:
@@ -215,8 +222,7 @@ class ToyEngine(Streams):
                 if self.advance(job, out, *self.next_token(job, out, batch)):
                     return
             if not out.done and out.pending and not self.faults.one_delta:
-                held = max([k for x in job.stops for k in range(1, len(x)) if out.text.endswith(x[:k])], default=0)
-                self.emit(job, out, len(out.text) - held)
+                self.emit(job, out, len(out.text) - self.held(job, out))
 
     def shift(self, job: Job, batch: list[Job]) -> int:
         """The LoRA adapter's shift of the preferred character, and the batch faults' (R7, G18)."""
@@ -317,6 +323,8 @@ class ToyEngine(Streams):
             self.finished.discard(rid)
             if req.media and self.faults.late_media_validation:
                 self.fail(job, oe.ERROR_CODE_INVALID_ARGUMENT, "toy: the media item could not be decoded", False)
+            elif req.media and self.faults.late_fetch_failure:
+                self.fail(job, oe.ERROR_CODE_INVALID_ARGUMENT, "toy: the media URL could not be fetched", False)
             self.wake.notify()
         return job
 

@@ -148,7 +148,8 @@ def _media(req: Any, faults: Faults) -> None:
         return
     items = [m for m in req.media if m.WhichOneof("source") is not None or not faults.accept_sourceless_media]
     require(all(m.WhichOneof("source") is not None for m in items), "a media item sets no source")
-    require(not items or faults.late_media_validation, "multimodal input is not supported")
+    fetched_late = faults.late_fetch_failure and all(m.WhichOneof("source") == "url" for m in items)
+    require(not items or faults.late_media_validation or fetched_late, "multimodal input is not supported")
 
 
 def validate(req: Any, faults: Faults) -> list[int]:

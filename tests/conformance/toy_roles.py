@@ -21,7 +21,7 @@ from refengine.protocol import oe
 from tests.conformance.fake_server import Control, Inference, start
 from tests.conformance.toy_engine import Faults, ToyEngine
 from tests.conformance.toy_model import distribution, token_info
-from tests.conformance.toy_requests import BLOCK, INVALID, VOCAB, Refused, validate
+from tests.conformance.toy_requests import BLOCK, INVALID, VOCAB, Refused, parse_metadata, validate
 
 BACKEND = "toy"
 #: Opaque transfer details, as a real connector sends them (K9: JSON types kept; a 64-bit id as a string).
@@ -138,6 +138,7 @@ class DecodeInference(Inference):
         if not session.session_id or not (endpoints_ok or f.decode_accepts_any_endpoints) or \
                 (session.transfer_backend != BACKEND and not f.decode_accepts_bad_backend):
             context.abort(INVALID, f"malformed kv.session: {session}")
+        self.check_rank(session, context)
         prompt = self.store.take(session.session_id)
         if prompt is None:
             if f.missing_session_status:
@@ -156,6 +157,18 @@ class DecodeInference(Inference):
                 yield event
         if f.decode_leaks_on_finish:
             self.engine.leaked_blocks += 2
+
+
+    def check_rank(self, session: Any, context: grpc.ServicerContext) -> None:
+        """M3: the session's dp_rank is authoritative; a target-dp-rank header contradicting it is
+        refused before acceptance, the session kept (Faults.decode_rank_conflict_ignored: not)."""
+        try:
+            header = parse_metadata(context.invocation_metadata(), self.engine.faults).get("openengine-target-dp-rank")
+        except Refused as err:
+            context.abort(err.code, str(err))
+        ignored = self.engine.faults.decode_rank_conflict_ignored
+        if header is not None and int(header) != session.dp_rank and not ignored:
+            context.abort(INVALID, f"target-dp-rank {header} contradicts kv.session.dp_rank {session.dp_rank}")
 
 
 class DecodeControl(Control):

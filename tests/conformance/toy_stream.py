@@ -91,9 +91,18 @@ class Streams:
         out.emitted = upto
         self.put(job, self.event(job, token=token), final=False)
 
+    def held(self, job: Job, out: Output) -> int:
+        """G14: how many characters at the end of ``out``'s text may still become a stop match."""
+        return max([k for x in job.stops for k in range(1, len(x)) if out.text.endswith(x[:k])], default=0)
+
     def finish(self, job: Job, out: Output, reason: int, match: Any = None) -> None:
         if out.pending or out.emitted < len(out.text):
-            self.emit(job, out, len(out.text))
+            upto = len(out.text)
+            if reason == oe.FINISH_REASON_LENGTH and self.faults.length_drops_held_text:
+                upto -= self.held(job, out)
+            if reason == oe.FINISH_REASON_LENGTH and self.faults.length_drops_last_text:
+                upto = len(out.text) - len(out.pending)  # the text of the tokens not sent yet (one character each)
+            self.emit(job, out, upto)
         out.done = True
         if reason in (oe.FINISH_REASON_STOP, oe.FINISH_REASON_LENGTH):
             self.completed.add(job.req.request_id)

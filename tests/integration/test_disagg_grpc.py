@@ -584,14 +584,14 @@ def test_cli_generate_through_prefill_and_decode(servers, server_address: str) -
 
 
 def test_conformance_section_k_passes_on_the_pair(servers, server_address: str) -> None:
-    """refengine is the golden target of its own K checks (the aggregated server for K10), and
-    of H2's probes on the named servers."""
+    """refengine is the golden target of its own K checks (the aggregated server for K10), of
+    H2's probes on the named servers and of M3 on the DECODE server."""
     options = Options(prefill_address=servers["prefill"].address, decode_address=servers["decode"].address)
-    results = run(server_address, ["H2", "K4", "K5", "K6", "K7", "K8", "K9", "K10", "K11"], options)
+    results = run(server_address, ["H2", "K4", "K5", "K6", "K7", "K8", "K9", "K10", "K11", "M3"], options)
     print("\n" + format_matrix(results))
     for result in results:
         observe("prefill+decode", result)
-    assert len(results) == 11 and all(r.status is Status.PASS for r in results), format_matrix(results)
+    assert len(results) == 13 and all(r.status is Status.PASS for r in results), format_matrix(results)
 
 
 def test_a_prefill_cancelled_during_its_last_step_leaves_no_session(clients) -> None:

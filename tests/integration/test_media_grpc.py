@@ -25,6 +25,7 @@ from refengine.engine.engine import Engine
 from refengine.protocol import oe
 from refengine.types import GenerationRequest, MediaInput, SamplingParams, StoppingParams
 from tests import tiny_llava
+from tests.conformance.fault_proxy import Fault, FaultProxy
 from tests.integration.conftest import ServerProcess, check_stream, collect, running_server
 from tests.support_matrix import observe
 from tests.tiny_llava import IMAGE_TOKEN, NUM_IMAGE_TOKENS, TinyLlava, png, prompt_with
@@ -198,7 +199,8 @@ def test_malformed_media_is_refused_before_any_event(client: OpenEngineClient, n
 
 
 MEDIA_CHECKS = ["D9:multimodal_image_accepted", "G19:media_placeholder_mismatch_refused",
-                "G19:media_malformed_image_refused", "D9:multimodal_validated", "G19:media_source_required"]
+                "G19:media_malformed_image_refused", "D9:multimodal_validated", "G19:media_source_required",
+                "D9:multimodal_image_used"]
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +225,23 @@ def test_conformance_media_checks_skip_without_the_placeholder(server: ServerPro
         results = [run_check(c, t) for c in checks]
     for result in results:
         assert result.status is Status.SKIP and "--media-placeholder-token-id" in result.message, result
+
+
+def _one_image_for_all(request: oe.GenerateRequest, context: grpc.ServicerContext, forward: Callable) -> Iterator:
+    """The fault: every image becomes the same one, as a server that accepts images and ignores them."""
+    for item in request.media:
+        item.raw_bytes, item.mime_type = png(7, (64, 64)), "image/png"
+    return forward(request)
+
+
+def test_the_image_used_check_fails_a_server_that_ignores_images(server: ServerProcess) -> None:
+    """The negative control of D9:multimodal_image_used: the same server behind a proxy that sends
+    one fixed image in place of every image fails it (and passes it directly: the test above)."""
+    (chk,) = [c for c in all_checks() if c.name == "D9:multimodal_image_used"]
+    proxy = FaultProxy(server.address, Fault({"Inference/Generate": _one_image_for_all}))
+    try:
+        with Target(proxy.address, Options(media_placeholder_token_id=IMAGE_TOKEN)) as t:
+            result = run_check(chk, t)
+    finally:
+        proxy.close()
+    assert result.status is Status.FAIL and "not used" in result.message, result
