@@ -23,9 +23,12 @@ from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
-#: X3: always retryable — the unchanged request can succeed once load or the transfer path recovers.
-#: (The release has no DRAINING code; a drain cut-off is CANCELLED, see :func:`retryable_problem`.)
-RETRYABLE = {oe.ERROR_CODE_OVERLOADED, oe.ERROR_CODE_KV_TRANSFER_FAILED}
+#: X3: always retryable — the unchanged request can succeed once the load falls. (The release has no
+#: DRAINING code; a drain cut-off is CANCELLED, see :func:`retryable_problem`.) KV_TRANSFER_FAILED is in
+#: neither set: a broken transfer path may recover (retryable), a released session never comes back
+#: (not retryable, as K8 asks); only the check that caused the failure knows which (found by review:
+#: it was always-retryable here, contradicting K8).
+RETRYABLE = {oe.ERROR_CODE_OVERLOADED}
 NEVER_RETRYABLE = {oe.ERROR_CODE_INVALID_ARGUMENT, oe.ERROR_CODE_UNSUPPORTED_FEATURE, oe.ERROR_CODE_ROLE_MISMATCH,
                    oe.ERROR_CODE_MODEL_NOT_FOUND, oe.ERROR_CODE_DUPLICATE_REQUEST}
 
@@ -189,8 +192,8 @@ def _names_drain(message: str) -> bool:
 def retryable_problem(err: Any) -> str | None:
     """X3: why ``err.retryable`` (or its code) is wrong for this EngineError; None when fine.
 
-    Retryable: OVERLOADED and KV_TRANSFER_FAILED always; CANCELLED when a drain cut the
-    stream off (ref: its message names the drain). The release has no DRAINING code."""
+    Retryable: OVERLOADED always; CANCELLED when a drain cut the stream off (ref: its message
+    names the drain). KV_TRANSFER_FAILED either way (see RETRYABLE). The release has no DRAINING code."""
     code = value_name(oe.ErrorCode.DESCRIPTOR, err.code)
     if err.code not in oe.ErrorCode.values():
         hint = PRE_RELEASE_VALUES.get(("openengine.v1.ErrorCode", err.code), "not a value of the release")

@@ -243,7 +243,7 @@ def logprob_and_rank(t: Target) -> str:
                f"greedy token {i}: logprob {info.logprob if info.HasField('logprob') else 'absent'}")
         expect(info.HasField("rank") and info.rank == 1, f"greedy token {i}: rank "
                                                          f"{info.rank if info.HasField('rank') else 'absent'}, "
-                                                         "expected 1")
+                                                         "expected 1 (ref: ranks are 1-based, as vLLM)")
     req = _lp_request(t, "l5s", output_lp=True, max_tokens=8, temperature=1.0)
     req.sampling.seed = 77
     if TOP_N in caps.candidate_selection_modes:
@@ -251,7 +251,8 @@ def logprob_and_rank(t: Target) -> str:
     for i, info in enumerate(expect_valid(t.generate(req)).token_infos()):
         expect(info.HasField("logprob") and is_finite(info.logprob) and info.logprob <= 1e-6,
                f"sampled token {i}: logprob {info.logprob}")
-        expect(info.HasField("rank") and info.rank >= 1, f"sampled token {i}: rank {info.rank}")
+        expect(info.HasField("rank") and info.rank >= 1,
+               f"sampled token {i}: rank {info.rank} (ref: ranks are 1-based)")
         for c in info.candidates:
             if c.token_id == info.token_id:
                 expect(abs(c.logprob - info.logprob) < 1e-4,

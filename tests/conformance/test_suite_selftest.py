@@ -171,9 +171,10 @@ def test_retryable_problems(err: object, words: str) -> None:
         oe.EngineError(code=oe.ERROR_CODE_CANCELLED, message="cut off by the server drain", retryable=True),
         oe.EngineError(code=oe.ERROR_CODE_CANCELLED, message="aborted by an operator", retryable=False),
         oe.EngineError(code=oe.ERROR_CODE_KV_TRANSFER_FAILED, retryable=True),
+        oe.EngineError(code=oe.ERROR_CODE_KV_TRANSFER_FAILED, message="session released", retryable=False),
         oe.EngineError(code=oe.ERROR_CODE_INTERNAL, message="engine fault", retryable=False),
     ],
-    ids=["drain-cancelled-retryable", "operator-cancel", "kv-transfer", "internal"],
+    ids=["drain-cancelled-retryable", "operator-cancel", "kv-transfer", "kv-transfer-session-gone", "internal"],
 )
 def test_retryable_fine(err: object) -> None:
     assert retryable_problem(err) is None
