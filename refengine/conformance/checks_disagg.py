@@ -21,7 +21,7 @@ from google.protobuf import struct_pb2
 from refengine.conformance.assertions import expect_rejected, settled
 from refengine.conformance.enums import enum_name
 from refengine.conformance.hosts import is_routable
-from refengine.conformance.registry import check, expect, skip
+from refengine.conformance.registry import check, expect, not_claimed, skip
 from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Target
 from refengine.protocol import oe
@@ -168,6 +168,23 @@ def prefill_refuses_a_session(t: Target) -> str:
     out = pre.generate(again)
     expect(not out.ok and not out.events, f"session on a PREFILL server: {out.describe()}")
     pre.unary("Abort", oe.AbortRequest(kv_session=session))
+    return out.code.name
+
+
+@check("K6", "a session sent to an AGGREGATED target is refused before acceptance")
+def aggregated_refuses_a_session(t: Target) -> str:
+    """K6 on the target itself (found by review: only the PREFILL side was sent one). No pair is
+    needed: the role mismatch must be refused whatever the session holds, so a well-formed one
+    of an unknown backend serves."""
+    if t.server_info.engine_role != oe.ENGINE_ROLE_AGGREGATED:
+        not_claimed("the target is not AGGREGATED (a PREFILL target is checked through --prefill; "
+                    "a DECODE one takes sessions)")
+    req = t.request("k6a", max_tokens=2)
+    req.kv.session.session_id = "oeconf-k6-session"
+    req.kv.session.transfer_backend = "oeconf-backend"
+    req.kv.session.endpoints.add(host="127.0.0.1", port=9, protocol="grpc")
+    out = t.generate(req)
+    expect(not out.ok and not out.events, f"session on an AGGREGATED server: {out.describe()}")
     return out.code.name
 
 

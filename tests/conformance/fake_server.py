@@ -52,6 +52,11 @@ class Inference(oe.InferenceServicer):
             meta = parse_metadata(context.invocation_metadata(), faults)
             if faults.header_rank_over_session and "openengine-target-dp-rank" in meta:
                 request.kv.ClearField("session")  # M3's fault: the header routes, the session is dropped
+            if faults.aggregated_accepts_session and request.kv.HasField("session"):  # K6's fault (M3 kept)
+                header = meta.get("openengine-target-dp-rank")
+                if header is not None and int(header) != request.kv.session.dp_rank:
+                    raise Refused(INVALID, "target-dp-rank contradicts kv.session.dp_rank")
+                request.kv.ClearField("session")
             job = self.engine.submit(request, priority(meta, faults))
         except Refused as err:
             context.abort(err.code, str(err))

@@ -185,6 +185,7 @@ CONTROLS = [
     Control("prompt-output-per-sequence", "L1", broken(prompt_output_per_sequence=True)),
     Control("prompt-logprobs-unadvertised", "D4", broken(prompt_logprobs_unadvertised=True)),
     Control("media-url-fetch-fails-late", "", broken(multimodal=True, late_fetch_failure=True)),
+    Control("aggregated-accepts-session", "K6", broken(aggregated_accepts_session=True)),
 ]
 
 #: Rules with a check but no negative control, and why (none today: the draft encoder profile's

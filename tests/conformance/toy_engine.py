@@ -121,6 +121,7 @@ class Faults:
     decode_leaks_on_finish: bool = False  # K7: the DECODE server keeps 2 KV blocks after each finished decode
     identifier_as_number: bool = False  # K9: a 64-bit identifier in attributes_struct as a JSON number
     prefill_accepts_session: bool = False  # K6: PREFILL takes a request carrying kv.session
+    aggregated_accepts_session: bool = False  # K6: AGGREGATED runs a request carrying kv.session, ignoring it
     session_abort_leaks_blocks: bool = False  # K7: Abort(kv_session) forgets the session, keeps its KV
     missing_session_status: bool = False  # K8: a gone session refused by status, not an EngineError
     decode_omits_finish: bool = False  # K9: the DECODE stream ends without GenerationFinished
