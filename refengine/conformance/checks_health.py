@@ -200,6 +200,7 @@ def load_counts(t: Target) -> str:
         expect(total >= 1, f"per-rank rows show no work while 3 requests run: {busy_rank.ranks}")
     after = t.wait_idle("H4: after all requests ended", baseline=idle.used_kv_blocks)
     _load_sane(after, "after")
+    _rank_rows_idle(t, per_rank, "after all requests ended")
     return (f"idle run/queue/used {idle.running_requests}/{idle.queued_requests}/{idle.used_kv_blocks}, busy "
             f"{busy.running_requests}/{busy.queued_requests}/{busy.used_kv_blocks}, back to idle")
 
@@ -247,6 +248,22 @@ def _load_problems(load: Any, what: str) -> list[str]:
             problems.append(f"{label}: a RankLoadInfo row without data_parallel_rank cannot be attributed")
         problems.extend(_measurement_problems(rank, label))
     return problems
+
+
+def _rank_rows_idle(t: Target, before: Any, what: str) -> None:
+    """H4: once idle, every per-rank row is idle too: no running or queued request, no more KV than
+    its row held before the work (found by review: only the top-level counts were asked to come
+    back, so rows counting every request ever admitted passed)."""
+    rows = t.load(per_rank=True).ranks
+    held = {row.data_parallel_rank: row.used_kv_blocks for row in before.ranks if row.HasField("used_kv_blocks")}
+    for row in rows:
+        rank = row.data_parallel_rank
+        busy = [f"{name} {getattr(row, name)}" for name in ("running_requests", "queued_requests")
+                if row.HasField(name) and getattr(row, name)]
+        expect(not busy, f"{what}: rank {rank}'s row still says {', '.join(busy)}")
+        if row.HasField("used_kv_blocks") and rank in held:
+            expect(row.used_kv_blocks <= held[rank],
+                   f"{what}: rank {rank}'s row holds {row.used_kv_blocks} KV blocks, {held[rank]} before the work")
 
 
 @check("H4", "GetLoad scalars use presence: absent = unavailable; every present value is a real measurement")

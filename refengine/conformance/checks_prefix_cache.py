@@ -1,11 +1,13 @@
 """Section K, the prefix cache (K1–K3): reuse is reported, can be bypassed, and is namespaced by salt.
 
 What a client can see of a prefix cache is ``Usage.cached_prompt_tokens``. Every check sends
-a prompt no earlier request began with (its first block is unique) so that its first run
-cannot be a hit, then repeats it. A server may have no prefix cache, or evict between two
-requests: a repeat served from nothing is then not a violation, and the parts that need a hit
-are skipped, saying so. What is always a violation: a hit on a prompt never seen (K3), a hit
-through ``bypass_prefix_cache`` (K1), a hit across different salts (K2).
+a prompt no earlier request began with (random text first) so that its first run cannot be a
+hit, then repeats it. A server may have no prefix cache, or evict between two requests: a
+repeat served from nothing is then not a violation, and the parts that need a hit are
+skipped, saying so. What is always a violation: a hit on a prompt never seen (K3), a hit
+through ``bypass_prefix_cache`` (K1), a hit across different salts (K2). A cache of
+single-token pages (a radix tree, as SGLang's by default) may serve a never-seen prompt's first
+tokens (BOS, a leading piece) from an earlier prompt: up to SHARED_START_TOKENS is no hit.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from refengine.conformance.assertions import expect_valid
 from refengine.conformance.kv_subscriber import fresh_prompt
 from refengine.conformance.registry import check, expect, not_claimed, skip
 from refengine.conformance.target import Target
+
+#: Cached tokens a never-seen prompt may report on a token-granular cache (found by review: K2 and
+#: K3 failed such a cache for its shared start). A hit of a page-granular cache is a whole page.
+SHARED_START_TOKENS = 4
 
 
 def _cached(t: Target, prompt: str, what: str, salt: str = "", bypass: bool = False) -> int:
@@ -44,7 +50,8 @@ def cached_prompt_tokens(t: Target) -> str:
     _need_text(t)
     prompt = fresh_prompt(t, "k3")
     first = _cached(t, prompt, "a prompt never seen")
-    expect(first == 0, f"a prompt no request began with reported cached_prompt_tokens {first}; expected 0")
+    expect(first <= SHARED_START_TOKENS, f"a prompt no request began with reported cached_prompt_tokens {first}; "
+                                         f"expected 0 (up to {SHARED_START_TOKENS} for a token-granular cache)")
     again = _cached(t, prompt, "the same prompt again")
     if again == 0:
         skip("the repeat was not served from cache (no prefix cache, or evicted): nothing more to observe")
@@ -67,21 +74,26 @@ def bypass_skips_reuse(t: Target) -> str:
 
 @check("K2", "cache_salt: equal prompts with different salts share no cached block")
 def salt_namespaces(t: Target) -> str:
-    """K2: salt A caches; salt B and no salt see nothing of it; salt A again may hit. When the
-    prompt's first run already reports a hit, the server counts hits on prompts never seen
-    (K3's finding) and a hit across salts could be that: nothing to judge (skip)."""
+    """K2: salt A caches; salt B and no salt see nothing of it; salt A again may hit. The other
+    way round too: a prompt cached without salt is nothing to salt C (found by review: a cache
+    falling back to the unsalted namespace on a salted miss passed). When a prompt's first run
+    already reports a hit, the server counts hits on prompts never seen (K3's finding) and a hit
+    across salts could be that: nothing to judge (skip)."""
     _need_text(t)
     if not t.caps.supports_cache_salt:
         not_claimed("supports_cache_salt is not advertised")
-    prompt = fresh_prompt(t, "k2")
-    salt_a, salt_b = f"{t.new_id('salt-a')}", f"{t.new_id('salt-b')}"
-    first = _cached(t, prompt, "salt A, first time", salt=salt_a)
-    if first:
-        skip(f"a prompt never seen reported cached_prompt_tokens {first} (K3 fails for it): salt isolation "
-             "cannot be told from that")
-    for what, salt in (("salt B", salt_b), ("no salt", "")):
-        other = _cached(t, prompt, f"the prompt with {what}", salt=salt)
-        expect(other == 0, f"the prompt cached under salt A, sent with {what}, reported cached_prompt_tokens "
-                           f"{other}; different salts share no blocks")
-    same = _cached(t, prompt, "salt A again", salt=salt_a)
-    return f"salt B and no salt 0 cached; salt A again {same} cached"
+    salt_a, salt_b, salt_c = (t.new_id(f"salt-{x}") for x in "abc")
+    cases = [("salt A", salt_a, (("salt B", salt_b), ("no salt", ""))), ("no salt", "", (("salt C", salt_c),))]
+    for first_what, first_salt, others in cases:
+        prompt = fresh_prompt(t, "k2")
+        first = _cached(t, prompt, f"{first_what}, first time", salt=first_salt)
+        if first > SHARED_START_TOKENS:
+            skip(f"a prompt never seen reported cached_prompt_tokens {first} (K3 fails for it): salt isolation "
+                 "cannot be told from that")
+        for what, salt in others:
+            other = _cached(t, prompt, f"the prompt with {what}", salt=salt)
+            expect(other <= max(first, SHARED_START_TOKENS),
+                   f"the prompt cached with {first_what}, sent with {what}, reported cached_prompt_tokens {other}; "
+                   "different salts share no blocks")
+    same = _cached(t, prompt, "no salt again")
+    return f"salt B, no salt and salt C: nothing of the other namespace cached; a plain repeat {same} cached"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -184,8 +185,10 @@ def fresh_prompt(t: Target, tag: str, blocks: int = 3) -> str:
 
 
 def tagged_prompt(t: Target, tag: str, repeats: int) -> str:
-    """A prompt no earlier request began with: a run-unique tag, then the default prompt ``repeats`` times."""
-    return f"[{t.new_id(tag)}] " + " ".join([t.options.prompt] * repeats)
+    """A prompt no earlier request began with: random hex first (so that it shares no leading
+    text with another: a token-granular cache would serve a common start from cache; found by
+    review), a run-unique tag, then the default prompt ``repeats`` times."""
+    return f"{secrets.token_hex(4)} [{t.new_id(tag)}] " + " ".join([t.options.prompt] * repeats)
 
 
 def generate(t: Target, prompt: str, salt: str = "", lora_name: str = "") -> Any:

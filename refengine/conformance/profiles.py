@@ -143,8 +143,7 @@ GUIDED_CHECKS = ("D4:guided_backends_honoured", "D4:guided_modes_honoured", "G13
 PROFILES: tuple[Profile, ...] = (
     Profile("core", "discovery (with the KV connector), request metadata, Generate, abort, health, errors; "
             "refusal of what is not advertised",
-            ("D", "M", "G", "A", "H", "X", "K11", "K6:aggregated_refuses_a_session", "R5:disabled_lifecycle",
-             "R6:supports_lora_means_it"),
+            ("D", "M", "G", "A", "H", "X", "K11", "R5:disabled_lifecycle", "R6:supports_lora_means_it"),
             _always, "always"),
     Profile("load", "GetLoad: counts, presence, back to idle", ("H4",), _load, "GetLoad answers OK"),
     Profile("logprobs", "prompt and output logprobs, candidates", ("L",), _logprobs,

@@ -52,11 +52,6 @@ class Inference(oe.InferenceServicer):
             meta = parse_metadata(context.invocation_metadata(), faults)
             if faults.header_rank_over_session and "openengine-target-dp-rank" in meta:
                 request.kv.ClearField("session")  # M3's fault: the header routes, the session is dropped
-            if faults.aggregated_accepts_session and request.kv.HasField("session"):  # K6's fault (M3 kept)
-                header = meta.get("openengine-target-dp-rank")
-                if header is not None and int(header) != request.kv.session.dp_rank:
-                    raise Refused(INVALID, "target-dp-rank contradicts kv.session.dp_rank")
-                request.kv.ClearField("session")
             job = self.engine.submit(request, priority(meta, faults))
         except Refused as err:
             context.abort(err.code, str(err))
@@ -150,7 +145,8 @@ class Control(oe.ControlServicer):
                          "waiting_tokens", "prefill_batch_size", "decode_batch_size"):
                 setattr(info, name, 0)
         if request.include_per_rank and not f.no_rank_rows:
-            info.ranks.add(data_parallel_rank=0, running_requests=info.running_requests,
+            admitted = self.engine.admitted if f.rank_rows_count_admitted else info.running_requests
+            info.ranks.add(data_parallel_rank=0, running_requests=admitted,
                            queued_requests=info.queued_requests, used_kv_blocks=info.used_kv_blocks,
                            total_kv_blocks=TOTAL_BLOCKS)
         return info
@@ -192,7 +188,8 @@ class Control(oe.ControlServicer):
         if target == "kv_session":
             return self.abort_session(request.kv_session, context)
         if target == "all_requests":
-            ids = list(self.engine.jobs)
+            ids = [j.req.request_id for j in self.engine.running_jobs()] if f.abort_all_skips_queued \
+                else list(self.engine.jobs)
             for rid in ids:
                 self.engine.abort(rid)
             if ids and f.abort_all_leaks:

@@ -133,7 +133,8 @@ CONTROLS = [
     Control("prefill-accepts-session", "K6", broken(prefill_accepts_session=True)),
     Control("session-abort-leaks-blocks", "K7", broken(session_abort_leaks_blocks=True)),
     Control("decode-leaks-on-finish", "K7", broken(decode_leaks_on_finish=True)),
-    Control("gone-session-refused-by-status", "K8", broken(missing_session_status=True)),
+    Control("gone-session-retryable", "K8", broken(gone_session_retryable=True)),
+    Control("gone-session-refused-before-acceptance", "", broken(gone_session_refused=True)),
     Control("decode-omits-finish", "K9", broken(decode_omits_finish=True)),
     Control("decode-differs", "K10", broken(decode_differs=True)),
     Control("connector-not-static", "K11", broken(connector_changes=True)),
@@ -185,7 +186,10 @@ CONTROLS = [
     Control("prompt-output-per-sequence", "L1", broken(prompt_output_per_sequence=True)),
     Control("prompt-logprobs-unadvertised", "D4", broken(prompt_logprobs_unadvertised=True)),
     Control("media-url-fetch-fails-late", "", broken(multimodal=True, late_fetch_failure=True)),
-    Control("aggregated-accepts-session", "K6", broken(aggregated_accepts_session=True)),
+    Control("salt-falls-back-to-unsalted", "K2", broken(salt_falls_back_to_unsalted=True)),
+    Control("token-granular-cache", "", broken(token_cache=True)),
+    Control("abort-all-skips-queued", "A3", broken(abort_all_skips_queued=True)),
+    Control("rank-rows-count-admitted", "H4", broken(rank_rows_count_admitted=True)),
 ]
 
 #: Rules with a check but no negative control, and why (none today: the draft encoder profile's

@@ -12,7 +12,7 @@ import sys
 import grpc
 import pytest
 
-from refengine.conformance import Options, Result, Status, run, select
+from refengine.conformance import Options, Result, Status, Target, run, run_check, select
 from refengine.conformance.checks_errors import retryable_problem
 from refengine.conformance.encoder_support import handle_problems, profile_problems, tampered
 from refengine.conformance.guides import CASES
@@ -101,6 +101,21 @@ def test_suite_catches_a_broken_server(faults: Faults, rules: list[str], must_fa
         engine.running = False
     by_name = {r.name: r for r in results}
     assert by_name[must_fail].status is Status.FAIL, by_name[must_fail]
+
+
+@pytest.mark.parametrize("name", ["A5:client_cancel", "A5:client_disconnect"])
+def test_a5_fails_a_server_that_runs_a_cancelled_request_to_its_end(name: str) -> None:
+    """With the default idle timeout (20 s) the toy ignoring disconnects is idle again once its
+    400-token request ends (8 s): the check must still see that the work was not aborted."""
+    (chk,) = [c for c in select() if c.name == name]
+    server, address, engine = serve(Faults(ignore_disconnect=True))
+    try:
+        with Target(address, Options()) as target:
+            result = run_check(chk, target)
+    finally:
+        server.stop(0)
+        engine.running = False
+    assert result.status is Status.FAIL and "the engine work went on" in result.message, result
 
 
 def _run_d1(schema_release: str) -> Result:

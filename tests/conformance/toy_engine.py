@@ -113,6 +113,8 @@ class Faults:
     raw_guided_logprobs: bool = False  # L6 (and L5): logprobs of the distribution before the grammar mask
     bypass_ignored: bool = False  # K1: bypass_prefix_cache still reuses cached blocks
     prefix_salt_ignored: bool = False  # K2: cache_salt not part of the prefix-cache key
+    salt_falls_back_to_unsalted: bool = False  # K2: a salted prompt is served from the unsalted cache too
+    token_cache: bool = False  # not a fault: a token-granular prefix cache (pages of one token, as a radix tree)
     lora_not_in_hash: bool = False  # E4: the adapter is in neither cache's block key (LoRA requests hit base blocks)
     count_own_blocks: bool = False  # K3: a request's freshly stored blocks counted as cached
     prefill_leaks_tokens: bool = False  # K4: the PREFILL stream sends a TokenOutput before PrefillReady
@@ -121,9 +123,9 @@ class Faults:
     decode_leaks_on_finish: bool = False  # K7: the DECODE server keeps 2 KV blocks after each finished decode
     identifier_as_number: bool = False  # K9: a 64-bit identifier in attributes_struct as a JSON number
     prefill_accepts_session: bool = False  # K6: PREFILL takes a request carrying kv.session
-    aggregated_accepts_session: bool = False  # K6: AGGREGATED runs a request carrying kv.session, ignoring it
     session_abort_leaks_blocks: bool = False  # K7: Abort(kv_session) forgets the session, keeps its KV
-    missing_session_status: bool = False  # K8: a gone session refused by status, not an EngineError
+    gone_session_retryable: bool = False  # K8: the EngineError for a released session says retryable = true
+    gone_session_refused: bool = False  # not a fault (K8): a released session refused before acceptance
     decode_omits_finish: bool = False  # K9: the DECODE stream ends without GenerationFinished
     decode_differs: bool = False  # K10: DECODE continues from the prompt minus its first token
     connector_changes: bool = False  # K11: kv_connector.supports_abort_cleanup flips at every GetServerInfo
@@ -133,6 +135,7 @@ class Faults:
     finished_ids_forgotten: bool = False  # A2: Abort(finished request_id) → NOT_FOUND, not ALREADY_FINISHED
     abort_all_wrong_status: bool = False  # A3: Abort(all) with requests running answers ALREADY_FINISHED
     abort_all_leaks: bool = False  # A3: Abort(all) ends the streams CANCELLED but keeps 2 KV blocks
+    abort_all_skips_queued: bool = False  # A3: Abort(all) aborts the running requests, not the queued ones
     abort_first_output_only: bool = False  # A4: Abort finishes only the first unfinished output
     cancel_reason: int = oe.FINISH_REASON_CANCELLED  # X4: e.g. 4, a FinishReason the release lacks
     finish_reason: int = 0  # X4: when set (e.g. 17), the reason of every GenerationFinished
@@ -144,6 +147,7 @@ class Faults:
     starting_unprobed: bool = False  # H3: Health without probe answers STARTING while serving
     health_state: int = oe.HEALTH_STATE_READY  # X4/H3: e.g. 5, the pre-release NOT_READY
     no_rank_rows: bool = False  # H4: include_per_rank gives no RankLoadInfo row
+    rank_rows_count_admitted: bool = False  # H4: the rank row's running_requests counts every request admitted
     load_defaults: bool = False  # H4: every load scalar present, unmeasured ones as 0 (total_kv_blocks 0)
     lora: bool = False  # not a fault: LoRA enabled (supports_lora = true, the lifecycle RPCs work)
     lora_path_unchecked: bool = False  # R1: any source_path accepted
@@ -179,6 +183,7 @@ class ToyEngine(Streams):
         self.cache = PrefixCache(faults)
         self.loras = ToyLoras(faults)
         self.leaked_blocks = 0  # Faults.leak_on_cancel
+        self.admitted = 0  # requests accepted so far (Faults.rank_rows_count_admitted)
         # A slot freed in a step is reusable a step later (its KV is released at the step's end): the
         # queued requests that take it are then admitted two steps apart, so that their order
         # (M4) stays clear to a client under load.
@@ -321,6 +326,7 @@ class ToyEngine(Streams):
                       self.cache.serve(prompt, req.kv.cache_salt, req.lora_name, req.kv.bypass_prefix_cache),
                       int(fail_after) if fail_after is not None else None)
             self.jobs[rid] = job
+            self.admitted += 1
             self.finished.discard(rid)
             if req.media and self.faults.late_media_validation:
                 self.fail(job, oe.ERROR_CODE_INVALID_ARGUMENT, "toy: the media item could not be decoded", False)

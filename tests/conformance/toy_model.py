@@ -90,19 +90,31 @@ class PrefixCache:
     def __init__(self, faults: Faults) -> None:
         self.faults = faults
         self.blocks: set[int] = set()
+        self.block = 1 if faults.token_cache else CACHE_BLOCK
+
+    def keys(self, prompt: list[int], salt: str, lora_name: str) -> list[int]:
+        """The key of each full block: its whole prefix, the salt and the adapter."""
+        keys, key = [], hash((salt, lora_name))
+        for end in range(self.block, len(prompt) + 1, self.block):
+            key = hash((key, tuple(prompt[end - self.block:end])))
+            keys.append(key)
+        return keys
+
+    def hits(self, keys: list[int]) -> int:
+        """The leading blocks of ``keys`` that are cached."""
+        return next((i for i, k in enumerate(keys) if k not in self.blocks), len(keys))
 
     def serve(self, prompt: list[int], salt: str, lora_name: str, bypass: bool) -> int:
         """K1-K3, E4: store the prompt's blocks; returns the prompt tokens served from cache."""
         salt = "" if self.faults.prefix_salt_ignored else salt
         lora_name = "" if self.faults.lora_not_in_hash else lora_name
-        keys, key = [], hash((salt, lora_name))
-        for end in range(CACHE_BLOCK, len(prompt) + 1, CACHE_BLOCK):
-            key = hash((key, tuple(prompt[end - CACHE_BLOCK:end])))
-            keys.append(key)
-        hits = next((i for i, k in enumerate(keys) if k not in self.blocks), len(keys))
+        keys = self.keys(prompt, salt, lora_name)
+        hits = self.hits(keys)
+        if salt and self.faults.salt_falls_back_to_unsalted:  # K2's fault: a salted miss looks in the unsalted cache
+            hits = max(hits, self.hits(self.keys(prompt, "", lora_name)))
         if bypass and not self.faults.bypass_ignored:
             hits = 0
         self.blocks.update(keys)
         if self.faults.count_own_blocks and not bypass:
             hits = len(keys)
-        return hits * CACHE_BLOCK
+        return hits * self.block

@@ -141,11 +141,11 @@ class DecodeInference(Inference):
         self.check_rank(session, context)
         prompt = self.store.take(session.session_id)
         if prompt is None:
-            if f.missing_session_status:
+            if f.gone_session_refused:  # not a fault: found missing while validating, before acceptance
                 context.abort(grpc.StatusCode.NOT_FOUND, "unknown session")
             yield oe.GenerateResponse(request_id=request.request_id, error=oe.EngineError(
                 code=oe.ERROR_CODE_KV_SESSION_NOT_FOUND, message=f"session {session.session_id} is gone",
-                retryable=False))
+                retryable=f.gone_session_retryable))
             return
         decode = oe.GenerateRequest()
         decode.CopyFrom(request)
