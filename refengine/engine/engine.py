@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from functools import partial
@@ -59,6 +60,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FINISHED_ID_WINDOW = 4096  # finished request ids remembered for abort's ALREADY_FINISHED
+#: Health probes in flight at once, beside (never instead of) the clients' max_active_requests: a
+#: load balancer polling a saturated server must not take a client's slot (found by review).
+PROBE_SLOTS = 4
 
 
 class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
@@ -130,6 +134,7 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
         self._stopping = False
         self._woken = False  # a wake since the last step began (e.g. a cancelled pull to clean up)
         self._stalled = False  # the last step ran nothing: wait for a wake (or poll), not spin
+        self._stopped_callbacks: list[Callable[[str], None]] = []  # on_stopped's
 
     def _wake(self) -> None:
         """Something changed outside a step (a pull ended, a session became due): step again."""
@@ -169,7 +174,10 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
                 raise DuplicateRequestError(f"request_id {params.request_id!r} is already active")
             if self._stopping:
                 raise EngineStoppedError("the engine is shut down")
-            if len(self._active_ids) >= self.config.scheduler.max_active_requests:
+            if params.health_probe and len(self._probe_ids) >= PROBE_SLOTS:
+                raise OverloadedError(f"{PROBE_SLOTS} health probes already in flight")
+            if not params.health_probe and \
+                    len(self._active_ids) - len(self._probe_ids) >= self.config.scheduler.max_active_requests:
                 raise OverloadedError("too many requests in flight; retry later")
             self._active_ids.add(params.request_id)
             if params.health_probe:

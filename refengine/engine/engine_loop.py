@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from refengine.types import EngineFault, RequestOutput
@@ -34,6 +35,10 @@ class EngineLoopMixin:
         self._stopping = False
         self._loop_thread = threading.Thread(target=self._loop, name="refengine-step-loop", daemon=True)
         self._loop_thread.start()
+
+    def on_stopped(self: Engine, callback: Callable[[str], None]) -> None:
+        """``callback(reason)`` when the loop stops itself after a fault (:meth:`_end_all`)."""
+        self._stopped_callbacks.append(callback)
 
     def shutdown(self: Engine) -> None:
         """Stop the loop, then end every request still active with one terminal error (a
@@ -96,6 +101,11 @@ class EngineLoopMixin:
                     sink(RequestOutput(request_id, finished=True, error=fault))
                 except Exception:  # a broken consumer must not keep the others from their end
                     logger.exception("output sink of request %s failed", request_id)
+            for callback in self._stopped_callbacks:  # the server turns NOT_READY (H3): it serves nothing now
+                try:
+                    callback(fault.message)
+                except Exception:
+                    logger.exception("an engine-stopped callback failed")
 
     def _check_when_idle(self: Engine) -> None:
         """``--debug-kv-integrity``: the pool's integrity once no request is left. After a step's

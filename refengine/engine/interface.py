@@ -128,6 +128,10 @@ class EngineClient(Protocol):
     def start(self) -> None:
         """Run the step loop on a background thread."""
 
+    def on_stopped(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)``, on the engine's thread, if the engine stops by itself (a
+        fault it could not end its requests after); it then refuses all new work."""
+
     def shutdown(self) -> None:
         """Stop the step loop; requests still active then end with one terminal error, and
         ``add_request`` refuses new ones (EngineStoppedError) until ``start``."""

@@ -21,6 +21,9 @@ class NoGenerate:
     def abort(self, request_id: str) -> bool:
         return False
 
+    def on_stopped(self, callback: Callable[[str], None]) -> None:
+        """No step loop: nothing here stops by itself."""
+
     def abort_all(self) -> list[str]:
         return []
 

@@ -245,11 +245,17 @@ class Server:
             self.state.set_load_failed(f"--kv-events-zmq: {type(exc).__name__}: {exc}")
             await asyncio.to_thread(engine.shutdown)
             return 2
+        loop = asyncio.get_running_loop()
+        engine.on_stopped(lambda reason: loop.call_soon_threadsafe(self._engine_stopped, reason))
         self.state.set_ready(engine)
         logger.info("ready: %s (%d KV blocks)", engine.info.served_model_name, engine.info.total_kv_blocks)
         await stopping
         await self._drain()
         return 0
+
+    def _engine_stopped(self, reason: str) -> None:
+        logger.error("%s: the server is NOT_READY and refuses new requests until restarted", reason)
+        self.state.set_engine_stopped(reason)
 
     def _check_loaded(self, engine: EngineClient) -> None:
         if engine.info.supports_multimodal or engine.info.role == "encoder":

@@ -21,6 +21,7 @@ from refengine.protocol import oe
 from refengine.types import (
     DuplicateRequestError,
     EngineFault,
+    EngineStoppedError,
     InvalidRequestError,
     LoraConflictError,
     LoraDisabledError,
@@ -34,6 +35,7 @@ from refengine.types import (
 REFUSAL_CODES: tuple[tuple[type[RequestError], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
+    (EngineStoppedError, grpc.StatusCode.UNAVAILABLE),  # before its base class: this instance serves no more
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (LoraNotFoundError, grpc.StatusCode.NOT_FOUND),
     (LoraConflictError, grpc.StatusCode.ALREADY_EXISTS),

@@ -124,6 +124,9 @@ async def inference_probe(engine: EngineClient, timeout: float) -> oe.HealthChec
         return _check("inference_probe", state, f"probe not admitted: {exc}")
     try:
         out = await asyncio.wait_for(asyncio.shield(done), timeout)
+    except asyncio.CancelledError:  # the caller left (its deadline): the probe is nobody's work now
+        engine.abort(request_id)
+        raise
     except TimeoutError:
         engine.abort(request_id)
         stats = engine.stats()
@@ -145,13 +148,15 @@ async def health_response(state: ServerState, request: oe.HealthRequest) -> oe.H
     """Build the ``HealthResponse``; raises ``Rejection`` for an unknown probe model (D3)."""
     lifecycle = state.lifecycle
     checks = [_check("grpc", oe.HEALTH_STATE_READY, "serving")]
-    if state.engine is not None:
+    if state.engine_error is not None:
+        checks.append(_check("model", oe.HEALTH_STATE_NOT_READY, state.engine_error))
+    elif state.engine is not None:
         checks.append(_check("model", oe.HEALTH_STATE_READY, f"{state.engine.info.served_model_name} loaded"))
     elif lifecycle is Lifecycle.NOT_READY:
         checks.append(_check("model", oe.HEALTH_STATE_NOT_READY, f"load failed: {state.load_error}"))
     else:
         checks.append(_check("model", oe.HEALTH_STATE_STARTING, f"loading {state.engine_config.model}"))
-    checks.append(_check("scheduler", LIFECYCLE_STATE[lifecycle], SCHEDULER_MESSAGES[lifecycle]))
+    checks.append(_check("scheduler", LIFECYCLE_STATE[lifecycle], _lifecycle_message(state)))
     ours = ROLES[state.options.role]
     # An enum value this build does not know reads as UNSPECIFIED (X4), never as a mismatch.
     known_roles = set(oe.EngineRole.values())
@@ -165,10 +170,15 @@ async def health_response(state: ServerState, request: oe.HealthRequest) -> oe.H
     return oe.HealthResponse(state=overall(checks), checks=checks)
 
 
+def _lifecycle_message(state: ServerState) -> str:
+    if state.engine_error is not None:  # NOT_READY with an engine: it stopped after a fault
+        return f"not ready: {state.engine_error}"
+    return SCHEDULER_MESSAGES[state.lifecycle]
+
+
 async def _probe_check(state: ServerState) -> oe.HealthCheck:
     if state.lifecycle is not Lifecycle.READY or state.engine is None:
-        lifecycle = state.lifecycle
-        return _check("inference_probe", LIFECYCLE_STATE[lifecycle], f"not run: {SCHEDULER_MESSAGES[lifecycle]}")
+        return _check("inference_probe", LIFECYCLE_STATE[state.lifecycle], f"not run: {_lifecycle_message(state)}")
     if state.engine.info.role == "encoder":
         return await encode_probe(state.engine, state.options.health_probe_timeout_seconds)
     return await inference_probe(state.engine, state.options.health_probe_timeout_seconds)

@@ -52,6 +52,7 @@ class ServerState:
         self.engine: EngineClient | None = None  # once loaded
         self.caps: Capabilities | None = None
         self.load_error: str | None = None
+        self.engine_error: str | None = None  # why a loaded engine stopped serving (set_engine_stopped)
         self.started_at = time.monotonic()
         self.streams: set[OutputBridge] = set()  # accepted Generate streams not yet ended
         # Generate calls inside acceptance (validation, a grammar compiled on a worker thread):
@@ -85,6 +86,13 @@ class ServerState:
     def set_load_failed(self, message: str) -> None:
         self.load_error = message
         self._set(Lifecycle.NOT_READY)
+
+    def set_engine_stopped(self, reason: str) -> None:
+        """The engine stopped itself after a fault: it serves nothing any more (H3: NOT_READY;
+        grpc.health.v1 NOT_SERVING through the listeners; new Generate calls UNAVAILABLE)."""
+        self.engine_error = reason
+        if self.lifecycle is not Lifecycle.NOT_READY:
+            self._set(Lifecycle.NOT_READY)
 
     def set_draining(self) -> None:
         if self.lifecycle in (Lifecycle.STARTING, Lifecycle.READY):
@@ -133,4 +141,6 @@ class ServerState:
         if self.lifecycle is Lifecycle.DRAINING:
             raise Rejection(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down); "
                             "retry on another instance")
+        if self.engine_error is not None:
+            raise Rejection(grpc.StatusCode.UNAVAILABLE, f"{self.engine_error}; retry on another instance")
         return self.engine_for_control()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from refengine.types import EngineFault, RequestOutput, Usage
 
@@ -64,6 +65,7 @@ class OutputBridge:
         self._terminal_returned = False
         self._release_session = release_session
         self._abandoned = False  # no output will reach a client any more
+        self._dropped_tokens = 0  # output tokens the engine counted that the client is never sent (after fail)
 
     # -- engine thread ----------------------------------------------------------
     def sink(self, out: RequestOutput) -> None:
@@ -86,6 +88,8 @@ class OutputBridge:
             self._pending.append(out)
             if len(self._pending) >= self.capacity and not self.engine_finished:
                 self._start_stall_clock()
+        else:
+            self._dropped_tokens += _num_tokens(out)
         self._wakeup.set()
 
     def abandon(self) -> None:
@@ -125,6 +129,7 @@ class OutputBridge:
         if self.engine_finished or self.failure is not None or self._terminal_returned:
             return False
         self.failure = fault
+        self._dropped_tokens += sum(_num_tokens(out) for out in self._pending)
         self._pending.clear()
         self._stop_stall_clock()
         self._wakeup.set()
@@ -156,7 +161,14 @@ class OutputBridge:
             except TimeoutError:
                 break  # report the failure anyway; usage is then unknown
         self._terminal_returned = True
-        return RequestOutput(self.request_id, finished=True, usage=self._final_usage, error=self.failure)
+        usage = self._final_usage
+        if usage is not None and self._dropped_tokens:  # G11/G16: the usage of what the client was sent
+            usage = replace(usage, completion_tokens=max(0, usage.completion_tokens - self._dropped_tokens))
+        return RequestOutput(self.request_id, finished=True, usage=usage, error=self.failure)
 
     def close(self) -> None:
         self._stop_stall_clock()
+
+
+def _num_tokens(out: RequestOutput) -> int:
+    return sum(len(delta.tokens) for delta in out.deltas)
