@@ -62,16 +62,21 @@ def handle_equals_raw_image(t: Target) -> str:
     enc, token = consumer_target(t, (oe.ENGINE_ROLE_AGGREGATED,), ": no tokens to compare")
     data = unique_png(t, "enc10")
     raw = image_request(t, token, "enc10-raw", data)
+    raw.kv.cache_salt = t.new_id("enc10-raw-salt")  # each request its own salt: no prefix-cache hit
     want = expect_valid(t.generate(raw), what="the request with the raw image")
     expect(bool(want.tokens()), f"the raw-image request produced no tokens: {want.describe()}")
     with media_client(enc) as m:
         handle = m.encode_one(data)
-        got = expect_valid(t.generate(with_handles(t, raw, [handle])), what="the same request with a handle")
+        salted = with_handles(t, raw, [handle])
+        salted.kv.cache_salt = t.new_id("enc10-handle-salt")
+        got = expect_valid(t.generate(salted), what="the same request with a handle")
         expect(got.tokens() == want.tokens(), f"with a handle {got.tokens()} != with the image {want.tokens()}")
         other = m.encode_one(data)
         snake = handle_json(other, snake_case=True)
         snake["oeconf_future_field"] = {"ignored": True}
-        alt = expect_valid(t.generate(with_handles(t, raw, value=[snake])),
+        alt_req = with_handles(t, raw, value=[snake])
+        alt_req.kv.cache_salt = t.new_id("enc10-snake-salt")
+        alt = expect_valid(t.generate(alt_req),
                            what="a handle in proto field names with an unknown field")
         expect(alt.tokens() == want.tokens(), f"handle in proto field names {alt.tokens()} != {want.tokens()}")
     t.wait_idle("ENC10")
@@ -231,3 +236,24 @@ def accounting(t: Target) -> str:
     idle = " (0 held: the encoder is idle)" if after["held_handles"] == after["held_rows"] == 0 else ""
     return (f"total {after['total_rows']:.0f} rows; {first.num_tokens} rows held by 2 handles, back to "
             f"{after['held_handles']:.0f} handles after Release{idle}")
+
+
+@check("ENC13", "a handle whose mm_hash names another item: accepted, then KV_TRANSFER_FAILED, not retryable")
+def edited_mm_hash_fails(t: Target) -> str:
+    """ENC13/ENC8: the rows of image A under image B's mm_hash would enter the prefix cache as B's;
+    the consumer must check what the encoder says the handle holds and fail the request."""
+    enc, token = consumer_target(t)
+    a, b = unique_png(t, "enc13-a"), unique_png(t, "enc13-b")
+    raw = image_request(t, token, "enc13-edit", a, max_tokens=2)
+    with media_client(enc) as m:
+        ha, hb = m.encode_one(a), m.encode_one(b)
+        res = t.generate(with_handles(t, raw, [tampered(ha, mm_hash=hb.mm_hash,
+                                                        mm_hash_algorithm=hb.mm_hash_algorithm)]))
+    expect(res.ok and res.events, f"an edited mm_hash is found after acceptance: {res.describe()}")
+    errors = res.of("error")
+    expect(len(errors) == 1 and errors[0].code == oe.ERROR_CODE_KV_TRANSFER_FAILED and not errors[0].retryable,
+           f"a handle naming another item's mm_hash: {res.kinds()} "
+           f"{[(enum_name(oe.ErrorCode, e.code), e.retryable) for e in errors]}, want one EngineError "
+           "KV_TRANSFER_FAILED, retryable = false (its rows would enter the prefix cache as the other item's)")
+    t.wait_idle("ENC13")
+    return f"{enum_name(oe.ErrorCode, errors[0].code)}: {errors[0].message[:60]!r}"

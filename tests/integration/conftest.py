@@ -112,11 +112,14 @@ def _wait_ready(server: ServerProcess, timeout: float) -> None:
 
 
 def start_server(log_path: Path, *extra_args: str, control_port: bool = False, wait_ready: bool = True,
-                 timeout: float = 240.0) -> ServerProcess:
+                 timeout: float = 240.0, patch: str = "") -> ServerProcess:
     """Start ``python -m refengine.cli serve`` on 127.0.0.1 (free ports) and, by default,
-    wait until Health is READY. ``control_port``: put Control on its own listener."""
+    wait until Health is READY. ``control_port``: put Control on its own listener. ``patch``:
+    Python run in the server process before the CLI (a deliberately broken server for a test)."""
     port = free_port()
-    args = [sys.executable, "-m", "refengine.cli", "serve", "--model", MODEL,
+    launcher = ["-c", f"{patch}\nimport sys\nfrom refengine.cli import main\nsys.exit(main(sys.argv[1:]))"] \
+        if patch else ["-m", "refengine.cli"]
+    args = [sys.executable, *launcher, "serve", "--model", MODEL,
             "--host", "127.0.0.1", "--port", str(port), *extra_args]
     control = port
     if control_port:

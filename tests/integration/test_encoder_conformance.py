@@ -25,7 +25,7 @@ ENC_CHECKS = {c.name for c in select(["ENC"])}
 #: Checks that need the target to consume handles (side "consumer"), or another server than the encoder.
 NEEDS_CONSUMER = {"ENC2:media_only_on_encoders", "ENC9:pulled_handle_released", "ENC10:handle_equals_raw_image",
                   "ENC10:handles_value_refused", "ENC11:incompatible_handle_refused",
-                  "ENC13:gone_handle_fails_after_acceptance"}
+                  "ENC13:gone_handle_fails_after_acceptance", "ENC13:edited_mm_hash_fails"}
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +99,36 @@ def test_each_encoder_control_fails_exactly_its_rule(control: encoder_controls.E
     failed = {r.rule for r in results if r.status is Status.FAIL}
     assert failed == {control.rule} - {""}, format_matrix(results)
     assert all(r.status in (Status.PASS, Status.FAIL) for r in results), format_matrix(results)
+
+
+#: A consumer that takes whatever rows a handle's session holds (no check of what the encoder says
+#: it holds against the handle's mm_hash) and corrupts the first 12 rows it pulls.
+CARELESS_CONSUMER = """
+from refengine.engine import media_pulls
+from refengine.server import kv_pull_client
+kv_pull_client.GrpcKvTransfer._check_content = staticmethod(lambda order, call: None)
+pull = media_pulls.MediaPulls._pull
+def corrupted(self, *args, **kwargs):
+    rows = pull(self, *args, **kwargs).clone()
+    rows[:12] = 0
+    return rows
+media_pulls.MediaPulls._pull = corrupted
+"""
+
+
+def test_a_careless_consumer_fails_enc10_and_enc13(servers: dict[str, ServerProcess], llava: TinyLlava,
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The controls of ENC10:handle_equals_raw_image and ENC13:edited_mm_hash_fails (found by review:
+    both passed such a consumer: ENC10's handle request reused the raw request's cached blocks, so
+    only the last 4 of 16 rows were pulled; no check sent a handle naming another item)."""
+    consumer = start_server(tmp_path_factory.mktemp("careless") / "consumer.log", "--model",
+                            str(llava.directory), *COMMON, patch=CARELESS_CONSUMER)
+    try:
+        options = Options(encoder_address=servers["encoder"].address,
+                          media_placeholder_token_id=tiny_llava.IMAGE_TOKEN)
+        results = run(consumer.address, ["ENC10", "ENC13"], options)
+    finally:
+        consumer.stop()
+    by_name = {r.name: r for r in results}
+    for name in ("ENC10:handle_equals_raw_image", "ENC13:edited_mm_hash_fails"):
+        assert by_name[name].status is Status.FAIL, format_matrix(results)

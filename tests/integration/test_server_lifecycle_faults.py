@@ -4,10 +4,7 @@ loopback; each test fails without its fix."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from refengine.client import OpenEngineClient
 from refengine.protocol import oe
-from tests.integration.conftest import MODEL, REPO, ServerProcess, free_port, start_server, wait_ready
+from tests.integration.conftest import start_server
 
 
 def _long(client: OpenEngineClient, request_id: str) -> None:
@@ -62,10 +59,9 @@ def test_a_probe_whose_caller_left_is_aborted_and_never_takes_a_client_slot(tmp_
         server.stop()
 
 
-#: A server whose step raises for a "boom-*" request, and whose fail_all then raises too: the
-#: engine stops itself (engine_loop._end_all).
-FAULTY_SERVE = """
-import sys
+#: The step raises for a "boom-*" request, and the fail_all after it raises too: the engine
+#: stops itself (engine_loop._end_all).
+FAULTY_ENGINE = """
 from refengine.engine import core
 step = core.EngineCore._step
 def faulty_step(self, abort_ids, on_scheduled):
@@ -75,8 +71,6 @@ def faulty_step(self, abort_ids, on_scheduled):
 def faulty_fail_all(self, message):
     raise RuntimeError("injected fail_all fault")
 core.EngineCore._step, core.EngineCore.fail_all = faulty_step, faulty_fail_all
-from refengine.cli import main
-sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -84,18 +78,9 @@ def test_an_engine_that_stopped_itself_makes_the_server_not_ready(tmp_path: Path
     """H3: once the engine stops after a fault it serves nothing: Health NOT_READY naming it,
     grpc.health.v1 NOT_SERVING, new Generate UNAVAILABLE (retry elsewhere). Before: READY,
     SERVING, and RESOURCE_EXHAUSTED for every request."""
-    script = tmp_path / "faulty_serve.py"
-    script.write_text(FAULTY_SERVE)
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(tmp_path / "server.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(script), "serve", "--model", MODEL, "--host", "127.0.0.1",
-                                 "--port", str(port), "--max-model-len", "512", "--num-kv-blocks", "64"],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = ServerProcess(f"127.0.0.1:{port}", f"127.0.0.1:{port}", proc, tmp_path / "server.log")
+    server = start_server(tmp_path / "server.log", "--max-model-len", "512", "--num-kv-blocks", "64",
+                          patch=FAULTY_ENGINE)
     try:
-        wait_ready(server)
         with server.client() as client:
             events = list(client.generate(request_id="boom-1", prompt="Hi", max_tokens=2))
             assert events[-1].WhichOneof("event") == "error" and "engine stopped" in events[-1].error.message

@@ -245,6 +245,22 @@ def test_a_pin_whose_content_check_failed_is_ended_and_the_session_kept(source: 
     assert not source.confirmed("s-other", 0.2)
 
 
+def test_a_source_no_pin_vouched_for_is_not_read_before_its_pin(source: Source, side: Any) -> None:
+    """ENC11/ENC13 (found by review): the agent, metadata and regions come from the request; until
+    a pin at an allowed endpoint has confirmed them once, nothing is READ from them before the
+    pin's answer. A refused first pin leaves the destination untouched (before: the overlapping
+    READ had already copied the named agent's memory)."""
+    backend, store, pinner = side
+    attributes, expected = source.offer("s-unvouched", [1, 2])
+    pinner.error = TransferFailure("failed", "the source holds another item")
+    with pytest.raises(TransferFailure):
+        backend.pull(replace(_order("s-unvouched", attributes, 0, (0, 1)), content="media:x"), threading.Event())
+    assert _untouched(store)
+    pinner.error = None  # the pin vouches for the source now: the pull goes through
+    backend.pull(replace(_order("s-unvouched", attributes, 0, (0, 1)), content="media:x"), threading.Event())
+    assert [store.read([d]) for d in (0, 1)] == expected
+
+
 def test_a_cancelled_pull_writes_nothing(source: Source, side: Any) -> None:
     backend, store, _ = side
     attributes, _ = source.offer("s-cancel", [1, 2])

@@ -21,6 +21,7 @@ import os
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -49,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 RELEASE_PREFIX = b"refengine-release:"  # + session id: the notification that confirms a pull
 UNPIN_PREFIX = b"refengine-unpin:"  # + session id: a pinned pull failed; its pin ends, the session stays
+#: Remote agents kept loaded (and source identities remembered as vouched for by a pin): the least
+#: recently loaded beyond it are forgotten, so requests naming many agents cannot grow them for good.
+MAX_REMOTE_AGENTS = 64
 NOTIF_POLL_SECONDS = 0.002  # also how often the source side progresses UCX (TCP's reads need it)
 
 
@@ -105,7 +109,8 @@ class NixlKvTransfer(KvTransferBackend):
         self._registered: Any = None
         self._metadata_b64 = ""
         self._remotes: dict[str, bytes] = {}  # remote agent name -> the metadata loaded for it
-        self._lock = threading.Condition()  # guards _remotes and _active
+        self._vouched: OrderedDict[str, None] = OrderedDict()  # source identities a pin confirmed
+        self._lock = threading.Condition()  # guards _remotes, _vouched and _active
         self._active = 0  # pulls running: close waits for them
         self._closed = threading.Event()
         self._notif_thread: threading.Thread | None = None  # from the first source_attributes
@@ -207,17 +212,30 @@ class NixlKvTransfer(KvTransferBackend):
         content = pinned_content(order.content, source.block_ids, read_from) if order.content else ""
         pinner = self._pinner
         pin_outcome = pinner.start_pin(order.session, self._timeout, order.trace, content) if pinner else None
-        peer = self._remote(source)
+        # A source no pin has vouched for is not dialled before its pin does (found by review: a
+        # handle naming a made-up agent had this side connect to it and READ before the pin
+        # refused it): a source's first pull waits the pin's round trip, later ones overlap it.
+        pin_first = pin_outcome is not None and bool(content) and read_from not in self._vouched
+        peer = None
         try:
+            if pin_first:
+                pin_outcome()
+            peer = self._remote(source)
             if order.dest_block_ids:
                 self._read(order, source, peer, cancelled, deadline)
             read = time.perf_counter()
-            if pin_outcome is not None:
+            if pin_outcome is not None and not pin_first:
                 pin_outcome()
-        except TransferFailure as failure:
-            if pin_outcome is not None and _pin_held(pin_outcome, failure):
+        except TransferFailure as failure:  # an agent never loaded is not dialled to end the pin: its window ends it
+            if peer is not None and pin_outcome is not None and _pin_held(pin_outcome, failure):
                 self._unpin(peer, order.session.session_id)
             raise
+        if content:
+            with self._lock:
+                self._vouched[read_from] = None
+                self._vouched.move_to_end(read_from)
+                while len(self._vouched) > MAX_REMOTE_AGENTS:
+                    self._vouched.popitem(last=False)
         nixl_call("send the release", self._agent.send_notif, peer, RELEASE_PREFIX + order.session.session_id.encode())
         logger.debug("NIXL pull of %d blocks: READ %.2f ms, then pin %.2f ms", len(order.dest_block_ids),
                      (read - started) * 1e3, (time.perf_counter() - read) * 1e3)
@@ -256,6 +274,8 @@ class NixlKvTransfer(KvTransferBackend):
                         self._forget(loaded)
                     raise fail(f"the NIXL metadata is agent {loaded!r}'s, not {source.agent_name!r}'s")
                 self._remotes[loaded] = source.metadata
+                while len(self._remotes) > MAX_REMOTE_AGENTS:  # the least recently loaded goes
+                    self._forget(self._remotes.pop(next(iter(self._remotes))))
         return source.agent_name
 
     def _forget(self, name: str) -> None:
