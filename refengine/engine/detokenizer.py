@@ -122,7 +122,10 @@ class IncrementalDetokenizer:
         context = list(prompt_token_ids[-CONTEXT_TOKENS:])
         context_text = decode(tokenizer, context)
         if context and (context[-1] in self._byte_token_ids or context_text.endswith(REPLACEMENT_CHAR)):
-            context, context_text = [], ""  # unstable boundary: decode the output on its own
+            # unstable boundary: a neutral left context ("a") instead, so that a SentencePiece
+            # first token keeps its leading space, as after a stable prompt
+            info = _info(tokenizer)
+            context, context_text = list(info.context_ids), info.context_text
         self._ids = context  # ids[prefix_offset:], the window; older ids are dropped
         self._read_offset = len(context)  # relative to self._ids; everything before it was emitted
         self._prefix_text = context_text  # decode(self._ids[:self._read_offset])
@@ -168,6 +171,12 @@ class IncrementalDetokenizer:
         pieces of a character still being decoded): their text comes with a later token's."""
         return len(self._ids) > self._read_offset
 
+    def peek(self) -> str:
+        """What ``flush`` would return now, without changing anything."""
+        if len(self._ids) == self._read_offset:
+            return ""
+        return decode(self._tokenizer, self._ids)[len(self._prefix_text) :]
+
     def flush(self) -> str:
         """At finish: release whatever was held back (U+FFFD where bytes never completed)."""
         text = decode(self._tokenizer, self._ids)
@@ -186,6 +195,9 @@ class NoTextDetokenizer:
     num_chars_before_last = 0
 
     def add_token(self, token_id: int) -> str:
+        return ""
+
+    def peek(self) -> str:
         return ""
 
     def flush(self) -> str:

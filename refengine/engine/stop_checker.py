@@ -171,6 +171,17 @@ class StopChecker:
         self._held = text[cut:]
         return text[:cut], None
 
+    def would_match(self, new_text: str) -> bool:
+        """Whether feeding ``new_text`` would complete a stop string (no state changes)."""
+        if self._matched or self._automaton is None:
+            return False
+        automaton, state = self._automaton, self._state
+        for ch in new_text:
+            state = automaton.step(state, ch)
+            if automaton.match[state] is not None:
+                return True
+        return False
+
     def finish_text(self) -> str:
         """Held-back text to release when the output ends for another reason."""
         held, self._held, self._state = self._held, "", 0
@@ -206,7 +217,11 @@ def process_token(
         keep_token = finish is None or not stop.should_drop_stop_token
     text = detokenizer.add_token(token_id) if keep_token else ""
     before = detokenizer.num_chars_before_last if keep_token else 0
-    if finish is not None and (flushed := detokenizer.flush()):
+    # A held byte run that already completes a stop string: stop now. Ending the output here
+    # makes the run's text final, so the match is exact (no later byte can change it).
+    string_stop = (finish is None and keep_token and detokenizer.holds_text
+                   and stop.would_match(text + detokenizer.peek()))
+    if (finish is not None or string_stop) and (flushed := detokenizer.flush()):
         text += flushed
         before = len(text)  # the run may reach into the flushed text: it ends with the output
     pending = detokenizer.holds_text

@@ -147,8 +147,11 @@ def sentencepiece_expected(tok, prompt: list[int], out: list[int]) -> str:
     """The text ``out`` adds after ``prompt``; decoded alone when the prompt does not
     end at a stable boundary (a byte token, or an incomplete character)."""
     prompt_text = decode(tok, prompt)
-    if not prompt or prompt[-1] in byte_ids(tok) or prompt_text.endswith(REPLACEMENT_CHAR):
+    if not prompt:
         return decode(tok, out)
+    if prompt[-1] in byte_ids(tok) or prompt_text.endswith(REPLACEMENT_CHAR):
+        a = tok.encode("a", add_special_tokens=False)
+        return decode(tok, a + out)[1:]
     full = decode(tok, prompt + out)
     assert full.startswith(prompt_text)
     return full[len(prompt_text) :]
