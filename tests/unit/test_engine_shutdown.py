@@ -59,3 +59,27 @@ def test_a_stopped_engine_s_health_probe_is_not_ready(tiny) -> None:  # noqa: F8
     engine.shutdown()
     check = asyncio.run(inference_probe(engine, timeout=5.0))
     assert check.state == oe.HEALTH_STATE_NOT_READY and "shut down" in check.message, check
+
+
+def test_health_probes_never_take_a_client_slot(tiny) -> None:  # noqa: F811
+    """--max-active-requests is the clients' (found by review: a load balancer's probes of a
+    saturated server took client slots, and clients got RESOURCE_EXHAUSTED); probes have
+    PROBE_SLOTS of their own beside them."""
+    from dataclasses import replace
+
+    from refengine.engine.engine import PROBE_SLOTS
+    from refengine.types import OverloadedError
+
+    engine = make_engine(tiny)
+    engine.config = replace(engine.config, scheduler=replace(engine.config.scheduler, max_active_requests=2))
+    try:
+        for i in range(PROBE_SLOTS):  # never started: everything stays active
+            engine.add_request(replace(greedy(f"probe-{i}", prompt(i, 4), max_tokens=1), health_probe=True))
+        with pytest.raises(OverloadedError, match="health probes"):
+            engine.add_request(replace(greedy("probe-extra", prompt(9, 4), max_tokens=1), health_probe=True))
+        for i in range(2):
+            engine.add_request(greedy(f"client-{i}", prompt(10 + i, 4), max_tokens=1))
+        with pytest.raises(OverloadedError, match="too many requests"):
+            engine.add_request(greedy("client-extra", prompt(20, 4), max_tokens=1))
+    finally:
+        engine.shutdown()
