@@ -6,11 +6,13 @@ space. Oracle: the tokenizer's own ``decode`` of the tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from refengine.engine.detokenizer import IncrementalDetokenizer, decode
-from refengine.engine.stop_checker import StopChecker, TokenHoldBack, process_token
-from refengine.types import StoppingParams, TokenInfo
+from refengine.types import StoppingParams
+from tests.unit.test_stop_checker import sent
 from tests.unit.tokenizer_fixture import byte_fallback_tokenizer
 
 TOKENIZER = byte_fallback_tokenizer()
@@ -20,31 +22,26 @@ def _byte_ids(text: str) -> list[int]:
     return [TOKENIZER.convert_tokens_to_ids(f"<0x{b:02X}>") for b in text.encode()]
 
 
-def _run(generated: list[int], stopping: StoppingParams, prompt: list[int]) -> tuple[str, list[int], int]:
-    """The output's text, its tokens and how many were sampled until it finished."""
-    stop, detokenizer = StopChecker(stopping, [2], stopping.max_tokens), IncrementalDetokenizer(TOKENIZER, prompt)
-    hold = TokenHoldBack(stopping.include_stop_in_output)
-    text, tokens = "", []
-    for count, token_id in enumerate(generated, 1):
-        step = process_token(stop, detokenizer, token_id, count)
-        if step.keep_token:
-            hold.add(TokenInfo(token_id, ""), step.num_detokenized_chars, step.text_pending, step.num_chars_before)
-        tokens += [info.token_id for info in hold.release(len(step.text), step.finish)]
-        text += step.text
-        if step.finish is not None:
-            return text, tokens, count
-    raise AssertionError("the output never finished")
+class Sampled(list):
+    """The tokens a model would sample, counting how many were taken before the output ended."""
+
+    taken = 0
+
+    def __iter__(self) -> Iterator[int]:
+        for token_id in super().__iter__():
+            self.taken += 1
+            yield token_id
 
 
 @pytest.mark.parametrize(("before", "include"), [("", False), ("", True), ("界", True)])
 def test_a_stop_string_completed_by_byte_tokens_stops_at_once(before: str, include: bool) -> None:
     """(Excluding a stop string preceded by other characters of the same byte run drops the run's
     tokens with it, though its text stays: the run's tokens share one text offset.)"""
-    prompt = TOKENIZER.encode("the cat", add_special_tokens=False)
-    generated = _byte_ids(before + "😀") + _byte_ids("界😀" * 10) + TOKENIZER.encode(" the", add_special_tokens=False)
-    stopping = StoppingParams(max_tokens=200, stop_strings=("😀",), include_stop_in_output=include)
-    text, tokens, sampled = _run(generated, stopping, prompt)
-    assert sampled == len(_byte_ids(before + "😀"))  # the byte completing the stop string ends it
+    after = _byte_ids("界😀" * 10) + TOKENIZER.encode(" the", add_special_tokens=False)
+    generated = Sampled(_byte_ids(before + "😀") + after)
+    stopping = StoppingParams(stop_strings=("😀",), include_stop_in_output=include)
+    tokens, text, _ = sent(stopping, generated, TOKENIZER)
+    assert generated.taken == len(_byte_ids(before + "😀"))  # the byte completing the stop string ends it
     assert text == before + ("😀" if include else "")
     assert decode(TOKENIZER, tokens) == text
 
