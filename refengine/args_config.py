@@ -96,9 +96,10 @@ FIELD_FLAGS = {
 def _mib_bytes(mib: float, flag: str) -> int:
     """A MiB flag as bytes; not a finite number, it is refused naming the flag (int() of inf
     raised OverflowError, a traceback)."""
-    if not math.isfinite(mib):
+    nbytes = mib * (1 << 20)
+    if not math.isfinite(nbytes):  # a finite 1e308 MiB overflows too (found by review)
         raise ValueError(f"{flag}: must be a finite number of MiB, got {mib}")
-    return int(mib * (1 << 20))
+    return int(nbytes)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -22,6 +22,7 @@ embedded ``smollm2-135m-instruct``); otherwise it raises a ``ValueError`` saying
 
 from __future__ import annotations
 
+import argparse
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -30,12 +31,21 @@ import grpc
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from refengine.protocol import oe
+from refengine.protocol.addresses import check_address
 
 Metadata = Sequence[tuple[str, str]]
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # receives ``all``-candidate outputs of large vocabularies
 #: The longest deadline the tools accept (~116 days): gRPC turns a deadline into a time_t, and one
 #: of inf or 1e12 s overflows it (an error) or expires at once (every call DEADLINE_EXCEEDED).
 MAX_DEADLINE_SECONDS = 1e7
+
+
+def address_arg(text: str) -> str:
+    """:func:`check_address` as an argparse type (a bad value exits 2, naming the flag)."""
+    try:
+        return check_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def enum_name(enum: EnumTypeWrapper, value: int) -> str:

@@ -13,6 +13,7 @@ touches tensors (a test checks both this module and ``refengine.args``).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,8 @@ __all__ = ["ENGINE_ROLES", "GUIDED_BACKENDS", "TRANSFER_BACKENDS", "CacheConfig"
 
 # Names the runner maps to torch dtypes (``refengine.model.runner.DTYPES``).
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]+)?")  # the devices the engine runs on
+MAX_THREADS = 4096  # --num-threads beyond it is a typo (torch refuses values past a C int with a traceback)
 # "auto" plus the registered backends, in preference order. The registry in
 # ``refengine.kernels.attention`` defines the backends; this copy exists because this
 # module may not import torch, and ``tests/unit/test_config.py`` checks the two agree.
@@ -223,11 +226,13 @@ class EngineConfig:
         check_choice(self, "dtype", DTYPE_NAMES)
         check_choice(self, "kv_cache_dtype", ("auto", *DTYPE_NAMES))
         check_name(self, "device")
+        if not DEVICE_NAME.fullmatch(self.device):  # found by review: "gpu" failed later with a traceback
+            raise ValueError(f"EngineConfig.device must be cpu, cuda or cuda:N, got {self.device!r}")
         check_int(self, "max_model_len", 2, optional=True)
         check_int(self, "max_sequences_per_request", 1)
         check_int(self, "max_logprobs", 0)
         check_int(self, "seed", 0, UINT64_MAX)
-        check_int(self, "num_threads", 1, optional=True)
+        check_int(self, "num_threads", 1, MAX_THREADS, optional=True)
         check_choice(self, "attention_backend", ATTENTION_BACKENDS)
         check_bool(self, "debug_kv_integrity")
         check_choice(self, "role", ENGINE_ROLES)
@@ -241,13 +246,14 @@ class EngineConfig:
     def check_aliases(self) -> None:
         aliases = self.served_model_aliases
         if not isinstance(aliases, tuple):  # a list would make the frozen config unhashable
-            raise ValueError(f"served_model_aliases must be a tuple of names, got {aliases!r}")
+            raise ValueError(f"EngineConfig.served_model_aliases must be a tuple of names, got {aliases!r}")
         if any(not alias for alias in aliases):
-            raise ValueError("served_model_aliases: an alias must be a non-empty name")
+            raise ValueError("EngineConfig.served_model_aliases: an alias must be a non-empty name")
         if len(set(aliases)) != len(aliases):
-            raise ValueError(f"served_model_aliases lists a name twice: {list(aliases)}")
+            raise ValueError(f"EngineConfig.served_model_aliases lists a name twice: {list(aliases)}")
         if self.served_model_name is not None and self.served_model_name in aliases:
-            raise ValueError(f"served_model_aliases repeats the served model name {self.served_model_name!r}")
+            raise ValueError("EngineConfig.served_model_aliases repeats the served model name "
+                             f"{self.served_model_name!r}")
 
     def check_parts(self) -> None:
         for name, kind in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("kernels", KernelConfig),

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from refengine.args import DefaultsHelpFormatter
 from refengine.bench import UINT32_MAX
-from refengine.client import MAX_DEADLINE_SECONDS
+from refengine.client import MAX_DEADLINE_SECONDS, address_arg
 from refengine.commands.generate_options import file_text
 
 __all__ = ["add_bench_parser", "run_bench"]
@@ -65,7 +65,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark any OpenEngine server (vllm bench serve's metrics)",
                        description="Load any OpenEngine server and report vllm-style serving metrics.",
                        formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--target", required=True, default=argparse.SUPPRESS, metavar="HOST:PORT",
+    p.add_argument("--target", required=True, default=argparse.SUPPRESS, metavar="HOST:PORT", type=address_arg,
                    help="the OpenEngine server")
     p.add_argument("--model", default="", help="model to name (default: the server's first supported model)")
     p.add_argument("--num-prompts", type=_positive_int, default=100, help="requests to send")
@@ -84,7 +84,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: random token ids)")
     p.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
     p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--temperature", type=_arg_type(float, lambda v: 0 <= v < math.inf, "a number >= 0"), default=0.0,
+                   help="sampling temperature (0: greedy)")
     guide = p.add_mutually_exclusive_group()
     guide.add_argument("--guided-regex", default=None, help="constrain outputs to a regex (default: unguided)")
     guide.add_argument("--guided-json", type=_json_text, default=None, metavar="FILE|JSON",

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from refengine.args import DefaultsHelpFormatter, _DeprecatedAlias, add_engine_args
+from refengine.client import address_arg
 from refengine.commands.generate_options import USAGE_ERROR, UsageError, options_from_args
 from refengine.commands.generate_run import run_local, run_remote
 from refengine.config import EngineConfig
@@ -61,11 +62,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_route_flags(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--remote", metavar="HOST:PORT", help="generate through a running server (default: in-process)")
-    g.add_argument("--prefill", metavar="HOST:PORT",
+    g.add_argument("--remote", metavar="HOST:PORT", type=address_arg,
+                   help="generate through a running server (default: in-process)")
+    g.add_argument("--prefill", metavar="HOST:PORT", type=address_arg,
                    help="disaggregated: prefill on this server (--role prefill) ... (default: none)")
-    g.add_argument("--decode", metavar="HOST:PORT", help="... and decode on this one (--role decode) (default: none)")
-    g.add_argument("--encoder", metavar="HOST:PORT",
+    g.add_argument("--decode", metavar="HOST:PORT", type=address_arg,
+                   help="... and decode on this one (--role decode) (default: none)")
+    g.add_argument("--encoder", metavar="HOST:PORT", type=address_arg,
                    help="encode the --image files on this server (--role encoder) and send embedding handles "
                    "to --remote or --prefill/--decode (draft profile encoder) (default: none)")
 

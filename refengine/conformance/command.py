@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -24,6 +25,7 @@ from refengine.conformance.release import RELEASE
 from refengine.conformance.report import FORMATS, render
 from refengine.conformance.runner import Result, run_report
 from refengine.conformance.target import ConnectError, Options
+from refengine.protocol.addresses import check_address
 
 DESCRIPTION = (f"Check an {RELEASE} server against the contract's numbered rules (tests/data/RULES.md) and the "
                "draft profiles of docs/profiles/; "
@@ -139,6 +141,21 @@ def _check_arguments(args: argparse.Namespace) -> tuple[str, list[Check], Option
     address = args.target or getattr(args, "address", "")
     if not address:
         raise ValueError("name the server with --target HOST:PORT")
+    for flag, value in (("--target", address), ("--prefill", args.prefill), ("--decode", args.decode),
+                        ("--encoder", args.encoder)):
+        if value:
+            try:
+                check_address(value)
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+    if bool(args.prefill) != bool(args.decode):  # a half pair claims a profile it cannot check
+        raise ValueError("--prefill and --decode name a disaggregated pair: give both, or neither")
+    if not 0 <= args.slow_reader_seconds < math.inf:
+        raise ValueError(f"--slow-reader-seconds must be a number >= 0, got {args.slow_reader_seconds}")
+    for flag, value in (("--eviction-budget-tokens", args.eviction_budget_tokens),
+                        ("--replay-budget-batches", args.replay_budget_batches)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     for flag, seconds in (("--timeout", args.timeout), ("--rpc-timeout", args.rpc_timeout)):
         if not 0 < seconds <= MAX_DEADLINE_SECONDS:  # also refuses nan and inf
             raise ValueError(f"{flag} must be in (0, {MAX_DEADLINE_SECONDS:g}] seconds, got {seconds:g}")

@@ -12,7 +12,7 @@ import grpc
 
 from refengine.conformance.profiles import PROFILES, claims, profile_of
 from refengine.conformance.registry import Check, CheckFailed, CheckNotClaimed, CheckSkipped, Status, select
-from refengine.conformance.target import Options, Target
+from refengine.conformance.target import ConnectError, Options, Target
 from refengine.protocol import oe
 
 
@@ -121,8 +121,21 @@ def _role_name(role: int) -> str:
 
 def run_report(address: str, checks: Iterable[Check], options: Options | None = None,
                on_result: Callable[[Result], None] | None = None) -> Report:
-    """Connect to ``address``, discover its claims, run ``checks`` in order."""
+    """Connect to ``address`` and to every other server the options name (one that cannot be
+    tested is a ConnectError naming its flag, before any check: found by review, a mistyped
+    --decode failed every K check and K11 of the core profile), discover its claims, run
+    ``checks`` in order."""
     with Target(address, options) as target:
+        for flag, named in (("--prefill", target.options.prefill_address), ("--decode", target.options.decode_address),
+                            ("--encoder", target.options.encoder_address)):
+            if named:
+                peer = Target(named, target.options)
+                try:
+                    peer.connect()
+                except ConnectError as err:
+                    raise ConnectError(f"{flag}: {err}") from None
+                finally:
+                    peer.close()
         claimed = claims(target)
         profiles = [ProfileClaim(p.name, p.title, p.draft, *claimed[p.name]) for p in PROFILES]
         results = []

@@ -143,7 +143,11 @@ def serve_from_args(args: argparse.Namespace) -> int:
         return 2
     apply_process_settings(engine_config)  # imports torch only when --num-threads is given
     server = Server(options, engine_config)
-    code = asyncio.run(server.run())
+    try:
+        code = asyncio.run(server.run())
+    except ListenError as exc:
+        print(f"refengine serve: {exc}", file=sys.stderr)
+        return 2
     if server.loader is not None and server.loader.is_alive():
         # Stopped while loading: interpreter finalization would tear down a thread that is
         # inside native code (torch, safetensors) and abort; leave without finalizing.
@@ -152,6 +156,10 @@ def serve_from_args(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+class ListenError(Exception):
+    """A listener could not bind its address (exit 2, like a bad flag)."""
 
 
 class Server:
@@ -189,7 +197,12 @@ class Server:
             self.health.register(server, services)
             reflection.enable_server_reflection((*services, *others, "grpc.health.v1.Health", reflection.SERVICE_NAME),
                                                 server)
-            bound = server.add_insecure_port(f"{host}:{port}")
+            try:
+                bound = server.add_insecure_port(f"{host}:{port}")
+            except RuntimeError:  # gRPC's bind failure: the operator's mistake, said without a traceback
+                flag = "--port" if server is main else "--control-port"
+                raise ListenError(f"{flag} {port}: cannot listen on {host}:{port} (in use, or not an address "
+                                  "of this machine)") from None
             what = " + ".join(name.rsplit(".", 1)[-1] for name in services)
             print(f"refengine: listening on {host}:{bound} ({what})", flush=True)
             self.listeners.append(server)

@@ -7,6 +7,7 @@ import ipaddress
 from dataclasses import dataclass
 
 MIB = 1 << 20
+MAX_MESSAGE_BYTES = 2047 * MIB  # gRPC keeps message limits in a C int (2^31 - 1 bytes)
 REQUEST_ROOM_BYTES = 1 * MIB  # what a media request holds besides one item's data URI
 ROLES = ("aggregated", "prefill", "decode", "encoder")
 
@@ -84,13 +85,16 @@ class ServerOptions:
         if self.advertise_host is not None and is_wildcard_host(self.advertise_host):
             raise ValueError(f"--advertise-host {self.advertise_host!r} is a bind wildcard; name a host clients "
                              "can connect to (E6)")
+        # Messages name the flag the operator typed (found by review: they named the fields).
         if self.stream_buffer < 1:
-            raise ValueError("stream_buffer must be >= 1")
+            raise ValueError(f"--stream-buffer must be >= 1, got {self.stream_buffer}")
         for name in ("shutdown_grace_seconds", "stall_timeout_seconds", "health_probe_timeout_seconds"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
-        if self.max_send_message_bytes < MIB or self.max_receive_message_bytes < MIB:
-            raise ValueError("message size limits must be at least 1 MiB")
+                raise ValueError(f"{_flag(name)} must be > 0, got {getattr(self, name)}")
+        for name in ("max_send_message_bytes", "max_receive_message_bytes"):
+            if not MIB <= getattr(self, name) <= MAX_MESSAGE_BYTES:  # gRPC holds the limit in a C int
+                raise ValueError(f"{_flag(name).replace('-bytes', '-mib')} must be in 1..{MAX_MESSAGE_BYTES // MIB} "
+                                 f"(MiB), got {getattr(self, name) / MIB:g}")
 
     def media_item_problem(self, media_max_bytes: int) -> str | None:
         """Why one media item of ``media_max_bytes`` may not fit a request, or None: as a data
@@ -111,3 +115,7 @@ class ServerOptions:
             ("grpc.max_receive_message_length", self.max_receive_message_bytes),
             ("grpc.so_reuseport", 0),  # two servers must never silently share a port
         ]
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")

@@ -13,6 +13,7 @@ import pytest
 from refengine.conformance import Options, Status, run_report, select
 from refengine.conformance.command import main
 from refengine.conformance.report import to_dict
+from refengine.conformance.target import ConnectError
 from tests.conformance.fake_server import Control, Faults, Inference, start
 from tests.conformance.toy_engine import ToyEngine
 
@@ -142,11 +143,16 @@ def test_a_claimed_profile_none_of_whose_checks_ran_is_skipped(toy_address: str)
     assert profiles["lora"] == "not_claimed"
 
 
-def test_an_unreachable_named_server_fails_naming_it(toy_address: str) -> None:
+def test_an_unreachable_named_server_is_a_connect_error_naming_it(capsys: pytest.CaptureFixture[str],
+                                                                  toy_address: str) -> None:
+    """Before any check (found by review: each K check and K11 of the core profile failed, 10 s
+    apiece, for a mistyped --decode): exit 2, naming the flag."""
     options = Options(prefill_address=NOWHERE, decode_address=NOWHERE, rpc_timeout_s=1.0)
-    (result, *_) = run_report(toy_address, select(["K4"]), options).results
-    assert result.status is Status.FAIL
-    assert result.message == f"--prefill: cannot connect to {NOWHERE} within 1 s", result.message
+    with pytest.raises(ConnectError, match=f"--prefill: cannot connect to {NOWHERE} within 1 s"):
+        run_report(toy_address, select(["K4"]), options)
+    code, err = _main(capsys, "--target", toy_address, "--prefill", toy_address, "--decode", NOWHERE,
+                      "--rpc-timeout", "1", "--rules", "K4")
+    assert code == 2 and f"--decode: cannot connect to {NOWHERE}" in err, err
 
 
 @pytest.mark.parametrize(("control", "rule", "name", "says"), [

@@ -167,7 +167,7 @@ def test_bad_numbers_say_what_is_expected(capsys: pytest.CaptureFixture[str], fl
 
 
 def test_vllm_flag_spellings() -> None:
-    args = build_parser().parse_args(["bench", "--target", "t", "--random-input-len", "7", "--random-output-len", "9",
+    args = build_parser().parse_args(["bench", "--target", "t:1", "--random-input-len", "7", "--random-output-len", "9",
                                       "--random-range-ratio", "0.25", "--disable-tqdm", "--num-prompts", "3",
                                       "--request-id-prefix", "x-"])
     assert (args.input_len, args.output_len, args.range_ratio, args.no_progress, args.num_prompts,

@@ -62,7 +62,7 @@ BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
     ("max_logprobs", lambda: EngineConfig(max_logprobs=-1), r"EngineConfig\.max_logprobs .*>= 0, got -1"),
     ("seed_negative", lambda: EngineConfig(seed=-1), r"EngineConfig\.seed .* in \[0, 18446744073709551615\], got -1"),
     ("seed_too_big", lambda: EngineConfig(seed=1 << 64), r"EngineConfig\.seed must be an integer in \[0, "),
-    ("num_threads", lambda: EngineConfig(num_threads=0), r"EngineConfig\.num_threads .*>= 1 or None, got 0"),
+    ("num_threads", lambda: EngineConfig(num_threads=0), r"EngineConfig\.num_threads .*\[1, 4096\] or None, got 0"),
     ("per_request", lambda: EngineConfig(max_sequences_per_request=0), r"max_sequences_per_request .*>= 1"),
     ("model", lambda: EngineConfig(model=""), r"EngineConfig\.model must be a non-empty string"),
     ("served_name", lambda: EngineConfig(served_model_name=""), r"served_model_name must be a non-empty string or"),

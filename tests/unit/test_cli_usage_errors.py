@@ -1,0 +1,80 @@
+"""Command-line mistakes found by a review of the CLI (2026-12-06): each is a one-line error
+naming the flag, exit 2, no traceback, before anything loads or connects."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from refengine.args_config import engine_config_from_args
+from refengine.cli import build_parser
+from refengine.server.app import options_from_args
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "refengine.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        yield taken.getsockname()[1]
+
+
+@pytest.mark.parametrize("flag", ["--port", "--control-port"])
+def test_a_port_in_use_is_a_usage_error(busy_port: int, flag: str) -> None:
+    ports = ["--port", str(busy_port)] if flag == "--port" else ["--port", "0", "--control-port", str(busy_port)]
+    result = cli("serve", "--host", "127.0.0.1", *ports)
+    assert "Traceback" not in result.stderr, result.stderr[-600:]
+    assert result.returncode == 2 and f"{flag} {busy_port}: cannot listen" in result.stderr, result.stderr[-600:]
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["--stream-buffer", "0"], "--stream-buffer"),
+    (["--shutdown-grace-seconds", "0"], "--shutdown-grace-seconds"),
+    (["--stall-timeout-seconds", "0"], "--stall-timeout-seconds"),
+    (["--health-probe-timeout-seconds", "0"], "--health-probe-timeout-seconds"),
+    (["--max-send-message-mib", "0"], "--max-send-message-mib"),
+    (["--max-receive-message-mib", "4096"], "--max-receive-message-mib"),  # beyond gRPC's C int of bytes
+])
+def test_server_option_errors_name_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        options_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["--media-max-mib", "1e308"], "--media-max-mib"),  # finite, but its bytes overflow
+    (["--guided-cache-mib", "1e308"], "--guided-cache-mib"),
+    (["--served-model-alias", ""], "--served-model-alias"),
+    (["--device", "gpu"], "--device"),
+    (["--num-threads", "99999999999"], "--num-threads"),
+])
+def test_engine_option_errors_name_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        engine_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--target", "", "--num-prompts", "1", "--no-progress"],
+    ["bench", "--target", "localhost", "--num-prompts", "1", "--no-progress"],
+    ["bench", "--target", "127.0.0.1:1", "--temperature", "nan", "--no-progress"],
+    ["generate", "hi", "--remote", ""],
+    ["conformance", "--target", "127.0.0.1"],
+    ["conformance", "--target", "127.0.0.1:1", "--prefill", "127.0.0.1:2"],  # half a pair
+    ["conformance", "--target", "127.0.0.1:1", "--eviction-budget-tokens", "-5"],
+    ["conformance", "--target", "127.0.0.1:1", "--slow-reader-seconds", "nan"],
+])
+def test_client_command_mistakes_exit_2_at_once(argv: list[str]) -> None:
+    result = cli(*argv, timeout=30)
+    assert "Traceback" not in result.stderr, result.stderr[-600:]
+    assert result.returncode == 2, (result.returncode, result.stderr[-600:])
