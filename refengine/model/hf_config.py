@@ -73,7 +73,8 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
     llama3's ``original_max_position_embeddings`` follows transformers' precedence: a
     top-level one wins, then the one inside, else ``max_position_embeddings``.
     """
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    # transformers: ``rope_parameters = rope_scaling or rope_parameters`` (convert_rope_params_to_dict)
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type == "default":
@@ -126,10 +127,19 @@ def _parse_model_config(hf_dir: Path) -> ModelConfig:
         model_type = text_config.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2"):
             raise UnsupportedModelError(f"{hf_dir}: a {model_type!r} language model is not supported")
+        # LlavaConfig.__post_init__: tied when the outer config or the text config says so
+        tied = bool(config.get("tie_word_embeddings")) or bool(text_config.get("tie_word_embeddings"))
+        quantization = config.get("quantization_config")
         config = {**_transformers_defaults(model_type), "eos_token_id": config.get("eos_token_id"),
-                  "tie_word_embeddings": config.get("tie_word_embeddings", False), **text_config}
+                  **text_config, "tie_word_embeddings": tied}
+        if quantization:
+            config["quantization_config"] = quantization
     else:
         config = {**_transformers_defaults(model_type), **config}
+    if quantization := config.get("quantization_config"):
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise UnsupportedModelError(f"{hf_dir}: quantized checkpoints (quantization_config {method!r}) are not "
+                                    "supported; serve the unquantized weights")
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{hf_dir}: activation {config['hidden_act']!r} is not supported")
     if model_type != "qwen2" and (config.get("attention_bias") or config.get("mlp_bias")):

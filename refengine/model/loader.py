@@ -117,10 +117,10 @@ def weight_files(hf_dir: Path) -> list[Path]:
     else every ``*.safetensors`` except Mistral's duplicate ``consolidated*`` format."""
     refuse_pickle_only(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(_index_weight_map(index).values()))
-    elif (hf_dir / "model.safetensors").is_file():
+    if (hf_dir / "model.safetensors").is_file():  # transformers looks for it before the index
         names = ["model.safetensors"]
+    elif index.is_file():
+        names = sorted(set(_index_weight_map(index).values()))
     else:
         names = sorted(p.name for p in hf_dir.glob("*.safetensors") if not p.name.startswith("consolidated"))
     if not names:
@@ -161,7 +161,7 @@ def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32,
         except (OSError, SafetensorError) as exc:  # missing shard, truncated or garbage file
             raise UnsupportedModelError(f"{path}: cannot read the weights: {exc}") from exc
     index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
+    if index.is_file() and not (hf_dir / "model.safetensors").is_file():
         expected = {_llava_name(n) if llava else n for n in _index_weight_map(index)
                     if not n.endswith("rotary_emb.inv_freq")}
         expected = {n for n in expected if prefixes is None or n.startswith(prefixes)}
@@ -187,12 +187,19 @@ def _read_weight_file(path: Path, llava: bool, prefixes: tuple[str, ...] | None,
                 continue
             if name in weights:
                 raise UnsupportedModelError(f"{path.parent}: tensor {name} appears in two weight files")
-            weights[name] = f.get_tensor(stored).to(dtype)
+            tensor = f.get_tensor(stored)
+            if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16) and not name.endswith("position_ids"):
+                raise UnsupportedModelError(f"{path}: tensor {stored} is {tensor.dtype}; only float32/float16/bfloat16 "
+                                            "weights are supported (quantized checkpoints are not)")
+            weights[name] = tensor.to(dtype)
 
 
 def _drop_tied_head(weights: dict[str, torch.Tensor], tied: bool, hf_dir: Path) -> None:
     """Keep ``lm_head.weight`` only where the model has its own head (see load_weights)."""
     head, embeddings = weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")
+    if tied and embeddings is None and head is not None:  # only the head stored: transformers ties to it
+        weights["model.embed_tokens.weight"] = weights.pop("lm_head.weight")
+        return
     if not tied:
         if head is None:
             raise UnsupportedModelError(f"{hf_dir}: no lm_head.weight and tie_word_embeddings is false")
