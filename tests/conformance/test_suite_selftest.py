@@ -19,6 +19,7 @@ from refengine.conformance.guides import CASES
 from refengine.conformance.json_prefix import json_prefix_problem
 from refengine.conformance.registry import PROFILE_PAGES, profile_rules_in, rule_key, rule_section
 from refengine.conformance.release import RELEASE_BSR_COMMIT, RELEASE_GIT_COMMIT, schema_release_problem
+from refengine.conformance.target import ConnectError
 from refengine.protocol import oe
 from refengine.protocol.v1alpha1 import media_pb2 as media
 from tests.conformance.fake_server import Faults, serve
@@ -289,8 +290,9 @@ def test_a_run_closes_every_channel_it_opens(toy_address: str, monkeypatch: pyte
     monkeypatch.setattr(grpc, "insecure_channel", tracked)
     other, other_address, other_engine = serve()
     try:
-        for encoder in (other_address, f"127.0.0.1:{free_port()}"):
-            run(toy_address, ["ENC1", "ENC4"], Options(encoder_address=encoder, rpc_timeout_s=2.0))
+        run(toy_address, ["ENC1", "ENC4"], Options(encoder_address=other_address, rpc_timeout_s=2.0))
+        with pytest.raises(ConnectError, match="--encoder"):  # unreachable: refused before any check
+            run(toy_address, ["ENC1", "ENC4"], Options(encoder_address=f"127.0.0.1:{free_port()}", rpc_timeout_s=2.0))
     finally:
         other.stop(0)
         other_engine.running = False
@@ -298,10 +300,10 @@ def test_a_run_closes_every_channel_it_opens(toy_address: str, monkeypatch: pyte
     assert sorted(closed) == sorted(opened)
 
 
-def test_enc_checks_fail_when_the_encoder_is_unreachable(toy_address: str) -> None:
+def test_an_unreachable_encoder_is_a_connect_error_before_any_check(toy_address: str) -> None:
     options = Options(encoder_address=f"127.0.0.1:{free_port()}", rpc_timeout_s=0.5)
-    results = run(toy_address, ["ENC1", "ENC4"], options)
-    assert results and all(r.status is Status.FAIL and "cannot connect" in r.message for r in results), results
+    with pytest.raises(ConnectError, match="--encoder: cannot connect"):
+        run(toy_address, ["ENC1", "ENC4"], options)
 
 
 def test_cli_encoder_flag(toy_address: str) -> None:
