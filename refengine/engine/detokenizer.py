@@ -41,7 +41,7 @@ def decode(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
 class _TokenizerInfo:
     """Facts about one tokenizer, computed once and shared by all requests."""
 
-    byte_token_ids: frozenset[int]  # ids of ``<0xNN>`` byte-fallback tokens
+    byte_values: dict[int, int]  # id of each ``<0xNN>`` byte-fallback token -> its byte NN
     context_ids: tuple[int, ...]  # a neutral left context for ``token_text`` ("a"), or ()
     context_text: str
     token_texts: dict[int, str] = field(default_factory=dict)
@@ -53,17 +53,17 @@ _INFO: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, _TokenizerInfo] = weak
 def _info(tokenizer: PreTrainedTokenizerBase) -> _TokenizerInfo:
     info = _INFO.get(tokenizer)
     if info is None:
-        byte_ids = set()
+        byte_values = {}
         for byte in range(256):
             name = f"<0x{byte:02X}>"
             token_id = tokenizer.convert_tokens_to_ids(name)
             if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == name:
-                byte_ids.add(token_id)
+                byte_values[token_id] = byte
         context_ids = tuple(tokenizer.encode("a", add_special_tokens=False))
         context_text = decode(tokenizer, context_ids)
         if context_text != "a":  # an odd tokenizer: do without context rather than guess
             context_ids, context_text = (), ""
-        info = _TokenizerInfo(frozenset(byte_ids), context_ids, context_text)
+        info = _TokenizerInfo(byte_values, context_ids, context_text)
         _INFO[tokenizer] = info
     return info
 
@@ -118,10 +118,10 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
-        self._byte_token_ids = _info(tokenizer).byte_token_ids
+        self._byte_values = _info(tokenizer).byte_values
         context = list(prompt_token_ids[-CONTEXT_TOKENS:])
         context_text = decode(tokenizer, context)
-        if context and (context[-1] in self._byte_token_ids or context_text.endswith(REPLACEMENT_CHAR)):
+        if context and (context[-1] in self._byte_values or context_text.endswith(REPLACEMENT_CHAR)):
             # unstable boundary: a neutral left context ("a") instead, so that a SentencePiece
             # first token keeps its leading space, as after a stable prompt
             info = _info(tokenizer)
@@ -132,13 +132,19 @@ class IncrementalDetokenizer:
         #: Of the last delta, the characters that the tokens before the last one made (their
         #: text was held back and came with it): where a byte-fallback run's own text ends.
         self.num_chars_before_last = 0
+        #: Continuation bytes the held byte-fallback run still needs to end its UTF-8 character
+        #: (0: the last byte token ended one, so the held text may now read differently).
+        self._utf8_needed = 0
 
     def add_token(self, token_id: int) -> str:
         """Append one output token; return the text that became stable (maybe "")."""
         self._ids.append(token_id)
         self.num_chars_before_last = 0
-        if token_id in self._byte_token_ids:
+        byte = self._byte_values.get(token_id)
+        if byte is not None:
+            self._utf8_needed = _utf8_needed(byte, self._utf8_needed)
             return ""  # a byte-fallback run may still turn into replacement characters
+        self._utf8_needed = 0
         text = decode(self._tokenizer, self._ids)
         if (
             len(text) <= len(self._prefix_text)
@@ -171,6 +177,12 @@ class IncrementalDetokenizer:
         pieces of a character still being decoded): their text comes with a later token's."""
         return len(self._ids) > self._read_offset
 
+    @property
+    def ended_character(self) -> bool:
+        """Whether the held text ends at a whole UTF-8 character (the last token was not a
+        byte piece in the middle of one): only then can a held run newly complete a stop string."""
+        return self._utf8_needed == 0
+
     def peek(self) -> str:
         """What ``flush`` would return now, without changing anything."""
         if len(self._ids) == self._read_offset:
@@ -192,6 +204,7 @@ class NoTextDetokenizer:
     strings: no text is needed at all, so none is computed."""
 
     holds_text = False
+    ended_character = True
     num_chars_before_last = 0
 
     def add_token(self, token_id: int) -> str:
@@ -202,3 +215,17 @@ class NoTextDetokenizer:
 
     def flush(self) -> str:
         return ""
+
+
+def _utf8_needed(byte: int, needed: int) -> int:
+    """The continuation bytes still needed after ``byte``, ``needed`` before it (a stray or
+    invalid byte ends the character: the decoder makes it U+FFFD)."""
+    if 0x80 <= byte < 0xC0:
+        return max(needed - 1, 0)
+    if 0xC0 <= byte < 0xE0:
+        return 1
+    if 0xE0 <= byte < 0xF0:
+        return 2
+    if 0xF0 <= byte < 0xF8:
+        return 3
+    return 0

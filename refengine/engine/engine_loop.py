@@ -94,6 +94,7 @@ class EngineLoopMixin:
                 sinks = {**self._sinks, **self._new_sinks}
                 self._sinks, self._new_sinks, self._inbox = {}, {}, []
                 self._active_ids.clear()
+                self._probe_ids.clear()  # or a restarted engine counts them for good (found by review)
                 self._abort_ids.clear()
             fault = EngineFault("internal", f"{message}; the engine stopped", retryable=False)
             for request_id, sink in sinks.items():

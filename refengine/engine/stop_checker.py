@@ -171,6 +171,11 @@ class StopChecker:
         self._held = text[cut:]
         return text[:cut], None
 
+    @property
+    def has_strings(self) -> bool:
+        """Whether the output has stop strings to match (a held byte run is decoded early only then)."""
+        return self._automaton is not None
+
     def would_match(self, new_text: str) -> bool:
         """Whether feeding ``new_text`` would complete a stop string (no state changes)."""
         if self._matched or self._automaton is None:
@@ -219,8 +224,8 @@ def process_token(
     before = detokenizer.num_chars_before_last if keep_token else 0
     # A held byte run that already completes a stop string: stop now. Ending the output here
     # makes the run's text final, so the match is exact (no later byte can change it).
-    string_stop = (finish is None and keep_token and detokenizer.holds_text
-                   and stop.would_match(text + detokenizer.peek()))
+    string_stop = (finish is None and keep_token and stop.has_strings and detokenizer.holds_text
+                   and detokenizer.ended_character and stop.would_match(text + detokenizer.peek()))
     if (finish is not None or string_stop) and (flushed := detokenizer.flush()):
         text += flushed
         before = len(text)  # the run may reach into the flushed text: it ends with the output

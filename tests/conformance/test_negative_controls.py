@@ -135,6 +135,7 @@ CONTROLS = [
     Control("decode-leaks-on-finish", "K7", broken(decode_leaks_on_finish=True)),
     Control("gone-session-retryable", "K8", broken(gone_session_retryable=True)),
     Control("gone-session-refused-before-acceptance", "", broken(gone_session_refused=True)),
+    Control("gone-session-crashes", "K8", broken(gone_session_crashes=True)),
     Control("decode-omits-finish", "K9", broken(decode_omits_finish=True)),
     Control("decode-differs", "K10", broken(decode_differs=True)),
     Control("connector-not-static", "K11", broken(connector_changes=True)),

@@ -126,6 +126,7 @@ class Faults:
     session_abort_leaks_blocks: bool = False  # K7: Abort(kv_session) forgets the session, keeps its KV
     gone_session_retryable: bool = False  # K8: the EngineError for a released session says retryable = true
     gone_session_refused: bool = False  # not a fault (K8): a released session refused before acceptance
+    gone_session_crashes: bool = False  # K8: a released session fails the call with INTERNAL
     decode_omits_finish: bool = False  # K9: the DECODE stream ends without GenerationFinished
     decode_differs: bool = False  # K10: DECODE continues from the prompt minus its first token
     connector_changes: bool = False  # K11: kv_connector.supports_abort_cleanup flips at every GetServerInfo

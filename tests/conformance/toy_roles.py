@@ -143,6 +143,8 @@ class DecodeInference(Inference):
         if prompt is None:
             if f.gone_session_refused:  # not a fault: found missing while validating, before acceptance
                 context.abort(grpc.StatusCode.NOT_FOUND, "unknown session")
+            if f.gone_session_crashes:
+                context.abort(grpc.StatusCode.INTERNAL, "KeyError: session")
             yield oe.GenerateResponse(request_id=request.request_id, error=oe.EngineError(
                 code=oe.ERROR_CODE_KV_SESSION_NOT_FOUND, message=f"session {session.session_id} is gone",
                 retryable=f.gone_session_retryable))

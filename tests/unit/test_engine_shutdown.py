@@ -83,3 +83,4 @@ def test_health_probes_never_take_a_client_slot(tiny) -> None:  # noqa: F811
             engine.add_request(greedy("client-extra", prompt(20, 4), max_tokens=1))
     finally:
         engine.shutdown()
+

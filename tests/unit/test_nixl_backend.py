@@ -261,6 +261,37 @@ def test_a_source_no_pin_vouched_for_is_not_read_before_its_pin(source: Source, 
     assert [store.read([d]) for d in (0, 1)] == expected
 
 
+class FakeAgent:
+    """What of a nixl_agent ``_remote`` uses: metadata b"<name>|..." loads agent <name>."""
+
+    def __init__(self) -> None:
+        self.loaded: set[str] = set()
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        name = metadata.split(b"|")[0]
+        self.loaded.add(name.decode())
+        return name
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.loaded.remove(name)
+
+
+def test_loaded_agents_are_capped_and_those_in_use_kept() -> None:
+    """MAX_REMOTE_AGENTS (found by the diff review: the cap removed the metadata, not the agent,
+    so NIXL kept every agent); one still read from is never forgotten."""
+    from refengine.kv.transfer.nixl_backend import MAX_REMOTE_AGENTS
+    from refengine.kv.transfer.nixl_source import NixlSource
+
+    backend = NixlKvTransfer(None)
+    backend._agent = agent = FakeAgent()
+    for i in range(MAX_REMOTE_AGENTS + 3):
+        name = backend._remote(NixlSource(f"agent-{i}", f"agent-{i}|md".encode(), (), ()))
+        if i:  # agent-0's pull is still reading
+            backend._done_with(name)
+    assert len(agent.loaded) == MAX_REMOTE_AGENTS
+    assert "agent-0" in agent.loaded and not {"agent-1", "agent-2", "agent-3"} & agent.loaded
+
+
 def test_a_cancelled_pull_writes_nothing(source: Source, side: Any) -> None:
     backend, store, _ = side
     attributes, _ = source.offer("s-cancel", [1, 2])

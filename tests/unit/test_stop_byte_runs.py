@@ -54,3 +54,26 @@ def test_the_first_output_token_keeps_its_space_after_a_byte_token_prompt(ending
     detokenizer = IncrementalDetokenizer(TOKENIZER, prompt)
     text = "".join(detokenizer.add_token(token_id) for token_id in output) + detokenizer.flush()
     assert text == decode(TOKENIZER, prompt + output)[len(decode(TOKENIZER, prompt)):] == " the end"
+
+
+def test_byte_runs_are_decoded_early_only_for_stop_strings_and_whole_characters(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The early check decodes the held run (found by review: on every byte token, also without
+    stop strings, quadratic in the run's length): without stop strings never; with them once per
+    completed character, not per byte."""
+    from refengine.engine import detokenizer as detokenizer_module
+    from refengine.engine.stop_checker import StopChecker, process_token
+
+    byte_ids = _byte_ids("界😀" * 20)  # 40 characters in 140 bytes
+    real = detokenizer_module.decode
+    decoded: list[int] = []
+    for stop_strings, most in (((), 0), (("never",), 40)):
+        stopping = StoppingParams(max_tokens=1000, stop_strings=stop_strings)
+        stop = StopChecker(stopping, [2], stopping.max_tokens)
+        detokenizer = IncrementalDetokenizer(TOKENIZER, TOKENIZER.encode("the cat", add_special_tokens=False))
+        decoded.clear()
+        monkeypatch.setattr(detokenizer_module, "decode", lambda tok, ids: decoded.append(len(ids)) or real(tok, ids))
+        for count, token_id in enumerate(byte_ids, 1):
+            process_token(stop, detokenizer, token_id, count)
+        monkeypatch.setattr(detokenizer_module, "decode", real)
+        assert len(decoded) == most, (stop_strings, len(decoded))

@@ -110,6 +110,7 @@ class NixlKvTransfer(KvTransferBackend):
         self._metadata_b64 = ""
         self._remotes: dict[str, bytes] = {}  # remote agent name -> the metadata loaded for it
         self._vouched: OrderedDict[str, None] = OrderedDict()  # source identities a pin confirmed
+        self._reading: dict[str, int] = {}  # remote agent name -> pulls using it now (never forgotten then)
         self._lock = threading.Condition()  # guards _remotes, _vouched and _active
         self._active = 0  # pulls running: close waits for them
         self._closed = threading.Event()
@@ -218,25 +219,30 @@ class NixlKvTransfer(KvTransferBackend):
         pin_first = pin_outcome is not None and bool(content) and read_from not in self._vouched
         peer = None
         try:
-            if pin_first:
-                pin_outcome()
-            peer = self._remote(source)
-            if order.dest_block_ids:
-                self._read(order, source, peer, cancelled, deadline)
-            read = time.perf_counter()
-            if pin_outcome is not None and not pin_first:
-                pin_outcome()
-        except TransferFailure as failure:  # an agent never loaded is not dialled to end the pin: its window ends it
-            if peer is not None and pin_outcome is not None and _pin_held(pin_outcome, failure):
-                self._unpin(peer, order.session.session_id)
-            raise
-        if content:
-            with self._lock:
-                self._vouched[read_from] = None
-                self._vouched.move_to_end(read_from)
-                while len(self._vouched) > MAX_REMOTE_AGENTS:
-                    self._vouched.popitem(last=False)
-        nixl_call("send the release", self._agent.send_notif, peer, RELEASE_PREFIX + order.session.session_id.encode())
+            try:
+                if pin_first:
+                    pin_outcome()
+                peer = self._remote(source)
+                if order.dest_block_ids:
+                    self._read(order, source, peer, cancelled, deadline)
+                read = time.perf_counter()
+                if pin_outcome is not None and not pin_first:
+                    pin_outcome()
+            except TransferFailure as failure:
+                # A held pin of an agent never loaded (its first pin said the source holds other
+                # content) is not ended here: that would dial the agent the pin just disowned. Only a
+                # source ignoring PinRequest.expected_content pins then (refengine's refuses, making
+                # no pin); its pin window ends it.
+                if peer is not None and pin_outcome is not None and _pin_held(pin_outcome, failure):
+                    self._unpin(peer, order.session.session_id)
+                raise
+            if content:
+                self._vouch(read_from)
+            nixl_call("send the release", self._agent.send_notif, peer,
+                      RELEASE_PREFIX + order.session.session_id.encode())
+        finally:
+            if peer is not None:  # another pull may forget the agent now
+                self._done_with(peer)
         logger.debug("NIXL pull of %d blocks: READ %.2f ms, then pin %.2f ms", len(order.dest_block_ids),
                      (read - started) * 1e3, (time.perf_counter() - read) * 1e3)
 
@@ -274,9 +280,26 @@ class NixlKvTransfer(KvTransferBackend):
                         self._forget(loaded)
                     raise fail(f"the NIXL metadata is agent {loaded!r}'s, not {source.agent_name!r}'s")
                 self._remotes[loaded] = source.metadata
-                while len(self._remotes) > MAX_REMOTE_AGENTS:  # the least recently loaded goes
-                    self._forget(self._remotes.pop(next(iter(self._remotes))))
+                idle = [name for name in self._remotes if name != loaded and not self._reading.get(name)]
+                for name in idle[:max(0, len(self._remotes) - MAX_REMOTE_AGENTS)]:  # least recently loaded first
+                    del self._remotes[name]
+                    self._forget(name)
+            self._reading[source.agent_name] = self._reading.get(source.agent_name, 0) + 1
         return source.agent_name
+
+    def _vouch(self, read_from: str) -> None:
+        """A pin confirmed this source: its later pulls READ while their pins are in flight."""
+        with self._lock:
+            self._vouched[read_from] = None
+            self._vouched.move_to_end(read_from)
+            while len(self._vouched) > MAX_REMOTE_AGENTS:
+                self._vouched.popitem(last=False)
+
+    def _done_with(self, name: str) -> None:
+        with self._lock:
+            self._reading[name] -= 1
+            if not self._reading[name]:
+                del self._reading[name]
 
     def _forget(self, name: str) -> None:
         try:
