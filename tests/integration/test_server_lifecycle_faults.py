@@ -47,14 +47,27 @@ def test_a_probe_whose_caller_left_is_aborted_and_never_takes_a_client_slot(tmp_
             time.sleep(0.3)
             queued = client.load().queued_requests
             probe = client.health(include_inference_probe=False)
-            events = list(client.generate(request_id="client-3", prompt="Hi", max_tokens=1, timeout=60))
+            outcome: list[object] = []
+
+            def third() -> None:  # accepted, it waits for a running slot: seen queued, then the longs end
+                try:
+                    outcome.extend(client.generate(request_id="client-3", prompt="Hi", max_tokens=1, timeout=60))
+                except grpc.RpcError as exc:
+                    outcome.append(exc)
+
+            waiting = threading.Thread(target=third)
+            waiting.start()
+            deadline = time.monotonic() + 10
+            while not outcome and client.load().queued_requests < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
             for i in range(2):
                 client.abort(f"long-{i}")
-            for thread in threads:
+            for thread in (*threads, waiting):
                 thread.join(60)
         assert queued == 0, f"{queued} abandoned health probes still queued"
         assert probe.state == oe.HEALTH_STATE_READY
-        assert events[-1].WhichOneof("event") == "finished", events[-1]
+        assert outcome and not isinstance(outcome[0], grpc.RpcError), outcome[:1]
+        assert outcome[-1].WhichOneof("event") == "finished", outcome[-1]
     finally:
         server.stop()
 
