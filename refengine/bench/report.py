@@ -8,7 +8,8 @@ JSON keys (``refengine bench --json``), all at the top level:
 - ``duration``: s from the first send to the end of the last stream
 - ``input_tokens``, ``output_tokens`` (and vllm's aliases ``total_input_tokens``,
   ``total_output_tokens``): sums over completed requests of ``Usage.prompt_tokens`` and
-  ``Usage.completion_tokens`` (the tokens counted in the stream where Usage is missing)
+  ``Usage.completion_tokens`` (where Usage is missing: the token ids sent, and the tokens
+  counted in the stream)
 - ``request_throughput`` (req/s), ``output_throughput`` and ``total_token_throughput``
   (tok/s, input + output): over ``duration``
 - ``mean_X_ms``, ``median_X_ms``, ``p90_X_ms``, ``p99_X_ms`` for X in ``ttft`` (send to the
@@ -63,7 +64,7 @@ def summarize(result: RunResult, meta: dict[str, Any]) -> dict[str, Any]:
     max_concurrency, request_rate (put first)."""
     done = [r for r in result.records if r.error is None]
     duration = result.duration
-    input_tokens = sum(r.prompt_tokens or 0 for r in done)
+    input_tokens = sum(r.sent_prompt_tokens or 0 if r.prompt_tokens is None else r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
     rate = meta.get("request_rate")
     summary: dict[str, Any] = {**meta, "request_rate": "inf" if rate == math.inf else rate,

@@ -41,6 +41,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     counted_tokens: int = 0  # tokens of the TokenOutput deltas
     prompt_tokens: int | None = None  # from the last Usage seen
+    sent_prompt_tokens: int | None = None  # the token ids sent (None for a text prompt): input where Usage is missing
     completion_tokens: int | None = None
     finished: bool = False
     error: str | None = None  # the failure kind; None = completed
@@ -179,7 +180,8 @@ def run(requests: Sequence[BenchRequest], arrivals: Sequence[float], send: Sende
     ``max_concurrency`` workers is free; None = one worker per request), wait for all.
     On KeyboardInterrupt the queued requests are dropped, ``cancel`` ends the streams in
     flight (``GrpcSender.cancel``) and the interrupt propagates."""
-    records = [RequestRecord(r.index) for r in requests]
+    records = [RequestRecord(r.index, sent_prompt_tokens=len(r.token_ids) if r.token_ids is not None else None)
+               for r in requests]
     workers = max(1, min(max_concurrency or len(requests), len(requests)))
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench")
     start = clock()

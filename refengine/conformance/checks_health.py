@@ -253,17 +253,26 @@ def _load_problems(load: Any, what: str) -> list[str]:
 def _rank_rows_idle(t: Target, before: Any, what: str) -> None:
     """H4: once idle, every per-rank row is idle too: no running or queued request, no more KV than
     its row held before the work (found by review: only the top-level counts were asked to come
-    back, so rows counting every request ever admitted passed)."""
-    rows = t.load(per_rank=True).ranks
+    back, so rows counting every request ever admitted passed). Rows refreshed later than the
+    top-level counts are polled until the idle timeout."""
     held = {row.data_parallel_rank: row.used_kv_blocks for row in before.ranks if row.HasField("used_kv_blocks")}
+    deadline = time.monotonic() + t.options.idle_timeout_s
+    while (problems := _busy_rows(t.load(per_rank=True).ranks, held)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    expect(not problems, f"{what}: " + "; ".join(problems))
+
+
+def _busy_rows(rows: Any, held: dict[int, int]) -> list[str]:
+    problems = []
     for row in rows:
         rank = row.data_parallel_rank
         busy = [f"{name} {getattr(row, name)}" for name in ("running_requests", "queued_requests")
                 if row.HasField(name) and getattr(row, name)]
-        expect(not busy, f"{what}: rank {rank}'s row still says {', '.join(busy)}")
-        if row.HasField("used_kv_blocks") and rank in held:
-            expect(row.used_kv_blocks <= held[rank],
-                   f"{what}: rank {rank}'s row holds {row.used_kv_blocks} KV blocks, {held[rank]} before the work")
+        if busy:
+            problems.append(f"rank {rank}'s row still says {', '.join(busy)}")
+        if row.HasField("used_kv_blocks") and rank in held and row.used_kv_blocks > held[rank]:
+            problems.append(f"rank {rank}'s row holds {row.used_kv_blocks} KV blocks, {held[rank]} before the work")
+    return problems
 
 
 @check("H4", "GetLoad scalars use presence: absent = unavailable; every present value is a real measurement")

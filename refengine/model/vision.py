@@ -56,7 +56,11 @@ def load_vision_config(hf_dir: Path) -> VisionConfig | None:
     act = config.get("projector_hidden_act", "gelu")
     if act not in ACTIVATIONS:
         raise ValueError(f"{hf_dir}: projector_hidden_act {act!r} is not supported")
-    patches = (tower["image_size"] // tower["patch_size"]) ** 2
+    size, patch = tower.get("image_size"), tower.get("patch_size")
+    if not (isinstance(size, int) and isinstance(patch, int) and 0 < patch <= size):  # a KeyError before
+        raise UnsupportedModelError(f"{hf_dir}: vision_config needs integer image_size and patch_size "
+                                    f"(patch_size at most image_size), got {size!r} and {patch!r}")
+    patches = (size // patch) ** 2
     has_cls = tower.get("model_type", "clip_vision_model") == "clip_vision_model"
     return VisionConfig(
         image_token_id=config.get("image_token_index", config.get("image_token_id")),

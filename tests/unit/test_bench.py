@@ -292,6 +292,20 @@ def test_percentiles_and_latencies_on_known_inputs() -> None:
     assert "Mean TTFT (ms):" in report.format_table({**summary, "target": "t", "model": "m"})
 
 
+def test_input_tokens_without_usage_are_the_token_ids_sent() -> None:
+    """A server sending no Usage (found by review: its prompts counted 0 input tokens, so
+    total_token_throughput came out too low)."""
+    record = runner.RequestRecord(0, sent=0.0, sent_prompt_tokens=16)
+    record.tokens(1, 0.1)
+    record.tokens(1, 0.2)
+    record.finished = True
+    record.close(0.3)
+    summary = report.summarize(runner.RunResult([record], 1.0), {"request_rate": math.inf})
+    assert summary["errors"] == {"usage_missing": 1}
+    assert (summary["input_tokens"], summary["output_tokens"]) == (16, 2)
+    assert summary["total_token_throughput"] == 18
+
+
 def test_the_progress_bar() -> None:
     stream = io.StringIO()
     bar = Progress(4, stream, width=8)

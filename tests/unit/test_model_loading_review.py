@@ -105,3 +105,12 @@ def test_model_safetensors_is_preferred_over_an_index_as_in_transformers(tmp_pat
     (d / "model.safetensors").write_bytes((new_dir / "model.safetensors").read_bytes())
     want = transformers.AutoModelForCausalLM.from_pretrained(d).model.norm.weight
     assert torch.equal(load_weights(d)["model.norm.weight"], want)
+
+
+@pytest.mark.parametrize("vision_config", [{"patch_size": 14}, {"image_size": 56}, {"image_size": 56, "patch_size": 0}])
+def test_a_vision_config_without_its_sizes_is_refused_naming_them(tmp_path: Path, vision_config: dict) -> None:
+    from refengine.model.vision import load_vision_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": vision_config}))
+    with pytest.raises(UnsupportedModelError, match="image_size and patch_size"):
+        load_vision_config(tmp_path)
