@@ -39,17 +39,17 @@ def until(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
     return True
 
 
-def _default_sigint() -> None:
-    """A process started in the background by a non-interactive shell (as CI may run the suite)
-    inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the child
-    gets SIGINT's default back, as a terminal's foreground job has it."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+#: Runs the CLI with Ctrl-C raising KeyboardInterrupt. A process started in the background by a
+#: non-interactive shell (as CI may run the suite) inherits SIGINT ignored, and Python then installs
+#: no handler; set here, after exec (a preexec_fn ran between fork and exec in this threaded
+#: process, where gRPC's fork handlers once aborted the child: epoll_wait EBADF, SIGABRT).
+LAUNCH = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+          "from refengine.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 def refengine(*args: str, stdout: int = subprocess.PIPE) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "refengine.cli", *args], cwd=REPO, stdout=stdout,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            preexec_fn=_default_sigint)
+    return subprocess.Popen([sys.executable, "-c", LAUNCH, *args], cwd=REPO, stdout=stdout,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def interrupted(toy: Toy, streams: int, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
