@@ -78,7 +78,7 @@ class ServerOptions:
         for name in ("port", "control_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:  # gRPC would bind port % 65536 (another server's)
-                raise ValueError(f"--{name.replace('_', '-')} must be in 0..65535 (0: a free port), got {port}")
+                raise ValueError(f"{_flag(name)} must be in 0..65535 (0: a free port), got {port}")
         if self.port and self.control_port == self.port and (self.control_host or self.host) == self.host:
             raise ValueError(f"--control-port {self.control_port} is --port: give Control its own port, or leave "
                              "--control-port out to serve it on --port")
