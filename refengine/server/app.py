@@ -133,7 +133,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         if options.kv_events_zmq and (not engine_config.kv_events.enabled or engine_config.role == "encoder"):
             raise ValueError("--kv-events-zmq needs KV events: drop --no-kv-events (an encoder server has none)")
         if options.kv_events_zmq:
-            from refengine.server.kv_events_zmq import check_bindable  # pyzmq only when asked for
+            from refengine.server.kv_events_zmq_wire import check_bindable  # pyzmq only when asked for
 
             check_bindable(options.kv_events_zmq, "--kv-events-zmq")
             if options.kv_events_zmq_replay:

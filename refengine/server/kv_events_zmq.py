@@ -3,39 +3,10 @@
 The publisher follows one live engine subscription (``subscribe_kv_events``) and sends
 each engine ``KvEventBatch`` that has events as one message; it never slows the step loop.
 
-Wire format (what a vLLM consumer reads unchanged): the layout of vLLM's current msgspec
-types in ``vllm/distributed/kv_events.py`` -- ``EventBatch`` ``array_like`` (an array),
-``KVCacheEvent`` a map tagged by ``"type"``. Older vLLM releases made the events
-``array_like`` too; decoders written for those read neither this nor current vLLM's output.
-
-- PUB socket, one multipart message per batch: ``[topic, seq, payload]``. ``topic`` is the
-  UTF-8 topic (empty by default), ``seq`` an 8-byte big-endian unsigned integer counted by
-  this publisher from 0 without gaps, ``payload`` msgpack.
-- payload: the array ``[ts, events, data_parallel_rank]`` (``ts``: float seconds since the
-  epoch, the engine batch's timestamp; rank 0).
-- each event a map tagged by ``"type"`` (msgspec ``tag=True``, ``omit_defaults=True``):
-  ``{"type": "BlockStored", "block_hashes": [h], "parent_block_hash": p | None,
-  "token_ids": [...], "block_size": n, "lora_id": id, "medium": m, "lora_name": name}`` (the
-  adapter its KV was computed under, None for the base model), plus ``"cache_salt"`` when
-  the block's request had one; ``{"type": "BlockRemoved",
-  "block_hashes": [h], "medium": m}``; ``{"type": "AllBlocksCleared"}``. Fields vLLM gives
-  defaults (``extra_keys``, ``group_idx``, ``kv_cache_spec_*``) are left out. One block per
-  ``BlockStored``, always a full block of the engine's block size.
-- block hashes are unsigned 64-bit integers: ``block_hash_u64`` of the engine's 32-byte
-  sha256 block key (``refengine/kv/keys.py``), never bytes.
-- replay (optional ROUTER socket): a request ``[b"", start]`` (from a DEALER; the ROUTER
-  sees ``[identity, b"", start]``, ``start`` 8 bytes big-endian) is answered with
-  ``[b"", seq, payload]`` for every retained message with ``seq >= start``, oldest first,
-  then the end marker ``[b"", (-1) as 8 signed big-endian bytes, b""]``. The newest
-  ``buffer_steps`` messages are retained. As vLLM does, a shorter ``start`` (1-7 bytes) is
-  read big-endian too; an empty or longer one replays nothing, but still gets the end
-  marker (a choice: vLLM reads any length), so no consumer waits for an answer that never comes.
+The wire format, and which endpoints the sockets bind, are in ``kv_events_zmq_wire``.
 
 Choices of this publisher:
 
-- both sockets always bind (vLLM connects when the host is not a wildcard): the endpoint's
-  host must be a wildcard (``*``, ``0.0.0.0``, ``::``) or an address of this machine, and
-  routers connect to what ``describe`` reports. Port ``0`` or ``*`` binds a free port.
 - the engine cuts off a subscriber that falls ``--kv-events-subscriber-buffer`` batches
   behind. Should that happen, the publisher logs it, sends what it had, resubscribes with a
   snapshot and publishes one message ``[AllBlocksCleared, BlockStored for every cached
@@ -51,109 +22,27 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterable
-from typing import Any
 
-import msgpack
 import zmq
 
 from refengine.engine.interface import EngineClient
 from refengine.engine.kv_events import KvEventSubscription
-from refengine.kv.keys import block_hash_u64
-from refengine.server.options import is_wildcard_host
-from refengine.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
+from refengine.server.kv_events_zmq_wire import (
+    DATA_PARALLEL_RANK,
+    END_OF_REPLAY,
+    advertised_host,
+    bind_endpoint,
+    encode_batch,
+    split_tcp,
+    tcp_endpoint,
+)
+from refengine.types import AllBlocksCleared, BlockStored, KvEvent, KvEventBatch
 
 logger = logging.getLogger(__name__)
 
-END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-SALT_PREFIX = "salt:"
 POLL_SECONDS = 0.005  # the longest a batch waits while the thread polls the replay socket
 CLOSE_LINGER_MS = 1000  # what close() gives queued messages; within its 5 s join
 RESUBSCRIBE_BACKOFF_SECONDS = 0.5
-DATA_PARALLEL_RANK = 0
-
-
-# -- encoding ------------------------------------------------------------------
-def _cache_salt(extra_keys: tuple[str, ...]) -> str | None:
-    for key in extra_keys[1:]:  # the model fingerprint comes first
-        if key.startswith(SALT_PREFIX):
-            return key[len(SALT_PREFIX):]
-    return None
-
-
-def encode_event(event: KvEvent, medium: str | None) -> dict[str, Any]:
-    """One engine event as vLLM's tagged map."""
-    if isinstance(event, BlockStored):
-        stored: dict[str, Any] = {
-            "type": "BlockStored",
-            "block_hashes": [block_hash_u64(event.block_hash)],
-            "parent_block_hash": None if event.parent_hash is None else block_hash_u64(event.parent_hash),
-            "token_ids": list(event.token_ids),
-            "block_size": event.block_size,
-            "lora_id": None if event.lora is None else event.lora.lora_id,
-            "medium": medium,
-            "lora_name": None if event.lora is None else event.lora.lora_name,
-        }
-        salt = _cache_salt(event.extra_keys)
-        if salt is not None:
-            stored["cache_salt"] = salt
-        return stored
-    if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": [block_hash_u64(event.block_hash)], "medium": medium}
-    if isinstance(event, AllBlocksCleared):
-        return {"type": "AllBlocksCleared"}
-    raise TypeError(f"not a KV event: {event!r}")
-
-
-def encode_batch(timestamp_unix_nanos: int, events: Iterable[KvEvent], medium: str | None,
-                 data_parallel_rank: int = DATA_PARALLEL_RANK) -> bytes:
-    """The msgpack payload ``[ts, events, data_parallel_rank]``."""
-    return msgpack.packb([timestamp_unix_nanos / 1e9, [encode_event(e, medium) for e in events],
-                          data_parallel_rank], use_bin_type=True)
-
-
-# -- endpoints -----------------------------------------------------------------
-def _split_tcp(endpoint: str) -> tuple[str, str]:
-    """``tcp://HOST:PORT`` → (host without brackets, port text)."""
-    if not endpoint.startswith("tcp://"):
-        raise ValueError(f"KV event endpoint must be tcp://HOST:PORT, got {endpoint!r}")
-    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
-    if not sep or not (port == "*" or port.isdigit()):
-        raise ValueError(f"KV event endpoint must be tcp://HOST:PORT, got {endpoint!r}")
-    return host.removeprefix("[").removesuffix("]"), port
-
-
-def _tcp(host: str, port: int | str) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def check_bindable(endpoint: str, flag: str) -> None:
-    """``ValueError`` naming ``flag`` when ``endpoint`` cannot be bound now (address in use, not
-    this host's): checked before the model loads, so a busy port fails in seconds, not after a
-    long load with a traceback (found by review)."""
-    socket = zmq.Context.instance().socket(zmq.PUB)
-    try:
-        _bind(socket, endpoint)
-    except zmq.ZMQError as exc:
-        raise ValueError(f"{flag} {endpoint}: {exc}") from None
-    finally:
-        socket.close(linger=0)
-
-
-def _bind(socket: zmq.Socket, endpoint: str) -> tuple[str, int]:
-    """Bind ``endpoint`` (port 0 or * = a free port); returns (host as given, bound port)."""
-    host, port = _split_tcp(endpoint)
-    if ":" in host:
-        socket.setsockopt(zmq.IPV6, 1)
-    # "*" with IPV6 on: every IPv4 and IPv6 address, for any spelling of "::" (or no host)
-    address = "*" if host == "" or (":" in host and is_wildcard_host(host)) else host
-    socket.bind(_tcp(address, "*" if port in ("0", "*") else port))
-    bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-    return host, int(bound.rpartition(":")[2])
-
-
-def _advertised(host: str, advertise_host: str) -> str:
-    return advertise_host if is_wildcard_host(host) else host
 
 
 # -- the publisher ---------------------------------------------------------------
@@ -164,9 +53,9 @@ class ZmqKvEventPublisher:
                  buffer_steps: int = 10_000, hwm: int = 100_000, medium: str | None = None) -> None:
         if buffer_steps < 1 or hwm < 0:
             raise ValueError(f"buffer_steps must be >= 1 and hwm >= 0, got {buffer_steps} and {hwm}")
-        _split_tcp(endpoint)
+        split_tcp(endpoint)
         if replay_endpoint is not None:
-            _split_tcp(replay_endpoint)
+            split_tcp(replay_endpoint)
         self.engine = engine
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -203,13 +92,13 @@ class ZmqKvEventPublisher:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, self.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
-            self._pub_addr = _bind(self._pub, self.endpoint)
+            self._pub_addr = bind_endpoint(self._pub, self.endpoint)
             if self.replay_endpoint is not None:
                 self._router = self._ctx.socket(zmq.ROUTER)
                 # A full replay is buffer_steps + 1 messages: never drop part of one.
                 self._router.setsockopt(zmq.SNDHWM, max(self.hwm, 2 * (self.buffer_steps + 1)))
                 self._router.setsockopt(zmq.LINGER, 0)
-                self._replay_addr = _bind(self._router, self.replay_endpoint)
+                self._replay_addr = bind_endpoint(self._router, self.replay_endpoint)
             self._sub = self.engine.subscribe_kv_events(self._ready.set)
         except BaseException:
             self._close_sockets()
@@ -252,12 +141,12 @@ class ZmqKvEventPublisher:
         host, port = self._pub_addr
         replay = ""
         if self._replay_addr is not None:
-            replay = _tcp(_advertised(self._replay_addr[0], advertise_host), self._replay_addr[1])
+            replay = tcp_endpoint(advertised_host(self._replay_addr[0], advertise_host), self._replay_addr[1])
         config = getattr(self.engine, "config", None)
         queue = config.kv_events.subscriber_buffer if config is not None else 0
         return {
             "transport": "zmq",
-            "host": _advertised(host, advertise_host),
+            "host": advertised_host(host, advertise_host),
             "port": port,
             "topic": self.topic,
             "replay_endpoint": replay,

@@ -19,7 +19,7 @@ from refengine.conformance.kv_subscriber import KvSubscriber
 from refengine.conformance.lora_files import ModelShape, write_random_adapter
 from refengine.model import resolve_model
 from refengine.protocol import oe
-from refengine.server.kv_events_zmq import encode_event
+from refengine.server.kv_events_zmq_wire import encode_event
 from refengine.types import BlockStored, LoraAdapterSpec
 from tests.integration.conftest import MODEL, ServerProcess, greedy_request, running_server
 
