@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from refengine.sampling.logprobs import LogprobInfo, batch_logprob_info
-from refengine.sampling.sampler import truncation_thresholds
+from refengine.sampling.truncation import truncation_thresholds
 from refengine.types import CandidateSpec, SamplingParams
 
 
