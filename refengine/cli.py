@@ -31,7 +31,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="serve OpenEngine v0.1.0 over gRPC", formatter_class=DefaultsHelpFormatter)
     add_engine_args(serve)
     try:
-        from refengine.server.app import add_server_args
+        from refengine.server.args import add_server_args
     except ImportError:  # the server package is optional for a core-only checkout
         return
     add_server_args(serve)

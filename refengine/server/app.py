@@ -39,6 +39,7 @@ from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as kv_pull_grpc
 from refengine.protocol.v1alpha1 import media_pb2, media_pb2_grpc
 from refengine.runtime import apply_process_settings
 from refengine.server import kv_events_service
+from refengine.server.args import options_from_args
 from refengine.server.control import ControlServicer
 from refengine.server.health import GrpcHealth
 from refengine.server.inference import InferenceServicer
@@ -46,7 +47,7 @@ from refengine.server.kv_events_service import advertised_host
 from refengine.server.kv_pull_service import KvPullServicer, blocks_per_chunk
 from refengine.server.loading import load_in_thread
 from refengine.server.media_service import MediaServicer
-from refengine.server.options import MIB, ServerOptions
+from refengine.server.options import ServerOptions
 from refengine.server.state import Lifecycle, ServerState
 from refengine.server.stream_bridge import ABORT_CONFIRM_SECONDS
 from refengine.server.wire import add_servicer
@@ -62,66 +63,6 @@ logger = logging.getLogger("refengine.server")
 # the abort (its usage is then final), which waits for the step under way: up to
 # ABORT_CONFIRM_SECONDS. Then the event is written. The drain ends as soon as nothing is left.
 FLUSH_SECONDS = ABORT_CONFIRM_SECONDS + 1.0
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    d = ServerOptions()
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default=d.host, help="address of the Inference listener")
-    g.add_argument("--port", type=int, default=d.port,
-                   help="port of the Inference listener (0 = any free port)")
-    g.add_argument("--control-host", default=None, help="address of the Control listener (None: --host)")
-    g.add_argument("--control-port", type=int, default=None,
-                   help="serve Control on its own listener at this port (None: share the Inference listener)")
-    g.add_argument("--instance-id", default=None, help="ServerInfo.instance_id (None: random per process)")
-    g.add_argument("--max-send-message-mib", type=int, default=d.max_send_message_bytes // MIB,
-                   help="largest gRPC message the server sends, MiB")
-    g.add_argument("--max-receive-message-mib", type=int, default=d.max_receive_message_bytes // MIB,
-                   help="largest gRPC message the server accepts, MiB")
-    g.add_argument("--shutdown-grace-seconds", type=float, default=d.shutdown_grace_seconds,
-                   help="on SIGTERM/SIGINT, how long running streams may take to finish")
-    g.add_argument("--stream-buffer", type=int, default=d.stream_buffer,
-                   help="engine outputs a stream may hold undelivered before its stall clock starts")
-    g.add_argument("--stall-timeout-seconds", type=float, default=d.stall_timeout_seconds,
-                   help="a stream whose client reads nothing this long while its buffer is full is aborted "
-                   "(EngineError OVERLOADED, retryable)")
-    g.add_argument("--health-probe-timeout-seconds", type=float, default=d.health_probe_timeout_seconds,
-                   help="bound of Health(include_inference_probe)")
-    g.add_argument("--kv-events-zmq", default=None, metavar="tcp://HOST:PORT",
-                   help="also publish KV events in vLLM's ZMQ wire format here (default: None = not published)")
-    g.add_argument("--kv-events-zmq-replay", default=None, metavar="tcp://HOST:PORT",
-                   help="the ZMQ replay (ROUTER) socket for --kv-events-zmq (default: None = no replay)")
-    g.add_argument("--kv-events-zmq-topic", default=d.kv_events_zmq_topic, help="ZMQ topic (default: empty)")
-    g.add_argument("--advertise-host", "--kv-advertise-host", dest="advertise_host", default=None,
-                   help="host clients reach this server at, reported instead of a bind wildcard: in a prefill "
-                   "server's KvSessionRef endpoints and in GetKvEventSources (default: None = the machine's "
-                   "host name)")
-    g.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
-                   help="logging level (default: INFO)")
-
-
-LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
-
-
-def options_from_args(args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(
-        role=args.role,
-        host=args.host,
-        port=args.port,
-        control_host=args.control_host,
-        control_port=args.control_port,
-        instance_id=args.instance_id,
-        max_send_message_bytes=args.max_send_message_mib * MIB,
-        max_receive_message_bytes=args.max_receive_message_mib * MIB,
-        shutdown_grace_seconds=args.shutdown_grace_seconds,
-        stream_buffer=args.stream_buffer,
-        stall_timeout_seconds=args.stall_timeout_seconds,
-        health_probe_timeout_seconds=args.health_probe_timeout_seconds,
-        kv_events_zmq=args.kv_events_zmq,
-        kv_events_zmq_replay=args.kv_events_zmq_replay,
-        kv_events_zmq_topic=args.kv_events_zmq_topic,
-        advertise_host=args.advertise_host,
-    )
 
 
 def serve_from_args(args: argparse.Namespace) -> int:

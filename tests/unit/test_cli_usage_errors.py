@@ -13,7 +13,7 @@ import pytest
 
 from refengine.args_config import engine_config_from_args
 from refengine.cli import build_parser
-from refengine.server.app import options_from_args
+from refengine.server.args import options_from_args
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
