@@ -279,15 +279,14 @@ class FakeAgent:
 def test_loaded_agents_are_capped_and_those_in_use_kept() -> None:
     """MAX_REMOTE_AGENTS (found by the diff review: the cap removed the metadata, not the agent,
     so NIXL kept every agent); one still read from is never forgotten."""
-    from refengine.kv.transfer.nixl_backend import MAX_REMOTE_AGENTS
+    from refengine.kv.transfer.nixl_remotes import MAX_REMOTE_AGENTS, RemoteAgents
     from refengine.kv.transfer.nixl_source import NixlSource
 
-    backend = NixlKvTransfer(None)
-    backend._agent = agent = FakeAgent()
+    remotes = RemoteAgents(agent := FakeAgent())
     for i in range(MAX_REMOTE_AGENTS + 3):
-        name = backend._remote(NixlSource(f"agent-{i}", f"agent-{i}|md".encode(), (), ()))
+        name = remotes.use(NixlSource(f"agent-{i}", f"agent-{i}|md".encode(), (), ()))
         if i:  # agent-0's pull is still reading
-            backend._done_with(name)
+            remotes.done_with(name)
     assert len(agent.loaded) == MAX_REMOTE_AGENTS
     assert "agent-0" in agent.loaded and not {"agent-1", "agent-2", "agent-3"} & agent.loaded
 

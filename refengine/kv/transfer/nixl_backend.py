@@ -21,7 +21,6 @@ import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -36,6 +35,7 @@ from refengine.kv.transfer.base import (
     pinned_content,
 )
 from refengine.kv.transfer.nixl_read import DRAIN_SECONDS, nixl_call, wait_read
+from refengine.kv.transfer.nixl_remotes import RemoteAgents
 from refengine.kv.transfer.nixl_source import (
     NixlSource,
     check_fit,
@@ -50,9 +50,6 @@ logger = logging.getLogger(__name__)
 
 RELEASE_PREFIX = b"refengine-release:"  # + session id: the notification that confirms a pull
 UNPIN_PREFIX = b"refengine-unpin:"  # + session id: a pinned pull failed; its pin ends, the session stays
-#: Remote agents kept loaded (and source identities remembered as vouched for by a pin): the least
-#: recently loaded beyond it are forgotten, so requests naming many agents cannot grow them for good.
-MAX_REMOTE_AGENTS = 64
 NOTIF_POLL_SECONDS = 0.002  # also how often the source side progresses UCX (TCP's reads need it)
 
 
@@ -108,10 +105,8 @@ class NixlKvTransfer(KvTransferBackend):
         self._store: BlockStore | None = None
         self._registered: Any = None
         self._metadata_b64 = ""
-        self._remotes: dict[str, bytes] = {}  # remote agent name -> the metadata loaded for it
-        self._vouched: OrderedDict[str, None] = OrderedDict()  # source identities a pin confirmed
-        self._reading: dict[str, int] = {}  # remote agent name -> pulls using it now (never forgotten then)
-        self._lock = threading.Condition()  # guards _remotes, _vouched and _active
+        self._remotes: RemoteAgents | None = None  # the agents READ from, once bound
+        self._lock = threading.Condition()  # guards _active and the notification thread's start
         self._active = 0  # pulls running: close waits for them
         self._closed = threading.Event()
         self._notif_thread: threading.Thread | None = None  # from the first source_attributes
@@ -127,6 +122,7 @@ class NixlKvTransfer(KvTransferBackend):
         self._agent = api.nixl_agent(self.agent_name, config)
         if "UCX" not in self._agent.backends:  # nixl_agent only warns about a missing plugin
             raise RuntimeError("NIXL has no UCX plugin: cannot transfer KV")
+        self._remotes = RemoteAgents(self._agent)
         self._store = store
         self._registered = self._agent.register_memory(
             [(r.address, r.num_blocks * r.block_nbytes, 0, "") for r in store.regions], "DRAM")
@@ -185,7 +181,7 @@ class NixlKvTransfer(KvTransferBackend):
 
     def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
         """Validate (before any pin or transfer), then pin and READ at once; see the class docstring."""
-        if self._store is None:
+        if self._store is None or self._remotes is None:
             raise RuntimeError("NixlKvTransfer.pull: bind() first")
         source = parse_source(order.session.attributes.get("transfer"))
         check_fit(source, self._store, order)
@@ -201,6 +197,7 @@ class NixlKvTransfer(KvTransferBackend):
                 self._lock.notify_all()
 
     def _pull(self, order: PullOrder, source: NixlSource, cancelled: threading.Event) -> None:
+        assert self._remotes is not None
         deadline = time.monotonic() + self._timeout  # the pin holds the blocks this long from now
         if cancelled.is_set():
             raise fail("cancelled")
@@ -216,13 +213,13 @@ class NixlKvTransfer(KvTransferBackend):
         # A source no pin has vouched for is not dialled before its pin does (found by review: a
         # handle naming a made-up agent had this side connect to it and READ before the pin
         # refused it): a source's first pull waits the pin's round trip, later ones overlap it.
-        pin_first = pin_outcome is not None and bool(content) and read_from not in self._vouched
+        pin_first = pin_outcome is not None and bool(content) and not self._remotes.vouched(read_from)
         peer = None
         try:
             try:
                 if pin_first:
                     pin_outcome()
-                peer = self._remote(source)
+                peer = self._remotes.use(source)
                 if order.dest_block_ids:
                     self._read(order, source, peer, cancelled, deadline)
                 read = time.perf_counter()
@@ -237,12 +234,12 @@ class NixlKvTransfer(KvTransferBackend):
                     self._unpin(peer, order.session.session_id)
                 raise
             if content:
-                self._vouch(read_from)
+                self._remotes.vouch(read_from)
             nixl_call("send the release", self._agent.send_notif, peer,
                       RELEASE_PREFIX + order.session.session_id.encode())
         finally:
             if peer is not None:  # another pull may forget the agent now
-                self._done_with(peer)
+                self._remotes.done_with(peer)
         logger.debug("NIXL pull of %d blocks: READ %.2f ms, then pin %.2f ms", len(order.dest_block_ids),
                      (read - started) * 1e3, (time.perf_counter() - read) * 1e3)
 
@@ -269,44 +266,6 @@ class NixlKvTransfer(KvTransferBackend):
             except Exception:  # its finalizer retries; the pull's own outcome matters more
                 logger.exception("releasing a NIXL transfer handle failed")
 
-    def _remote(self, source: NixlSource) -> str:
-        """The source's agent name, its metadata loaded (again, when it changed: NIXL replaces it)."""
-        with self._lock:
-            if self._remotes.get(source.agent_name) != source.metadata:
-                loaded = nixl_call("load the source's metadata", self._agent.add_remote_agent, source.metadata)
-                loaded = loaded.decode() if isinstance(loaded, bytes) else loaded  # bytes in nixl 1.5
-                if loaded != source.agent_name:
-                    if self._remotes.pop(loaded, None) is None:  # a peer we use: reloaded next time instead
-                        self._forget(loaded)
-                    raise fail(f"the NIXL metadata is agent {loaded!r}'s, not {source.agent_name!r}'s")
-                self._remotes[loaded] = source.metadata
-                idle = [name for name in self._remotes if name != loaded and not self._reading.get(name)]
-                for name in idle[:max(0, len(self._remotes) - MAX_REMOTE_AGENTS)]:  # least recently loaded first
-                    del self._remotes[name]
-                    self._forget(name)
-            self._reading[source.agent_name] = self._reading.get(source.agent_name, 0) + 1
-        return source.agent_name
-
-    def _vouch(self, read_from: str) -> None:
-        """A pin confirmed this source: its later pulls READ while their pins are in flight."""
-        with self._lock:
-            self._vouched[read_from] = None
-            self._vouched.move_to_end(read_from)
-            while len(self._vouched) > MAX_REMOTE_AGENTS:
-                self._vouched.popitem(last=False)
-
-    def _done_with(self, name: str) -> None:
-        with self._lock:
-            self._reading[name] -= 1
-            if not self._reading[name]:
-                del self._reading[name]
-
-    def _forget(self, name: str) -> None:
-        try:
-            self._agent.remove_remote_agent(name)
-        except Exception:  # already gone: nothing left to remove
-            logger.debug("removing NIXL agent %s failed", name, exc_info=True)
-
     def _descriptors(self, order: PullOrder, source: NixlSource) -> tuple[Any, Any]:
         assert self._store is not None
         local, remote = descriptor_ranges(order, source, self._store)
@@ -323,9 +282,8 @@ class NixlKvTransfer(KvTransferBackend):
             self._notif_thread.join()
         if self._agent is None:
             return
-        for name in list(self._remotes):
-            self._forget(name)
-        self._remotes.clear()
+        if self._remotes is not None:
+            self._remotes.forget_all()
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
         self._agent = self._registered = None
