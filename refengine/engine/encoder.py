@@ -31,7 +31,7 @@ from PIL import Image
 
 from refengine.config import EngineConfig
 from refengine.engine.encoder_sessions import HandleSessions
-from refengine.engine.info import engine_info
+from refengine.engine.info import configured_context, engine_info
 from refengine.engine.interface import EngineInfo
 from refengine.engine.media import MediaInputs, salted
 from refengine.engine.no_generate import NoGenerate
@@ -79,10 +79,11 @@ class EncoderEngine(HandleSessions, NoGenerate):
     @classmethod
     def from_config(cls, config: EngineConfig, transfer_backends: Sequence[KvTransferBackend] = ()) -> EncoderEngine:
         """Load only the vision tower, the projector and the image processor of ``config.model``."""
-        from refengine.model import loader
+        from refengine.model import devices, loader
         from refengine.model.dtypes import DTYPES
         from refengine.model.vision import VISION_PREFIXES
 
+        devices.resolve_device(config.device)  # a missing GPU fails now, not after the weights load
         resolved = loader.resolve_model(config.model)
         model_config, dtype = loader.load_model_config(resolved.path), DTYPES[config.dtype]
         weights = loader.load_weights(resolved.path, dtype, prefixes=VISION_PREFIXES)
@@ -90,8 +91,7 @@ class EncoderEngine(HandleSessions, NoGenerate):
         if media is None:
             raise ValueError(f"--role encoder needs a multimodal model; {config.model} has no vision_config")
         name = config.served_model_name or resolved.name
-        max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                            model_config.max_position_embeddings)
+        max_model_len = configured_context(config, model_config)
         info = engine_info(config, model_config, name, max_model_len, 0, multimodal=True)
         return cls(config, media, replace(info, guided_modes=(), max_num_seqs=0, max_num_batched_tokens=0,
                                           max_sequences_per_request=0, eos_token_ids=()), transfer_backends)

@@ -26,7 +26,7 @@ from refengine.engine.disagg import Disaggregation
 from refengine.engine.engine_kv import EngineKvMixin, choose_transfer_backends
 from refengine.engine.engine_loop import EngineLoopMixin
 from refengine.engine.engine_lora import EngineLoraMixin, StepLora
-from refengine.engine.info import context_bounded_by_pool, engine_info, kernel_paths
+from refengine.engine.info import configured_context, context_bounded_by_pool, engine_info, kernel_paths
 from refengine.engine.input_processor import InputProcessor
 from refengine.engine.interface import OutputSink
 from refengine.engine.kv_events import KvEventHub
@@ -83,13 +83,11 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
             raise ValueError("the encoder role runs an EncoderEngine (refengine.engine.encoder), not an Engine")
         self.config = config
         self.tokenizer = tokenizer
-        max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                            model_config.max_position_embeddings)
+        max_model_len = configured_context(config, model_config)
         backends = choose_transfer_backends(config, transfer_backends)
         runner = make_runner(config, model_config, weights, max_model_len, kv_huge_pages="nixl" in backends)
         max_model_len = context_bounded_by_pool(max_model_len, runner.num_blocks * config.cache.block_size)
-        lora = config.lora
-        self.loras = LoraRegistry(lora, model_config)
+        self.loras = LoraRegistry(config.lora, model_config)
         self.kv_events = KvEventHub(config.kv_events.retained_batches, config.kv_events.subscriber_buffer)
         self.block_io = KvBlockIO(runner.kv_caches, type(runner.attention).__name__)
         self.kv_sessions = KvSessionStore(on_change=self._wake)
@@ -99,7 +97,7 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
             backends=backends, on_load_done=self._wake)
         self.core = EngineCore(config, runner, tokenizer, tuple(model_config.eos_token_ids), model_fingerprint,
                                self._kv_sink(config, kv_event_sink), disagg,
-                               StepLora(lora.max_loras, runner) if lora.enabled else None,
+                               StepLora(config.lora.max_loras, runner) if config.lora.enabled else None,
                                make_media_pulls(config, media, embedding_backends, self._wake))
         self._step_lock = threading.Lock()  # held by a step; subscribing waits for the step to end
         name = served_model_name or config.served_model_name or config.model
@@ -148,8 +146,9 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
                     transfer_backends: Seq[KvTransferBackend] = (),
                     embedding_backends: Seq[KvTransferBackend] = ()) -> Engine:
         """Load the model named by ``config.model`` (manifest name or path)."""
-        from refengine.model import loader
+        from refengine.model import devices, loader
 
+        devices.resolve_device(config.device)  # a missing GPU fails now, not after the weights load
         resolved = loader.resolve_model(config.model)
         model_config, dtype = loader.load_model_config(resolved.path), DTYPES[config.dtype]
         weights = loader.load_weights(resolved.path, dtype)

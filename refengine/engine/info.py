@@ -13,6 +13,12 @@ from refengine.sampling.guided import backend_modes
 logger = logging.getLogger(__name__)
 
 
+def configured_context(config: EngineConfig, model_config: ModelConfig) -> int:
+    """``max_model_len`` as configured (the model's ``max_position_embeddings`` when not given),
+    never past the model's: a pool too small for it bounds it later (``context_bounded_by_pool``)."""
+    return min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+
+
 def kernel_paths(config: EngineConfig) -> tuple[str, str, str]:
     """(attention backend, why it was chosen, the CPU bf16 path or ""), as ServerInfo.extra
     reports them (the registry logs the choice); logs the bf16 path, warning when the CPU

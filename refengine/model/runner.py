@@ -28,6 +28,7 @@ from refengine.kernels.forward_context import ForwardContext
 from refengine.kernels.lora import LoraBatch
 from refengine.kernels.lora_linear import ProjectionDeltas
 from refengine.model.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
+from refengine.model.devices import check_kv_cache_fits, resolve_device
 from refengine.model.dtypes import DTYPES
 from refengine.model.host_memory import keep_freed_memory, zeroed_slab
 from refengine.model.input import ModelInput
@@ -84,7 +85,7 @@ class ModelRunner:
         ``dtype`` and converts what it stores and reads. ``kv_huge_pages``: a CPU cache on
         transparent huge pages (for NIXL's reads; ``host_memory``)."""
         kv_dtype = kv_dtype or dtype
-        self.device = device
+        self.device = device = resolve_device(device)
         self.use_device()  # this thread builds, warms up and captures on it
         weights = {name: w.to(dtype=dtype, device=device) for name, w in weights.items()}
         kernels = kernels or KernelConfig()
@@ -102,6 +103,8 @@ class ModelRunner:
         scratch = 0 if self.graphs_unavailable else 1  # the graphs' padding block, past the pool
         k_shape, v_shape = self.attention.kv_cache_shapes(
             self.num_blocks + scratch, cache.block_size, config.num_key_value_heads, config.head_dim)
+        check_kv_cache_fits((self.num_blocks + scratch) * kv_bytes_per_block(config, cache.block_size, kv_dtype),
+                            self.num_blocks, device)
         full_caches = _kv_cache_tensors(k_shape, v_shape, config.num_hidden_layers, kv_dtype, device,
                                         kv_huge_pages)
         self.kv_caches = full_caches if not scratch else [(k[: self.num_blocks], v[: self.num_blocks])
