@@ -11,6 +11,7 @@ from refengine.conformance import (  # noqa: F401
     checks_errors,
     checks_generate,
     checks_guided,
+    checks_guided_sampling,
     checks_health,
     checks_kv_block_events,
     checks_kv_connector,
