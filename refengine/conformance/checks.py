@@ -8,6 +8,7 @@ from refengine.conformance import (  # noqa: F401
     checks_discovery,
     checks_encoder,
     checks_encoder_consumer,
+    checks_encoder_handles,
     checks_errors,
     checks_generate,
     checks_guided,
