@@ -7,19 +7,24 @@ parent, nor a removal of a block it never saw. The same prompt under a new ``cac
 and adapter files, as section R writes them) it stores blocks of its own or, on a server that
 leaves blocks computed under an adapter out of its cache, at least is not served the base
 prompt's. A block computed under either is not the base prompt's block and must not hash as
-it. The media part of the rule is not checked: the suite has no image the target's model is
-sure to take.
+it. With the model's image placeholder known (``--media-placeholder-token-id``, as D9 needs), the
+same token prompt with another image stores the blocks from the image on again.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import grpc
 
+from refengine.conformance.assertions import expect_valid
 from refengine.conformance.checks_lora import describe, load, scratch
+from refengine.conformance.checks_media import _image, _placeholder
+from refengine.conformance.encoder_support import unique_png
 from refengine.conformance.kv_subscriber import (
     KvView,
+    _block_size,
     _need_text,
     fresh_prompt,
     generate,
@@ -27,7 +32,7 @@ from refengine.conformance.kv_subscriber import (
     stored_count,
     subscribe,
 )
-from refengine.conformance.registry import check, expect, skip
+from refengine.conformance.registry import check, expect, fail, skip
 from refengine.conformance.target import Target
 
 
@@ -98,3 +103,46 @@ def lora_in_block_hash(t: Target) -> str:
                        "without the adapter in the block hash")
     skip(f"the prompt under adapter {adapter.lora_name!r} stored no block and hit none: this server does not cache "
          "blocks computed under an adapter, so there is no hash to judge")
+
+
+def _image_prompt(t: Target, token: int) -> list[int]:
+    """A first block no earlier request began with (known ids in a random order), the image's
+    placeholder, then two blocks of text: the blocks from the image on depend on the image."""
+    text = [i for i in t.known_token_ids() if i != token]
+    expect(bool(text), f"no known token id other than the placeholder {token}")
+    block = _block_size(t)
+    rng = random.Random(t.new_id("e4img"))
+    return [rng.choice(text) for _ in range(block)] + [token] + [text[k % len(text)] for k in range(2 * block)]
+
+
+@check("E4", "the same prompt with a different image stores blocks of its own")
+def media_in_block_hash(t: Target) -> str:
+    """E4 (media; found by review: the media part was unchecked): one token prompt sent with a
+    fresh image, then with another fresh image. The second image's KV differs from the
+    placeholder on, so it must store blocks of its own; served the first image's blocks it
+    would answer about the wrong picture. Skips without the placeholder (D9's option) or when
+    the first request stored no block."""
+    token = _placeholder(t)
+    ids = _image_prompt(t, token)
+    sub = subscribe(t)
+    results: list[Any] = []
+
+    def send(tag: str) -> None:
+        req = t.request(tag, token_ids=ids, max_tokens=2)
+        _image(unique_png(t, tag))(req.media.add())
+        results.append(expect_valid(t.generate(req), what=f"the image prompt ({tag})"))
+
+    try:
+        first = stored_count(new_batches(sub, lambda: send("e4imga")))
+        second = stored_count(new_batches(sub, lambda: send("e4imgb")))
+        expect(not sub.errors, f"the subscription failed: {sub.describe()}")
+    finally:
+        sub.close()
+    if not first:
+        skip("the first image prompt stored no block (E3 judges that): nothing to compare")
+    if second:
+        return f"the prompt stored {first} blocks with one image, {second} of its own with another"
+    usage = results[1].usage()
+    cached = usage.cached_prompt_tokens if usage is not None else 0
+    fail(f"the same token prompt with another image stored no block ({cached} cached prompt tokens): its blocks "
+         "hash as the first image's, so the image is not in the block hash")

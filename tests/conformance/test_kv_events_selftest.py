@@ -16,7 +16,8 @@ from refengine.conformance import Options, Status, run
 from tests.conformance.toy_kv_events import KvFaults, serve_kv
 
 E_CHECKS = ["E1:replay_expired", "E1:replay_retained", "E1:sequence_numbers_increase", "E2:snapshot_then_live",
-            "E3:removed_on_eviction", "E3:stored_full_blocks", "E4:lora_in_block_hash", "E4:stored_events_chain",
+            "E3:removed_on_eviction", "E3:stored_full_blocks", "E4:lora_in_block_hash", "E4:media_in_block_hash",
+            "E4:stored_events_chain",
             "E5:expired_replay_is_error_event", "E5:failure_is_error_then_ok", "E6:kv_event_sources"]
 
 
@@ -37,8 +38,9 @@ def conforming() -> Iterator[dict[str, Any]]:
 def test_a_conforming_kv_event_server_passes(conforming: dict[str, Any]) -> None:
     assert sorted(conforming) == E_CHECKS
     not_passed = {n: r.message for n, r in conforming.items() if r.status is not Status.PASS}
-    # Not judged here: nothing expires in the toy's window of 1,000 batches, and it has no LoRA.
-    assert sorted(not_passed) == ["E1:replay_expired", "E4:lora_in_block_hash", "E5:expired_replay_is_error_event"]
+    # Not judged here: nothing expires in the toy's window of 1,000 batches; it has no LoRA, no images.
+    assert sorted(not_passed) == ["E1:replay_expired", "E4:lora_in_block_hash", "E4:media_in_block_hash",
+                                  "E5:expired_replay_is_error_event"]
     assert "still retained" in not_passed["E1:replay_expired"]
     assert "still retained" in not_passed["E5:expired_replay_is_error_event"]
 

@@ -200,7 +200,7 @@ def test_malformed_media_is_refused_before_any_event(client: OpenEngineClient, n
 
 MEDIA_CHECKS = ["D9:multimodal_image_accepted", "G19:media_placeholder_mismatch_refused",
                 "G19:media_malformed_image_refused", "D9:multimodal_validated", "G19:media_source_required",
-                "D9:multimodal_image_used"]
+                "D9:multimodal_image_used", "E4:media_in_block_hash"]
 
 
 @pytest.fixture(scope="module")
@@ -234,14 +234,17 @@ def _one_image_for_all(request: oe.GenerateRequest, context: grpc.ServicerContex
     return forward(request)
 
 
-def test_the_image_used_check_fails_a_server_that_ignores_images(server: ServerProcess) -> None:
-    """The negative control of D9:multimodal_image_used: the same server behind a proxy that sends
-    one fixed image in place of every image fails it (and passes it directly: the test above)."""
-    (chk,) = [c for c in all_checks() if c.name == "D9:multimodal_image_used"]
+@pytest.mark.parametrize(("name", "says"), [("D9:multimodal_image_used", "not used"),
+                                            ("E4:media_in_block_hash", "the image is not in the block hash")])
+def test_the_image_checks_fail_a_server_that_ignores_images(server: ServerProcess, name: str, says: str) -> None:
+    """The negative controls of D9:multimodal_image_used and E4:media_in_block_hash: the same server
+    behind a proxy that sends one fixed image in place of every image fails them (and passes them
+    directly: the test above). To E4 it is a server whose block hash leaves the image out."""
+    (chk,) = [c for c in all_checks() if c.name == name]
     proxy = FaultProxy(server.address, Fault({"Inference/Generate": _one_image_for_all}))
     try:
         with Target(proxy.address, Options(media_placeholder_token_id=IMAGE_TOKEN)) as t:
             result = run_check(chk, t)
     finally:
         proxy.close()
-    assert result.status is Status.FAIL and "not used" in result.message, result
+    assert result.status is Status.FAIL and says in result.message, result
