@@ -25,13 +25,19 @@ from refengine.types import EngineStats, InvalidRequestError, KvEvent
 def choose_transfer_backends(config: EngineConfig, given: Seq[KvTransferBackend]) -> dict[str, KvTransferBackend]:
     """The role's transfer backends, not bound yet (none when aggregated). The offered one
     (prefill) comes first; NIXL joins a decode engine, and a prefill engine offering it, when it
-    can be imported. Chosen before the KV cache is allocated: a cache NIXL registers goes on huge
-    pages (``model/host_memory.py``); ``EngineKvMixin._bind_backends`` then binds them to it."""
+    can be imported and the KV cache is in host memory (``--device cpu``). Chosen before the KV
+    cache is allocated: a cache NIXL registers goes on huge pages (``model/host_memory.py``);
+    ``EngineKvMixin._bind_backends`` then binds them to it."""
     if config.role == "aggregated":
         return {}
     backends = {b.name: b for b in given}
     offered = config.kv_transfer.backend
-    if "nixl" not in backends and (config.role == "decode" or offered == "nixl"):
+    if offered == "nixl" and config.device != "cpu":
+        raise ValueError(f"--kv-transfer-backend nixl: the KV cache is on {config.device}, and this NIXL backend "
+                         "registers host memory only; use --kv-transfer-backend grpc")
+    # NIXL reads host memory (it registers "DRAM"): a decode engine with its KV on a GPU pulls over gRPC
+    # (found by review: a GPU cache was registered as host memory).
+    if "nixl" not in backends and config.device == "cpu" and (config.role == "decode" or offered == "nixl"):
         available, why = nixl_available()
         if available:
             pinner = next((b for b in given if isinstance(b, SessionPinner)), None)  # gRPC pins for NIXL reads

@@ -155,7 +155,8 @@ def _block(size: int, low: int, high: int) -> int:
 
 
 def _precision(*tensors: torch.Tensor) -> str:
-    """IEEE fp32 dots when any operand is fp32 (TF32 would round it), TF32 otherwise (exact for fp16/bf16)."""
+    """IEEE fp32 dots when any of ``tensors`` is fp32 (TF32 would round it), TF32 otherwise: exact for
+    fp16/bf16 operands; expand's fp32 ``shrunk`` operand is rounded to TF32 (the module docstring)."""
     return "ieee" if any(t.dtype == torch.float32 for t in tensors) else "tf32"
 
 

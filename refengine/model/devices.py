@@ -31,10 +31,13 @@ def resolve_device(device: str) -> str:
 
 
 def available_bytes(device: str) -> int | None:
-    """Memory a new allocation can take on ``device`` now: free GPU memory, or the host's
-    ``MemAvailable`` (None where the system does not say)."""
+    """Memory a new allocation can take on ``device`` now: free GPU memory (torch's unused cache
+    included), or the host's ``MemAvailable`` (None where the system does not say)."""
     if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(torch.device(device))[0]
+        gpu = torch.device(device)
+        # what CUDA has free, plus what torch's allocator holds unused (an earlier runner's): torch
+        # reuses that without a cudaMalloc (found by review)
+        return torch.cuda.mem_get_info(gpu)[0] + torch.cuda.memory_reserved(gpu) - torch.cuda.memory_allocated(gpu)
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:

@@ -91,3 +91,36 @@ def test_serve_with_a_kv_budget_past_the_machine_says_so_and_exits_1() -> None:
     assert result.returncode == 1, result.stderr[-800:]
     assert "available; lower --kv-memory-mib or --num-kv-blocks" in result.stderr, result.stderr[-800:]
     assert "Errno 12" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_torchs_unused_gpu_cache_counts_as_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What torch's allocator reserved and no tensor uses (an earlier runner's) is reused without a
+    cudaMalloc, so it counts (found by review: a second runner in one process was refused)."""
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 42 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)
+    assert devices.available_bytes("cuda:0") == 70 * gib
+    check_kv_cache_fits(40 * gib, 1000, "cuda:0")
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_nixl_never_registers_a_gpu_kv_cache(monkeypatch: pytest.MonkeyPatch, role: str) -> None:
+    """refengine's NIXL backend registers its regions as host memory ("DRAM", device 0): a cache on a
+    GPU must not be handed to it (found by review). A decode engine there pulls over gRPC; a
+    prefill engine asked to offer NIXL is refused, naming the flag."""
+    from refengine.config import EngineConfig, KvTransferConfig
+    from refengine.engine import engine_kv
+
+    class Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    monkeypatch.setattr(engine_kv, "nixl_available", lambda: (True, ""))
+    on_gpu = EngineConfig(role=role, device="cuda:0", kv_transfer=KvTransferConfig(backend="grpc"))
+    assert list(engine_kv.choose_transfer_backends(on_gpu, [Named("grpc")])) == ["grpc"]
+    on_cpu = EngineConfig(role="decode", kv_transfer=KvTransferConfig(backend="grpc"))
+    assert "nixl" in engine_kv.choose_transfer_backends(on_cpu, [Named("grpc")])  # the control
+    offering = EngineConfig(role=role, device="cuda:0", kv_transfer=KvTransferConfig(backend="nixl"))
+    with pytest.raises(ValueError, match="--kv-transfer-backend nixl: the KV cache is on cuda:0"):
+        engine_kv.choose_transfer_backends(offering, [Named("grpc")])
