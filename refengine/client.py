@@ -15,9 +15,10 @@ request with ``kv.session`` set to the returned session on a decode server, whos
 it yields.
 
 Chat: OpenEngine v0.1.0 has no chat API; templates are applied by the caller.
-``stream_text(chat=True)`` therefore applies the model's chat template *locally*, which
-works only when this machine can resolve the served model by name (a manifest such as the
-embedded ``smollm2-135m-instruct``); otherwise it raises a ``ValueError`` saying so.
+``stream_text(chat=formatter)`` calls ``formatter(model, prompt)`` before sending;
+``refengine generate --remote --chat`` passes one that applies the model's chat template
+*locally*, which works only when this machine can resolve the served model by name (a
+manifest such as the embedded ``smollm2-135m-instruct``).
 """
 
 from __future__ import annotations

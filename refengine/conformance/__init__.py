@@ -6,7 +6,7 @@ v0.1.0 means the release: signed tag ``v0.1.0`` = commit b5f2bd9, Buf module
 pre-release copy 4def7c5.
 
 Points at any OpenEngine server (``host:port``), runs one or more checks per rule
-of ``contract/RULES.md`` through the generated gRPC stubs only, and reports a
+of ``tests/data/RULES.md`` (the contract's, copied) through the generated gRPC stubs only, and reports a
 support matrix: pass, fail (observed vs expected, with the exchanges as evidence),
 not_claimed (the server does not advertise the feature) or skipped (the run lacks a named
 target or an option the check needs). Each check belongs to one profile (:mod:`refengine.conformance.profiles`);

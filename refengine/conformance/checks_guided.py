@@ -4,7 +4,8 @@ invalid specs are refused before acceptance (X1), grammar-complete outputs end w
 
 Every check skips unless ``generation.guided_decoding.supported`` is advertised; which
 modes it exercises is what ``modes`` lists. The specs (``guides.py``) finish in a few
-tokens, and requests run concurrently up to the server's ``max_running_requests``.
+tokens, and requests run concurrently up to the server's ``max_running_requests``, at most
+``MAX_WIDTH`` (8).
 
 Backends: the contract only names ``guided.backend`` (empty = the engine's default). A
 server may list its backends and each one's modes in ``ModelInfo.extra`` under

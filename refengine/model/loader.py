@@ -74,7 +74,8 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ResolvedM
 
     A bare word that names a manifest always means the manifest (whatever the current
     directory holds). A GGUF is converted once into ``<cache_dir>/models/<name>``;
-    ``cache_dir`` defaults to ``$REFENGINE_CACHE_DIR`` or ``~/.cache/refengine``.
+    ``cache_dir`` defaults to ``config.default_cache_dir()`` (``$REFENGINE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/refengine``, else ``~/.cache/refengine``).
     Raises ModelNotFoundError (what to put where) or UnsupportedModelError.
     """
     models_cache = (cache_dir or default_cache_dir()) / "models"

@@ -158,7 +158,7 @@ class Server:
     def _on_signal(self) -> None:
         self._signals += 1
         action = "draining" if self._signals == 1 else "stopping now"
-        logger.info("signal %d received: %s", self._signals, action)
+        logger.info("%s signal received: %s", "first" if self._signals == 1 else "another", action)
         self._stop.set()
 
     async def run(self) -> int:
