@@ -135,11 +135,15 @@ class IncrementalDetokenizer:
         #: Continuation bytes the held byte-fallback run still needs to end its UTF-8 character
         #: (0: the last byte token ended one, so the held text may now read differently).
         self._utf8_needed = 0
+        #: The window of the last text that several tokens made together: (ids, read offset,
+        #: prefix text), for ``token_ends``; None when the last text came from one token.
+        self._run: tuple[list[int], int, str] | None = None
 
     def add_token(self, token_id: int) -> str:
         """Append one output token; return the text that became stable (maybe "")."""
         self._ids.append(token_id)
         self.num_chars_before_last = 0
+        self._run = None
         byte = self._byte_values.get(token_id)
         if byte is not None:
             self._utf8_needed = _utf8_needed(byte, self._utf8_needed)
@@ -157,6 +161,7 @@ class IncrementalDetokenizer:
         delta = text[len(self._prefix_text) :]
         if len(self._ids) - 1 > self._read_offset:  # earlier tokens' text comes with this one
             self.num_chars_before_last = self._split_before_last(text, len(delta))
+            self._run = (self._ids.copy(), self._read_offset, self._prefix_text)
         # The unread tokens become the next prefix window; the new boundary is the end.
         del self._ids[: self._read_offset]
         self._read_offset = len(self._ids)
@@ -189,10 +194,42 @@ class IncrementalDetokenizer:
             return ""
         return decode(self._tokenizer, self._ids)[len(self._prefix_text) :]
 
+    def peek_final(self) -> str:
+        """``peek`` less what a later token may still change: a trailing U+FFFD of a byte-level
+        BPE piece (the next piece may complete its character; found by review: a stop string
+        "\ufffd" matched every emoji split across tokens). After a byte-fallback piece that
+        ended its character (``ended_character``) the held text is final as it reads."""
+        held = self.peek()
+        return held if self._ids and self._ids[-1] in self._byte_values else held.rstrip(REPLACEMENT_CHAR)
+
+    def token_ends(self) -> tuple[int, ...] | None:
+        """For the last text that several tokens made together (the held ones, then the one that
+        released it or ``flush``), where each token's own text ends in it: the longest decode of
+        the tokens up to it that the text starts with. A piece of a character ends where the
+        token that completes it does. None when the last text came from one token. Costs one
+        decode per token of the run: called only where an excluded stop string may cut it."""
+        if self._run is None:
+            return None
+        ids, start, prefix = self._run
+        whole = decode(self._tokenizer, ids)
+        ends: list[int | None] = []
+        for stop in range(start + 1, len(ids)):
+            partial = decode(self._tokenizer, ids[:stop])
+            reads = partial.startswith(prefix) and whole.startswith(partial)
+            ends.append(len(partial) - len(prefix) if reads else None)
+        ends.append(len(whole) - len(prefix))
+        for i in range(len(ends) - 2, -1, -1):
+            if ends[i] is None:
+                ends[i] = ends[i + 1]
+        return tuple(end for end in ends if end is not None)
+
     def flush(self) -> str:
         """At finish: release whatever was held back (U+FFFD where bytes never completed)."""
         text = decode(self._tokenizer, self._ids)
         delta = text[len(self._prefix_text) :]
+        if len(self._ids) > self._read_offset:  # it releases text: its tokens are the last run
+            self._run = (self._ids, self._read_offset, self._prefix_text) if len(self._ids) - self._read_offset > 1 \
+                else None
         self._ids = []
         self._read_offset = 0
         self._prefix_text = ""
@@ -212,6 +249,12 @@ class NoTextDetokenizer:
 
     def peek(self) -> str:
         return ""
+
+    def peek_final(self) -> str:
+        return ""
+
+    def token_ends(self) -> tuple[int, ...] | None:
+        return None
 
     def flush(self) -> str:
         return ""

@@ -92,12 +92,14 @@ class OutputProcessor:
         grammar_done = out.matcher is not None and out.matcher.is_terminated()
         forced = FinishInfo(FinishReason.STOP, eos_token_id=token_id) if grammar_done else None
         step = process_token(out.stop, out.detokenizer, token_id, seq.num_output_tokens, forced)
+        info = None  # a dropped stop token / EOS: its step may still release earlier tokens' text
         if step.keep_token:
             if request.wants_output_logprobs:
                 info = self._token_info(request, sampled, token_id)
             else:
                 info = TokenInfo(token_id, self._text(request, token_id))
-            out.held_tokens.add(info, step.num_detokenized_chars, step.text_pending, step.num_chars_before)
+        out.held_tokens.add(info, step.num_detokenized_chars, step.text_pending, step.num_chars_before,
+                            step.token_ends)
         # Hold-back works on the text even when it is not sent (stop strings need it).
         tokens = out.held_tokens.release(len(step.text), step.finish)
         out.num_emitted_tokens += len(tokens)

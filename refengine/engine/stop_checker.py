@@ -203,6 +203,9 @@ class TokenStep:
     num_detokenized_chars: int = 0  # text this token added before stop-string hold-back
     text_pending: bool = False  # its text is not decoded yet: it comes with a later token's
     num_chars_before: int = 0  # of num_detokenized_chars, those of earlier pending tokens (their text came now)
+    #: Where an excluded stop string may cut the text: for the pending tokens whose text came now (then
+    #: this one, when kept), where each one's own text ends in it (``IncrementalDetokenizer.token_ends``)
+    token_ends: tuple[int, ...] | None = None
 
 
 def process_token(
@@ -225,17 +228,21 @@ def process_token(
     # A held byte run that already completes a stop string: stop now. Ending the output here
     # makes the run's text final, so the match is exact (no later byte can change it).
     string_stop = (finish is None and keep_token and stop.has_strings and detokenizer.holds_text
-                   and detokenizer.ended_character and stop.would_match(text + detokenizer.peek()))
+                   and detokenizer.ended_character and stop.would_match(text + detokenizer.peek_final()))
     if (finish is not None or string_stop) and (flushed := detokenizer.flush()):
         text += flushed
         before = len(text)  # the run may reach into the flushed text: it ends with the output
     pending = detokenizer.holds_text
+    # Only an excluded stop string drops tokens by where their text ends (found by review: a run's
+    # tokens all ended with the run, so the stop dropped those of the text it kept too).
+    cuts = stop.has_strings and not stop.include_stop_in_output and bool(text) and not pending
+    ends = detokenizer.token_ends() if cuts else None
     emitted, string_finish = stop.feed_text(text)
     if string_finish is not None:
-        return TokenStep(keep_token, emitted, string_finish, len(text), pending, before)
+        return TokenStep(keep_token, emitted, string_finish, len(text), pending, before, ends)
     if finish is not None:
         emitted += stop.finish_text()
-    return TokenStep(keep_token, emitted, finish, len(text), pending, before)
+    return TokenStep(keep_token, emitted, finish, len(text), pending, before, ends)
 
 
 class TokenHoldBack:
@@ -258,15 +265,23 @@ class TokenHoldBack:
         self._text_end = 0  # detokenized characters so far
         self._emitted_end = 0  # characters emitted so far
 
-    def add(self, token: TokenInfo, num_chars: int, text_pending: bool, num_chars_before: int) -> None:
-        undecoded_end = self._text_end + num_chars_before  # where the undecoded ones' text ends
+    def add(self, token: TokenInfo | None, num_chars: int, text_pending: bool, num_chars_before: int,
+            token_ends: tuple[int, ...] | None = None) -> None:
+        """One step's token, its text ``num_chars`` long; ``token`` None for a dropped stop token
+        or EOS, whose step may still have released the undecoded tokens' text (a flush).
+        ``token_ends``: where each of the undecoded tokens, then ``token``, ends in that text;
+        without them the undecoded ones end at ``num_chars_before`` and ``token`` at the end."""
+        start = self._text_end
         self._text_end += num_chars
         if text_pending:
+            assert token is not None, "a dropped token ends the output: nothing is pending after it"
             self._undecoded.append(token)
             return
-        self._held.extend((waiting, undecoded_end) for waiting in self._undecoded)
+        run = [*self._undecoded, *([token] if token is not None else [])]
+        ends = token_ends if token_ends is not None and len(token_ends) == len(run) else \
+            (*[num_chars_before] * len(self._undecoded), *([num_chars] if token is not None else []))
+        self._held.extend((t, start + end) for t, end in zip(run, ends, strict=True))
         self._undecoded.clear()
-        self._held.append((token, self._text_end))
 
     def release(self, num_emitted_chars: int, finish: FinishInfo | None) -> tuple[TokenInfo, ...]:
         self._emitted_end += num_emitted_chars

@@ -13,7 +13,7 @@ import pytest
 from refengine.engine.detokenizer import IncrementalDetokenizer, decode
 from refengine.types import StoppingParams
 from tests.unit.test_stop_checker import sent
-from tests.unit.tokenizer_fixture import byte_fallback_tokenizer
+from tests.unit.tokenizer_fixture import byte_fallback_tokenizer, smollm2_tokenizer
 
 TOKENIZER = byte_fallback_tokenizer()
 
@@ -33,10 +33,10 @@ class Sampled(list):
             yield token_id
 
 
-@pytest.mark.parametrize(("before", "include"), [("", False), ("", True), ("界", True)])
+@pytest.mark.parametrize(("before", "include"), [("", False), ("", True), ("界", True), ("界", False)])
 def test_a_stop_string_completed_by_byte_tokens_stops_at_once(before: str, include: bool) -> None:
-    """(Excluding a stop string preceded by other characters of the same byte run drops the run's
-    tokens with it, though its text stays: the run's tokens share one text offset.)"""
+    """Excluded, the stop string's bytes are dropped and those of the characters before it in the
+    same run are sent (they were dropped too until a review: the run's tokens shared one offset)."""
     after = _byte_ids("界😀" * 10) + TOKENIZER.encode(" the", add_special_tokens=False)
     generated = Sampled(_byte_ids(before + "😀") + after)
     stopping = StoppingParams(stop_strings=("😀",), include_stop_in_output=include)
@@ -77,3 +77,73 @@ def test_byte_runs_are_decoded_early_only_for_stop_strings_and_whole_characters(
             process_token(stop, detokenizer, token_id, count)
         monkeypatch.setattr(detokenizer_module, "decode", real)
         assert len(decoded) == most, (stop_strings, len(decoded))
+
+
+def test_an_excluded_stop_string_keeps_the_tokens_logprobs_and_count_of_the_text_it_keeps() -> None:
+    """Found by review (a fuzz against ``decode``: 124 of 36,500 cases): with "界😀" in one byte
+    run and stop "😀" excluded, the text " a 界" was sent with the tokens of " a" only, so
+    decode(tokens) != text, the logprobs of 界's bytes were missing and completion_tokens was 2."""
+    from refengine.engine.admission import make_outputs
+    from refengine.engine.output_processor import OutputProcessor
+    from refengine.engine.request import Request
+    from refengine.sampling.sampler import SampledToken
+    from refengine.types import GenerationRequest, LogprobParams
+
+    prompt = TOKENIZER.encode("the cat", add_special_tokens=False)
+    generated = TOKENIZER.encode("a 界😀 the", add_special_tokens=False)  # ▁a ▁ <E7><95><8C> <F0>..<80> ▁the
+    params = GenerationRequest("r", prompt_token_ids=prompt, logprobs=LogprobParams(output_logprobs=True),
+                               stopping=StoppingParams(max_tokens=20, stop_strings=("😀",)))
+    request = Request(params, prompt, max_tokens=20)
+    request.outputs = make_outputs(request, TOKENIZER, (TOKENIZER.eos_token_id,), "fp")
+    out, processor = request.outputs[0], OutputProcessor(TOKENIZER)
+    text, tokens = "", []
+    for i, token_id in enumerate(generated):
+        delta = processor.append_token(request, out, SampledToken(token_id, -0.1 * (i + 1), 1, ()))
+        text, tokens = text + delta.text, tokens + list(delta.tokens)
+        if delta.finish:
+            break
+    assert delta.finish is not None and delta.finish.stop_text == "😀"
+    assert text == " a 界"
+    assert decode(TOKENIZER, [t.token_id for t in tokens]) == "a 界"
+    assert [t.logprob for t in tokens] == pytest.approx([-0.1, -0.2, -0.3, -0.4, -0.5])
+    assert out.num_emitted_tokens == 5
+
+
+def test_an_excluded_stop_string_after_an_invalid_byte_run_keeps_its_replacement_character() -> None:
+    """Byte-level BPE (SmolLM2): a truncated emoji (F0 9F 8E) reads "\ufffd" once "🎉" follows;
+    with stop "🎉" excluded that character is sent, so its tokens are too (they were not)."""
+    tokenizer = smollm2_tokenizer()
+    truncated = [10813, 232]  # 'ðŁ' 'İ': F0 9F 8E
+    assert decode(tokenizer, truncated) == "\ufffd"
+    out = truncated + tokenizer.encode("🎉 ok", add_special_tokens=False)
+    tokens, text, finish = sent(StoppingParams(stop_strings=("🎉",)), out, tokenizer)
+    assert finish.stop_text == "🎉" and text == "\ufffd"
+    assert decode(tokenizer, tokens) == text
+
+
+def test_a_dropped_stop_token_places_the_run_its_step_released() -> None:
+    """A dropped stop token or EOS whose step flushes held tokens hands their ends over too
+    (``token`` None): an excluded stop string found in that text keeps the tokens before it."""
+    from refengine.engine.stop_checker import TokenHoldBack
+    from refengine.types import FinishInfo, FinishReason, TokenInfo
+
+    held = TokenHoldBack(include_stop_in_output=False)
+    first, second = TokenInfo(1, ""), TokenInfo(2, "")
+    held.add(first, 0, True, 0)
+    held.add(second, 0, True, 0)
+    held.add(None, 3, False, 3, token_ends=(1, 3))  # the run reads "ab!" : "a" first, "b!" second
+    stop = FinishInfo(FinishReason.STOP, stop_text="b!")
+    assert held.release(1, stop) == (first,)
+
+
+def test_a_replacement_character_stop_string_waits_for_a_character_split_across_tokens() -> None:
+    """Found by review: byte-level BPE splits "😀" in two pieces; after the first the held text
+    reads "\ufffd", which the early check took as final, so stop "\ufffd" ended 2,686 of 3,000
+    valid outputs at their first such character."""
+    tokenizer = smollm2_tokenizer()
+    out = tokenizer.encode("Hi 😀 there, bye now", add_special_tokens=False)
+    assert "\ufffd" not in decode(tokenizer, out)
+    out.append(tokenizer.eos_token_id)
+    tokens, text, finish = sent(StoppingParams(stop_strings=("\ufffd",)), out, tokenizer)
+    assert finish.stop_text is None and text == "Hi 😀 there, bye now"
+    assert decode(tokenizer, tokens) == text

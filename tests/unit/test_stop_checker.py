@@ -231,8 +231,8 @@ def sent(stopping: StoppingParams, out: list[int], tok: PreTrainedTokenizerBase 
     tokens, text = [], ""
     for n, token_id in enumerate(out, start=1):
         step = process_token(stop, detok, token_id, n)
-        if step.keep_token:
-            held.add(TokenInfo(token_id, ""), step.num_detokenized_chars, step.text_pending, step.num_chars_before)
+        held.add(TokenInfo(token_id, "") if step.keep_token else None, step.num_detokenized_chars, step.text_pending,
+                 step.num_chars_before, step.token_ends)
         tokens += [t.token_id for t in held.release(len(step.text), step.finish)]
         text += step.text
         if step.finish is not None:
