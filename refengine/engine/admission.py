@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from refengine.engine.request import OutputState, OutputStatus, Request, output_generator
-from refengine.engine.stop_checker import StopChecker, TokenHoldBack
+from refengine.engine.stop_checker import StopChecker
+from refengine.engine.token_hold_back import TokenHoldBack
 from refengine.kv.keys import engine_extra_keys
 from refengine.scheduler.sequence import Sequence
 

@@ -18,7 +18,8 @@ import torch
 
 from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from refengine.engine.media import MediaRun
-from refengine.engine.stop_checker import StopChecker, TokenHoldBack
+from refengine.engine.stop_checker import StopChecker
+from refengine.engine.token_hold_back import TokenHoldBack
 from refengine.lora.registry import LoadedLora
 from refengine.sampling.guided import CompiledGuide, GuideMatcher
 from refengine.scheduler.sequence import Sequence

@@ -13,7 +13,9 @@ Per sampled token the engine calls ``process_token`` (below), which does, in ord
 3. The token's text delta goes through ``StopChecker.feed_text``: text that could
    still be the start of a stop string is held back, across deltas; a match ends
    the output. A stop string found in this step's text wins over a stop token /
-   LENGTH decided by the same token, since it ends at or before that token.
+   LENGTH decided by the same token, since it ends at or before that token. Like stop
+   tokens, a stop string completed by one of the first ``min_tokens`` tokens does not
+   stop the output (vLLM's and SGLang's choice; G15 names only EOS and stop tokens).
 4. When the output ends for another reason, held-back text is released.
 
 Which stop string matches: the first one to be *completed* reading the text left
@@ -21,7 +23,7 @@ to right (the output stops there: nothing after it is generated or emitted); whe
 several complete at the same character, the longest. Tokens follow their text:
 the engine holds a token back while any of its text is held back, and with
 ``include_stop_in_output = false`` drops the tokens whose text reaches into a
-matched stop string (``TokenHoldBack`` below).
+matched stop string (``TokenHoldBack``, ``token_hold_back.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from refengine.types import FinishInfo, FinishReason, StoppingParams, TokenInfo
+from refengine.types import FinishInfo, FinishReason, StoppingParams
 
 if TYPE_CHECKING:
     from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
@@ -115,10 +117,12 @@ class StopChecker:
         self._held = ""  # == the text the state spells
         self._matched = False
         self._drop_token = False
+        self._strings_active = self._min_tokens == 0  # may a stop string end the output with this token
 
     def check_token(self, token_id: int, num_output_tokens: int) -> FinishInfo | None:
-        """Called after each sampled token (``num_output_tokens`` includes it)."""
-        if num_output_tokens > self._min_tokens:
+        """Called after each sampled token (``num_output_tokens`` includes it), before its text."""
+        self._strings_active = num_output_tokens > self._min_tokens
+        if self._strings_active:
             finish = None
             if token_id in self._stop_token_ids:
                 finish = FinishInfo(FinishReason.STOP, stop_token_id=token_id)
@@ -162,7 +166,7 @@ class StopChecker:
         for i, ch in enumerate(new_text, start=len(self._held)):
             state = automaton.step(state, ch)
             stop = match[state]
-            if stop is not None:
+            if stop is not None and self._strings_active:
                 self._matched, self._held = True, ""
                 end = i + 1 if self._include_stop else i + 1 - len(stop)
                 return text[:end], FinishInfo(FinishReason.STOP, stop_text=stop)
@@ -178,7 +182,7 @@ class StopChecker:
 
     def would_match(self, new_text: str) -> bool:
         """Whether feeding ``new_text`` would complete a stop string (no state changes)."""
-        if self._matched or self._automaton is None:
+        if self._matched or self._automaton is None or not self._strings_active:
             return False
         automaton, state = self._automaton, self._state
         for ch in new_text:
@@ -243,58 +247,3 @@ def process_token(
     if finish is not None:
         emitted += stop.finish_text()
     return TokenStep(keep_token, emitted, finish, len(text), pending, before, ends)
-
-
-class TokenHoldBack:
-    """Tokens wait until all of their text has been emitted (G11, G14).
-
-    Offsets count characters of the detokenized output. A token whose text is still
-    held back (it may become part of a stop string) is held too. A token whose text is
-    not decoded yet (``text_pending``: a piece of a multi-byte character) ends where its
-    run's text ends, which comes with a later token's (``num_chars_before`` of that token's
-    characters are the run's). When a stop string matched and is
-    excluded, the tokens whose text reaches into it are dropped (so also the byte pieces
-    of its characters); when it is included, or the output ends for another reason,
-    every held token is released.
-    """
-
-    def __init__(self, include_stop_in_output: bool) -> None:
-        self._include_stop = include_stop_in_output
-        self._held: deque[tuple[TokenInfo, int]] = deque()  # (token, end offset of its text)
-        self._undecoded: list[TokenInfo] = []  # after the held ones: their text comes later
-        self._text_end = 0  # detokenized characters so far
-        self._emitted_end = 0  # characters emitted so far
-
-    def add(self, token: TokenInfo | None, num_chars: int, text_pending: bool, num_chars_before: int,
-            token_ends: tuple[int, ...] | None = None) -> None:
-        """One step's token, its text ``num_chars`` long; ``token`` None for a dropped stop token
-        or EOS, whose step may still have released the undecoded tokens' text (a flush).
-        ``token_ends``: where each of the undecoded tokens, then ``token``, ends in that text;
-        without them the undecoded ones end at ``num_chars_before`` and ``token`` at the end."""
-        start = self._text_end
-        self._text_end += num_chars
-        if text_pending:
-            assert token is not None, "a dropped token ends the output: nothing is pending after it"
-            self._undecoded.append(token)
-            return
-        run = [*self._undecoded, *([token] if token is not None else [])]
-        ends = token_ends if token_ends is not None and len(token_ends) == len(run) else \
-            (*[num_chars_before] * len(self._undecoded), *([num_chars] if token is not None else []))
-        self._held.extend((t, start + end) for t, end in zip(run, ends, strict=True))
-        self._undecoded.clear()
-
-    def release(self, num_emitted_chars: int, finish: FinishInfo | None) -> tuple[TokenInfo, ...]:
-        self._emitted_end += num_emitted_chars
-        drop_rest = finish is not None and finish.stop_text is not None and not self._include_stop
-        if finish is not None and not drop_rest:
-            released = (*(token for token, _ in self._held), *self._undecoded)
-            self._held.clear()
-            self._undecoded.clear()
-            return released
-        released = []
-        while self._held and self._held[0][1] <= self._emitted_end:
-            released.append(self._held.popleft()[0])
-        if finish is not None:
-            self._held.clear()
-            self._undecoded.clear()
-        return tuple(released)

@@ -124,7 +124,7 @@ def test_an_excluded_stop_string_after_an_invalid_byte_run_keeps_its_replacement
 def test_a_dropped_stop_token_places_the_run_its_step_released() -> None:
     """A dropped stop token or EOS whose step flushes held tokens hands their ends over too
     (``token`` None): an excluded stop string found in that text keeps the tokens before it."""
-    from refengine.engine.stop_checker import TokenHoldBack
+    from refengine.engine.token_hold_back import TokenHoldBack
     from refengine.types import FinishInfo, FinishReason, TokenInfo
 
     held = TokenHoldBack(include_stop_in_output=False)

@@ -13,7 +13,8 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from refengine.engine.detokenizer import IncrementalDetokenizer, decode
-from refengine.engine.stop_checker import StopChecker, TokenHoldBack, process_token
+from refengine.engine.stop_checker import StopChecker, process_token
+from refengine.engine.token_hold_back import TokenHoldBack
 from refengine.types import FinishInfo, FinishReason, StoppingParams, TokenInfo
 from tests.unit.tokenizer_fixture import byte_fallback_tokenizer, smollm2_tokenizer
 
@@ -345,3 +346,22 @@ def test_per_token_cost() -> None:
         per_token = (time.perf_counter() - start) / len(out) * 1e6
         print(f"{name}: {per_token:.1f} us/token over {len(out)} tokens")
         assert per_token < 500
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_ends_the_output_only_after_min_tokens(include: bool) -> None:
+    """G15 names EOS and stop tokens; stop strings follow them (as vLLM and SGLang do): " b"
+    completed by the 2nd token of min_tokens 3 is passed over, the one the 5th token completes
+    stops the output, and a stop string begun inside min_tokens may complete after it."""
+    tok = smollm2_tokenizer()
+    out = tok.encode(" a b c b d e", add_special_tokens=False)
+    assert len(out) == 6
+    stopping = StoppingParams(stop_strings=(" b",), min_tokens=3, include_stop_in_output=include)
+    tokens, text, finish = sent(stopping, out, tok)
+    assert finish.stop_text == " b" and text == (" a b c b" if include else " a b c")
+    assert decode(tok, tokens) == text
+    spanning = StoppingParams(stop_strings=(" c b",), min_tokens=3, include_stop_in_output=include)
+    _, text, finish = sent(spanning, out, tok)  # " c" is token 3 (inside min_tokens), " b" token 4
+    assert finish.stop_text == " c b" and text == (" a b c b" if include else " a b")
+    _, text, finish = sent(StoppingParams(stop_strings=(" b",), min_tokens=0), out, tok)
+    assert text == " a" and finish.stop_text == " b"  # the control: without min_tokens the first " b"
