@@ -213,8 +213,8 @@ class IncrementalDetokenizer:
         ids, start, prefix = self._run
         whole = decode(self._tokenizer, ids)
         ends: list[int | None] = []
-        for stop in range(start + 1, len(ids)):
-            partial = decode(self._tokenizer, ids[:stop])
+        for upto in range(start + 1, len(ids)):
+            partial = decode(self._tokenizer, ids[:upto])
             reads = partial.startswith(prefix) and whole.startswith(partial)
             ends.append(len(partial) - len(prefix) if reads else None)
         ends.append(len(whole) - len(prefix))
