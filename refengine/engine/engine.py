@@ -1,7 +1,7 @@
 """The engine's thread-safe front end: requests in, ``RequestOutput``s out to sinks.
 
 Any thread may call ``add_request`` (input processing: validation and tokenization,
-once), ``abort``, ``stats``; they only touch the inbox under a lock. The step —
+once; ``engine_accept.py``), ``abort``, ``stats``; they only touch the inbox under a lock. The step —
 ``EngineCore.step`` in ``core.py`` — runs on one thread (the background loop, or the
 caller in synchronous use), which also delivers each step's outputs to their sinks.
 Edges see this class only as an ``EngineClient`` with a frozen ``EngineInfo``.
@@ -23,6 +23,7 @@ import torch
 from refengine.config import EngineConfig, ModelConfig
 from refengine.engine.core import EngineCore, KvEventSink
 from refengine.engine.disagg import Disaggregation
+from refengine.engine.engine_accept import EngineAcceptMixin
 from refengine.engine.engine_kv import EngineKvMixin, choose_transfer_backends
 from refengine.engine.engine_loop import EngineLoopMixin
 from refengine.engine.engine_lora import EngineLoraMixin, StepLora
@@ -34,7 +35,7 @@ from refengine.engine.media import MediaInputs
 from refengine.engine.media_pulls import make_media_pulls
 from refengine.engine.request import Request
 from refengine.engine.role_check import RoleCheck
-from refengine.engine.stream import Completion, RequestStream
+from refengine.engine.stream import Completion
 from refengine.engine.validation import Limits
 from refengine.kv.transfer.base import KvTransferBackend
 from refengine.kv.transfer.sessions import KvSessionStore
@@ -44,12 +45,9 @@ from refengine.model.kv_io import KvBlockIO
 from refengine.model.runner import make_runner
 from refengine.sampling.guided import GuideCompiler
 from refengine.types import (
-    DuplicateRequestError,
     EngineFault,
     EngineStats,
-    EngineStoppedError,
     GenerationRequest,
-    OverloadedError,
     RequestOutput,
     Usage,
 )
@@ -60,12 +58,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FINISHED_ID_WINDOW = 4096  # finished request ids remembered for abort's ALREADY_FINISHED
-#: Health probes in flight at once, beside (never instead of) the clients' max_active_requests: a
-#: load balancer polling a saturated server must not take a client's slot (found by review).
-PROBE_SLOTS = 4
 
 
-class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
+class Engine(EngineAcceptMixin, EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
     def __init__(
         self,
         config: EngineConfig,
@@ -120,6 +115,8 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
         self._inbox: list[Request] = []
         self._abort_ids: set[str] = set()
         self._active_ids: set[str] = set()  # inbox + accepted, for duplicate detection
+        #: request id -> (a health probe, aborted): requests between their checks and the inbox
+        self._accepting: dict[str, tuple[bool, bool]] = {}
         self._finished_ids: OrderedDict[str, bool] = OrderedDict()  # id -> whether an abort ended it
         self._probe_ids: set[str] = set()  # active health probes: not client work, not aborted by abort_all
         self._num_steps = 0  # steps run in total: GetLoad's figures say nothing of progress
@@ -161,48 +158,6 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
             embedding_backends=embedding_backends,
         )
 
-    # -- accepting work (any thread) ------------------------------------------
-    def add_request(self, params: GenerationRequest, sink: OutputSink | None = None) -> RequestStream | None:
-        """Validate and enqueue; returns the default stream when no sink is given. A refusal
-        raises a ``RequestError`` subclass, with nothing allocated."""
-        request = self.input_processor.process(params)
-        stream = RequestStream(params.request_id, params.sampling.num_sequences) if sink is None else None
-        sink = sink or stream
-        with self._lock:
-            if params.request_id in self._active_ids:
-                raise DuplicateRequestError(f"request_id {params.request_id!r} is already active")
-            if self._stopping:
-                raise EngineStoppedError("the engine is shut down")
-            if params.health_probe and len(self._probe_ids) >= PROBE_SLOTS:
-                raise OverloadedError(f"{PROBE_SLOTS} health probes already in flight")
-            if not params.health_probe and \
-                    len(self._active_ids) - len(self._probe_ids) >= self.config.scheduler.max_active_requests:
-                raise OverloadedError("too many requests in flight; retry later")
-            self._active_ids.add(params.request_id)
-            if params.health_probe:
-                self._probe_ids.add(params.request_id)
-            self._finished_ids.pop(params.request_id, None)
-            self._inbox.append(request)
-            self._new_sinks[params.request_id] = sink
-            self._lock.notify_all()
-        return stream
-
-    def abort(self, request_id: str) -> bool:
-        """Ask to cancel a request. False when no such request is active."""
-        with self._lock:
-            if request_id not in self._active_ids:
-                return False
-            self._abort_ids.add(request_id)
-            self._lock.notify_all()
-            return True
-
-    def abort_all(self) -> list[str]:
-        with self._lock:
-            ids = list(self._active_ids - self._probe_ids)
-            self._abort_ids.update(ids)
-            self._lock.notify_all()
-            return ids
-
     def was_finished(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._finished_ids
@@ -214,7 +169,7 @@ class Engine(EngineKvMixin, EngineLoraMixin, EngineLoopMixin):
     @property
     def has_unfinished_requests(self) -> bool:
         with self._lock:
-            return bool(self._active_ids)
+            return bool(self._active_ids or self._accepting)
 
     def stats(self) -> EngineStats:
         """A snapshot taken when the running step chose its batch (else at the end of the last

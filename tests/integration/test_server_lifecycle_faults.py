@@ -136,3 +136,45 @@ def test_a_stream_cut_off_by_the_drain_reports_the_tokens_it_was_sent(tmp_path: 
         assert last.usage.total_tokens == last.usage.prompt_tokens + sent
     finally:
         server.stop()
+
+
+SLOW_ACCEPTANCE = """
+import time
+from refengine.engine import input_processor
+_process = input_processor.InputProcessor.process
+def slow_process(self, params):
+    if params.request_id.startswith("slow-"):  # as a large grammar compiling (on a worker thread)
+        time.sleep(1.5)
+    return _process(self, params)
+input_processor.InputProcessor.process = slow_process
+"""
+
+
+@pytest.mark.parametrize("target", ["request_id", "all_requests"])
+def test_an_abort_during_acceptance_cancels_the_request(tmp_path: Path, target: str) -> None:
+    """A2/A3/A4, found by review: an Abort that arrived while a request was still being accepted
+    (its grammar compiling) answered NOT_FOUND (ALREADY_FINISHED for all_requests), and the request
+    then ran to its end. Now it is ABORTED, and the stream ends CANCELLED once the request is in."""
+    server = start_server(tmp_path / "server.log", "--max-model-len", "512", "--num-kv-blocks", "64",
+                          patch=SLOW_ACCEPTANCE)
+    try:
+        with server.client() as client:
+            events: list[oe.GenerateResponse] = []
+            request = oe.GenerateRequest(request_id="slow-1", prompt="Tell me a story.")
+            request.stopping.max_tokens, request.stopping.ignore_eos = 200, True
+            request.guided.regex = "[a-z ]+"  # a guided request is accepted on a worker thread
+            stream = threading.Thread(target=lambda: events.extend(client.generate(request, timeout=60)))
+            stream.start()
+            time.sleep(0.5)  # the Generate is on the server, still being accepted
+            abort = oe.AbortRequest(request_id="slow-1") if target == "request_id" else \
+                oe.AbortRequest(all_requests=oe.AllRequests())
+            answer = client.control.Abort(abort, timeout=10)
+            stream.join(60)
+            load = client.load()
+        assert answer.status == oe.ABORT_STATUS_ABORTED, answer
+        finished = [e.finished for e in events if e.WhichOneof("event") == "finished"]
+        assert [f.reason for f in finished] == [oe.FINISH_REASON_CANCELLED], events[-3:]
+        assert events[-1].usage.completion_tokens < 200
+        assert load.running_requests == load.queued_requests == load.used_kv_blocks == 0
+    finally:
+        server.stop()

@@ -67,7 +67,7 @@ def test_health_probes_never_take_a_client_slot(tiny) -> None:  # noqa: F811
     PROBE_SLOTS of their own beside them."""
     from dataclasses import replace
 
-    from refengine.engine.engine import PROBE_SLOTS
+    from refengine.engine.engine_accept import PROBE_SLOTS
     from refengine.types import OverloadedError
 
     engine = make_engine(tiny)
@@ -84,3 +84,45 @@ def test_health_probes_never_take_a_client_slot(tiny) -> None:  # noqa: F811
     finally:
         engine.shutdown()
 
+
+
+def test_a_request_being_accepted_counts_as_active(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """While ``add_request`` processes a request (tokenizing, compiling its grammar), its id is
+    taken (a duplicate is refused), it counts against --max-active-requests, and an abort of it
+    is kept: the request is cancelled once it is in (found by review: the abort was lost)."""
+    import threading
+    from dataclasses import replace
+
+    from refengine.types import DuplicateRequestError, FinishReason, OverloadedError
+
+    engine = make_engine(tiny)
+    engine.config = replace(engine.config, scheduler=replace(engine.config.scheduler, max_active_requests=1))
+    entered, release = threading.Event(), threading.Event()
+    process = engine.input_processor.process
+
+    def slow(params):  # noqa: ANN001, ANN202
+        entered.set()
+        release.wait(10)
+        return process(params)
+
+    monkeypatch.setattr(engine.input_processor, "process", slow)
+    streams = []
+    adding = threading.Thread(target=lambda: streams.append(engine.add_request(greedy("slow", prompt(0, 8),
+                                                                                      max_tokens=50))))
+    engine.start()
+    try:
+        adding.start()
+        assert entered.wait(10)
+        with pytest.raises(DuplicateRequestError):
+            engine.add_request(greedy("slow", prompt(1, 8), max_tokens=1))
+        with pytest.raises(OverloadedError):
+            engine.add_request(greedy("other", prompt(2, 8), max_tokens=1))
+        assert engine.has_unfinished_requests and engine.abort("slow")
+        release.set()
+        adding.join(10)
+        completion = streams[0].result(timeout=30)
+        assert completion.outputs[0].finish.reason is FinishReason.CANCELLED
+        assert len(completion.outputs[0].token_ids) < 50 and engine.core.pool.num_used == 0
+    finally:
+        release.set()
+        engine.shutdown()
