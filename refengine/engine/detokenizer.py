@@ -138,10 +138,12 @@ class IncrementalDetokenizer:
         #: The window of the last text that several tokens made together: (ids, read offset,
         #: prefix text), for ``token_ends``; None when the last text came from one token.
         self._run: tuple[list[int], int, str] | None = None
+        self._num_added = 0  # tokens added: the output's number of the last one
 
     def add_token(self, token_id: int) -> str:
         """Append one output token; return the text that became stable (maybe "")."""
         self._ids.append(token_id)
+        self._num_added += 1
         self.num_chars_before_last = 0
         self._run = None
         byte = self._byte_values.get(token_id)
@@ -210,18 +212,38 @@ class IncrementalDetokenizer:
         decode per token of the run: called only where an excluded stop string may cut it."""
         if self._run is None:
             return None
-        ids, start, prefix = self._run
-        whole = decode(self._tokenizer, ids)
-        ends: list[int | None] = []
-        for upto in range(start + 1, len(ids)):
-            partial = decode(self._tokenizer, ids[:upto])
-            reads = partial.startswith(prefix) and whole.startswith(partial)
-            ends.append(len(partial) - len(prefix) if reads else None)
-        ends.append(len(whole) - len(prefix))
+        ends = self._readable_ends(*self._run, len(self._run[0]))
         for i in range(len(ends) - 2, -1, -1):
             if ends[i] is None:
                 ends[i] = ends[i + 1]
         return tuple(end for end in ends if end is not None)
+
+    def chars_of_first(self, num_tokens: int, held: bool = False) -> int | None:
+        """Of the last text returned (``held``: of ``peek``'s), the characters that the output's
+        first ``num_tokens`` tokens completed; None when all of it is theirs. ``min_tokens``: no
+        stop string may end there, also where a byte run releases their text later (found by
+        review: stop "\n" as a first ``<0x0A>`` token ended an output with min_tokens 1)."""
+        window = (self._ids, self._read_offset, self._prefix_text) if held else self._run
+        size = len(window[0]) - window[1] if window is not None else 1
+        inside = num_tokens - (self._num_added - size)  # of the window's tokens, those among the first
+        if inside >= size:
+            return None
+        if inside <= 0 or window is None:
+            return 0
+        ends = self._readable_ends(*window, window[1] + inside)
+        return max((end for end in ends if end is not None), default=0)
+
+    def _readable_ends(self, ids: list[int], start: int, prefix: str, upto: int) -> list[int | None]:
+        """For each token of ``ids[start:upto]``: where the text of the tokens up to it ends in the
+        window's text (after ``prefix``), when that text reads as the start of the window's; None
+        for a piece of a character."""
+        whole = decode(self._tokenizer, ids)
+        ends: list[int | None] = []
+        for end in range(start + 1, upto + 1):
+            partial = whole if end == len(ids) else decode(self._tokenizer, ids[:end])
+            reads = end == len(ids) or (partial.startswith(prefix) and whole.startswith(partial))
+            ends.append(len(partial) - len(prefix) if reads else None)
+        return ends
 
     def flush(self) -> str:
         """At finish: release whatever was held back (U+FFFD where bytes never completed)."""
@@ -255,6 +277,9 @@ class NoTextDetokenizer:
 
     def token_ends(self) -> tuple[int, ...] | None:
         return None
+
+    def chars_of_first(self, num_tokens: int, held: bool = False) -> int | None:
+        return 0
 
     def flush(self) -> str:
         return ""

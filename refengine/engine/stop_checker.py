@@ -15,7 +15,8 @@ Per sampled token the engine calls ``process_token`` (below), which does, in ord
    the output. A stop string found in this step's text wins over a stop token /
    LENGTH decided by the same token, since it ends at or before that token. Like stop
    tokens, a stop string completed by one of the first ``min_tokens`` tokens does not
-   stop the output (vLLM's and SGLang's choice; G15 names only EOS and stop tokens).
+   stop the output, also when a byte run releases their text later (vLLM's and SGLang's
+   choice; G15 names only EOS and stop tokens).
 4. When the output ends for another reason, held-back text is released.
 
 Which stop string matches: the first one to be *completed* reading the text left
@@ -117,12 +118,10 @@ class StopChecker:
         self._held = ""  # == the text the state spells
         self._matched = False
         self._drop_token = False
-        self._strings_active = self._min_tokens == 0  # may a stop string end the output with this token
 
     def check_token(self, token_id: int, num_output_tokens: int) -> FinishInfo | None:
-        """Called after each sampled token (``num_output_tokens`` includes it), before its text."""
-        self._strings_active = num_output_tokens > self._min_tokens
-        if self._strings_active:
+        """Called after each sampled token (``num_output_tokens`` includes it)."""
+        if num_output_tokens > self._min_tokens:
             finish = None
             if token_id in self._stop_token_ids:
                 finish = FinishInfo(FinishReason.STOP, stop_token_id=token_id)
@@ -148,25 +147,32 @@ class StopChecker:
         return self._include_stop
 
     @property
+    def min_tokens(self) -> int:
+        return self._min_tokens
+
+    @property
     def should_drop_stop_token(self) -> bool:
         """Whether the stop token / EOS that ``check_token`` just matched is kept out of
         tokens and text (``include_stop_in_output`` false)."""
         return self._drop_token
 
-    def feed_text(self, new_text: str) -> tuple[str, FinishInfo | None]:
+    def feed_text(self, new_text: str, protected: int | None = 0) -> tuple[str, FinishInfo | None]:
         """Feed the next text delta; return the text now safe to emit, and the finish
         when a stop string completed in it (the emitted text then ends with the stop
-        string when included, else right before it)."""
+        string when included, else right before it). No match ends in the first
+        ``protected`` characters of ``new_text`` (None: in none of it): the text of the
+        first ``min_tokens`` tokens."""
         if self._matched:
             return "", None
         if self._automaton is None:
             return new_text, None
         automaton, state, match = self._automaton, self._state, self._automaton.match
         text = self._held + new_text
+        first_open = len(text) if protected is None else len(self._held) + protected
         for i, ch in enumerate(new_text, start=len(self._held)):
             state = automaton.step(state, ch)
             stop = match[state]
-            if stop is not None and self._strings_active:
+            if stop is not None and i >= first_open:
                 self._matched, self._held = True, ""
                 end = i + 1 if self._include_stop else i + 1 - len(stop)
                 return text[:end], FinishInfo(FinishReason.STOP, stop_text=stop)
@@ -180,14 +186,14 @@ class StopChecker:
         """Whether the output has stop strings to match (a held byte run is decoded early only then)."""
         return self._automaton is not None
 
-    def would_match(self, new_text: str) -> bool:
-        """Whether feeding ``new_text`` would complete a stop string (no state changes)."""
-        if self._matched or self._automaton is None or not self._strings_active:
+    def would_match(self, new_text: str, protected: int | None = 0) -> bool:
+        """Whether ``feed_text(new_text, protected)`` would complete a stop string (no state changes)."""
+        if self._matched or self._automaton is None or protected is None:
             return False
         automaton, state = self._automaton, self._state
-        for ch in new_text:
+        for i, ch in enumerate(new_text):
             state = automaton.step(state, ch)
-            if automaton.match[state] is not None:
+            if automaton.match[state] is not None and i >= protected:
                 return True
         return False
 
@@ -232,7 +238,8 @@ def process_token(
     # A held byte run that already completes a stop string: stop now. Ending the output here
     # makes the run's text final, so the match is exact (no later byte can change it).
     string_stop = (finish is None and keep_token and stop.has_strings and detokenizer.holds_text
-                   and detokenizer.ended_character and stop.would_match(text + detokenizer.peek_final()))
+                   and detokenizer.ended_character
+                   and stop.would_match(text + detokenizer.peek_final(), _protected(stop, detokenizer, held=True)))
     if (finish is not None or string_stop) and (flushed := detokenizer.flush()):
         text += flushed
         before = len(text)  # the run may reach into the flushed text: it ends with the output
@@ -241,9 +248,15 @@ def process_token(
     # tokens all ended with the run, so the stop dropped those of the text it kept too).
     cuts = stop.has_strings and not stop.include_stop_in_output and bool(text) and not pending
     ends = detokenizer.token_ends() if cuts else None
-    emitted, string_finish = stop.feed_text(text)
+    emitted, string_finish = stop.feed_text(text, _protected(stop, detokenizer) if text else 0)
     if string_finish is not None:
         return TokenStep(keep_token, emitted, string_finish, len(text), pending, before, ends)
     if finish is not None:
         emitted += stop.finish_text()
     return TokenStep(keep_token, emitted, finish, len(text), pending, before, ends)
+
+
+def _protected(stop: StopChecker, detokenizer: IncrementalDetokenizer | NoTextDetokenizer,
+               held: bool = False) -> int | None:
+    """Of the text released (``held``: still held), the characters the first ``min_tokens`` tokens made."""
+    return detokenizer.chars_of_first(stop.min_tokens, held) if stop.min_tokens and stop.has_strings else 0

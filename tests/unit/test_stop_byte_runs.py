@@ -147,3 +147,23 @@ def test_a_replacement_character_stop_string_waits_for_a_character_split_across_
     tokens, text, finish = sent(StoppingParams(stop_strings=("\ufffd",)), out, tokenizer)
     assert finish.stop_text is None and text == "Hi 😀 there, bye now"
     assert decode(tokenizer, tokens) == text
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_min_tokens_protects_the_text_of_its_tokens_that_a_byte_run_releases_later(include: bool) -> None:
+    """Found by review: "\\n" is the byte token <0x0A>; as the first token, with min_tokens 1 and stop
+    "\\n", its text came with token 2, past min_tokens, and the output stopped there, empty. A stop
+    string completed by one of the first min_tokens tokens never ends the output, whichever token
+    releases its text; one completed by a later token of the same run does."""
+    words = TOKENIZER.encode("the end", add_special_tokens=False)
+    stopping = StoppingParams(stop_strings=("\n",), min_tokens=1, include_stop_in_output=include)
+    _, text, finish = sent(stopping, _byte_ids("\n") + words, TOKENIZER)
+    assert finish.stop_text is None and text == decode(TOKENIZER, _byte_ids("\n") + words)
+    later = _byte_ids("\n\n") + words  # the 2nd "\n" is token 2: past min_tokens, in the same run
+    tokens, text, finish = sent(stopping, later, TOKENIZER)
+    assert finish.stop_text == "\n" and text == ("\n\n" if include else "\n")
+    assert decode(TOKENIZER, tokens) == text
+    accent = _byte_ids("é") + words  # é is completed by token 2 of 2 bytes
+    for min_tokens, stops in ((2, False), (1, True)):
+        _, _, finish = sent(StoppingParams(stop_strings=("é",), min_tokens=min_tokens), accent, TOKENIZER)
+        assert (finish.stop_text == "é") is stops, (min_tokens, finish)
