@@ -487,3 +487,26 @@ def test_a_temperature_beyond_float32_stays_finite_beside_masked_tokens() -> Non
     expected = draws / (vocab - 1)
     assert sum((c - expected) ** 2 / expected for c in counts.values()) < CHI2_CRIT_001[7]  # 6 dof: looser bound
     assert all(math.isfinite(s.logprob) and s.logprob == pytest.approx(-math.log(vocab - 1), abs=1e-5) for s in out)
+
+
+@pytest.mark.parametrize("width", [2048, 3000, 32000, 49152])
+def test_the_blocked_greedy_argmax_equals_torch_max(width: int) -> None:
+    """``row_max`` (greedy rows on CPU, in blocks: torch's indexed max is a scalar loop there)
+    gives ``logits.max(-1)``'s ids: ties across blocks go to the lowest id, a short last block is
+    searched, and rows that are not finite are found. The oracle is torch's own ``max``."""
+    from refengine.sampling.sampler import row_max
+
+    generator = torch.Generator().manual_seed(width)
+    logits = torch.randn(48, width + 5, generator=generator)[:, :width]  # not contiguous, as a slice
+    top = logits.max() + 1
+    for row, columns in enumerate(torch.randint(0, width, (48, 3), generator=generator).tolist()):
+        if row % 2:  # ties: the same maximum in up to three blocks
+            logits[row, columns] = top
+    logits[40, -1] = top + 1  # the maximum in the last, possibly short, block
+    logits[41, :] = logits[41].to(torch.bfloat16).float()  # many exact ties
+    logits[42, 5], logits[43, 7], logits[44, :] = float("nan"), float("inf"), float("-inf")
+    expected_best, expected_ids = logits.max(-1)
+    best, ids = row_max(logits)
+    finite = torch.isfinite(expected_best)
+    assert torch.equal(torch.isfinite(best), finite)
+    assert torch.equal(best[finite], expected_best[finite]) and torch.equal(ids[finite], expected_ids[finite])
