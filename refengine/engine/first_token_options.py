@@ -18,8 +18,9 @@ draw or its reported info must match, else INVALID_ARGUMENT naming it:
 Stop strings, ``max_tokens`` and the rest of stopping apply on the decode side, to the first token
 too, and may differ. So may ``kv.cache_salt`` (a choice, questioned by review): the KV does not
 depend on it, and each server's salt scopes its own prefix cache only, so the decode server files
-the pulled blocks under the decode request's salt. The dict is JSON as a protobuf ``Struct`` carries it: the seed (up to 2^64)
-as a decimal string, everything else a number, string, list or null.
+the pulled blocks under the decode request's salt. The dict is JSON as a protobuf ``Struct``
+carries it: the seed (up to 2^64) as a decimal string, everything else a number, string, list or
+null.
 """
 
 from __future__ import annotations
