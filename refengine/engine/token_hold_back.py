@@ -42,6 +42,10 @@ class TokenHoldBack:
             assert token is not None, "a dropped token ends the output: nothing is pending after it"
             self._undecoded.append(token)
             return
+        if not self._undecoded:  # the common case, once per token: no run to place
+            if token is not None:
+                self._held.append((token, self._text_end))
+            return
         run = [*self._undecoded, *([token] if token is not None else [])]
         ends = token_ends if token_ends is not None and len(token_ends) == len(run) else \
             (*[num_chars_before] * len(self._undecoded), *([num_chars] if token is not None else []))
