@@ -117,16 +117,24 @@ def weight_files(hf_dir: Path) -> list[Path]:
     """The safetensors files holding the weights: the index's shards, else model.safetensors,
     else every ``*.safetensors`` except Mistral's duplicate ``consolidated*`` format."""
     refuse_pickle_only(hf_dir)
-    index = hf_dir / "model.safetensors.index.json"
-    if (hf_dir / "model.safetensors").is_file():  # transformers looks for it before the index
+    if (weight_map := _index_in_use(hf_dir)) is not None:
+        names = sorted(set(weight_map.values()))
+    elif (hf_dir / "model.safetensors").is_file():
         names = ["model.safetensors"]
-    elif index.is_file():
-        names = sorted(set(_index_weight_map(index).values()))
     else:
         names = sorted(p.name for p in hf_dir.glob("*.safetensors") if not p.name.startswith("consolidated"))
     if not names:
         raise ModelNotFoundError(f"{hf_dir} has no *.safetensors weights")
     return [hf_dir / name for name in names]
+
+
+def _index_in_use(hf_dir: Path) -> dict[str, str] | None:
+    """The index's tensor -> shard map where the weights are its shards: there is an index and no
+    ``model.safetensors`` (transformers looks for that first, so it wins over an index beside it)."""
+    index = hf_dir / "model.safetensors.index.json"
+    if (hf_dir / "model.safetensors").is_file() or not index.is_file():
+        return None
+    return _index_weight_map(index)
 
 
 def _index_weight_map(index: Path) -> dict[str, str]:
@@ -161,10 +169,8 @@ def load_weights(hf_dir: Path, dtype: torch.dtype = torch.float32,
             _read_weight_file(path, llava, prefixes, dtype, weights)
         except (OSError, SafetensorError) as exc:  # missing shard, truncated or garbage file
             raise UnsupportedModelError(f"{path}: cannot read the weights: {exc}") from exc
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file() and not (hf_dir / "model.safetensors").is_file():
-        expected = {_llava_name(n) if llava else n for n in _index_weight_map(index)
-                    if not n.endswith("rotary_emb.inv_freq")}
+    if (weight_map := _index_in_use(hf_dir)) is not None:
+        expected = {_llava_name(n) if llava else n for n in weight_map if not n.endswith("rotary_emb.inv_freq")}
         expected = {n for n in expected if prefixes is None or n.startswith(prefixes)}
         if missing := expected - weights.keys():
             raise UnsupportedModelError(f"{hf_dir}: shards lack {sorted(missing)[:5]} listed in the index")
