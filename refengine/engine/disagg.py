@@ -13,7 +13,9 @@ token from the attributes; a failed one ends the request with one ``EngineFault`
 request that ends before the core took its pull's end (cancelled mid-pull, or its pull ended
 during the step that cancels it) hands its blocks to a ``load:`` owner, released when the core
 takes that end: only then has the pull surely stopped writing (``base.KvTransferBackend``'s
-invariant), and its outcome is dropped, never applied to the ended request. Each pull has its
+invariant), and its outcome is dropped, never applied to the ended request; where it could not
+stop writing, the blocks it pulls into are withheld until restart, as for a request still
+receiving (``KvCacheManager.withhold``). Each pull has its
 own key: a request id is reusable once its stream ended, possibly while its cancelled
 namesake's pull still runs or waits for a transfer thread.
 """
@@ -134,7 +136,8 @@ class Disaggregation:
         self.backends = backends
         self.loads = KvLoads(backends, config.kv_transfer.num_transfer_threads, on_load_done, store.block_nbytes)
         self._receiving: dict[str, int] = {}  # request id -> its pull's key, until the core takes the pull's end
-        self._ended: dict[int, str] = {}  # pull key -> the owner of the blocks of its request, ended before that
+        #: pull key -> (the owner of the blocks of its request, ended before that; the first block it pulls)
+        self._ended: dict[int, tuple[str, int]] = {}
         self._unstoppable: set[str] = set()  # receiving requests whose pull may still write into their blocks
 
     def add_stats(self, stats: EngineStats) -> EngineStats:
@@ -185,13 +188,13 @@ class Disaggregation:
         was taken, else — while the pull may still write into them — handed to an owner until then."""
         request_id = out.seq.request_id
         key = self._receiving.pop(request_id, None)
+        first_pulled = out.seq.num_cached_tokens // self.kv.block_size  # the head: prefix-cache hits
         if request_id in self._unstoppable:  # a write into them may still land: never reuse them
             self._unstoppable.discard(request_id)
-            first_pulled = out.seq.num_cached_tokens // self.kv.block_size  # the head: prefix-cache hits
             self.kv.withhold(out.seq, self._owner_name("quarantine", request_id), first_pulled)
         elif key is not None:
-            self._ended[key] = self._owner_name("load", request_id)
-            self.kv.transfer(out.seq, self._ended[key])
+            self._ended[key] = (self._owner_name("load", request_id), first_pulled)
+            self.kv.transfer(out.seq, self._ended[key][0])
             self.loads.cancel(key)
         else:
             self.kv.free(out.seq)
@@ -210,14 +213,16 @@ class Disaggregation:
             may_change = failure is not None and failure.dest_may_change
             if may_change:
                 logger.error("request %s: KV blocks withheld from reuse until restart: %s", request_id, failure)
-            owner = self._ended.pop(key, None)
-            if owner is None:  # its request still receives: the core applies the outcome
+            ended = self._ended.pop(key, None)
+            if ended is None:  # its request still receives: the core applies the outcome
                 del self._receiving[request_id]
                 if may_change:
                     self._unstoppable.add(request_id)  # the core ends it now: cancel_receiving withholds them
                 finished.append((request_id, failure))
-            elif not may_change:  # its request ended: free them (a write may still land: their owner keeps them)
-                self.kv.release(owner)
+            elif may_change:  # its request ended first: its owner keeps the tail for good, counted as withheld
+                self.kv.withhold_held(*ended)  # (found by review: it was held, uncounted, so the pool looked whole)
+            else:  # its request ended first: free them
+                self.kv.release(ended[0])
         return finished
 
 

@@ -166,12 +166,18 @@ class KvCacheManager:
         free those before it: a write from outside the engine (a transfer that could not be
         stopped) may still land in the tail, so it is never reused; the head (prefix-cache hits)
         is not written by it. The pool's usable size shrinks by the tail for good."""
-        head = seq.block_table[:first_block_index]
-        seq.block_table = seq.block_table[first_block_index:]
+        self.transfer(seq, owner)
+        return self.withhold_held(owner, first_block_index)
+
+    def withhold_held(self, owner: str, first_block_index: int) -> tuple[int, ...]:
+        """``withhold`` for blocks ``owner`` already holds (a sequence ``transfer``-ed to it before
+        the write that may still land was known): frees the head, keeps the tail, for good."""
+        held = self.held_block_ids(owner)
+        head, tail = held[:first_block_index], held[first_block_index:]
         self.pool.free(reversed(head))
-        held = self.transfer(seq, owner)
-        self.num_withheld_blocks += len(held)
-        return held
+        self._holdings[owner] = tail
+        self.num_withheld_blocks += len(tail)
+        return tail
 
     @property
     def num_usable_blocks(self) -> int:

@@ -1,0 +1,72 @@
+"""A decode request cancelled while its pull runs, whose pull then cannot stop writing
+(``TransferFailure.dest_may_change``): its blocks are withheld until restart, and counted so.
+
+Found by review: ``cancel_receiving`` handed the blocks to a ``load:`` owner and, when the pull
+ended unstoppable, that owner kept them for good without ``num_withheld_blocks`` knowing. The
+scheduler's check for a request the pool can never hold (``num_usable_blocks``) then saw the
+whole pool, so such a request waited at the head of the queue forever, and every request behind
+it. The prefix-cache head, which the pull never writes, was held for good too.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import replace
+
+from refengine.kv.transfer.base import PullOrder, TransferFailure
+from refengine.types import KvParams
+from tests.unit.test_disagg_engine import BLOCK, VOCAB, InProcessPull, make_engine, request, run, tiny  # noqa: F401
+
+
+class UnstoppableOnceCancelled(InProcessPull):
+    """The second pull waits for its cancel, then ends as a pull whose READ still runs."""
+
+    def __init__(self, source) -> None:  # noqa: ANN001
+        super().__init__(source)
+        self.stuck = threading.Event()
+
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        if self.num_pulls == 1:
+            self.num_pulls += 1
+            self.stuck.set()
+            cancelled.wait(30)
+            raise TransferFailure("failed", "cancelled: the READ still runs", dest_may_change=True)
+        super().pull(order, cancelled)
+
+
+def test_a_cancelled_pull_that_cannot_stop_withholds_its_blocks(tiny) -> None:  # noqa: F811
+    prefill = make_engine(tiny, "prefill")
+    backend = UnstoppableOnceCancelled(prefill)
+    decode = make_engine(tiny, "decode", backend, num_blocks=10)
+    prefill.start()
+    decode.start()
+    rng = random.Random(3)
+    head = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK)]
+    try:
+        def disaggregated(rid: str, prompt: list[int], max_tokens: int):  # noqa: ANN202
+            params = request(rid, prompt, None, 0.0, max_tokens=max_tokens)
+            return decode.add_request(replace(params, kv=KvParams(session=run(prefill, params).prefill)))
+
+        assert disaggregated("cached", head, 2).result(30).error is None  # its 3 blocks stay cached
+        stuck = disaggregated("stuck", head + [rng.randrange(3, VOCAB) for _ in range(4 * BLOCK)], 2)
+        assert backend.stuck.wait(30)
+        decode.abort("stuck")
+        assert stuck.result(30).outputs[0].finish.reason.value == "cancelled"
+        deadline = time.monotonic() + 10
+        while decode.core.kv.num_withheld_blocks == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)  # the pull's end is taken between steps
+        kv = decode.core.kv
+        assert kv.owners == ("load:stuck",)
+        assert kv.num_withheld_blocks == 4 and kv.num_usable_blocks == 6, "the 4 pulled blocks, not the head"
+        assert decode.stats().used_kv_blocks == 4
+        too_long = disaggregated("long", [rng.randrange(3, VOCAB) for _ in range(30)], 8)  # 10 blocks > 6
+        behind = disaggregated("behind", [rng.randrange(3, VOCAB) for _ in range(8)], 4)
+        ended = too_long.result(10)
+        assert ended.error is not None and ended.error.code == "overloaded" and ended.error.retryable, ended
+        assert behind.result(10).error is None
+        decode.core.check_idle()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
