@@ -2,7 +2,8 @@
 
 Output 0's sequence will compute the prompt; outputs 1 … n-1 wait for it with sequences
 of their own (same tokens, no blocks) and fork when it is computed. Each output owns its
-detokenizer, stop checker, token hold-back, sampling generator and grammar matcher.
+detokenizer, stop checker, token hold-back, grammar matcher and, when seeded, sampling
+generator.
 """
 
 from __future__ import annotations

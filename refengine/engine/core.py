@@ -17,8 +17,8 @@ Roles (``disagg.py``): before scheduling, a prefill engine frees its due KV sess
 a decode engine applies its finished pulls; a prefill engine ends a request at its first
 token with a session instead of emitting the token. A request whose media are embedding
 handles waits outside the scheduler until its rows are pulled (``media_pulls.py``).
-Nothing below calls back up, and only this module changes request state; the front end
-(``engine.py``) feeds it.
+Nothing below calls back up. Only the core changes request state (with the helpers it calls:
+``core_inflow.py``, ``output_processor.py``, the scheduler); ``engine.py`` feeds it.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-KvEventSink = Callable[[list[KvEvent]], None]  # called on the step thread, once per step with events
+KvEventSink = Callable[[list[KvEvent]], None]  # under the step lock, once per step with events
 
 
 @dataclass
@@ -113,7 +113,7 @@ class EngineCore(CoreInflowMixin):
 
     # -- admission and abort -----------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Admit: all ``num_sequences`` outputs exist from here; output 0's sequence is scheduled."""
+        """Admit: all ``num_sequences`` outputs exist; output 0's sequence is scheduled (or once media are pulled)."""
         request.outputs = make_outputs(request, self.tokenizer, self.eos_token_ids, self.model_fingerprint)
         self.requests[request.request_id] = request
         if request.wants_prompt_logprobs:

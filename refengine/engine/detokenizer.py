@@ -106,14 +106,15 @@ class IncrementalDetokenizer:
     Invariants:
     - Once ``flush`` was called, the concatenation of all deltas is the text the
       output adds after the prompt: ``decode(ctx + out)[len(decode(ctx)):]`` where
-      ``ctx`` is the prompt's last ``CONTEXT_TOKENS`` ids, or empty when the prompt
-      does not end at a stable boundary. For byte-level BPE (SmolLM2, Llama 3) this
-      equals ``decode(out)``; for SentencePiece it differs from ``decode(out)`` only
-      by keeping the first output token's leading space, which is the point.
+      ``ctx`` is the prompt's last ``CONTEXT_TOKENS`` ids, or, when the prompt does not
+      end at a stable boundary, the tokenizer's neutral context ("a"; empty without one).
+      For byte-level BPE (SmolLM2, Llama 3) this equals ``decode(out)``; for SentencePiece
+      it differs from ``decode(out)`` only by keeping the first output token's leading
+      space, which is the point.
     - A delta from ``add_token`` never ends in U+FFFD and never changes later:
       text that may still change is held back until it is stable or ``flush``.
     - Cost per token: two decodes of a short window (ids since the last stable
-      boundary but one), never of the whole output.
+      boundary but one; three when held tokens are released), never of the whole output.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int]) -> None:

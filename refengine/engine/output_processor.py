@@ -4,7 +4,8 @@ and the ``SequenceDelta`` to emit.
 
 It touches only request state (``Request`` / ``OutputState``) and calls nothing
 back: finishing an output, freeing its KV and forking are the engine core's
-``update_from_output``, which calls this.
+``update_from_output``, which calls this (as does ``core_inflow._attach_received_kv`` for a
+decode engine's first token).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """A request's state inside the engine core: its ``num_sequences`` outputs, each with
-its own sequence, detokenizer, stop checker, token hold-back and sampling generator.
+its own sequence, detokenizer, stop checker, token hold-back and, when seeded, sampling
+generator.
 
 All outputs exist from admission. Output 0's sequence computes the prompt; outputs
 1 … n-1 wait (``WAITING_FOR_PROMPT``) with sequences of their own that are not yet
@@ -40,7 +41,7 @@ def output_generator(seed: int | None, index: int) -> torch.Generator | None:
 
 class OutputStatus(enum.Enum):
     WAITING_FOR_PROMPT = "waiting_for_prompt"  # index > 0: forks once output 0's prompt is computed
-    ACTIVE = "active"  # its sequence is in the scheduler (waiting or running there)
+    ACTIVE = "active"  # its sequence is in the scheduler (waiting, running, receiving) or awaits media pulls
     FINISHED = "finished"  # ``finish`` is set; its sequence holds no KV
 
 

@@ -6,7 +6,8 @@ the budget allows (a decode takes 1, a prefill chunk takes the rest). When the p
 cannot hold a running sequence's next tokens, the lowest-priority, newest running
 sequence is preempted by recompute: its blocks are freed and it goes back to the
 waiting queue with its tokens, to be recomputed later (mostly from the prefix
-cache). New sequences are admitted in priority order, FCFS within a priority, only
+cache); one that cannot be recomputed here (``Sequence.recomputable``) is ended
+instead (``SchedulerOutput.lost``). New sequences are admitted in priority order, FCFS within a priority, only
 when no preemption happened this step, and never past the head of the queue, so
 admission is fair and cannot deadlock: every admitted sequence fits the pool
 alone (the engine rejects those that never could, and the scheduler ends those that no

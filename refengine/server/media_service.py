@@ -1,6 +1,7 @@
 """``refengine.v1alpha1.Media`` (draft profile ``encoder``): served by an encoder server only.
 
-Every RPC runs the engine's work on a worker thread (encoding is compute). Failures are a
+Encode and Release run the engine's work on a worker thread (encoding is compute); RenewLease,
+a lease update, runs on the event loop. Failures are a
 non-OK status only: a bad item or lease → INVALID_ARGUMENT with the reason (the same checks as
 ``GenerateRequest.media``), no room → RESOURCE_EXHAUSTED, an unknown model → NOT_FOUND, a
 gone handle on RenewLease → NOT_FOUND, a server that is not an encoder → UNIMPLEMENTED, still
