@@ -15,7 +15,8 @@ Failures (ENC13): a handle the encoder no longer holds (released, expired, encod
 or an unreachable encoder → ``kv_transfer_failed``, not retryable (the unchanged request
 names a handle that is gone); a timeout or a corrupt chunk while the encoder may still hold
 the handle → retryable, unless another handle of the request was pulled (and so consumed)
-before it. Staging rows a READ may still write into are never reused.
+before it. Staging rows a READ may still write into are never reused, and are counted: a handle
+that no longer fits the rows left fails at once (retryable: on another replica).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class MediaPulls:
         self.pulled_bytes = 0
         self.pull_seconds = 0.0
         self._rows = RowPool(staging.num_rows)
-        self._rows_freed = threading.Condition()  # guards _rows
+        self._rows_freed = threading.Condition()  # guards _rows and _withheld
+        self._withheld = 0  # staging rows a READ may still write into: never given out again
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="refengine-media-pull")
         self._on_done = on_done
         self._lock = threading.Lock()
@@ -138,10 +140,12 @@ class MediaPulls:
                 logger.error("staging rows of handle %s withheld from reuse: %s", handle.handle_id, failure)
             raise
         finally:
-            if not keep_rows:
-                with self._rows_freed:
+            with self._rows_freed:
+                if keep_rows:
+                    self._withheld += len(rows)
+                else:
                     self._rows.free(rows)
-                    self._rows_freed.notify_all()
+                self._rows_freed.notify_all()
 
     def _take_rows(self, count: int, cancelled: threading.Event) -> tuple[int, ...]:
         if count > self._rows.total_rows:
@@ -150,6 +154,10 @@ class MediaPulls:
         deadline = time.monotonic() + self.timeout_seconds
         with self._rows_freed:
             while (rows := self._rows.allocate(count)) is None:
+                if count > (usable := self._rows.total_rows - self._withheld):
+                    raise TransferFailure("failed", f"{count} rows do not fit the {usable} staging rows left "
+                                          f"({self._withheld} withheld until restart: a transfer could not stop "
+                                          "writing into them): retry on another replica", retryable=True)
                 left = deadline - time.monotonic()
                 if cancelled.is_set() or left <= 0:
                     raise TransferFailure("failed", "cancelled" if cancelled.is_set() else
