@@ -87,8 +87,12 @@ class MediaPulls:
         self._executor.submit(self._run, key, request_id, unique, cancelled, trace)
 
     def cancel(self, request_id: str) -> None:
+        """The request ended: stop its pull, and drop its end if the pull already finished (found by
+        review: a request ended between steps left that end queued, and a new request reusing the id
+        was handed the old rows, or the old failure)."""
         with self._lock:
             event = self._cancel.get(self._current.pop(request_id, -1))
+            self._finished = [end for end in self._finished if end[0] != request_id]
         if event is not None:
             event.set()
 
