@@ -163,8 +163,10 @@ class Engine(EngineAcceptMixin, EngineKvMixin, EngineLoraMixin, EngineLoopMixin)
             return request_id in self._finished_ids
 
     def ended_by_abort(self, request_id: str) -> bool | None:
-        with self._lock:
-            return self._finished_ids.get(request_id)
+        with self._lock:  # one read: a request leaves _active_ids and enters _finished_ids together
+            if request_id in self._accepting or request_id in self._active_ids:
+                return None
+            return self._finished_ids.get(request_id, False)
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -12,7 +12,9 @@ then ran to its end):
    recorded on the reservation and now joins the aborts: the step that admits the request
    cancels it (A4: ``CANCELLED``, its KV freed).
 
-A refusal in step 2 drops the reservation; nothing else was allocated.
+A refusal in step 2 drops the reservation; nothing else was allocated, and an abort recorded
+on it finds no request (``ended_by_abort``: False at once, found by review: it waited out the
+abort confirmation and answered ABORTED).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class EngineAcceptMixin:
         with self._lock:
             self._check_room(params)
             self._accepting[request_id] = (params.health_probe, False)
+            # A namesake that finished earlier no longer answers for this id (found by review: an
+            # Abort during acceptance answered ALREADY_FINISHED from it, yet cancelled this one).
+            self._finished_ids.pop(request_id, None)
         try:
             request = self.input_processor.process(params)
         except BaseException:
@@ -55,7 +60,6 @@ class EngineAcceptMixin:
                 self._probe_ids.add(request_id)
             if aborted:
                 self._abort_ids.add(request_id)
-            self._finished_ids.pop(request_id, None)
             self._inbox.append(request)
             self._new_sinks[request_id] = sink or stream
             self._lock.notify_all()

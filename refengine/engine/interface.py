@@ -66,8 +66,9 @@ class EngineClient(Protocol):
         """Whether ``request_id`` finished recently (a bounded window)."""
 
     def ended_by_abort(self, request_id: str) -> bool | None:
-        """For a request that finished recently: whether an abort ended it (an output CANCELLED),
-        rather than its own stop; None while it runs, or when it is not known."""
+        """None while the request is being accepted or runs; once it finished (recently): whether
+        an abort ended it (an output CANCELLED) rather than its own stop; False when it is not
+        known (never accepted, refused during acceptance, or finished too long ago)."""
 
     @property
     def has_unfinished_requests(self) -> bool: ...

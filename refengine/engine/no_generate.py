@@ -31,7 +31,7 @@ class NoGenerate:
         return False
 
     def ended_by_abort(self, request_id: str) -> bool | None:
-        return None
+        return False  # no request is ever known here
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -262,7 +262,8 @@ async def _cancelled_by(engine: EngineClient, request_id: str) -> bool:
     """After an accepted abort: whether it ended the request (A4), rather than the request's own
     stop in the step already running (its last token): then the answer is ALREADY_FINISHED, not
     ABORTED. Waits for the engine's final output, at most ABORT_CONFIRM_SECONDS (then ABORTED:
-    the abort stands, and the stream will end CANCELLED)."""
+    the abort stands, and the stream will end CANCELLED); a request refused while being accepted
+    has none: False at once (the caller answers NOT_FOUND)."""
     deadline = time.monotonic() + ABORT_CONFIRM_SECONDS
     while (ended := engine.ended_by_abort(request_id)) is None and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
