@@ -98,6 +98,8 @@ async def subscribe(state: ServerState, request: oe.SubscribeKvEventsRequest,
         return
     live = _Live(ready)
     state.kv_subscribers.add(live)
+    if state.drain_deadline_passed:  # the drain ended the others already (found by review: one made
+        live.drain()  # after that pass stayed open, and the drain's flush waited its whole bound for it)
     try:
         await _stream(sub, live, context, storage_medium(engine.info.device), state.options.stall_timeout_seconds)
     finally:
