@@ -127,6 +127,7 @@ class Engine(EngineAcceptMixin, EngineKvMixin, EngineLoraMixin, EngineLoopMixin)
         self._num_taken = 0  # requests the running step took from the inbox, until it scheduled
         self._loop_thread: threading.Thread | None = None
         self._stopping = False
+        self._shut_down = False  # ``shutdown`` closed the worker pools (grammar, pulls): no restart
         self._woken = False  # a wake since the last step began (e.g. a cancelled pull to clean up)
         self._stalled = False  # the last step ran nothing: wait for a wake (or poll), not spin
         self._stopped_callbacks: list[Callable[[str], None]] = []  # on_stopped's

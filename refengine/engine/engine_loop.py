@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from refengine.types import EngineFault, RequestOutput
+from refengine.types import EngineFault, EngineStoppedError, RequestOutput
 
 if TYPE_CHECKING:
     from refengine.engine.engine import Engine
@@ -29,7 +29,11 @@ STALLED_POLL_SECONDS = 0.05  # a loop with requests but nothing to run looks aga
 
 class EngineLoopMixin:
     def start(self: Engine) -> None:
-        """Run ``step`` on a background thread whenever there is work."""
+        """Run ``step`` on a background thread whenever there is work. An engine stopped by a fault
+        may start again; one that was ``shutdown`` may not (found by review: its grammar compiler
+        and pull executors are closed, so a restarted engine failed every guided request)."""
+        if self._shut_down:
+            raise EngineStoppedError("the engine was shut down and cannot be restarted: make a new one")
         if self._loop_thread is not None:
             return
         self._stopping = False
@@ -63,6 +67,7 @@ class EngineLoopMixin:
         if self.core.media_pulls is not None:
             self.core.media_pulls.shutdown()
         self.guides.close()
+        self._shut_down = True
 
     def _loop(self: Engine) -> None:
         self.core.runner.use_device()
