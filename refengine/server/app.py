@@ -254,4 +254,5 @@ class Server:
             # Read by the drain tests: after a drain every KV block is free or cached.
             logger.info("KV pool at exit: %d used, %d cached, %d total blocks",
                         stats.used_kv_blocks, stats.cached_kv_blocks, stats.total_kv_blocks)
+        self.state.slow_work.shutdown()
         logger.info("stopped")

@@ -105,7 +105,7 @@ class InferenceServicer(oe.InferenceServicer):
         the grammar engines release the GIL). A client that goes away meanwhile leaves nothing
         behind: its request is aborted as soon as it is accepted. Its stream ended at once, so
         its id is retiring from then on (G2)."""
-        adding = asyncio.ensure_future(asyncio.to_thread(engine.add_request, params, bridge.sink))
+        adding = self.state.slow_work.run(engine.add_request, params, bridge.sink)  # never queues KvPull reads
         try:
             await asyncio.shield(adding)
         except asyncio.CancelledError:

@@ -24,6 +24,7 @@ from refengine.server.media_wire import handle_to_pb
 from refengine.server.state import ServerState
 from refengine.server.unary import run_unary
 from refengine.server.validation import check_model
+from refengine.server.workers import SlowWork
 from refengine.types import EmbeddingHandleSpec, MediaInput
 
 
@@ -49,7 +50,7 @@ class MediaServicer(media_grpc.MediaServicer):
                 check_model(request.model, self.state.caps)
             lease = request.lease_seconds if request.HasField("lease_seconds") else None
             items = [media_input(item) for item in request.items]
-            handles = await _encode_owned(engine, items, lease, request.cache_salt)
+            handles = await _encode_owned(self.state.slow_work, engine, items, lease, request.cache_salt)
             return media.EncodeResponse(handles=[handle_to_pb(h, self.state.kv_endpoints) for h in handles])
 
         return await self._run(context, build)
@@ -73,12 +74,12 @@ class MediaServicer(media_grpc.MediaServicer):
         return await self._run(context, build)
 
 
-async def _encode_owned(engine, items: Sequence[MediaInput],  # noqa: ANN001 - the EncoderEngine
+async def _encode_owned(slow_work: SlowWork, engine, items: Sequence[MediaInput],  # noqa: ANN001 - the EncoderEngine
                         lease: float | None, cache_salt: str) -> list[EmbeddingHandleSpec]:
-    """``engine.encode`` on a worker thread. When the RPC ends first (the client cancelled, its
+    """``engine.encode`` on a slow-work thread (``workers.py``). When the RPC ends first (the client cancelled, its
     deadline passed), the thread still finishes and makes handles whose ids no client will ever
     learn, so nothing but their leases would free them: they are released as soon as it is done."""
-    work = asyncio.ensure_future(asyncio.to_thread(engine.encode, items, lease, cache_salt))
+    work = slow_work.run(engine.encode, items, lease, cache_salt)
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:

@@ -28,6 +28,7 @@ from refengine.server.convert import session_ref
 from refengine.server.errors import DRAINED, Rejection
 from refengine.server.options import ServerOptions
 from refengine.server.stream_bridge import OutputBridge
+from refengine.server.workers import SlowWork
 from refengine.types import KvEndpointSpec, KvSessionSpec
 
 
@@ -67,6 +68,7 @@ class ServerState:
         # The compatibility KV event source (--kv-events-zmq) as GetKvEventSources reports it.
         self.kv_event_source: dict | None = None
         self.kv_endpoints: tuple[KvEndpointSpec, ...] = ()  # where this (prefill) server serves its sessions
+        self.slow_work = SlowWork()  # Generate's acceptance and Encode: off asyncio's default executor
         self._listeners: list[Callable[[Lifecycle], None]] = []
 
     def on_change(self, listener: Callable[[Lifecycle], None]) -> None:
