@@ -142,7 +142,7 @@ class Disaggregation:
 
     def add_stats(self, stats: EngineStats) -> EngineStats:
         return replace(stats, active_kv_sessions=len(self.sessions), kv_pulled_bytes=self.loads.pulled_bytes,
-                       kv_pull_seconds=self.loads.pull_seconds)
+                       kv_pull_seconds=self.loads.pull_seconds, withheld_kv_blocks=self.kv.num_withheld_blocks)
 
     # -- prefill role ------------------------------------------------------------
     def hand_over(self, request: Request, out: OutputState, token: SampledToken) -> KvSessionSpec:

@@ -236,11 +236,8 @@ class Server:
             subscriber.drain()
         # Let the engine apply the aborts (frees their KV) and the terminal events be written,
         # before the listeners' stop cancels every call still open.
-        engine = self.state.engine
         flush_deadline = loop.time() + FLUSH_SECONDS
-        while (self.state.streams or self.state.accepting or self.state.kv_subscribers
-               or engine.has_unfinished_requests or engine.stats().used_kv_blocks) \
-                and loop.time() < flush_deadline and self._signals < 2:
+        while not self.state.flushed() and loop.time() < flush_deadline and self._signals < 2:
             await asyncio.sleep(0.02)
 
     async def _shutdown(self) -> None:

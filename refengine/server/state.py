@@ -115,6 +115,17 @@ class ServerState:
         self.drain_deadline_passed = True
         return sum(self._cut_off(bridge) for bridge in list(self.streams))
 
+    def flushed(self) -> bool:
+        """After the drain deadline: nothing left to wait for (no stream, acceptance, subscription
+        or engine request; every KV block free or cached). Blocks withheld for good after a transfer
+        that could not stop writing never come back: waiting for them only held the exit for the
+        whole flush bound (found by review)."""
+        engine = self.engine
+        if self.streams or self.accepting or self.kv_subscribers or engine.has_unfinished_requests:
+            return False
+        stats = engine.stats()
+        return stats.used_kv_blocks <= stats.withheld_kv_blocks
+
     def _cut_off(self, bridge: OutputBridge) -> bool:
         if not bridge.fail(DRAINED):
             return False

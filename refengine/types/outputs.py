@@ -126,6 +126,7 @@ class EngineStats:
     active_kv_sessions: int = 0  # prefill role: sessions held for decode engines (K7)
     kv_pulled_bytes: int = 0  # decode role: KV received by successful pulls, in total
     kv_pull_seconds: float = 0.0  # ... and the time those pulls took
+    withheld_kv_blocks: int = 0  # decode role: used for good, after pulls that could not stop writing
     media: MediaStats | None = None  # encoder role: its handles and rows
     embedding_pulled_bytes: int = 0  # consumers: embedding rows received from encoders, in total
     embedding_pull_seconds: float = 0.0  # ... and the time those pulls took

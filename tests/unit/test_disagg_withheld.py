@@ -5,7 +5,8 @@ Found by review: ``cancel_receiving`` handed the blocks to a ``load:`` owner and
 ended unstoppable, that owner kept them for good without ``num_withheld_blocks`` knowing. The
 scheduler's check for a request the pool can never hold (``num_usable_blocks``) then saw the
 whole pool, so such a request waited at the head of the queue forever, and every request behind
-it. The prefix-cache head, which the pull never writes, was held for good too.
+it. The prefix-cache head, which the pull never writes, was held for good too. A server's drain
+waited its whole flush bound for the withheld blocks to come back.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import random
 import threading
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 from refengine.kv.transfer.base import PullOrder, TransferFailure
+from refengine.server.state import ServerState
 from refengine.types import KvParams
 from tests.unit.test_disagg_engine import BLOCK, VOCAB, InProcessPull, make_engine, request, run, tiny  # noqa: F401
 
@@ -60,7 +63,9 @@ def test_a_cancelled_pull_that_cannot_stop_withholds_its_blocks(tiny) -> None:  
         kv = decode.core.kv
         assert kv.owners == ("load:stuck",)
         assert kv.num_withheld_blocks == 4 and kv.num_usable_blocks == 6, "the 4 pulled blocks, not the head"
-        assert decode.stats().used_kv_blocks == 4
+        assert decode.stats().used_kv_blocks == decode.stats().withheld_kv_blocks == 4
+        assert ServerState.flushed(SimpleNamespace(streams=set(), accepting=0, kv_subscribers=set(), engine=decode)), \
+            "a drain does not wait for blocks that never come back"
         too_long = disaggregated("long", [rng.randrange(3, VOCAB) for _ in range(30)], 8)  # 10 blocks > 6
         behind = disaggregated("behind", [rng.randrange(3, VOCAB) for _ in range(8)], 4)
         ended = too_long.result(10)
