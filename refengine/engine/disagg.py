@@ -15,9 +15,9 @@ during the step that cancels it) hands its blocks to a ``load:`` owner, released
 takes that end: only then has the pull surely stopped writing (``base.KvTransferBackend``'s
 invariant), and its outcome is dropped, never applied to the ended request; where it could not
 stop writing, the blocks it pulls into are withheld until restart, as for a request still
-receiving (``KvCacheManager.withhold``). Each pull has its
-own key: a request id is reusable once its stream ended, possibly while its cancelled
-namesake's pull still runs or waits for a transfer thread.
+receiving (``KvCacheManager.withhold``). Each pull has its own key: a request id is reusable
+once its stream ended, possibly while its cancelled namesake's pull still runs or waits for a
+transfer thread.
 """
 
 from __future__ import annotations
