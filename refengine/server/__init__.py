@@ -13,6 +13,7 @@ Read in this order:
 - ``convert.py``      proto → engine request types.
 - ``responses.py``    engine outputs → ``GenerateResponse`` events (G9–G16, L1–L3, X1).
 - ``stream_bridge.py`` engine thread → event loop hand-off, bounded, with stall detection.
+- ``workers.py``      the slow-work thread pool (acceptance, Encode), apart from asyncio's default.
 - ``inference.py``    ``Inference.Generate``.
 - ``control.py``      ``Control``: discovery, load, abort, the LoRA lifecycle, KV-event discovery.
 - ``health.py``       ``Control.Health``, the inference probe, grpc.health.v1 status.
