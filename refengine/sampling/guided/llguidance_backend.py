@@ -35,12 +35,19 @@ MODES = ("json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag"
 class _Matcher(GuideMatcher):
     """llguidance stops as soon as the grammar cannot continue, before any stop token; to
     end outputs the same way on both backends, it counts as terminated only once it has also
-    accepted a stop token (its mask then allows only those)."""
+    accepted a stop token (its mask then allows only those).
+
+    A token the grammar does not allow is refused without an ``error()`` (as on xgrammar): the
+    core then reports a masking bug or a foreign first token, not a limit of the client's spec
+    (found by review: llguidance's parser error for it read as "the guided spec hit a grammar
+    limit", INVALID_ARGUMENT, not retryable). A stop token is not checked first: the check
+    refuses one that ``consume_token`` accepts where the grammar may end."""
 
     def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int]) -> None:
         self._matcher = matcher
         self._stop_token_ids = stop_token_ids
         self._terminated = False
+        self._rejected = False  # refused a token the grammar does not allow (not an error of the spec)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         # What llguidance.torch.fill_next_token_bitmask does, without importing that module:
@@ -52,6 +59,10 @@ class _Matcher(GuideMatcher):
     def accept_token(self, token_id: int) -> bool:
         if self._terminated:
             return False
+        if token_id not in self._stop_token_ids and not self._matcher.is_error() \
+                and self._matcher.validate_tokens([token_id]) == 0:
+            self._rejected = True
+            return False
         accepted = self._matcher.consume_token(token_id) and not self._matcher.is_error()
         self._terminated = accepted and self._matcher.is_stopped() and token_id in self._stop_token_ids
         return accepted
@@ -61,7 +72,9 @@ class _Matcher(GuideMatcher):
 
     def error(self) -> str:
         # Its first line: what went wrong (a dump of the parser's state follows it).
-        return self._matcher.get_error().strip().splitlines()[0] if self._matcher.is_error() else ""
+        if self._rejected or not self._matcher.is_error():
+            return ""
+        return self._matcher.get_error().strip().splitlines()[0]
 
 
 class _Compiled(CompiledGuide):
