@@ -162,7 +162,7 @@ class Disaggregation:
             first_token=FirstToken(token.token_id, token.logprob, token.rank, tuple(token.candidates)),
             lease_expires_unix_nanos=time.time_ns() + int(ttl * 1e9), lease_seconds=ttl,
             transfer=backend.source_attributes(session.session_id, session.block_ids),
-            first_token_options=first_token_options(request.params))
+            first_token_options=first_token_options(request.params, self.config.guided.default_backend))
         return KvSessionSpec(session.session_id, backend.name, attributes=attributes.to_json())
 
     def free_due_sessions(self) -> int:

@@ -105,7 +105,8 @@ class Engine(EngineAcceptMixin, EngineKvMixin, EngineLoraMixin, EngineLoopMixin)
             model_config.vocab_size, max_model_len, config.max_sequences_per_request, config.max_logprobs),
             self.guides,
             RoleCheck(config.role, model_fingerprint, config.cache.block_size, self.block_io, backends,
-                      model_config.vocab_size, config.kv_transfer.allowed_sources), self.loras, media,
+                      model_config.vocab_size, config.kv_transfer.allowed_sources, config.guided.default_backend),
+            self.loras, media,
             tuple(self.core.media_pulls.backends) if self.core.media_pulls else ())
         self._init_front_end()
 

@@ -13,7 +13,9 @@ draw or its reported info must match, else INVALID_ARGUMENT naming it:
 - the ids masked at the first draw: with ``min_tokens`` > 0, the stop token ids and EOS (unless
   ``ignore_eos``); with ``min_tokens`` 0, none, whatever those are;
 - output logprobs and the candidate selection;
-- the guided-decoding spec (mode, text, choices, backend).
+- the guided-decoding spec (mode, text, choices, and the backend that ran it: a request naming
+  none is compiled by its server's default, so "" on one side and that default named on the
+  other are the same, and "" on both sides with different defaults is not; found by review).
 
 Stop strings, ``max_tokens`` and the rest of stopping apply on the decode side, to the first token
 too, and may differ. So may ``kv.cache_salt`` (a choice, questioned by review): the KV does not
@@ -30,7 +32,7 @@ from typing import Any
 from refengine.types import CandidateSpec, GenerationRequest
 
 
-def first_token_options(params: GenerationRequest) -> dict[str, Any]:
+def first_token_options(params: GenerationRequest, default_guided_backend: str) -> dict[str, Any]:
     s, st, lp = params.sampling, params.stopping, params.logprobs
     masked = None if st.min_tokens == 0 else {"stop_token_ids": sorted(set(st.stop_token_ids)),
                                                "ignore_eos": st.ignore_eos}
@@ -44,7 +46,8 @@ def first_token_options(params: GenerationRequest) -> dict[str, Any]:
         "output_logprobs": lp.output_logprobs,
         "output_candidates": _candidates(lp.output_candidates),
         "guided": None if guided is None else {"mode": guided.mode, "spec": guided.spec,
-                                               "choices": list(guided.choices), "backend": guided.backend},
+                                               "choices": list(guided.choices),
+                                               "backend": guided.backend or default_guided_backend},
     }
 
 

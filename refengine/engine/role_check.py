@@ -31,8 +31,10 @@ from refengine.types import GenerationRequest, InvalidRequestError, KvSessionSpe
 class RoleCheck:
     def __init__(self, role: str, fingerprint: str, block_size: int, store: BlockStore,
                  backends: Mapping[str, KvTransferBackend], vocab_size: int,
-                 allowed_sources: tuple[str, ...] = (LOOPBACK_SOURCES,)) -> None:
+                 allowed_sources: tuple[str, ...] = (LOOPBACK_SOURCES,),
+                 default_guided_backend: str = "xgrammar") -> None:
         self.role = role
+        self.default_guided_backend = default_guided_backend
         self.sources = SourcePolicy(allowed_sources)  # where sessions and handles may be pulled from
         self.fingerprint = fingerprint
         self.block_size = block_size
@@ -61,7 +63,8 @@ class RoleCheck:
                                           "PrefillReady.kv_session)")
             if params.logprobs.prompt_logprobs or params.logprobs.prompt_candidates is not None:
                 raise InvalidRequestError("prompt logprobs are computed by the prefill engine: ask it for them")
-            self._check_session(session, prompt_ids, media, adapter, first_token_options(params))
+            options = first_token_options(params, self.default_guided_backend)
+            self._check_session(session, prompt_ids, media, adapter, options)
 
     def _check_session(self, session: KvSessionSpec, prompt_ids: list[int],
                        media: tuple[tuple[int, str], ...], adapter: str, options: dict[str, Any]) -> None:

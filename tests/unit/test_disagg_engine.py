@@ -387,7 +387,7 @@ def test_a_first_token_the_grammar_forbids_fails_only_that_request(trio) -> None
     forbidden = next(c for c in "xyz" if not first_text.startswith(c)) * 3  # a choice that token cannot begin
     guided = replace(plain, guided=GuidedSpec("choice", choices=(forbidden,)))
     forged = replace(handoff.prefill, attributes={**handoff.prefill.attributes,
-                                                  "first_token_options": first_token_options(guided)})
+                                                  "first_token_options": first_token_options(guided, "xgrammar")})
     result = run(decode, replace(guided, kv=KvParams(session=forged)))
     assert result.error is not None and "grammar rejected token" in result.error.message, result
     for engine in (prefill, decode):

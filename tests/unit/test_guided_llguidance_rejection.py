@@ -21,7 +21,7 @@ def test_llguidance_first_token_the_grammar_forbids_is_internal_not_the_spec(tri
     forbidden = next(c for c in "xyz" if not first_text.startswith(c)) * 3
     guided = replace(plain, guided=GuidedSpec("choice", choices=(forbidden,), backend="llguidance"))
     forged = replace(handoff.prefill, attributes={**handoff.prefill.attributes,
-                                                  "first_token_options": first_token_options(guided)})
+                                                  "first_token_options": first_token_options(guided, "xgrammar")})
     result = run(decode, replace(guided, kv=KvParams(session=forged)))
     assert result.error is not None and result.error.code == "internal", result.error
     assert "grammar rejected token" in result.error.message, result.error
