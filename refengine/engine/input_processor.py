@@ -51,6 +51,30 @@ def max_prompt_chars(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> 
     return max_model_len * longest * NORMALIZER_SHRINK
 
 
+#: A prompt longer than the context in characters is first counted in pieces of this many
+#: characters (``count_exceeds``).
+COUNT_PIECE_CHARS = 8192
+#: Tokens a cut between two pieces may add to their count: a word cut in two, a SentencePiece
+#: word-start marker, a combining mark cut from its base letter (tested: ``test_prompt_token_bound``).
+CUT_TOKENS = 4
+
+
+def count_exceeds(tokenizer: PreTrainedTokenizerBase, prompt: str, max_model_len: int) -> bool:
+    """Whether ``prompt`` surely has more than ``max_model_len`` tokens, found by tokenizing it in
+    pieces and stopping once their count, less what the cuts may have added, is past the limit.
+
+    Why: below ``max_prompt_chars`` a text may still hold millions of tokens (600,000 emoji are
+    1.8 million), and tokenizing it whole to refuse it took 480 MiB and 2 s a request (found by
+    review). The caller counts only a text longer than ``max_model_len`` characters: a shorter one
+    has at most 4 tokens a character (byte fallback), so tokenizing it whole is bounded anyway."""
+    counted = 0
+    for number, start in enumerate(range(0, len(prompt), COUNT_PIECE_CHARS), start=1):
+        counted += len(tokenizer.encode(prompt[start:start + COUNT_PIECE_CHARS], add_special_tokens=False))
+        if counted - CUT_TOKENS * (number - 1) > max_model_len:
+            return True
+    return False
+
+
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits, guides: GuideCompiler,
                  role: RoleCheck, loras: LoraRegistry, media: MediaInputs | None = None,
@@ -71,6 +95,10 @@ class InputProcessor:
         validate_logprobs(params, self.limits)
         if params.prompt is not None:
             self._check_prompt_chars(params.prompt)
+            if len(params.prompt) > self.limits.max_model_len \
+                    and count_exceeds(self.tokenizer, params.prompt, self.limits.max_model_len):
+                raise InvalidRequestError(f"the prompt has more than {self.limits.max_model_len} tokens, the "
+                                          "context limit")
             prompt_ids = list(self.tokenizer.encode(params.prompt, add_special_tokens=False))
         else:
             prompt_ids = list(params.prompt_token_ids or [])

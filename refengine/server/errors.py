@@ -3,7 +3,7 @@
 Two transports, chosen by *when* a failure happens (X1):
 
 - before acceptance (validation, admission): a non-OK gRPC status, no events. Raise
-  :class:`Rejection`; the servicer turns it into ``context.abort(code, message)``;
+  :class:`Rejection`; the servicer turns it into a status with :func:`abort_call`;
 - after acceptance (the engine took the request): exactly one terminal
   ``EngineError`` event, then status OK. :func:`engine_error` builds it.
 
@@ -14,6 +14,8 @@ The release has no DRAINING error code: a drain cut-off is ``CANCELLED`` with
 """
 
 from __future__ import annotations
+
+from typing import NoReturn
 
 import grpc
 
@@ -43,6 +45,27 @@ REFUSAL_CODES: tuple[tuple[type[RequestError], grpc.StatusCode], ...] = (
 )
 
 
+#: A status message travels as the ``grpc-message`` trailer, percent-encoded (up to 3 bytes a
+#: UTF-8 byte), and peers drop a call whose metadata passes their limit (8 KiB soft, 16 KiB hard
+#: by default) as RESOURCE_EXHAUSTED: found by review, a message echoing a client's 20,000-character
+#: model name hid G3's NOT_FOUND that way.
+MAX_STATUS_MESSAGE_BYTES = 1024
+
+
+def bounded_message(message: str) -> str:
+    """``message``, cut to ``MAX_STATUS_MESSAGE_BYTES`` of UTF-8 when longer, saying so."""
+    encoded = message.encode()
+    if len(encoded) <= MAX_STATUS_MESSAGE_BYTES:
+        return message
+    return f"{encoded[:MAX_STATUS_MESSAGE_BYTES].decode(errors='ignore')}... ({len(message)} characters in all)"
+
+
+async def abort_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the call with a non-OK status: every servicer's way (``context.abort`` raises)."""
+    await context.abort(code, bounded_message(message))
+    raise AssertionError("context.abort always raises")
+
+
 class Rejection(Exception):
     """A request refused before acceptance: a gRPC status code and a message saying
     what is wrong (never a stack trace)."""
@@ -50,7 +73,7 @@ class Rejection(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
-        self.message = message
+        self.message = bounded_message(message)
 
 
 def invalid(message: str) -> Rejection:

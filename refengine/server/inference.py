@@ -25,7 +25,7 @@ import grpc
 from refengine.engine.interface import EngineClient
 from refengine.protocol import oe
 from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
-from refengine.server.errors import STALLED_CONSUMER, Rejection, rejection_from_engine
+from refengine.server.errors import STALLED_CONSUMER, Rejection, abort_call, rejection_from_engine
 from refengine.server.metadata import read_inference_metadata
 from refengine.server.responses import ResponseBuilder
 from refengine.server.state import ServerState
@@ -134,11 +134,11 @@ class InferenceServicer(oe.InferenceServicer):
         try:
             bridge = await self._accept(request, context)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await abort_call(context, rejection.code, rejection.message)
             return
         except Exception as exc:  # a bug, not the client's fault: say so, keep serving
             logger.exception("request %s: refused by an internal error", request.request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await abort_call(context, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             return
         finally:
             self.state.accepting -= 1

@@ -28,7 +28,7 @@ import grpc
 from refengine.engine.interface import EngineClient
 from refengine.engine.kv_events import KvEventSubscription
 from refengine.protocol import oe
-from refengine.server.errors import Rejection, invalid
+from refengine.server.errors import Rejection, abort_call, invalid
 from refengine.server.kv_events_wire import batch_response, storage_medium
 from refengine.server.metadata import DATA_PARALLEL_RANKS
 from refengine.server.options import ServerOptions, is_wildcard_host
@@ -76,7 +76,7 @@ async def subscribe(state: ServerState, request: oe.SubscribeKvEventsRequest,
         engine = state.engine_for_control()
         check_ranks(list(request.data_parallel_ranks))
     except Rejection as rejection:
-        await context.abort(rejection.code, rejection.message)
+        await abort_call(context, rejection.code, rejection.message)
         return
     loop = asyncio.get_running_loop()
     ready = asyncio.Event()
@@ -94,7 +94,7 @@ async def subscribe(state: ServerState, request: oe.SubscribeKvEventsRequest,
         subscribing.add_done_callback(_close_abandoned)
         raise
     except RequestError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return
     live = _Live(ready)
     state.kv_subscribers.add(live)
@@ -171,7 +171,7 @@ async def _write_or_disconnect(context: grpc.aio.ServicerContext, response: oe.S
         return
     write.add_done_callback(lambda task: task.cancelled() or task.exception())  # the call's end settles it
     logger.warning("KV event subscriber stopped reading for %.1f s; disconnecting it", write_timeout)
-    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+    await abort_call(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"KV event subscriber read nothing for {write_timeout:.1f} s (--stall-timeout-seconds); "
                         "disconnected: subscribe again, with start_sequence_number to resume")
 

@@ -23,6 +23,7 @@ from refengine.engine.interface import EngineClient
 from refengine.kv.transfer.base import SESSION_CONTENT_KEY, content_digest, pinned_content
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
+from refengine.server.errors import abort_call
 from refengine.server.state import ServerState
 from refengine.types import InvalidRequestError, KvSessionMismatch, KvSessionNotFound
 
@@ -48,7 +49,7 @@ class KvPullServicer(pb_grpc.KvPullServicer):
     async def _engine(self, context: grpc.aio.ServicerContext) -> EngineClient:
         engine = self.state.engine
         if engine is None or engine.info.role not in ("prefill", "encoder"):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            await abort_call(context, grpc.StatusCode.FAILED_PRECONDITION,
                                 "this server holds no KV sessions (it is not a ready prefill or encoder server)")
         return engine
 
@@ -56,12 +57,12 @@ class KvPullServicer(pb_grpc.KvPullServicer):
         engine = await self._engine(context)
         layout = engine.kv_layout()
         if request.kv_layout != layout:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 f"kv_layout {request.kv_layout!r} differs from this server's {layout!r}")
         try:  # the puller checks what the session holds (an embedding handle: its item, ENC8)
             content = engine.kv_session_content(request.session_id)
         except KvSessionNotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            await abort_call(context, grpc.StatusCode.NOT_FOUND, str(exc))
         await context.send_initial_metadata(((SESSION_CONTENT_KEY, content_digest(content)),))
         per_chunk = blocks_per_chunk(self.state.engine_config.kv_transfer.chunk_bytes,
                                      self.state.options.max_send_message_bytes, engine.block_nbytes())
@@ -72,16 +73,16 @@ class KvPullServicer(pb_grpc.KvPullServicer):
             try:
                 data = await asyncio.to_thread(engine.read_kv_session, request.session_id, first, count)
             except KvSessionNotFound as exc:
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+                await abort_call(context, grpc.StatusCode.NOT_FOUND, str(exc))
             except InvalidRequestError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             yield pb.KvChunk(first_block_index=first, num_blocks=count, data=data, crc32=zlib.crc32(data))
             first += count
 
     async def Release(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionReply:  # noqa: N802
         engine = await self._engine(context)
         if not engine.confirm_kv_session(request.session_id):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"KV session {request.session_id!r} not found")
+            await abort_call(context, grpc.StatusCode.NOT_FOUND, f"KV session {request.session_id!r} not found")
         return pb.SessionReply()
 
     async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.SessionReply:  # noqa: N802
@@ -96,6 +97,6 @@ class KvPullServicer(pb_grpc.KvPullServicer):
             await context.send_initial_metadata(((SESSION_CONTENT_KEY, digest),))
             return pb.SessionReply(num_blocks=len(block_ids))
         except KvSessionNotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            await abort_call(context, grpc.StatusCode.NOT_FOUND, str(exc))
         except KvSessionMismatch as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await abort_call(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))

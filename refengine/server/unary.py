@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import grpc
 
-from refengine.server.errors import Rejection, rejection_from_engine
+from refengine.server.errors import Rejection, abort_call, rejection_from_engine
 from refengine.types import KvSessionNotFound, RequestError
 
 logger = logging.getLogger(__name__)
@@ -27,12 +27,11 @@ async def run_unary(context: grpc.aio.ServicerContext, build: Callable[[], Await
         return await build()
     except RequestError as exc:
         rejection = rejection_from_engine(exc)
-        await context.abort(rejection.code, rejection.message)
+        await abort_call(context, rejection.code, rejection.message)
     except KvSessionNotFound as exc:
-        await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        await abort_call(context, grpc.StatusCode.NOT_FOUND, str(exc))
     except Rejection as rejection:
-        await context.abort(rejection.code, rejection.message)
+        await abort_call(context, rejection.code, rejection.message)
     except Exception as exc:  # a bug: report it as INTERNAL, keep serving
         logger.exception("%s RPC failed", what)
-        await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-    raise AssertionError("context.abort always raises")
+        await abort_call(context, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")

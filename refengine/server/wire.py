@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 
 from refengine.protocol import oe
 from refengine.protocol.openengine.v1 import openengine_pb2
+from refengine.server.errors import abort_call
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def _parser(message_class: type) -> Callable[[bytes], object]:
 def _guarded(behavior: Callable) -> Callable:
     async def handler(request: object, context: grpc.aio.ServicerContext) -> object:
         if isinstance(request, Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return await behavior(request, context)
 
     return handler
