@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from refengine.protocol import oe
 from refengine.protocol.v1alpha1 import media_pb2 as media
 from refengine.server.media_service import MediaServicer
+from refengine.server.workers import SlowWork
 from refengine.types import EmbeddingHandleSpec, MediaInput
 
 WAIT = 5.0
@@ -43,7 +44,7 @@ class SlowEncoder:
 
 def servicer(engine: SlowEncoder) -> MediaServicer:
     state = SimpleNamespace(engine_for_generate=lambda: engine, engine_for_control=lambda: engine, caps=None,
-                            kv_endpoints=())
+                            kv_endpoints=(), slow_work=SlowWork())
     return MediaServicer(state)  # type: ignore[arg-type]
 
 
