@@ -65,6 +65,7 @@ class InferenceServicer(oe.InferenceServicer):
             caps=self.state.caps,
             max_send_message_bytes=self.state.options.max_send_message_bytes,
             transfer_backends=engine.info.kv_transfer_backends if engine is not None else (),
+            max_media_items=self.state.engine_config.media.max_items,
         )
 
     async def _accept(self, request: oe.GenerateRequest, context: grpc.aio.ServicerContext) -> OutputBridge:

@@ -27,6 +27,7 @@ from refengine.protocol import oe
 from refengine.server.capabilities import Capabilities
 from refengine.server.errors import Rejection, invalid
 from refengine.server.kv_pull_client import PULL_PROTOCOLS
+from refengine.server.media_wire import EXTRA_MEDIA_HANDLES
 from refengine.server.metadata import RequestMetadata, check_rank
 from refengine.server.options import is_wildcard_host
 
@@ -46,6 +47,19 @@ class ServerFacts:
     caps: Capabilities
     max_send_message_bytes: int
     transfer_backends: tuple[str, ...] = ()  # a decode server pulls sessions with these
+    max_media_items: int = 8  # media items (or embedding handles) per request (--media-max-items)
+
+
+def check_media_count(request: oe.GenerateRequest, max_items: int) -> None:
+    """G19 before anything is converted: a repeated field's length costs nothing to read, while
+    converting its entries is not free (found by review: 8 million empty items fit the 32 MiB
+    message limit, and were turned into Python objects on the event loop before the engine's own
+    count refused them, stalling every stream for tens of seconds)."""
+    handles = request.extra.fields.get(EXTRA_MEDIA_HANDLES)
+    num_handles = len(handles.list_value.values) if handles is not None and handles.HasField("list_value") else 0
+    for what, count in (("media items", len(request.media)), (f"extra[{EXTRA_MEDIA_HANDLES!r}] entries", num_handles)):
+        if count > max_items:
+            raise invalid(f"{count} {what}; at most {max_items} per request")
 
 
 def check_model(model: str, caps: Capabilities) -> None:
@@ -179,4 +193,5 @@ def validate_generate(request: oe.GenerateRequest, meta: RequestMetadata, facts:
     check_model(request.model, facts.caps)
     check_role(request, facts.role, meta, facts.transfer_backends)
     check_features(request, facts.caps)
+    check_media_count(request, facts.max_media_items)
     check_response_sizes(request, facts)
