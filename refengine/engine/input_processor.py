@@ -135,7 +135,8 @@ class InputProcessor:
                                         f"extra media handle {index}")
         return self.media.prepare(prompt_ids, params.media, params.media_handles, need_rows=not decode,
                                   pull_backends=None if decode else self.handle_backends,
-                                  cache_salt=params.kv.cache_salt)
+                                  cache_salt=params.kv.cache_salt,
+                                  check_expanded=lambda expanded: validate_prompt(params, expanded, self.limits))
 
     def _compile(self, params: GenerationRequest) -> CompiledGuide | None:
         """Last, as the costliest check: a compile may wait for a worker, up to its time limit."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,10 +113,13 @@ class MediaInputs:
     def prepare(self, prompt_ids: Sequence[int], items: Sequence[MediaInput],
                 handles: Sequence[EmbeddingHandleSpec] = (), need_rows: bool = True,
                 pull_backends: tuple[str, ...] | None = (), cache_salt: str | None = None,
+                check_expanded: Callable[[list[int]], object] | None = None,
                 ) -> tuple[list[int], tuple[MediaRun, ...]]:
         """The expanded prompt and its media runs (see the module docstring). ``need_rows``
         False: identities only (decode role: nothing encoded or pulled). ``pull_backends``: what
-        handles may be pulled with."""
+        handles may be pulled with. ``check_expanded`` judges the expanded prompt before any item
+        is fetched, decoded or encoded (found by review: a prompt too long once expanded, or with
+        an id past the vocabulary, was refused only after all of that)."""
         count = len(items) + len(handles)
         if items and handles:
             raise InvalidRequestError("a request carries media items or media handles, not both")
@@ -124,6 +127,8 @@ class MediaInputs:
             raise InvalidRequestError(f"{count} media items; at most {self.config.max_items} per request")
         vision = self.encoder.config
         expanded, starts = expand_placeholders(prompt_ids, vision.image_token_id, count, vision.num_image_tokens)
+        if check_expanded is not None:
+            check_expanded(expanded)
         if handles:
             check_handles(handles, self.expectation, pull_backends)
             return expanded, tuple(MediaRun(start, handle.identity, vision.num_image_tokens, None,
