@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 ENCODER_CACHE_ENTRIES = 256
 MEDIA_DECODES = 2  # requests decoding and encoding images at once (``MediaInputs.decoding``)
+MEDIA_FETCHES = 4  # requests with media URLs holding fetched bodies at once (``MediaInputs.fetching``)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ class MediaInputs:
         # max_items x max_pixels x 3 bytes, and the processor's float copies) are what a burst of
         # image requests costs in memory; without a bound, 3 requests of 8 large PNGs took 2 GB.
         self.decoding = threading.BoundedSemaphore(MEDIA_DECODES)
+        # Requests with URLs hold their fetched bodies (up to max_items x max_bytes) from the fetch
+        # to the encode, waiting for a decode slot meanwhile; this bounds how many do (found by review:
+        # 6 requests of 8 URLs held 48 bodies while no decode slot was free). Bytes that came with the
+        # request are already in memory and take no fetch slot; a slow URL holds no decode slot.
+        self.fetching = threading.BoundedSemaphore(MEDIA_FETCHES)
         self.expectation = self._expectation_of()
 
     @classmethod
@@ -134,10 +140,11 @@ class MediaInputs:
             return expanded, tuple(MediaRun(start, handle.identity, vision.num_image_tokens, None,
                                             handle if need_rows else None)
                                    for start, handle in zip(starts, handles, strict=True))
-        data = self.fetch(items)
-        with self.decoding:
-            images = self.decode(items, data)
-            embeds = self._embeds(images, cache_salt) if need_rows else [None] * len(images)
+        with self.fetching if any(item.url for item in items) else contextlib.nullcontext():
+            data = self.fetch(items)
+            with self.decoding:
+                images = self.decode(items, data)
+                embeds = self._embeds(images, cache_salt) if need_rows else [None] * len(images)
         return expanded, tuple(MediaRun(start, image.identity, vision.num_image_tokens, rows)
                                for start, image, rows in zip(starts, images, embeds, strict=True))
 
