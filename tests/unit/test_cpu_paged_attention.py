@@ -608,7 +608,8 @@ def test_build_is_cached(fresh_loader) -> None:
     assert path.name == "libfused_ops.so" and path.exists()
     assert path.parent.parent == fresh_loader / "kernels"
     assert len(path.parent.name) == 16 and all(c in "0123456789abcdef" for c in path.parent.name)
-    assert list(path.parent.iterdir()) == [path]  # the temporary build file was renamed, nothing left over
+    # the temporary build files were renamed, nothing left over: the library and its digest
+    assert sorted(path.parent.iterdir()) == [path, path.with_name("libfused_ops.so.sha256")]
     built = path.stat().st_mtime_ns
 
     cpu.clear_cache()

@@ -2,9 +2,16 @@
 
 A kernel is built once per (source, compiler, flags, CPU) into the refengine cache
 (``<cache>/kernels/<key>/``) and loaded with ctypes; ``-march=native`` is why the
-CPU is part of the key. When no compiler is found or the build fails, the loader
-returns ``None`` with the reason, and callers fall back to the torch reference;
-``KernelConfig.native_cpu_kernels`` = False (``--no-native-kernels``) skips the build.
+CPU is part of the key: the macros the compiler predefines for it (``__AVX512BF16__``,
+``__ARM_FEATURE_SVE``...) and the CPU's own description. When no compiler is found, it does
+not answer in time or the build fails, the loader returns ``None`` with the reason, and callers
+fall back to the torch reference; ``KernelConfig.native_cpu_kernels`` = False
+(``--no-native-kernels``) skips the build.
+
+A library is loaded only when its SHA-256 matches the one its build wrote beside it
+(``lib<name>.so.sha256``), else it is built again: a truncated file (a crash soon after the
+build, a cut-off copy of the cache) killed every later process with SIGBUS inside ``dlopen``,
+which Python cannot catch, and an empty one disabled the kernels for good (found by review).
 
 The library is linked with ``-fopenmp``: it asks for ``libgomp.so.1``, which torch
 has already loaded, so the kernel's parallel loops share torch's OpenMP thread pool
@@ -34,6 +41,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-s
 # whose constructor sets flush-to-zero for the whole process when the library loads.
 LINK_FLAGS = ("-shared", "-fopenmp")
 BUILD_TIMEOUT_SECONDS = 120
+PROBE_TIMEOUT_SECONDS = 20  # asking the compiler its version and target: a broken CC must not hang start-up
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,9 @@ def _cpu_signature() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    # x86: model name, flags; aarch64 has neither (found by review: every ARM CPU had one key).
+    prefixes = ("model name", "flags", "Features", "CPU implementer", "CPU part", "CPU architecture")
+    lines = [line for line in text.splitlines() if line.startswith(prefixes)]
     return "\n".join(sorted(set(lines)))
 
 
@@ -55,9 +65,32 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-def _compiler_version(compiler: str) -> str:
-    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
-    return result.stdout.splitlines()[0] if result.stdout else compiler
+def _ask(command: list[str]) -> str:
+    """A compiler's answer (stdout); raises ``OSError``/``SubprocessError`` when it has none in time."""
+    return subprocess.run(command, capture_output=True, text=True, check=False, timeout=PROBE_TIMEOUT_SECONDS).stdout
+
+
+def _key(compiler: str, name: str) -> str:
+    """The build's cache key: sources, flags, the compiler, and what ``-march=native`` targets here."""
+    # The source and every header beside it (``#include "x.h"``): a changed header rebuilds.
+    source = (SOURCE_DIR / f"{name}.c").read_bytes() + b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.h")))
+    version = _ask([compiler, "--version"]).partition("\n")[0] or compiler
+    target = _ask([compiler, *COMPILE_FLAGS, "-dM", "-E", "-x", "c", os.devnull])
+    parts = [source, " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), version.encode(), target.encode(),
+             _cpu_signature().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _intact(library: Path) -> bool:
+    """Whether ``library`` is the file its build wrote (checked before ``dlopen``, see above)."""
+    try:
+        return _digest_path(library).read_text().strip() == hashlib.sha256(library.read_bytes()).hexdigest()
+    except OSError:
+        return False
 
 
 DISABLED = KernelLibrary(None, "disabled by --no-native-kernels (KernelConfig.native_cpu_kernels)")
@@ -77,21 +110,15 @@ def _load(name: str) -> KernelLibrary:
     compiler = _compiler()
     if compiler is None:
         return KernelLibrary(None, "no C compiler found (set CC, or install gcc)")
-    # The source and every header beside it (``#include "x.h"``): a changed header rebuilds.
-    source = (SOURCE_DIR / f"{name}.c").read_bytes() + b"".join(p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.h")))
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _compiler_version(compiler).encode(),
-                    _cpu_signature().encode()])
-    ).hexdigest()[:16]
-    target = default_cache_dir() / "kernels" / key / f"lib{name}.so"
     try:
-        if not target.exists():
+        target = default_cache_dir() / "kernels" / _key(compiler, name) / f"lib{name}.so"
+        if not _intact(target):
             error = _build(compiler, SOURCE_DIR / f"{name}.c", target)
             if error:
                 return KernelLibrary(None, error)
         return KernelLibrary(ctypes.CDLL(str(target)), "")
-    except OSError as exc:  # an unwritable cache, a library that does not load
-        return KernelLibrary(None, f"could not build or load {target}: {exc}")
+    except (OSError, subprocess.SubprocessError) as exc:  # an unwritable cache, a broken compiler, a bad library
+        return KernelLibrary(None, f"could not build or load lib{name}.so with {compiler}: {exc}")
 
 
 def clear_cache() -> None:
@@ -119,9 +146,27 @@ def _build(compiler: str, source: Path, target: Path) -> str:
                 return f"{compiler} failed to build {source.name}: {result.stderr.strip()[:500]}"
         # mkstemp makes the file owner-only (the link left it 0711): a shared cache needs others to read it.
         os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
+        _write_durably(Path(tmp + ".sha256"), hashlib.sha256(Path(tmp).read_bytes()).hexdigest().encode())
+        _sync(tmp)
+        os.replace(tmp + ".sha256", _digest_path(target))
+        os.replace(tmp, target)  # last: a library whose digest is not there yet is only rebuilt
+        _sync(str(target.parent))
         return ""
     finally:
-        for path in (tmp, obj):
+        for path in (tmp, obj, tmp + ".sha256"):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    path.write_bytes(data)
+    _sync(str(path))
+
+
+def _sync(path: str) -> None:
+    """Flush ``path`` (a file or a directory) to disk, so a rename never outlives its content."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
