@@ -25,6 +25,10 @@ class Seq:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
 
 def compute(kv: KvCacheManager, seq: Seq, num_tokens: int, hits: list[int] | None = None) -> bool:
     """Compute the next ``num_tokens`` of ``seq`` (one scheduler step for it) and publish its

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -11,23 +10,7 @@ from refengine.kv.block_pool import BlockPool
 from refengine.kv.kv_manager import KvCacheManager
 from refengine.kv.prefix_hash import hash_block
 from refengine.types import BlockRemoved, BlockStored
-
-
-@dataclass(eq=False)
-class Seq:
-    """A minimal KvSequence: the kv package does not depend on the scheduler's Sequence."""
-
-    token_ids: list[int]
-    extra_keys: tuple[str, ...] = ()
-    lora: None = None
-    media_spans: tuple = ()
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+from tests.unit.kv_helpers import Seq
 
 
 def make_seq(tokens: list[int], extra: tuple[str, ...] = ()) -> Seq:

@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import pytest
 
 from refengine.kv.block_pool import BlockPool
 from refengine.kv.kv_manager import KvCacheManager
+from tests.unit.kv_helpers import Seq
 
 BLOCK_SIZE = 4
 
-
-@dataclass(eq=False)
-class Seq:
-    """A minimal KvSequence (the kv package does not depend on the scheduler)."""
-
-    token_ids: list[int]
-    extra_keys: tuple[str, ...] = ()
-    lora: None = None
-    media_spans: tuple = ()
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
 
 
 def make_kv(num_blocks: int) -> KvCacheManager:
