@@ -130,13 +130,15 @@ class KvControl(Control):
         super().__init__(engine)
         self.cache = cache
         # The advertised event source: a TCP listener (E6 dials it), or under the fault a port
-        # that was bound and closed again, where nothing listens.
-        listener = socket.create_server(("127.0.0.1", 0))
-        self.source_port = listener.getsockname()[1]
+        # that is bound but not listening (connection refused). Kept bound: a port closed again
+        # could be taken by another test's server meanwhile, and then E6 connected (CI saw it).
         if cache.faults.unconnectable_source:
-            listener.close()
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind(("127.0.0.1", 0))
         else:
-            weakref.finalize(self, listener.close)
+            listener = socket.create_server(("127.0.0.1", 0))
+        self.source_port = listener.getsockname()[1]
+        weakref.finalize(self, listener.close)
 
     def _check_ranks(self, ranks: list[int], context: grpc.ServicerContext) -> None:
         if not self.cache.faults.accept_bad_ranks and (set(ranks) - {0} or len(set(ranks)) != len(ranks)):
