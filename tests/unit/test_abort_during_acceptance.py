@@ -70,14 +70,17 @@ def test_abort_while_a_reused_id_is_accepted_answers_aborted(tiny) -> None:  # n
             engine.add_request(greedy("r1", prompt(1, 8), max_tokens=50))))
         adder.start()
         wait_accepting(engine, "r1")
+        threading.Timer(0.2, gate.set).start()  # accepted while Abort waits: then cancelled at admission
+        started = time.monotonic()
         answer = abort_rpc(engine, "r1")
-        gate.set()
+        waited = time.monotonic() - started
         adder.join(10)
         completion = streams[0].result(timeout=30)
     finally:
         engine.shutdown()
     assert completion.outputs[0].finish.reason is FinishReason.CANCELLED, completion.outputs[0].finish
     assert answer.status == oe.ABORT_STATUS_ABORTED, (answer.status, answer.message)
+    assert waited < control.ABORT_CONFIRM_SECONDS / 2, "confirmed by the CANCELLED end, not by the timeout"
 
 
 def test_abort_of_a_request_refused_during_acceptance_does_not_wait_out_the_confirm_timeout(
