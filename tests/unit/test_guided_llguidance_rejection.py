@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from refengine.config import GuidedConfig
 from refengine.engine.disagg import first_sampled_token
 from refengine.engine.first_token_options import first_token_options
+from refengine.sampling.guided import GuideCompiler
 from refengine.types import GuidedSpec, KvParams
 from tests.unit.test_disagg_engine import PROMPTS, TOKENIZER, request, run, tiny, trio, wait_idle  # noqa: F401
+from tests.unit.test_guided_engine import EOS, VOCAB
+from tests.unit.test_guided_engine import TOKENIZER as GUIDED_TOKENIZER
 
 
 def test_llguidance_first_token_the_grammar_forbids_is_internal_not_the_spec(trio) -> None:  # noqa: F811
@@ -27,3 +31,16 @@ def test_llguidance_first_token_the_grammar_forbids_is_internal_not_the_spec(tri
     assert "grammar rejected token" in result.error.message, result.error
     for engine in (prefill, decode):
         wait_idle(engine)
+
+
+def test_a_stop_token_where_the_grammar_cannot_end_is_a_rejection_not_a_limit() -> None:
+    compiler = GuideCompiler(GUIDED_TOKENIZER, VOCAB, (EOS,), GuidedConfig())
+    try:
+        guide = compiler.compile(GuidedSpec("regex", "a", backend="llguidance"))
+        early = guide.new_matcher()
+        assert not early.accept_token(EOS) and early.error() == "", early.error()
+        done = guide.new_matcher()
+        assert done.accept_token(GUIDED_TOKENIZER.convert_tokens_to_ids("a"))
+        assert done.accept_token(EOS) and done.is_terminated()
+    finally:
+        compiler.close()

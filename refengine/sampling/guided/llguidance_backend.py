@@ -40,8 +40,7 @@ class _Matcher(GuideMatcher):
     A token the grammar does not allow is refused without an ``error()`` (as on xgrammar): the
     core then reports a masking bug or a foreign first token, not a limit of the client's spec
     (found by review: llguidance's parser error for it read as "the guided spec hit a grammar
-    limit", INVALID_ARGUMENT, not retryable). A stop token is not checked first: the check
-    refuses one that ``consume_token`` accepts where the grammar may end."""
+    limit", INVALID_ARGUMENT, not retryable); so is a stop token where the grammar cannot end."""
 
     def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int]) -> None:
         self._matcher = matcher
@@ -59,13 +58,19 @@ class _Matcher(GuideMatcher):
     def accept_token(self, token_id: int) -> bool:
         if self._terminated:
             return False
-        if token_id not in self._stop_token_ids and not self._matcher.is_error() \
-                and self._matcher.validate_tokens([token_id]) == 0:
+        if not self._matcher.is_error() and not self._allows(token_id):
             self._rejected = True
             return False
         accepted = self._matcher.consume_token(token_id) and not self._matcher.is_error()
         self._terminated = accepted and self._matcher.is_stopped() and token_id in self._stop_token_ids
         return accepted
+
+    def _allows(self, token_id: int) -> bool:
+        """Whether the grammar allows ``token_id`` now: a stop token where it may end (``validate_tokens``
+        refuses one that ``consume_token`` accepts there), any other token as ``validate_tokens`` says."""
+        if token_id in self._stop_token_ids:
+            return self._matcher.is_accepting() or self._matcher.is_stopped()
+        return self._matcher.validate_tokens([token_id]) > 0
 
     def is_terminated(self) -> bool:
         return self._terminated
