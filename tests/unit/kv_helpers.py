@@ -1,5 +1,6 @@
 """Small drivers for the KV manager and the scheduler, shared by the edge-case tests: a minimal
-``KvSequence``, one compute step of it, and a scheduler with a step that pretends the model ran."""
+``KvSequence``, one compute step of it, a scheduler with a step that pretends the model ran, and a
+subscriber's replay of KV events."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from refengine.kv.block_pool import BlockPool
 from refengine.kv.kv_manager import KvCacheManager
 from refengine.scheduler.scheduler import Scheduler
 from refengine.scheduler.sequence import Sequence
+from refengine.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
 @dataclass(eq=False)
@@ -61,3 +63,18 @@ def step(s: Scheduler) -> dict[str, int]:
     for q in sampled:
         q.token_ids.append(7)
     return {item.request_id: item.num_new_tokens for item in out.scheduled}
+
+
+def replay(view: dict[bytes, bytes | None], events: list[KvEvent]) -> None:
+    """Apply ``events`` to ``view`` as a subscriber does (RULES E-rules): a child is never
+    stored before its parent, a block is never stored twice, only held blocks are removed."""
+    for event in events:
+        if isinstance(event, BlockStored):
+            assert event.parent_hash is None or event.parent_hash in view, "a child before its parent"
+            assert event.block_hash not in view, "stored twice"
+            view[event.block_hash] = event.parent_hash
+        elif isinstance(event, BlockRemoved):
+            assert event.block_hash in view, "removal of a block the view does not hold"
+            del view[event.block_hash]
+        elif isinstance(event, AllBlocksCleared):
+            view.clear()

@@ -13,23 +13,7 @@ import pytest
 
 from refengine.kv.block_pool import BlockPool
 from refengine.kv.kv_manager import KvCacheManager
-from refengine.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from tests.unit.kv_helpers import Seq, compute
-
-
-def replay(view: dict[bytes, bytes | None], events: list[KvEvent]) -> None:
-    """Apply ``events`` to ``view`` as a subscriber does (RULES E-rules): a child is never
-    stored before its parent, a block is never stored twice, only held blocks are removed."""
-    for event in events:
-        if isinstance(event, BlockStored):
-            assert event.parent_hash is None or event.parent_hash in view, "a child before its parent"
-            assert event.block_hash not in view, "stored twice"
-            view[event.block_hash] = event.parent_hash
-        elif isinstance(event, BlockRemoved):
-            assert event.block_hash in view, "removal of a block the view does not hold"
-            del view[event.block_hash]
-        elif isinstance(event, AllBlocksCleared):
-            view.clear()
+from tests.unit.kv_helpers import Seq, compute, replay
 
 
 def test_pool_rejects_zero_blocks_accepts_one() -> None:

@@ -15,6 +15,7 @@ import re
 import threading
 import time
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
@@ -134,6 +135,12 @@ def disaggregated(prefill: Engine, decode: Engine, params: GenerationRequest):
     assert handoff.prefill is not None and handoff.error is None, handoff
     assert all(not o.token_ids for o in handoff.outputs), "K4: no token leaks from a prefill engine"
     return run(decode, replace(params, kv=KvParams(session=handoff.prefill)))
+
+
+def add_disaggregated(prefill: Engine, decode: Engine, rid: str, prompt: list[int], max_tokens: int):  # noqa: ANN201
+    """Prefill greedy ``prompt`` on ``prefill``, then add its decode to ``decode``: the decode's future."""
+    params = request(rid, prompt, None, 0.0, max_tokens=max_tokens)
+    return decode.add_request(replace(params, kv=KvParams(session=run(prefill, params).prefill)))
 
 
 PROMPTS = [[random.Random(i).randrange(3, VOCAB) for _ in range(3 + 5 * i)] for i in range(6)]
@@ -329,10 +336,7 @@ def test_after_a_quarantine_a_request_too_long_for_the_rest_ends_retryable(tiny)
     rng = random.Random(7)
     head = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK)]
     try:
-        def disaggregated(rid: str, prompt: list[int], max_tokens: int):  # noqa: ANN202
-            params = request(rid, prompt, None, 0.0, max_tokens=max_tokens)
-            handoff = run(prefill, params)
-            return decode.add_request(replace(params, kv=KvParams(session=handoff.prefill)))
+        disaggregated = partial(add_disaggregated, prefill, decode)
 
         assert disaggregated("cached", head, 2).result(30).error is None  # its 3 blocks stay cached
         tail = [rng.randrange(3, VOCAB) for _ in range(4 * BLOCK)]

@@ -14,13 +14,12 @@ from __future__ import annotations
 import random
 import threading
 import time
-from dataclasses import replace
+from functools import partial
 from types import SimpleNamespace
 
 from refengine.kv.transfer.base import PullOrder, TransferFailure
 from refengine.server.state import ServerState
-from refengine.types import KvParams
-from tests.unit.test_disagg_engine import BLOCK, VOCAB, InProcessPull, make_engine, request, run, tiny  # noqa: F401
+from tests.unit.test_disagg_engine import BLOCK, VOCAB, InProcessPull, add_disaggregated, make_engine, tiny  # noqa: F401
 
 
 class UnstoppableOnceCancelled(InProcessPull):
@@ -48,9 +47,7 @@ def test_a_cancelled_pull_that_cannot_stop_withholds_its_blocks(tiny) -> None:  
     rng = random.Random(3)
     head = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK)]
     try:
-        def disaggregated(rid: str, prompt: list[int], max_tokens: int):  # noqa: ANN202
-            params = request(rid, prompt, None, 0.0, max_tokens=max_tokens)
-            return decode.add_request(replace(params, kv=KvParams(session=run(prefill, params).prefill)))
+        disaggregated = partial(add_disaggregated, prefill, decode)
 
         assert disaggregated("cached", head, 2).result(30).error is None  # its 3 blocks stay cached
         stuck = disaggregated("stuck", head + [rng.randrange(3, VOCAB) for _ in range(4 * BLOCK)], 2)

@@ -56,12 +56,17 @@ def handle(number: int) -> EmbeddingHandleSpec:
                                "float32", "test", "fp", (transfer,))
 
 
+def one_thread_pulls(backend: GatedRows, num_rows: int = 16, timeout_seconds: float = 5.0) -> MediaPulls:
+    """Pulls on one transfer thread (so one gated pull holds the rest back) into a fresh arena."""
+    staging = EmbeddingArena(num_rows, HIDDEN, torch.float32)
+    backend.bind(staging, lambda handle_id, pulled: None)
+    return MediaPulls({"grpc": backend}, staging, num_threads=1, timeout_seconds=timeout_seconds,
+                      on_done=lambda: None, dtype=torch.float32, device="cpu")
+
+
 def test_a_reused_request_id_gets_its_own_pull_while_the_cancelled_one_waits() -> None:
     backend = GatedRows()
-    staging = EmbeddingArena(16, HIDDEN, torch.float32)
-    backend.bind(staging, lambda handle_id, pulled: None)
-    pulls = MediaPulls({"grpc": backend}, staging, num_threads=1, timeout_seconds=5.0, on_done=lambda: None,
-                       dtype=torch.float32, device="cpu")
+    pulls = one_thread_pulls(backend)
     try:
         backend.gates["h1"] = threading.Event()  # "busy" holds the only transfer thread
         pulls.start("busy", [handle(1)])

@@ -11,11 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-import torch
-
-from refengine.engine.media_pulls import MediaPulls
 from refengine.kv.transfer.base import PullOrder
-from refengine.model.embedding_io import EmbeddingArena
 from tests.unit.test_encoder_engine import (  # noqa: F401 - llava: a fixture
     Loopback,
     consumer,
@@ -25,15 +21,12 @@ from tests.unit.test_encoder_engine import (  # noqa: F401 - llava: a fixture
     reachable,
     request,
 )
-from tests.unit.test_media_pull_ids import HIDDEN, GatedRows, handle
+from tests.unit.test_media_pull_ids import GatedRows, handle, one_thread_pulls
 
 
 def test_a_cancelled_pull_that_already_ended_is_not_handed_to_the_id_s_next_request() -> None:
     backend = GatedRows()
-    staging = EmbeddingArena(16, HIDDEN, torch.float32)
-    backend.bind(staging, lambda handle_id, pulled: None)
-    pulls = MediaPulls({"grpc": backend}, staging, num_threads=1, timeout_seconds=5.0, on_done=lambda: None,
-                       dtype=torch.float32, device="cpu")
+    pulls = one_thread_pulls(backend)
     try:
         pulls.start("r", [handle(2)])
         deadline = time.monotonic() + 10

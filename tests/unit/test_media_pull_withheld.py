@@ -12,13 +12,10 @@ from __future__ import annotations
 import threading
 import time
 
-import torch
-
 from refengine.engine.media_pulls import MediaPulls
 from refengine.kv.transfer.base import PullOrder, TransferFailure
-from refengine.model.embedding_io import EmbeddingArena
 from refengine.types import EmbeddingHandleSpec, EmbeddingTransferSpec, KvEndpointSpec
-from tests.unit.test_media_pull_ids import HIDDEN, GatedRows
+from tests.unit.test_media_pull_ids import HIDDEN, GatedRows, one_thread_pulls
 
 
 class StuckOnH1(GatedRows):
@@ -42,13 +39,11 @@ def wait_finished(pulls: MediaPulls, deadline: float) -> tuple:
     raise AssertionError("no pull ended")
 
 
+TIMEOUT = 3.0
+
+
 def test_a_handle_larger_than_the_rows_left_after_withholding_fails_at_once_saying_why() -> None:
-    backend = StuckOnH1()
-    staging = EmbeddingArena(8, HIDDEN, torch.float32)
-    backend.bind(staging, lambda handle_id, pulled: None)
-    timeout = 3.0
-    pulls = MediaPulls({"grpc": backend}, staging, num_threads=1, timeout_seconds=timeout, on_done=lambda: None,
-                       dtype=torch.float32, device="cpu")
+    pulls = one_thread_pulls(StuckOnH1(), num_rows=8, timeout_seconds=TIMEOUT)
     try:
         pulls.start("a", [handle(1, 4)])  # 4 of the 8 rows withheld until restart
         _, pulled, fault = wait_finished(pulls, time.monotonic() + 10)
@@ -58,19 +53,14 @@ def test_a_handle_larger_than_the_rows_left_after_withholding_fails_at_once_sayi
         _, pulled, fault = wait_finished(pulls, time.monotonic() + 10)
         waited = time.monotonic() - started
         assert pulled is None and fault is not None
-        assert waited < timeout / 2, f"held a transfer thread {waited:.1f} s for rows that can never come"
+        assert waited < TIMEOUT / 2, f"held a transfer thread {waited:.1f} s for rows that can never come"
         assert "withheld" in fault.message, "say why: retrying on this engine can never succeed"
     finally:
         pulls.shutdown()
 
 
 def test_a_handle_that_can_never_fit_does_not_hold_up_the_pulls_behind_it() -> None:
-    backend = StuckOnH1()
-    staging = EmbeddingArena(8, HIDDEN, torch.float32)
-    backend.bind(staging, lambda handle_id, pulled: None)
-    timeout = 3.0
-    pulls = MediaPulls({"grpc": backend}, staging, num_threads=1, timeout_seconds=timeout, on_done=lambda: None,
-                       dtype=torch.float32, device="cpu")
+    pulls = one_thread_pulls(StuckOnH1(), num_rows=8, timeout_seconds=TIMEOUT)
     try:
         pulls.start("a", [handle(1, 4)])
         wait_finished(pulls, time.monotonic() + 10)
@@ -82,6 +72,6 @@ def test_a_handle_that_can_never_fit_does_not_hold_up_the_pulls_behind_it() -> N
             for request_id, _, _ in pulls.take_finished():
                 ends[request_id] = time.monotonic() - started
             time.sleep(0.01)
-        assert ends["c"] < timeout / 2, "a 2-row handle waited for a 6-row one that can never be pulled"
+        assert ends["c"] < TIMEOUT / 2, "a 2-row handle waited for a 6-row one that can never be pulled"
     finally:
         pulls.shutdown()

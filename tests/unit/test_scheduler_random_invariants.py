@@ -12,15 +12,12 @@ import pytest
 from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from refengine.engine.engine import Engine
 from refengine.types import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     GenerationRequest,
-    KvEvent,
     SamplingParams,
     StoppingParams,
 )
 from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
+from tests.unit.kv_helpers import replay
 from tests.unit.tokenizer_fixture import byte_fallback_tokenizer
 
 TOKENIZER = byte_fallback_tokenizer()
@@ -69,22 +66,9 @@ def test_n_greedy_outputs_equal_each_request_alone_under_preemption(tiny, num_bl
         engine.core.check_idle()
 
 
-def _apply(view: dict[bytes, bytes | None], events: list[KvEvent]) -> None:
-    for event in events:
-        if isinstance(event, BlockStored):
-            assert event.parent_hash is None or event.parent_hash in view, "a child before its parent"
-            assert event.block_hash not in view, "stored twice"
-            view[event.block_hash] = event.parent_hash
-        elif isinstance(event, BlockRemoved):
-            assert event.block_hash in view, "removal of a block the view does not hold"
-            del view[event.block_hash]
-        elif isinstance(event, AllBlocksCleared):
-            view.clear()
-
-
 def test_event_view_tracks_the_pool_through_preemption_forks_aborts_and_resets(tiny) -> None:
     view: dict[bytes, bytes | None] = {}
-    engine = make_engine(tiny, 12, 5, 2, sink=lambda events: _apply(view, events))
+    engine = make_engine(tiny, 12, 5, 2, sink=lambda events: replay(view, events))
     rng = random.Random(3)
     for step in range(90):
         if rng.random() < 0.4:
