@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from refengine.config_checks import LOOPBACK_SOURCES
 from refengine.engine.first_token_options import first_option_differing, first_token_options
 from refengine.engine.kv_sources import SourcePolicy
 from refengine.kv.transfer.attributes import SessionAttributes, prompt_hash
@@ -31,8 +30,7 @@ from refengine.types import GenerationRequest, InvalidRequestError, KvSessionSpe
 class RoleCheck:
     def __init__(self, role: str, fingerprint: str, block_size: int, store: BlockStore,
                  backends: Mapping[str, KvTransferBackend], vocab_size: int,
-                 allowed_sources: tuple[str, ...] = (LOOPBACK_SOURCES,),
-                 default_guided_backend: str = "xgrammar") -> None:
+                 allowed_sources: tuple[str, ...], default_guided_backend: str) -> None:
         self.role = role
         self.default_guided_backend = default_guided_backend
         self.sources = SourcePolicy(allowed_sources)  # where sessions and handles may be pulled from
