@@ -65,8 +65,9 @@ def count_exceeds(tokenizer: PreTrainedTokenizerBase, prompt: str, max_model_len
 
     Why: below ``max_prompt_chars`` a text may still hold millions of tokens (600,000 emoji are
     1.8 million), and tokenizing it whole to refuse it took 480 MiB and 2 s a request (found by
-    review). The caller counts only a text longer than ``max_model_len`` characters: a shorter one
-    has at most 4 tokens a character (byte fallback), so tokenizing it whole is bounded anyway."""
+    review). The caller counts only a text longer than ``max_model_len`` characters and than one
+    piece: a shorter one has at most 4 tokens a character (byte fallback), so tokenizing it whole is
+    bounded anyway."""
     counted = 0
     for number, start in enumerate(range(0, len(prompt), COUNT_PIECE_CHARS), start=1):
         counted += len(tokenizer.encode(prompt[start:start + COUNT_PIECE_CHARS], add_special_tokens=False))
@@ -95,7 +96,9 @@ class InputProcessor:
         validate_logprobs(params, self.limits)
         if params.prompt is not None:
             self._check_prompt_chars(params.prompt)
-            if len(params.prompt) > self.limits.max_model_len \
+            # A prompt of at most one piece is tokenized whole at once (at most 4 tokens a character):
+            # counting it first would only tokenize it twice.
+            if len(params.prompt) > max(self.limits.max_model_len, COUNT_PIECE_CHARS) \
                     and count_exceeds(self.tokenizer, params.prompt, self.limits.max_model_len):
                 raise InvalidRequestError(f"the prompt has more than {self.limits.max_model_len} tokens, the "
                                           "context limit")

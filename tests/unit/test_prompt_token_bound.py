@@ -59,3 +59,17 @@ def test_an_overlong_prompt_is_refused_without_tokenizing_it_whole(tiny, monkeyp
     assert len(fits) > engine.info.max_model_len > len(counting.encode(fits, add_special_tokens=False)) + 1
     (done,) = engine.run_until_done([GenerationRequest("fits", prompt=fits, stopping=StoppingParams(max_tokens=1))])
     assert done.error is None and done.usage.prompt_tokens == len(counting.encode(fits, add_special_tokens=False))
+
+
+def test_a_fitting_prompt_within_one_piece_is_tokenized_once(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Longer than the context in characters but no longer than one piece: tokenizing it whole is
+    bounded (at most 4 tokens a character), so it is not counted in pieces first, which would
+    tokenize it twice."""
+    engine = make_engine(tiny)
+    monkeypatch.setattr(input_processor, "COUNT_PIECE_CHARS", 4 * engine.info.max_model_len)
+    processor = engine.input_processor
+    processor.tokenizer = counting = CountingTokenizer(processor.tokenizer)
+    fits = " the" * (engine.info.max_model_len // 2)
+    assert engine.info.max_model_len < len(fits) <= input_processor.COUNT_PIECE_CHARS
+    (done,) = engine.run_until_done([GenerationRequest("fits", prompt=fits, stopping=StoppingParams(max_tokens=1))])
+    assert done.error is None and counting.encoded == 1
