@@ -84,3 +84,64 @@ def test_arm_cpus_have_signatures_of_their_own(monkeypatch: pytest.MonkeyPatch) 
         signatures[name] = cpu._cpu_signature()
     assert signatures["graviton2"] and signatures["graviton2"] != signatures["graviton3"]
     assert "svebf16" in signatures["graviton3"]
+
+
+def _cache_paths(library: Path) -> dict[str, Path]:
+    return {"kernels directory": library.parent.parent, "key directory": library.parent, "library": library,
+            "digest": library.with_name(library.name + ".sha256")}
+
+
+@NEEDS_CC
+@pytest.mark.parametrize("writable", ["kernels directory", "key directory", "library", "digest"])
+def test_a_library_others_could_have_replaced_is_built_again_and_closed(fresh_loader: Path, writable: str) -> None:
+    """Found by review: a cache in a shared, world-writable directory let another user plant a
+    library (and its digest) that every later process loaded and ran. This user's own paths that
+    others could write are closed, and the library is built again rather than trusted."""
+    library = Path(cpu.load("fused_ops").library._name)
+    path = _cache_paths(library)[writable]
+    path.chmod(stat.S_IMODE(path.stat().st_mode) | stat.S_IWOTH | stat.S_IWGRP)
+    planted = library.stat().st_ino
+    cpu.clear_cache()
+    assert cpu.load("fused_ops").library is not None
+    assert library.stat().st_ino != planted, "the library others could have written was loaded"
+    for each in _cache_paths(library).values():
+        assert each.stat().st_mode & 0o022 == 0, f"{each} is still writable by others"
+
+
+@NEEDS_CC
+@pytest.mark.parametrize("writable", ["kernels directory", "library"])
+def test_root_s_library_others_could_replace_is_not_loaded_by_another_user(
+        fresh_loader: Path, writable: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    library = Path(cpu.load("fused_ops").library._name)
+    path = _cache_paths(library)[writable]
+    path.chmod(stat.S_IMODE(path.stat().st_mode) | stat.S_IWOTH)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(path).st_uid + 4321)  # someone else: root or not
+    cpu.clear_cache()
+    loaded = cpu.load("fused_ops")
+    assert loaded.library is None
+    if os.stat(path).st_uid == 0:  # root's, trusted, but open: refused, naming the open path
+        assert f"{path} is writable by other users" in loaded.reason
+    else:  # run as a user: the cache is now another user's
+        assert "owned by uid" in loaded.reason
+
+
+@NEEDS_CC
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing a file to another user needs root")
+def test_a_library_owned_by_another_user_is_not_loaded(fresh_loader: Path) -> None:
+    library = Path(cpu.load("fused_ops").library._name)
+    os.chown(library, 4321, -1)
+    cpu.clear_cache()
+    loaded = cpu.load("fused_ops")
+    assert loaded.library is None and "owned by uid 4321" in loaded.reason
+
+
+@NEEDS_CC
+def test_the_cache_is_built_closed_to_others_under_any_umask(fresh_loader: Path) -> None:
+    previous = os.umask(0)
+    try:
+        loaded = cpu.load("fused_ops")
+    finally:
+        os.umask(previous)
+    library = Path(loaded.library._name)
+    for path in _cache_paths(library).values():
+        assert path.stat().st_mode & 0o022 == 0, f"{path} is writable by others"

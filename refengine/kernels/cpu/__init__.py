@@ -12,6 +12,10 @@ A library is loaded only when its SHA-256 matches the one its build wrote beside
 (``lib<name>.so.sha256``), else it is built again: a truncated file (a crash soon after the
 build, a cut-off copy of the cache) killed every later process with SIGBUS inside ``dlopen``,
 which Python cannot catch, and an empty one disabled the kernels for good (found by review).
+Nor is one loaded that another user could have replaced (``_untrusted``): where the cache's
+directories or files are owned by neither this user nor root, or are root's and writable by others,
+the kernels are off and the reason says which path; where they are this user's and writable by
+others, they are closed and the library is built again.
 
 The library is linked with ``-fopenmp``: it asks for ``libgomp.so.1``, which torch
 has already loaded, so the kernel's parallel loops share torch's OpenMP thread pool
@@ -26,6 +30,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -85,6 +90,32 @@ def _digest_path(library: Path) -> Path:
     return library.with_name(library.name + ".sha256")
 
 
+def _untrusted(library: Path) -> str:
+    """Why another user could have replaced ``library``, "" when no one could now. Loading a library
+    runs its code in this process, and the digest guards against damage, not against a writer who
+    rewrites both (found by review: a cache in a shared, world-writable directory).
+
+    Its directories, itself and its digest must be owned by this user or root and writable by
+    neither group nor others. Paths of this user's that are (an older build under umask 002) are
+    closed, and the library is deleted, so it is built again rather than trusted."""
+    closed = False
+    for path in (library.parent.parent, library.parent, library, _digest_path(library)):
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            continue  # built here, by this user, with the modes ``_build`` sets
+        if info.st_uid not in (os.getuid(), 0):
+            return f"{path} is owned by uid {info.st_uid}, neither this user nor root"
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            if info.st_uid != os.getuid():
+                return f"{path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+            os.chmod(path, stat.S_IMODE(info.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+            closed = True
+    if closed:
+        library.unlink(missing_ok=True)
+    return ""
+
+
 def _intact(library: Path) -> bool:
     """Whether ``library`` is the file its build wrote (checked before ``dlopen``, see above)."""
     try:
@@ -112,6 +143,8 @@ def _load(name: str) -> KernelLibrary:
         return KernelLibrary(None, "no C compiler found (set CC, or install gcc)")
     try:
         target = default_cache_dir() / "kernels" / _key(compiler, name) / f"lib{name}.so"
+        if problem := _untrusted(target):
+            return KernelLibrary(None, f"not loading lib{name}.so: {problem}")
         if not _intact(target):
             error = _build(compiler, SOURCE_DIR / f"{name}.c", target)
             if error:
@@ -130,7 +163,9 @@ def clear_cache() -> None:
 def _build(compiler: str, source: Path, target: Path) -> str:
     """Compile and link ``source`` into ``target``; returns the error, "" on success.
     Builds under a temporary name and renames, as concurrent processes may race here."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.parent.parent.mkdir(parents=True, exist_ok=True)  # the cache root: not ours to judge
+    for directory in (target.parent.parent, target.parent):  # not writable by others, whatever the umask
+        directory.mkdir(mode=0o755, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     obj = tmp + ".o"
@@ -160,6 +195,7 @@ def _build(compiler: str, source: Path, target: Path) -> str:
 
 def _write_durably(path: Path, data: bytes) -> None:
     path.write_bytes(data)
+    os.chmod(path, 0o644)  # readable by a shared cache's users, writable by none of them
     _sync(str(path))
 
 
