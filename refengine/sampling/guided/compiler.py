@@ -5,11 +5,12 @@ request is accepted) and waits for a worker thread; the step loop never compiles
 compile that runs longer than ``compile_timeout_seconds`` refuses its request but keeps running
 on its worker, and its result is cached, so a retry of the same spec can hit. A compile that
 waited the whole time for a worker (every one busy with slow specs) never runs: its request
-is refused as overloaded (RESOURCE_EXHAUSTED, retry later), not blamed on its spec. One that
+is refused as overloaded (RESOURCE_EXHAUSTED, retry later), not blamed on its spec (another
+request sharing the compile then submits it again and waits out its own time). One that
 started late gets its own full time before its spec is blamed (so a caller waits at most twice
 the limit; found by review: a spec compiling in 0.2 s, started 0.1 s before the limit, was told
-to "simplify it"). One compiler
-serves one engine, so one tokenizer: the cache key is (backend, mode, spec, choices).
+to "simplify it"). One compiler serves one engine, so one tokenizer: the cache key is (backend,
+mode, spec, choices).
 """
 
 from __future__ import annotations
@@ -153,37 +154,49 @@ class GuideCompiler:
         name = self._check(spec)
         backend = self._backend(name)
         key: CacheKey = (name, spec.mode, spec.spec, spec.choices)
+        timeout = self.config.compile_timeout_seconds
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self._cached_or_submitted(key, backend, spec)
+            if not isinstance(job, _Compile):
+                return job
+            try:
+                return job.result(max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                if job.cancel():  # it never started: nothing is known about the spec
+                    with self._lock:
+                        if self._compiling.get(key) is job:
+                            del self._compiling[key]
+                    raise self._busy() from None
+                break
+            except CancelledError:  # another request for the spec gave up before it started
+                if time.monotonic() >= deadline:  # this one waited its own time too (found by review:
+                    raise self._busy() from None  # it was told "busy" when the other's time was up)
+        try:  # it started late: it gets its own full time before the spec is blamed
+            assert job.started_at is not None
+            return job.result(max(0.0, job.started_at + timeout - time.monotonic()))
+        except FutureTimeout:
+            raise GuidedSpecError(f"compiling the {spec.mode} took longer than {timeout:g} s "
+                                  "(--guided-compile-timeout); simplify it") from None
+
+    def _cached_or_submitted(self, key: CacheKey, backend: GrammarBackend,
+                             spec: GuidedSpec) -> CompiledGuide | _Compile:
+        """The cached guide of ``key``, else the compile in flight for it, else a new one."""
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached
-            future = self._compiling.get(key)
-        if future is None:  # not compiled yet: the scan (3 ms for 64 KiB) is not repeated on each hit
+            job = self._compiling.get(key)
+        if job is None or job.cancelled():  # the scan (3 ms for 64 KiB) is not repeated on each hit
             _check_depth(spec)
             with self._lock:
                 if (cached := self._cache.get(key)) is not None:  # compiled meanwhile
                     return cached
-                future = self._compiling.get(key)
-                if future is None:
-                    future = self._compiling[key] = self._pool.submit(lambda: self._compile(key, backend, spec))
-        timeout = self.config.compile_timeout_seconds
-        try:
-            return future.result(timeout)
-        except FutureTimeout:
-            if future.cancel():  # it never started: nothing is known about the spec
-                with self._lock:
-                    if self._compiling.get(key) is future:
-                        del self._compiling[key]
-                raise self._busy() from None
-        except CancelledError:  # another request waiting for the same spec gave up before it started
-            raise self._busy() from None
-        try:  # it started late: it gets its own full time before the spec is blamed
-            assert future.started_at is not None
-            return future.result(max(0.0, future.started_at + timeout - time.monotonic()))
-        except FutureTimeout:
-            raise GuidedSpecError(f"compiling the {spec.mode} took longer than {timeout:g} s "
-                                  "(--guided-compile-timeout); simplify it") from None
+                job = self._compiling.get(key)
+                if job is None or job.cancelled():
+                    job = self._compiling[key] = self._pool.submit(lambda: self._compile(key, backend, spec))
+        return job
 
     def _busy(self) -> OverloadedError:
         return OverloadedError(f"every guide compile worker was busy for {self.config.compile_timeout_seconds:g} s "
