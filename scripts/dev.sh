@@ -39,9 +39,11 @@ case "$cmd" in
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
     # Two workers (whole files each) of one intra-op thread: on 2 cores, 9 minutes against 14
     # serial. Kernel tests that need more threads say so (the threads marker, tests/conftest.py).
+    # The 25 slowest tests are listed at the end: the suite must stay under 15 minutes on 2 cores.
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     set +e
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${REFENGINE_TEST_WORKERS:-2}" --dist loadfile "$@"
+    "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${REFENGINE_TEST_WORKERS:-2}" --dist loadfile \
+      --durations=25 "$@"
     rc=$?
     set -e
     if [ "$rc" -eq 5 ]; then
