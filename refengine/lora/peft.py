@@ -7,9 +7,11 @@ What is supported is what the model's projections can take: ``peft_type`` LORA o
 ``max_lora_rank`` (per module too: ``rank_pattern``, ``alpha_pattern``), scaling
 ``lora_alpha / r`` or, with ``use_rslora``, ``lora_alpha / sqrt(r)``. Everything else that
 changes the math — DoRA, LoRA biases, ``bias`` other than "none", ``modules_to_save``,
-trainable tokens, target parameters, embedding or lm_head adapters, ``fan_in_fan_out``,
-activated LoRA, an unconverted PiSSA/OLoRA/CorDA/LoftQ init — is refused with
-``InvalidRequestError`` naming it, before any weight is kept.
+trainable tokens, target parameters, embedding or lm_head adapters, activated LoRA, an
+unconverted PiSSA/OLoRA/CorDA/LoftQ init — is refused with ``InvalidRequestError`` naming it,
+before any weight is kept. ``fan_in_fan_out`` is not: it changes only how a delta is merged into
+a Conv1D weight, and PEFT turns it off on these linear projections (the same outputs; found by
+review, it was refused).
 
 The result is grouped the way the engine's projections are fused (``ProjectionDeltas``:
 q, k and v under ``qkv_proj``, gate and up under ``gate_up_proj``), each module's pair
@@ -42,6 +44,9 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 PATTERN_SECONDS = 0.1  # the longest one target_modules / rank_pattern / alpha_pattern match may take
+#: Keys of one rank_pattern / alpha_pattern: PEFT writes at most one a module (7 a layer: 896 for
+#: 128 layers), and all of them are matched against each module.
+MAX_PATTERN_KEYS = 1024
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn\.(q|k|v|o)|mlp\.(gate|up|down))"
                   r"_proj\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -53,7 +58,7 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn\
 _BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
 # Options whose non-default values change the math in ways the engine does not implement.
 _REFUSED_OPTIONS = {"use_dora": (False, None), "bias": ("none", None), "lora_bias": (False, None),
-                    "fan_in_fan_out": (False, None), "modules_to_save": (None, []), "layer_replication": (None, []),
+                    "modules_to_save": (None, []), "layer_replication": (None, []),
                     "trainable_token_indices": (None, {}, []), "target_parameters": (None, []),
                     "alora_invocation_tokens": (None, [])}  # activated LoRA: the delta applies after a marker only
 
@@ -129,17 +134,28 @@ def _read_config(path: Path, data: bytes) -> dict[str, Any]:
         if not _positive(config.get(name)):
             raise _refuse(path, f"{CONFIG_FILE}: {name} must be a finite number > 0, got {config.get(name)!r}")
     for name in ("rank_pattern", "alpha_pattern"):
-        patterns = config.get(name) or {}
-        if not isinstance(patterns, dict):
-            raise _refuse(path, f"{CONFIG_FILE}: {name} must be an object")
-        for key, value in patterns.items():
-            if not _positive(value):
-                raise _refuse(path, f"{CONFIG_FILE}: {name}[{key!r}] must be a finite number > 0, got {value!r}")
-            try:
-                regex.compile(key)
-            except (regex.error, RecursionError, OverflowError) as exc:  # deep nesting, huge repeat counts
-                raise _refuse(path, f"{CONFIG_FILE}: {name} key {key!r} is not a regular expression: {exc}") from None
+        config[name] = _compiled_patterns(path, name, config.get(name) or {})
     return config
+
+
+def _compiled_patterns(path: Path, name: str, patterns: Any) -> list[tuple[regex.Pattern, Any]]:
+    """A ``rank_pattern``/``alpha_pattern`` map as (PEFT's pattern for a key, value) pairs, each key
+    compiled once. At most ``MAX_PATTERN_KEYS`` keys (found by review: 40,000 harmless keys, each
+    recompiled for each module, made one LoadLora run 10 s per module, holding up every other)."""
+    if not isinstance(patterns, dict):
+        raise _refuse(path, f"{CONFIG_FILE}: {name} must be an object")
+    if len(patterns) > MAX_PATTERN_KEYS:
+        raise _refuse(path, f"{CONFIG_FILE}: {name} has {len(patterns)} keys; the limit is {MAX_PATTERN_KEYS}")
+    compiled = []
+    for key, value in patterns.items():
+        if not _positive(value):
+            raise _refuse(path, f"{CONFIG_FILE}: {name}[{key!r}] must be a finite number > 0, got {value!r}")
+        try:  # a pattern on its own; PEFT's rule: it applies to a module whose name ends with it (at a dot)
+            regex.compile(key)
+            compiled.append((regex.compile(rf"(.*\.)?({key})"), value))
+        except (regex.error, RecursionError, OverflowError) as exc:  # deep nesting, huge repeat counts
+            raise _refuse(path, f"{CONFIG_FILE}: {name} key {key!r} is not a regular expression: {exc}") from None
+    return compiled
 
 
 def _positive(value: Any) -> bool:
@@ -152,7 +168,7 @@ def _positive(value: Any) -> bool:
         return False
 
 
-def _matches(path: Path, pattern: str, module: str) -> bool:
+def _matches(path: Path, pattern: str | regex.Pattern, module: str) -> bool:
     """``re.fullmatch(pattern, module)`` under ``PATTERN_SECONDS``: the patterns come from the
     adapter's files, and Python's ``re`` backtracks exponentially on some (``(.*)*(.*)*x``) while
     holding the GIL -- one LoadLora froze the whole server. The ``regex`` module can time out."""
@@ -161,14 +177,15 @@ def _matches(path: Path, pattern: str, module: str) -> bool:
     except (regex.error, RecursionError, OverflowError):  # not a pattern (a target_modules string is one)
         return False
     except TimeoutError:
-        raise _refuse(path, f"{CONFIG_FILE}: the pattern {pattern[:64]!r} took over {PATTERN_SECONDS} s "
+        text = pattern if isinstance(pattern, str) else pattern.pattern
+        raise _refuse(path, f"{CONFIG_FILE}: the pattern {text[:64]!r} took over {PATTERN_SECONDS} s "
                             f"to match {module!r}") from None
 
 
-def _pattern_value(path: Path, patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """PEFT's rule: a pattern key applies to a module whose name ends with it (at a dot)."""
-    for key, value in patterns.items():
-        if _matches(path, rf"(.*\.)?({key})", module):
+def _pattern_value(path: Path, patterns: list[tuple[regex.Pattern, Any]], module: str, default: Any) -> Any:
+    """The value of the first pattern (``_compiled_patterns``) that matches ``module``, else ``default``."""
+    for pattern, value in patterns:
+        if _matches(path, pattern, module):
             return value
     return default
 
@@ -251,12 +268,12 @@ def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor
     if lora_a.shape != (rank, in_features) or lora_b.shape != (out_features, rank):
         raise _refuse(path, f"{module}: lora_A {tuple(lora_a.shape)} / lora_B {tuple(lora_b.shape)} do not fit "
                       f"the model's projection (in {in_features}, out {out_features})")
-    expected_rank = _pattern_value(path, config.get("rank_pattern") or {}, module, config["r"])
+    expected_rank = _pattern_value(path, config["rank_pattern"], module, config["r"])
     if rank != expected_rank:
         raise _refuse(path, f"{module}: rank {rank} but {CONFIG_FILE} says r={expected_rank}")
     if rank > max_rank:
         raise _refuse(path, f"{module}: rank {rank} is above this server's --max-lora-rank {max_rank}")
-    alpha = _pattern_value(path, config.get("alpha_pattern") or {}, module, config["lora_alpha"])
+    alpha = _pattern_value(path, config["alpha_pattern"], module, config["lora_alpha"])
     scale = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
     if lora_a.dtype not in WEIGHT_DTYPES or lora_b.dtype not in WEIGHT_DTYPES:
         raise _refuse(path, f"{module}: LoRA weights must be float16, bfloat16, float32 or float64, "
