@@ -31,6 +31,21 @@ def check_positive_float(owner: object, name: str) -> None:
         raise ValueError(f"{type(owner).__name__}.{name} must be a number > 0, got {value!r}")
 
 
+#: The longest time a ``*_seconds`` setting may hold (~116 days): threads wait at most
+#: ``threading.TIMEOUT_MAX`` (9.2e9 s) and gRPC turns a deadline into a time_t, so inf, or
+#: 1e10, failed every guided compile and every pull, and crashed a prefill engine's step loop
+#: (found by review).
+MAX_SECONDS = 1e7
+
+
+def check_seconds(owner: object, name: str) -> None:
+    """``owner.name`` is a duration in seconds: a number in ``(0, MAX_SECONDS]``."""
+    value = getattr(owner, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= MAX_SECONDS:
+        raise ValueError(f"{type(owner).__name__}.{name} must be a number of seconds in (0, {MAX_SECONDS:g}], "
+                         f"got {value!r}")
+
+
 def check_bool(owner: object, name: str) -> None:
     value = getattr(owner, name)
     if not isinstance(value, bool):

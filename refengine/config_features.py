@@ -13,7 +13,7 @@ from refengine.config_checks import (
     check_bool,
     check_choice,
     check_int,
-    check_positive_float,
+    check_seconds,
     source_entry,
 )
 
@@ -46,8 +46,8 @@ class GuidedConfig:
 
     def __post_init__(self) -> None:
         check_choice(self, "default_backend", GUIDED_BACKENDS)
-        check_positive_float(self, "compile_timeout_seconds")
-        check_positive_float(self, "max_token_seconds")
+        check_seconds(self, "compile_timeout_seconds")
+        check_seconds(self, "max_token_seconds")
         check_int(self, "compile_threads", 1)
         check_int(self, "cache_size", 1)
         check_int(self, "cache_bytes", 0)
@@ -106,10 +106,10 @@ class KvTransferConfig:
 
     def __post_init__(self) -> None:
         check_choice(self, "backend", TRANSFER_BACKENDS)
-        check_positive_float(self, "session_ttl_seconds")
+        check_seconds(self, "session_ttl_seconds")
         check_int(self, "chunk_bytes", 1 << 12, 1 << 26)
         check_int(self, "num_transfer_threads", 1, 64)
-        check_positive_float(self, "pull_timeout_seconds")
+        check_seconds(self, "pull_timeout_seconds")
         if not self.allowed_sources or not isinstance(self.allowed_sources, tuple):
             raise ValueError("KvTransferConfig.allowed_sources must be a non-empty tuple (loopback: this host only)")
         for entry in self.allowed_sources:
@@ -195,7 +195,7 @@ class MediaConfig:
             if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
                 raise ValueError(f"MediaConfig.{name} must be a tuple of non-empty strings, got {value!r}")
         check_bool(self, "url_allow_private")
-        check_positive_float(self, "url_timeout_seconds")
+        check_seconds(self, "url_timeout_seconds")
         check_int(self, "url_max_redirects", 0, 20)
         check_int(self, "encoder_cache_bytes", 0)
 
@@ -223,11 +223,11 @@ class EncoderConfig:
     def __post_init__(self) -> None:
         check_int(self, "memory_mib", 1)
         check_int(self, "max_cached_entries", 0)
-        check_positive_float(self, "lease_seconds")
-        check_positive_float(self, "max_lease_seconds")
+        check_seconds(self, "lease_seconds")
+        check_seconds(self, "max_lease_seconds")
         if self.lease_seconds > self.max_lease_seconds:
             raise ValueError(f"EncoderConfig.lease_seconds ({self.lease_seconds}) must be <= max_lease_seconds "
                              f"({self.max_lease_seconds})")
         check_int(self, "staging_mib", 1)
         check_int(self, "pull_threads", 1, 64)
-        check_positive_float(self, "pull_timeout_seconds")
+        check_seconds(self, "pull_timeout_seconds")

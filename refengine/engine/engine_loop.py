@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STALLED_POLL_SECONDS = 0.05  # a loop with requests but nothing to run looks again this often
+IDLE_POLL_SECONDS = 60.0  # the longest wait for a due session: never near threading.TIMEOUT_MAX
 
 
 class EngineLoopMixin:
@@ -123,7 +124,9 @@ class EngineLoopMixin:
 
     def _wait_seconds(self: Engine) -> float | None:
         due = self.kv_sessions.seconds_until_due()
-        return min(STALLED_POLL_SECONDS, due if due is not None else STALLED_POLL_SECONDS) if self._stalled else due
+        if self._stalled:
+            return min(STALLED_POLL_SECONDS, due if due is not None else STALLED_POLL_SECONDS)
+        return None if due is None else min(due, IDLE_POLL_SECONDS)
 
     def _wants_step(self: Engine) -> bool:
         """Lock held. Requests (unless the last step ran nothing and no wake came), a wake, or a due session."""

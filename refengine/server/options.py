@@ -6,6 +6,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from refengine.config_checks import MAX_SECONDS
+
 MIB = 1 << 20
 MAX_MESSAGE_BYTES = 2047 * MIB  # gRPC keeps message limits in a C int (2^31 - 1 bytes)
 REQUEST_ROOM_BYTES = 1 * MIB  # what a media request holds besides one item's data URI
@@ -89,8 +91,8 @@ class ServerOptions:
         if self.stream_buffer < 1:
             raise ValueError(f"--stream-buffer must be >= 1, got {self.stream_buffer}")
         for name in ("shutdown_grace_seconds", "stall_timeout_seconds", "health_probe_timeout_seconds"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{_flag(name)} must be > 0, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) <= MAX_SECONDS:  # see MAX_SECONDS: inf overflows waits
+                raise ValueError(f"{_flag(name)} must be in (0, {MAX_SECONDS:g}] seconds, got {getattr(self, name)}")
         for name in ("max_send_message_bytes", "max_receive_message_bytes"):
             if not MIB <= getattr(self, name) <= MAX_MESSAGE_BYTES:  # gRPC holds the limit in a C int
                 raise ValueError(f"{_flag(name).replace('-bytes', '-mib')} must be in 1..{MAX_MESSAGE_BYTES // MIB} "

@@ -46,6 +46,9 @@ def test_a_port_in_use_is_a_usage_error(busy_port: int, flag: str) -> None:
     (["--health-probe-timeout-seconds", "0"], "--health-probe-timeout-seconds"),
     (["--max-send-message-mib", "0"], "--max-send-message-mib"),
     (["--max-receive-message-mib", "4096"], "--max-receive-message-mib"),  # beyond gRPC's C int of bytes
+    (["--shutdown-grace-seconds", "inf"], "--shutdown-grace-seconds"),
+    (["--stall-timeout-seconds", "1e10"], "--stall-timeout-seconds"),
+    (["--health-probe-timeout-seconds", "inf"], "--health-probe-timeout-seconds"),
 ])
 def test_server_option_errors_name_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
@@ -58,6 +61,12 @@ def test_server_option_errors_name_the_flag(argv: list[str], flag: str) -> None:
     (["--served-model-alias", ""], "--served-model-alias"),
     (["--device", "gpu"], "--device"),
     (["--num-threads", "99999999999"], "--num-threads"),
+    # Durations past MAX_SECONDS (found by review): inf crashed a prefill engine's step loop (its
+    # lease in nanoseconds), and inf or 1e10 failed every guided compile, KV pull or URL fetch.
+    *[([flag, value], flag) for flag in ("--kv-session-ttl", "--kv-pull-timeout", "--guided-compile-timeout",
+                                         "--guided-max-token-seconds", "--media-url-timeout", "--embedding-lease",
+                                         "--embedding-max-lease", "--embedding-pull-timeout")
+      for value in ("inf", "1e10")],
 ])
 def test_engine_option_errors_name_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
