@@ -47,7 +47,7 @@ from refengine.server.kv_events_service import advertised_host
 from refengine.server.kv_pull_service import KvPullServicer, blocks_per_chunk
 from refengine.server.loading import load_in_thread
 from refengine.server.media_service import MediaServicer
-from refengine.server.options import ServerOptions
+from refengine.server.options import ServerOptions, host_port
 from refengine.server.state import Lifecycle, ServerState
 from refengine.server.stream_bridge import ABORT_CONFIRM_SECONDS
 from refengine.server.wire import add_servicer
@@ -139,13 +139,13 @@ class Server:
             reflection.enable_server_reflection((*services, *others, "grpc.health.v1.Health", reflection.SERVICE_NAME),
                                                 server)
             try:
-                bound = server.add_insecure_port(f"{host}:{port}")
+                bound = server.add_insecure_port(host_port(host, port))
             except RuntimeError:  # gRPC's bind failure: the operator's mistake, said without a traceback
                 flag = "--port" if server is main else "--control-port"
-                raise ListenError(f"{flag} {port}: cannot listen on {host}:{port} (in use, or not an address "
-                                  "of this machine)") from None
+                raise ListenError(f"{flag} {port}: cannot listen on {host_port(host, port)} (in use, or not an "
+                                  "address of this machine)") from None
             what = " + ".join(name.rsplit(".", 1)[-1] for name in services)
-            print(f"refengine: listening on {host}:{bound} ({what})", flush=True)
+            print(f"refengine: listening on {host_port(host, bound)} ({what})", flush=True)
             self.listeners.append(server)
             if server is main:  # K4, ENC9: sessions and embedding handles are pulled from the Inference port
                 self.state.kv_endpoints = (KvEndpointSpec(advertised_host(o), bound, "grpc"),)

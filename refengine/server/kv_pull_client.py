@@ -38,6 +38,7 @@ from refengine.kv.transfer.base import (
 )
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
+from refengine.server.options import host_port
 from refengine.types import KvSessionSpec
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,7 @@ class GrpcKvTransfer(KvTransferBackend):
         endpoint = next((e for e in session.endpoints if e.protocol in PULL_PROTOCOLS), None)
         if endpoint is None:
             raise TransferFailure("failed", f"session {session.session_id!r} names no grpc endpoint")
-        host = endpoint.host
-        target = f"[{host}]:{endpoint.port}" if ":" in host and not host.startswith("[") else f"{host}:{endpoint.port}"
+        target = host_port(endpoint.host, endpoint.port)
         with self._lock:
             if target in self._sources:
                 self._sources.move_to_end(target)

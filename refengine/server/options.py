@@ -14,6 +14,12 @@ REQUEST_ROOM_BYTES = 1 * MIB  # what a media request holds besides one item's da
 ROLES = ("aggregated", "prefill", "decode", "encoder")
 
 
+def host_port(host: str, port: int | str) -> str:
+    """``host:port`` as gRPC parses it: an IPv6 literal in brackets (``[::1]:50051``). Unbracketed,
+    ``::`` and ``::1`` failed to bind, blamed on the port (found by review)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def is_wildcard_host(host: str) -> bool:
     """A bind address meaning "every interface", never a host a client can be told to connect
     to (E6): empty, ``*``, or any spelling of an unspecified IP -- ``0.0.0.0``, ``::``, ``[::]``,
