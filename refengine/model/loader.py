@@ -69,6 +69,19 @@ class ResolvedModel:
     manifest: Manifest | None = None
 
 
+def _converted(gguf_path: Path, target: Path) -> Path:
+    """``ensure_converted``, with a cache it cannot write said in one line (found by review: an
+    unusable ``REFENGINE_CACHE_DIR`` ended ``refengine generate`` in a traceback)."""
+    try:
+        return ensure_converted(gguf_path, target)
+    except ModelNotFoundError:
+        raise
+    except OSError as exc:
+        detail = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
+        raise ModelNotFoundError(f"cannot convert {gguf_path.name} into the model cache {target.parent} "
+                                 f"($REFENGINE_CACHE_DIR or $XDG_CACHE_HOME): {detail}") from None
+
+
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ResolvedModel:
     """Turn a manifest name, a Hugging Face directory or a ``.gguf`` file into a ResolvedModel.
 
@@ -83,7 +96,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ResolvedM
     if is_bare_name and name_or_path in manifest_names():
         manifest = load_manifest(name_or_path)
         if manifest.source.kind == "gguf_package":
-            path = ensure_converted(locate_gguf(manifest), models_cache / manifest.name)
+            path = _converted(locate_gguf(manifest), models_cache / manifest.name)
         else:
             path = locate_local_dir(manifest)
         _warn_on_architecture_mismatch(manifest, path)
@@ -92,7 +105,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ResolvedM
     path = Path(name_or_path).expanduser().resolve()
     if path.is_file() and path.suffix == ".gguf":
         target = models_cache / f"{path.stem}-{source_fingerprint(path)[:12]}"
-        return ResolvedModel(name=path.stem, path=ensure_converted(path, target))
+        return ResolvedModel(name=path.stem, path=_converted(path, target))
     if path.is_dir():
         refuse_pickle_only(path)
         missing = hf_dir_missing(path)

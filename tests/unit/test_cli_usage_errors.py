@@ -87,3 +87,14 @@ def test_client_command_mistakes_exit_2_at_once(argv: list[str]) -> None:
     result = cli(*argv, timeout=30)
     assert "Traceback" not in result.stderr, result.stderr[-600:]
     assert result.returncode == 2, (result.returncode, result.stderr[-600:])
+
+
+def test_an_unusable_cache_directory_is_one_line_not_a_traceback(tmp_path) -> None:  # noqa: ANN001
+    """Found by review: ``REFENGINE_CACHE_DIR`` under a file ended ``generate`` in a traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = subprocess.run([sys.executable, "-m", "refengine.cli", "generate", "hi", "--max-tokens", "1"],
+                            capture_output=True, text=True, timeout=120,
+                            env={**ENV, "REFENGINE_CACHE_DIR": str(blocker / "cache")})
+    assert "Traceback" not in result.stderr, result.stderr[-600:]
+    assert result.returncode == 2 and "REFENGINE_CACHE_DIR" in result.stderr and str(blocker) in result.stderr
