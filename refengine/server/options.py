@@ -90,6 +90,11 @@ class ServerOptions:
         if self.port and self.control_port == self.port and (self.control_host or self.host) == self.host:
             raise ValueError(f"--control-port {self.control_port} is --port: give Control its own port, or leave "
                              "--control-port out to serve it on --port")
+        # Flags that only qualify another are refused without it (found by review: accepted, then ignored).
+        if self.control_host is not None and self.control_port is None:
+            raise ValueError("--control-host needs --control-port (without it, Control is served on --port)")
+        if self.kv_events_zmq is None and (self.kv_events_zmq_replay is not None or self.kv_events_zmq_topic):
+            raise ValueError("--kv-events-zmq-replay and --kv-events-zmq-topic need --kv-events-zmq")
         if self.advertise_host is not None and is_wildcard_host(self.advertise_host):
             raise ValueError(f"--advertise-host {self.advertise_host!r} is a bind wildcard; name a host clients "
                              "can connect to (E6)")

@@ -49,6 +49,9 @@ def test_a_port_in_use_is_a_usage_error(busy_port: int, flag: str) -> None:
     (["--shutdown-grace-seconds", "inf"], "--shutdown-grace-seconds"),
     (["--stall-timeout-seconds", "1e10"], "--stall-timeout-seconds"),
     (["--health-probe-timeout-seconds", "inf"], "--health-probe-timeout-seconds"),
+    (["--control-host", "127.0.0.1"], "--control-host needs --control-port"),  # was ignored
+    (["--kv-events-zmq-replay", "tcp://127.0.0.1:5998"], "need --kv-events-zmq"),  # was ignored
+    (["--kv-events-zmq-topic", "kv"], "need --kv-events-zmq"),
 ])
 def test_server_option_errors_name_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
