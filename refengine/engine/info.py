@@ -15,8 +15,13 @@ logger = logging.getLogger(__name__)
 
 def configured_context(config: EngineConfig, model_config: ModelConfig) -> int:
     """``max_model_len`` as configured (the model's ``max_position_embeddings`` when not given),
-    never past the model's: a pool too small for it bounds it later (``context_bounded_by_pool``)."""
-    return min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+    never past the model's, saying so (found by review: clamped without a word); a pool too small
+    for it bounds it later (``context_bounded_by_pool``)."""
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        logger.warning("--max-model-len %d is past the model's max_position_embeddings %d: serving a %d-token "
+                       "context", config.max_model_len, limit, limit)
+    return min(config.max_model_len or limit, limit)
 
 
 def kernel_paths(config: EngineConfig) -> tuple[str, str, str]:
