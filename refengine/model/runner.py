@@ -91,8 +91,12 @@ class ModelRunner:
         kernels = kernels or KernelConfig()
         self.config = config
         self.block_size = cache.block_size
-        self.num_blocks = cache.num_blocks or max(1, cache.kv_memory_bytes // kv_bytes_per_block(
-            config, cache.block_size, kv_dtype))
+        block_bytes = kv_bytes_per_block(config, cache.block_size, kv_dtype)
+        if cache.num_blocks is None and cache.kv_memory_bytes < block_bytes:  # was one block, past the budget
+            raise ValueError(f"--kv-memory-mib {cache.kv_memory_bytes / (1 << 20):g} holds no KV block of "
+                             f"{cache.block_size} tokens ({block_bytes / (1 << 20):.3g} MiB for this model): "
+                             "raise it, or lower --block-size")
+        self.num_blocks = cache.num_blocks or cache.kv_memory_bytes // block_bytes
         # No sequence outgrows the pool, so RoPE tables and graph block tables stop there: a config's
         # max_position_embeddings (2**40 in a hostile file) never sizes an allocation on its own.
         max_model_len = min(max_model_len, self.num_blocks * cache.block_size)

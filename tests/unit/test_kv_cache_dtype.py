@@ -133,3 +133,16 @@ def test_a_16_bit_cache_holds_twice_the_blocks_in_the_same_memory() -> None:
     assert {k.dtype for k, _ in half.kv_caches} == {v.dtype for _, v in half.kv_caches} == {torch.bfloat16}
     # What a prefill engine's KvSessionRef says (K9) and a decode engine checks against its own.
     assert KvBlockIO(half.kv_caches, "torch").dtype == "bfloat16"
+
+
+def test_a_kv_budget_smaller_than_one_block_is_refused() -> None:
+    """Found by review: the pool was one block whatever the budget (``--kv-memory-mib 1
+    --block-size 64`` allocated three times the budget, without a word)."""
+    hf = make_tiny_hf_model()
+    config, weights = model_config_from_hf(hf), hf_weights(hf)
+    block_bytes = kv_bytes_per_block(config, 16, torch.float32)
+    assert ModelRunner(config, weights, CacheConfig(block_size=16, kv_memory_bytes=block_bytes), 256).num_blocks == 1
+    with pytest.raises(ValueError, match="--kv-memory-mib .* holds no KV block of 16 tokens"):
+        ModelRunner(config, weights, CacheConfig(block_size=16, kv_memory_bytes=block_bytes - 1), 256)
+    counted = CacheConfig(block_size=16, num_blocks=1, kv_memory_bytes=1)  # --num-kv-blocks: the budget is unused
+    assert ModelRunner(config, weights, counted, 256).num_blocks == 1
