@@ -134,6 +134,7 @@ class Server:
             side = grpc.aio.server(options=o.grpc_options())
             add_servicer(control, "Control", side)
             plan.append((side, o.control_host or o.host, o.control_port, (CONTROL_SERVICE,), ()))
+        announced: list[str] = []  # said once every listener is bound: a supervisor reads a port that serves
         for server, host, port, services, others in plan:
             self.health.register(server, services)
             reflection.enable_server_reflection((*services, *others, "grpc.health.v1.Health", reflection.SERVICE_NAME),
@@ -145,10 +146,12 @@ class Server:
                 raise ListenError(f"{flag} {port}: cannot listen on {host_port(host, port)} (in use, or not an "
                                   "address of this machine)") from None
             what = " + ".join(name.rsplit(".", 1)[-1] for name in services)
-            print(f"refengine: listening on {host_port(host, bound)} ({what})", flush=True)
+            announced.append(f"refengine: listening on {host_port(host, bound)} ({what})")
             self.listeners.append(server)
             if server is main:  # K4, ENC9: sessions and embedding handles are pulled from the Inference port
                 self.state.kv_endpoints = (KvEndpointSpec(advertised_host(o), bound, "grpc"),)
+        for line in announced:
+            print(line, flush=True)
 
     def _background(self, coro) -> None:  # noqa: ANN001 - a coroutine
         task = asyncio.get_running_loop().create_task(coro)

@@ -37,6 +37,8 @@ def test_a_port_in_use_is_a_usage_error(busy_port: int, flag: str) -> None:
     result = cli("serve", "--host", "127.0.0.1", *ports)
     assert "Traceback" not in result.stderr, result.stderr[-600:]
     assert result.returncode == 2 and f"{flag} {busy_port}: cannot listen" in result.stderr, result.stderr[-600:]
+    # Found by review: the Inference listener's port was announced, then the process exited.
+    assert "listening on" not in result.stdout, "a port announced that never served"
 
 
 @pytest.mark.parametrize(("argv", "flag"), [
