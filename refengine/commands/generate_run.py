@@ -119,6 +119,10 @@ def run_local(args: argparse.Namespace, options: GenerateOptions) -> int:
     except ValueError as exc:
         print(f"refengine generate: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    if config.role != "aggregated":  # found by review: loaded the model, then failed (decode: exit 1)
+        print(f"refengine generate: --role {config.role}: generate runs the aggregated role in-process; --role "
+              "is for serve (--prefill/--decode drive a disaggregated pair)", file=sys.stderr)
+        return USAGE_ERROR
     apply_process_settings(config)
     try:
         engine = Engine.from_config(config)

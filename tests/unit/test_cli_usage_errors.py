@@ -83,6 +83,8 @@ def test_engine_option_errors_name_the_flag(argv: list[str], flag: str) -> None:
     ["bench", "--target", "localhost", "--num-prompts", "1", "--no-progress"],
     ["bench", "--target", "127.0.0.1:1", "--temperature", "nan", "--no-progress"],
     ["generate", "hi", "--remote", ""],
+    ["generate", "hi", "--role", "decode"],  # in-process: loaded the model, then failed with exit 1
+    ["generate", "hi", "--role", "prefill"],
     ["conformance", "--target", "127.0.0.1"],
     ["conformance", "--target", "127.0.0.1:1", "--prefill", "127.0.0.1:2"],  # half a pair
     ["conformance", "--target", "127.0.0.1:1", "--eviction-budget-tokens", "-5"],
