@@ -18,6 +18,7 @@ on it; its slot is reused only when no running request needs it.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from refengine.types import (
     LoraNotFoundError,
     OverloadedError,
 )
+
+logger = logging.getLogger(__name__)
 
 MAX_NAME_BYTES = 256
 INT64_MAX = (1 << 63) - 1
@@ -76,6 +79,9 @@ class LoraRegistry:
         self.config = config
         self.model = model
         self._roots = tuple(os.path.realpath(root) for root in config.roots)
+        for root in self._roots if config.enabled else ():
+            if not os.path.isdir(root):  # it may be mounted later: said, not refused (found by review: silent)
+                logger.warning("--lora-root %s is not a directory (yet): no adapter loads from it until it is", root)
         self._by_name: dict[str, LoadedLora] = {}
         self._lock = threading.Lock()  # guards _by_name (generation reads it)
         self._lifecycle = threading.Lock()  # one load or unload at a time

@@ -6,12 +6,14 @@ against PEFT where PEFT decides:
   LoadLora take 10 s a module, about 40 minutes on a 32-layer model, holding up every other.
 - ``fan_in_fan_out`` is accepted: PEFT turns it off on linear projections and serves the same
   outputs, yet the engine refused the adapter.
+- A ``--lora-root`` that is not a directory is said at start.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -19,8 +21,10 @@ from pathlib import Path
 import pytest
 from peft import PeftModel
 
+from refengine.config import LoraConfig
 from refengine.lora import peft
 from refengine.lora.peft import MAX_PATTERN_KEYS, read_peft_adapter
+from refengine.lora.registry import LoraRegistry
 from refengine.types import InvalidRequestError, LoraAdapterSpec
 from tests.unit.test_lora_engine import ALL, PROMPTS, greedy, hf_greedy, make_adapter, make_engine, tiny  # noqa: F401
 
@@ -65,3 +69,13 @@ def test_fan_in_fan_out_on_linear_projections_loads_like_peft(tiny, tmp_path: Pa
     engine.load_lora(LoraAdapterSpec(1, "fifo", str(tmp_path / "fifo")))
     (done,) = engine.run_until_done([greedy("r", PROMPTS[1], "fifo")])
     assert done.outputs[0].token_ids == expected
+
+
+def test_a_lora_root_that_is_not_a_directory_is_said_at_start(tiny, tmp_path: Path,  # noqa: F811
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Found by review of the CLI: ``--lora-root /nonexistent`` started READY in silence, and
+    every LoadLora then failed. It may be mounted later, so it is a warning, not a refusal."""
+    with caplog.at_level(logging.WARNING, logger="refengine.lora.registry"):
+        LoraRegistry(LoraConfig(enabled=True, roots=(str(tmp_path / "missing"), str(tmp_path))), tiny[1])
+    assert f"--lora-root {tmp_path / 'missing'} is not a directory" in caplog.text
+    assert f"--lora-root {tmp_path} " not in caplog.text
