@@ -39,9 +39,8 @@ class StoppingParams:
 
     ``max_tokens`` ``None`` = until the context limit. ``min_tokens`` suppresses EOS
     and stop tokens until that many tokens were produced (RULES G15 names those two). A stop
-    string still ends an output before ``min_tokens``: it is found in the text, which the
-    sampler cannot mask, and holding the match back would emit text the request asked to stop
-    at. (vLLM instead skips its stop-string check until ``min_tokens``.)
+    string completed by one of the first ``min_tokens`` tokens does not end the output either
+    (vLLM's and SGLang's choice; ``engine/stop_checker.py``).
     """
 
     max_tokens: int | None = None
