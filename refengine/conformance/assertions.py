@@ -60,11 +60,18 @@ def stream_violations(res: StreamResult, num_sequences: int = 1, cancelled_ok: b
     return _owned(every, res.rule)
 
 
-def _record(res: StreamResult, problems: list[str]) -> None:
+def record_structure(res: StreamResult, num_sequences: int = 1, finish_judged: bool = False) -> None:
+    """Leave the structural problems of a stream that its check does not judge itself (a PREFILL
+    or DECODE stream) for the run-wide checks; ``finish_judged``: its missing GenerationFinished
+    is another rule's finding (a decode's: K9), not G12's."""
+    _record(res, _all_violations(res, num_sequences, False), finish_judged)
+
+
+def _record(res: StreamResult, problems: list[str], finish_judged: bool = False) -> None:
     """Leave the problems of other rules for the run-wide checks (:mod:`stream_ledger`); not a
     missing finish in the streams of :data:`FINISH_RULES`, whose checks judge it."""
     if res.ledger is not None:
-        owned_finish = res.rule in FINISH_RULES
+        owned_finish = finish_judged or res.rule in FINISH_RULES
         res.ledger.record(res, [p for p in problems if not (owned_finish and p.startswith(MISSING_FINISH))])
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
-from refengine.conformance.assertions import expect_rejected, settled
+from refengine.conformance.assertions import expect_rejected, record_structure, settled
 from refengine.conformance.enums import enum_name
 from refengine.conformance.hosts import is_routable
 from refengine.conformance.registry import check, expect, skip
@@ -39,13 +39,17 @@ def _pair(t: Target) -> tuple[Target, Target]:
                f"--prefill/--decode report roles {[enum_name(oe.EngineRole, r) for r in roles]}")
         t.cache["k_pair"] = pair
     for peer in t.cache["k_pair"]:  # judged by the running check's rule: a leak another check waits out is
-        peer.rule = t.rule          # that rule's finding there, not this one's (wait_idle)
+        peer.rule, peer.check = t.rule, t.check  # that rule's finding there, not this one's (wait_idle)
     return t.cache["k_pair"]
 
 
 def _prefill(pre: Target, tag: str) -> tuple[oe.GenerateRequest, StreamResult]:
+    """A prefill of ``tag``; its structure (G9, G10, G16 ...) is left for the run-wide checks
+    (found by review: PREFILL and DECODE streams were never judged on it)."""
     req = pre.request(tag, max_tokens=8)
-    return req, pre.generate(req)
+    stream = pre.generate(req)
+    record_structure(stream)
+    return req, stream
 
 
 def _session(stream: StreamResult) -> oe.KvSessionRef:
@@ -60,7 +64,9 @@ def _decode(dec: Target, req: oe.GenerateRequest, session: oe.KvSessionRef,
     decode_req.CopyFrom(req)
     decode_req.request_id = dec.new_id("k-decode")
     decode_req.kv.session.CopyFrom(session)
-    return dec.generate(decode_req, metadata=metadata)
+    stream = dec.generate(decode_req, metadata=metadata)
+    record_structure(stream, finish_judged=True)  # a decode's missing finish is K9's finding, not G12's
+    return stream
 
 
 @check("K4", "a PREFILL stream is one PrefillReady with a routable KvSessionRef and Usage")

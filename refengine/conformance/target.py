@@ -107,6 +107,7 @@ class Target(LoadWaits):
         keeps reconnecting to a server that may be long gone. A server that cannot be tested
         fails the check that needs it, naming the option and the address."""
         peer = Target(address, self.options)
+        peer.ledger = self.ledger  # its streams are the run's: the run-wide checks (G9-G16) judge them too
         self._peers.append(peer)
         try:
             return peer.connect()

@@ -191,6 +191,9 @@ CONTROLS = [
     Control("token-granular-cache", "", broken(token_cache=True)),
     Control("abort-all-skips-queued", "A3", broken(abort_all_skips_queued=True)),
     Control("rank-rows-count-admitted", "H4", broken(rank_rows_count_admitted=True)),
+    # Broken only on the disaggregated pair (found by review: its streams were never judged on structure).
+    Control("decode-double-finish", "G12", broken(decode_double_finish=True)),
+    Control("prefill-without-request-id", "G9", broken(prefill_without_request_id=True)),
 ]
 
 #: Rules with a check but no negative control, and why (none today: the draft encoder profile's

@@ -118,6 +118,8 @@ class Faults:
     lora_not_in_hash: bool = False  # E4: the adapter is in neither cache's block key (LoRA requests hit base blocks)
     count_own_blocks: bool = False  # K3: a request's freshly stored blocks counted as cached
     prefill_leaks_tokens: bool = False  # K4: the PREFILL stream sends a TokenOutput before PrefillReady
+    prefill_without_request_id: bool = False  # G9: the PREFILL server's PrefillReady has an empty request_id
+    decode_double_finish: bool = False  # G12: the DECODE server sends every GenerationFinished twice
     decode_accepts_bad_backend: bool = False  # K5: DECODE takes a session of an unknown transfer backend
     decode_accepts_any_endpoints: bool = False  # K5: DECODE takes a session without endpoints, or with port 0
     decode_leaks_on_finish: bool = False  # K7: the DECODE server keeps 2 KV blocks after each finished decode

@@ -79,7 +79,8 @@ class PrefillInference(Inference):
         json_format.ParseDict(ATTRIBUTES, session.attributes_struct)
         if self.engine.faults.identifier_as_number:
             session.attributes_struct["block_table_id"] = 18446744073709551557  # 2^64 - 59: inexact as a double
-        yield oe.GenerateResponse(request_id=request.request_id, prefill_ready=oe.PrefillReady(kv_session=session),
+        request_id = "" if f.prefill_without_request_id else request.request_id
+        yield oe.GenerateResponse(request_id=request_id, prefill_ready=oe.PrefillReady(kv_session=session),
                                   usage=oe.Usage(prompt_tokens=len(prompt), completion_tokens=0,
                                                  total_tokens=len(prompt), cached_prompt_tokens=0))
 
@@ -155,7 +156,13 @@ class DecodeInference(Inference):
         decode.ClearField("input")
         decode.token_ids.ids.extend(prompt[1:] if f.decode_differs else prompt)
         for event in super().Generate(decode, context):
-            if not (f.decode_omits_finish and event.WhichOneof("event") == "finished"):
+            finish = event.WhichOneof("event") == "finished"
+            if f.decode_double_finish and finish:  # a copy first, without the final response's usage
+                yield oe.GenerateResponse(request_id=event.request_id, finished=event.finished)
+            if f.decode_omits_finish and finish:  # its usage still rides on the final response (G16 kept)
+                yield oe.GenerateResponse(request_id=event.request_id, usage=event.usage,
+                                          token=oe.TokenOutput(output_index=event.finished.output_index))
+            else:
                 yield event
         if f.decode_leaks_on_finish:
             self.engine.leaked_blocks += 2
