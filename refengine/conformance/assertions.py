@@ -111,8 +111,12 @@ def _all_violations(res: StreamResult, num_sequences: int, cancelled_ok: bool) -
                     problems.append(f"G12: GenerationFinished for output {index} has reason UNSPECIFIED")
         if kind == "error" and i != final:
             problems.append(f"X1: EngineError at event {i} is followed by {final - i} more event(s)")
+    cumulative = cumulative_outputs(res)
     problems.extend(f"G11: output {index}: each TokenOutput.text repeats all the text before it (cumulative, "
-                    "not a delta)" for index in cumulative_outputs(res))
+                    "not a delta)" for index in cumulative)
+    problems.extend(f"G11: output {index}: its TokenOutput texts hold {extra} more non-space character(s) than its "
+                    "tokens' own texts (TokenInfo.token): the deltas overlap" for index, extra in
+                    overlapping_outputs(res) if index not in cumulative)
     errors = res.of("error")
     if res.ok and not errors and res.events:
         missing = set(range(num_sequences)) - finished
@@ -148,6 +152,31 @@ def cumulative_outputs(res: StreamResult) -> list[int]:
     return found
 
 
+def overlapping_outputs(res: StreamResult) -> list[tuple[int, int]]:
+    """G11: (output, extra characters) for the outputs whose delta texts, put together, hold more
+    non-space characters than their tokens' own texts (found by review: deltas repeating the last
+    character of the delta before passed). Text may legitimately be shorter (special tokens, a
+    character split over byte tokens, text cut at a stop) and differ in spaces (a tokenizer's
+    leading-space and clean-up rules), never longer: judged where every token but the last has its
+    text, and not where a stop string or token ended the output (a stop string may end inside a
+    token kept out; a stop token's text sent without it is G14's finding)."""
+    found = []
+    for index in sorted({t.output_index for t in res.of("token")}):
+        infos, fin = res.token_infos(index), res.finished(index)
+        if len(res.token_events(index)) < 2 or not infos or not all(info.token for info in infos[:-1]):
+            continue
+        if fin is not None and fin.stop_match.WhichOneof("match") in ("stop_text", "stop_token_id"):
+            continue
+        extra = _visible(res.text(index)) - _visible("".join(info.token for info in infos))
+        if extra > 0:
+            found.append((index, extra))
+    return found
+
+
+def _visible(text: str) -> int:
+    return sum(1 for c in text if not c.isspace())
+
+
 def usage_violations(usage: Any) -> list[str]:
     """G16 arithmetic: total = prompt + completion, cached <= prompt, reasoning <= completion."""
     problems = []
@@ -178,9 +207,9 @@ def expect_valid(res: StreamResult, num_sequences: int = 1, what: str = "") -> S
     unreadable = [p for p in every if p.startswith("G12:")]
     if unreadable and res.rule not in FINISH_RULES:  # what the output was cannot be told
         raise CheckSkipped(f"{label}the output cannot be read: {unreadable[0]} (G12 fails for it)")
-    if res.rule != "G11" and cumulative_outputs(res):
-        raise CheckSkipped(f"{label}the output cannot be read: its TokenOutput texts are cumulative, not deltas "
-                           "(G11 fails for it)")
+    if res.rule != "G11" and (cumulative_outputs(res) or overlapping_outputs(res)):
+        raise CheckSkipped(f"{label}the output cannot be read: its TokenOutput texts are not deltas (cumulative or "
+                           "overlapping; G11 fails for it)")
     if num_sequences > 1 and res.rule != "G10" and unindexed_events(res):
         raise CheckSkipped(f"{label}{num_sequences} outputs cannot be told apart: {unindexed_events(res)} event(s) "
                            "carry no output_index (G10 fails for it)")

@@ -194,6 +194,7 @@ CONTROLS = [
     # Broken only on the disaggregated pair (found by review: its streams were never judged on structure).
     Control("decode-double-finish", "G12", broken(decode_double_finish=True)),
     Control("prefill-without-request-id", "G9", broken(prefill_without_request_id=True)),
+    Control("overlapping-deltas", "G11", broken(overlapping_deltas=True)),
 ]
 
 #: Rules with a check but no negative control, and why (none today: the draft encoder profile's

@@ -85,6 +85,7 @@ class Faults:
     token_without_request_id: bool = False  # G9: TokenOutput carries an empty request_id
     omit_output_index: bool = False  # G10: no output_index on TokenOutput / GenerationFinished
     cumulative_text: bool = False  # G11: TokenOutput.text is the whole text so far
+    overlapping_deltas: bool = False  # G11: each TokenOutput.text repeats the last character of the one before
     double_finish: bool = False  # G12: every GenerationFinished is sent twice
     double_finish_on_stop_text: bool = False  # G12: sent twice when a stop string ended the output
     omit_finish: bool = False  # G12: no STOP/LENGTH GenerationFinished; ends OK after an empty TokenOutput

@@ -84,6 +84,8 @@ class Streams:
         still become a stop match: held back)."""
         upto = max(upto, out.emitted)
         start = 0 if self.faults.cumulative_text else out.emitted
+        if self.faults.overlapping_deltas and out.emitted and upto > out.emitted:
+            start -= 1  # the last character of the delta before, again
         token = oe.TokenOutput(tokens=out.pending, text=out.text[start:upto])
         out.pending = []
         if not self.faults.omit_output_index:
