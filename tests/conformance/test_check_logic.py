@@ -14,6 +14,7 @@ import pytest
 
 from refengine.conformance.checks_errors import error_after_acceptance, error_before_and_after_acceptance
 from refengine.conformance.checks_generate import extra_struct
+from refengine.conformance.checks_guided import guided_invalid_spec_refused
 from refengine.conformance.registry import CheckFailed, CheckSkipped
 from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Options, Target
@@ -172,5 +173,37 @@ def test_g8_unknown_type_name_is_not_counted_as_checked() -> None:
     try:
         note = extra_struct(t)
         assert note.startswith("0 of 1 known keys type-checked") and "'uuid'" in note, note
+    finally:
+        t.close()
+
+
+def _token(req: Any) -> Any:
+    return _finished_stream(req, "").events[0]
+
+
+@pytest.mark.parametrize(
+    ("spec_answer", "form"),
+    [
+        (lambda req: _stream(req, code=grpc.StatusCode.INVALID_ARGUMENT), "before acceptance, INVALID_ARGUMENT"),
+        (lambda req: _stream(req, _error(req)), "after acceptance, EngineError ERROR_CODE_INVALID_ARGUMENT"),
+        (lambda req: _stream(req, _token(req), _error(req)), None),  # unguided output before the error
+        (lambda req: _stream(req, _error(req), code=grpc.StatusCode.INTERNAL), None),  # EngineError, then non-OK
+        (lambda req: None, None),  # accepted and run unguided
+    ],
+    ids=["refused", "engine-error-after-acceptance", "token-before-error", "status-after-error", "run-unguided"],
+)
+def test_x1_invalid_guided_spec_may_be_refused_in_either_phase(spec_answer: Answer, form: str | None) -> None:
+    """X1 says how a refusal looks before and after acceptance; an engine compiling grammars
+    after accepting the request reports a bad spec as one EngineError, then OK (found by review:
+    that failed X1)."""
+    t = ScriptedTarget("X1", lambda req: spec_answer(req) if req.HasField("guided") else None)
+    t.model_info.generation.guided_decoding.supported = True
+    t.model_info.generation.guided_decoding.modes.append(oe.GUIDED_DECODING_MODE_REGEX)
+    try:
+        if form:
+            assert form in guided_invalid_spec_refused(t)
+        else:
+            with pytest.raises(CheckFailed):
+                guided_invalid_spec_refused(t)
     finally:
         t.close()
