@@ -26,6 +26,11 @@ SHARED_START_TOKENS = 4
 
 def _cached(t: Target, prompt: str, what: str, salt: str = "", bypass: bool = False) -> int:
     """Send ``prompt`` (greedy, 2 tokens); its ``cached_prompt_tokens`` (checked ≤ prompt_tokens)."""
+    return _usage(t, prompt, what, salt, bypass).cached_prompt_tokens
+
+
+def _usage(t: Target, prompt: str, what: str, salt: str = "", bypass: bool = False) -> Any:
+    """Send ``prompt`` (greedy, 2 tokens); its Usage, with ``cached_prompt_tokens`` ≤ prompt_tokens."""
     req = t.request("k", prompt=prompt, max_tokens=2)
     if salt:
         req.kv.cache_salt = salt
@@ -36,7 +41,7 @@ def _cached(t: Target, prompt: str, what: str, salt: str = "", bypass: bool = Fa
         not_claimed("Usage.cached_prompt_tokens is not reported: prefix-cache reuse cannot be observed")
     expect(0 <= usage.cached_prompt_tokens <= usage.prompt_tokens,
            f"{what}: cached_prompt_tokens {usage.cached_prompt_tokens} outside 0..prompt_tokens {usage.prompt_tokens}")
-    return usage.cached_prompt_tokens
+    return usage
 
 
 def _need_text(t: Target) -> None:
@@ -46,16 +51,36 @@ def _need_text(t: Target) -> None:
 
 @check("K3", "cached_prompt_tokens: 0 for a prompt never seen, the reused prefix for its repeat")
 def cached_prompt_tokens(t: Target) -> str:
-    """K3: a fresh prompt is served from nothing; its repeat reports the cached prefix."""
+    """K3: a fresh prompt is served from nothing; its repeat reports the cached prefix, in tokens
+    (found by review: any positive count passed, so a server reporting cached blocks did)."""
     _need_text(t)
     prompt = fresh_prompt(t, "k3")
     first = _cached(t, prompt, "a prompt never seen")
     expect(first <= SHARED_START_TOKENS, f"a prompt no request began with reported cached_prompt_tokens {first}; "
                                          f"expected 0 (up to {SHARED_START_TOKENS} for a token-granular cache)")
-    again = _cached(t, prompt, "the same prompt again")
-    if again == 0:
+    usage = _usage(t, prompt, "the same prompt again")
+    if usage.cached_prompt_tokens == 0:
         skip("the repeat was not served from cache (no prefix cache, or evicted): nothing more to observe")
-    return f"fresh 0, repeat {again} cached"
+    return f"fresh 0, repeat {usage.cached_prompt_tokens} cached; {_whole_prefix(t, prompt, usage)}"
+
+
+def _whole_prefix(t: Target, prompt: str, usage: Any) -> str:
+    """K3 in tokens: a repeat served from cache reports at least a third of its prompt. A cache of
+    pages of g tokens serves at least one page, and all but the last two (a server may keep the
+    last one uncached, and the last prompt token is computed anyway): at least max(g, P - 2g)
+    ≥ P / 3 of P prompt tokens, whatever g (it may be coarser than ``capacity.kv_block_size``: the
+    toy caches 32-token pages over 4-token blocks). A count of blocks (P / kv_block_size) is
+    below that for blocks of 4 tokens or more. Below it, a third send (its pages were all just
+    stored again) tells a partial eviction from a count in the wrong unit."""
+    least, again = (usage.prompt_tokens - 1) // 3, usage.cached_prompt_tokens
+    if again < least:
+        third = _cached(t, prompt, "the same prompt a third time")
+        cap = t.server_info.capacity if t.server_info is not None else None
+        unit = f" (of {cap.kv_block_size} tokens)" if cap is not None and cap.HasField("kv_block_size") else ""
+        expect(third >= least, f"repeats of a {usage.prompt_tokens}-token prompt reported cached_prompt_tokens "
+                               f"{again}, then {third}: under a third of the prompt ({least}), what no cache "
+                               f"serving whole prefix pages reports; K3 counts tokens, not blocks{unit}")
+    return f"at least a third of the {usage.prompt_tokens}-token prompt"
 
 
 @check("K1", "bypass_prefix_cache: no reuse for that request; the prompt can still be reused after")

@@ -118,6 +118,7 @@ class Faults:
     token_cache: bool = False  # not a fault: a token-granular prefix cache (pages of one token, as a radix tree)
     lora_not_in_hash: bool = False  # E4: the adapter is in neither cache's block key (LoRA requests hit base blocks)
     count_own_blocks: bool = False  # K3: a request's freshly stored blocks counted as cached
+    cached_blocks_not_tokens: bool = False  # K3: cached_prompt_tokens counts the cached blocks, not their tokens
     prefill_leaks_tokens: bool = False  # K4: the PREFILL stream sends a TokenOutput before PrefillReady
     prefill_without_request_id: bool = False  # G9: the PREFILL server's PrefillReady has an empty request_id
     decode_double_finish: bool = False  # G12: the DECODE server sends every GenerationFinished twice

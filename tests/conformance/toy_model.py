@@ -117,4 +117,4 @@ class PrefixCache:
         self.blocks.update(keys)
         if self.faults.count_own_blocks and not bypass:
             hits = len(keys)
-        return hits * self.block
+        return hits if self.faults.cached_blocks_not_tokens else hits * self.block
