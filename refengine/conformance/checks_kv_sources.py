@@ -7,9 +7,9 @@ batches were published). E6: ``GetKvEventSources`` never advertises a wildcard h
 TCP endpoint it lists accepts a connection from where the suite runs: refused by a loopback
 address or by the host the suite reached the target at, nothing listens there (a failure);
 refused elsewhere (a firewall may have answered), unreachable or unresolvable, it cannot be
-judged from here and is said in the result. It answers one source per requested rank or none
-(a server with no compatibility publisher lists none), and refuses unknown or repeated ranks
-with INVALID_ARGUMENT.
+judged from here and is said in the result. It answers one source per requested rank (a server
+with no compatibility publisher lists none at all: E6 is then not claimed), and refuses unknown
+or repeated ranks with INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -124,31 +124,46 @@ def _connectable(sources: Any, target_host: str) -> tuple[list[str], list[str]]:
     return problems, notes
 
 
-@check("E6", "GetKvEventSources: connectable hosts, one source per requested rank or none, bad ranks refused")
+@check("E6", "GetKvEventSources: one connectable source per requested rank, bad ranks refused")
 def kv_event_sources(t: Target) -> str:
     """E6: every endpoint is connectable (a concrete host, a port, and a TCP one accepts a
-    connection); asking for one rank gives that rank's source or none; an unknown rank and a
-    rank named twice are INVALID_ARGUMENT."""
+    connection); all ranks give one source each, one rank gives exactly its own; an unknown rank
+    and a rank named twice are INVALID_ARGUMENT. A server listing no source at all has no
+    compatibility publisher (ref: none configured): not claimed, not a pass (found by review:
+    "one source or none" passed a server answering nothing to every request)."""
     code, every = _sources(t, [])
     if code == grpc.StatusCode.UNIMPLEMENTED:
         not_claimed("GetKvEventSources is UNIMPLEMENTED")
     expect(code == grpc.StatusCode.OK, f"GetKvEventSources() returned {code.name}")
-    problems = _source_problems(every.sources)
-    expect(not problems, "; ".join(problems))
-    problems, notes = _connectable(every.sources, t.address.rsplit(":", 1)[0])
-    expect(not problems, "; ".join(problems))
     first, size = _ranks(t)
-    code, one = _sources(t, [first])
-    expect(code == grpc.StatusCode.OK, f"GetKvEventSources([{first}]) returned {code.name}")
-    expect(len(one.sources) <= 1, f"GetKvEventSources([{first}]) returned {len(one.sources)} sources; one per rank")
-    for s in one.sources:
-        expect(not s.HasField("data_parallel_rank") or s.data_parallel_rank == first,
-               f"asked for rank {first}, got a source for rank {s.data_parallel_rank}")
-    expect(not _source_problems(one.sources), "; ".join(_source_problems(one.sources)))
     for what, ranks in (("an unknown rank", [first + size]), ("a rank named twice", [first, first])):
         code, _ = _sources(t, ranks)
         expect(code == grpc.StatusCode.INVALID_ARGUMENT,
                f"GetKvEventSources({ranks}) ({what}) returned {code.name}; expected INVALID_ARGUMENT")
-    dialled = f"; {len(every.sources) - len(notes)} accepted a connection" if every.sources else ""
+    refused = f"ranks [{first + size}] and [{first}, {first}] refused"
+    code, one = _sources(t, [first])
+    expect(code == grpc.StatusCode.OK, f"GetKvEventSources([{first}]) returned {code.name}")
+    if not every.sources and not one.sources:
+        not_claimed(f"GetKvEventSources lists no source, for all ranks or rank {first}: no event publisher to "
+                    f"describe ({refused})")
+    _one_per_rank(every.sources, one.sources, first, size)
+    problems = _source_problems(every.sources) + _source_problems(one.sources)
+    expect(not problems, "; ".join(problems))
+    problems, notes = _connectable(every.sources, t.address.rsplit(":", 1)[0])
+    expect(not problems, "; ".join(problems))
+    dialled = f"; {len(every.sources) - len(notes)} accepted a connection"
     unjudged = f" ({'; '.join(notes)})" if notes else ""
-    return f"{len(every.sources)} source(s){dialled}{unjudged}; ranks [{first + size}] and [{first}, {first}] refused"
+    return f"{len(every.sources)} source(s), one per rank{dialled}{unjudged}; {refused}"
+
+
+def _one_per_rank(every: Any, one: Any, first: int, size: int) -> None:
+    """E6: asked for all ranks, one source for each of ``first`` … ``first + size - 1``; asked
+    for ``first``, exactly one, its own. A source without ``data_parallel_rank`` is the first
+    rank's where there is only one."""
+    def rank(s: Any) -> int:
+        return s.data_parallel_rank if s.HasField("data_parallel_rank") or size > 1 else first
+    listed = sorted(rank(s) for s in every)
+    expect(listed == list(range(first, first + size)), f"GetKvEventSources() listed sources for ranks {listed}; "
+                                                       f"want one for each of ranks {first}..{first + size - 1}")
+    expect(len(one) == 1 and rank(one[0]) == first,
+           f"GetKvEventSources([{first}]) returned sources for ranks {[rank(s) for s in one]}; want one, rank {first}")

@@ -62,6 +62,13 @@ def test_a_server_without_kv_events_claims_no_check() -> None:
     assert all(r.status is Status.NOT_CLAIMED and "UNIMPLEMENTED" in r.message for r in results), results
 
 
+def test_no_event_source_at_all_is_not_claimed_not_passed() -> None:
+    """E6 asks one source per requested rank; a server without a publisher lists none (ref: none
+    configured): the check says so, it does not pass (found by review: it passed)."""
+    result = run_e(KvFaults(no_sources=True), ["E6"])["E6:kv_event_sources"]
+    assert result.status is Status.NOT_CLAIMED and "lists no source" in result.message, (result.status, result.message)
+
+
 @pytest.mark.parametrize(("faults", "name", "says"), [
     (KvFaults(repeat_numbers=True), "E1:sequence_numbers_increase", "strictly increase"),
     (KvFaults(silent_expired=True, retained=1), "E1:replay_expired", "skipped silently"),
@@ -78,10 +85,11 @@ def test_a_server_without_kv_events_claims_no_check() -> None:
     (KvFaults(leafless_snapshot=True), "E2:snapshot_then_live", "leaves out 1 of the"),
     (KvFaults(status_on_expired=True, retained=8), "E5:expired_replay_is_error_event", "refused with status"),
     (KvFaults(unconnectable_source=True), "E6:kv_event_sources", "connection refused"),
+    (KvFaults(no_source_for_a_rank=True), "E6:kv_event_sources", "want one, rank 0"),
 ], ids=["repeat_numbers", "silent_expired", "gap", "empty_snapshot", "partial_blocks", "silent_eviction",
         "announce_once", "salt_ignored", "orphans",
         "status_on_failure", "wildcard_host", "accept_bad_ranks", "leafless_snapshot", "status_on_expired",
-        "unconnectable_source"])
+        "unconnectable_source", "no_source_for_a_rank"])
 def test_each_violation_is_caught(faults: KvFaults, name: str, says: str) -> None:
     result = run_e(faults, [name.split(":")[0]])[name]
     assert result.status is Status.FAIL and says in result.message, (result.status, result.message)

@@ -44,6 +44,8 @@ class KvFaults:
     wildcard_host: bool = False  # E6: a source advertises 0.0.0.0
     unconnectable_source: bool = False  # E6: the advertised port has no listener
     accept_bad_ranks: bool = False  # E6: unknown and repeated ranks are accepted
+    no_sources: bool = False  # not a fault (E6 not claimed): no event publisher, so no source listed at all
+    no_source_for_a_rank: bool = False  # E6: the source is listed for all ranks, none when rank 0 is asked for
 
 
 class ToyKvCache:
@@ -146,7 +148,10 @@ class KvControl(Control):
 
     def GetKvEventSources(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         self._check_ranks(list(request.data_parallel_ranks), context)
-        host = "0.0.0.0" if self.cache.faults.wildcard_host else "127.0.0.1"
+        faults = self.cache.faults
+        if faults.no_sources or (faults.no_source_for_a_rank and request.data_parallel_ranks):
+            return oe.GetKvEventSourcesResponse()
+        host = "0.0.0.0" if faults.wildcard_host else "127.0.0.1"
         return oe.GetKvEventSourcesResponse(sources=[oe.KvEventSource(
             transport="zmq", endpoint_addr=oe.KvEndpoint(host=host, port=self.source_port, protocol="tcp"),
             data_parallel_rank=0)])
