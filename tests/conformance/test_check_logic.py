@@ -14,7 +14,7 @@ import pytest
 
 from refengine.conformance.checks_errors import error_after_acceptance, error_before_and_after_acceptance
 from refengine.conformance.checks_generate import extra_struct
-from refengine.conformance.checks_guided import guided_invalid_spec_refused
+from refengine.conformance.checks_guided import guided_backend_without_guide, guided_invalid_spec_refused
 from refengine.conformance.registry import CheckFailed, CheckSkipped
 from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Options, Target
@@ -181,6 +181,35 @@ def _token(req: Any) -> Any:
     return _finished_stream(req, "").events[0]
 
 
+def _guided_target(rule: str, answer: Answer) -> ScriptedTarget:
+    """A ScriptedTarget advertising guided decoding (REGEX) whose guided requests get ``answer``."""
+    t = ScriptedTarget(rule, lambda req: answer(req) if req.HasField("guided") else None)
+    t.model_info.generation.guided_decoding.supported = True
+    t.model_info.generation.guided_decoding.modes.append(oe.GUIDED_DECODING_MODE_REGEX)
+    return t
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (lambda req: _stream(req, code=grpc.StatusCode.INVALID_ARGUMENT), "refused before acceptance"),
+        (lambda req: None, "run without a constraint"),  # read as no constraint: RULES D4 allows it
+        (lambda req: _stream(req, _error(req)), None),  # accepted, then failed
+    ],
+    ids=["refused", "run-unconstrained", "error-after-acceptance"],
+)
+def test_d4_backend_without_guide_is_refused_or_run(answer: Answer, says: str | None) -> None:
+    t = _guided_target("D4", answer)
+    try:
+        if says:
+            assert says in guided_backend_without_guide(t)
+        else:
+            with pytest.raises(CheckFailed):
+                guided_backend_without_guide(t)
+    finally:
+        t.close()
+
+
 @pytest.mark.parametrize(
     ("spec_answer", "form"),
     [
@@ -196,9 +225,7 @@ def test_x1_invalid_guided_spec_may_be_refused_in_either_phase(spec_answer: Answ
     """X1 says how a refusal looks before and after acceptance; an engine compiling grammars
     after accepting the request reports a bad spec as one EngineError, then OK (found by review:
     that failed X1)."""
-    t = ScriptedTarget("X1", lambda req: spec_answer(req) if req.HasField("guided") else None)
-    t.model_info.generation.guided_decoding.supported = True
-    t.model_info.generation.guided_decoding.modes.append(oe.GUIDED_DECODING_MODE_REGEX)
+    t = _guided_target("X1", spec_answer)
     try:
         if form:
             assert form in guided_invalid_spec_refused(t)
