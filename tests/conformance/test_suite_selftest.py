@@ -193,8 +193,11 @@ def test_retryable_problems(err: object, words: str) -> None:
         oe.EngineError(code=oe.ERROR_CODE_KV_TRANSFER_FAILED, retryable=True),
         oe.EngineError(code=oe.ERROR_CODE_KV_TRANSFER_FAILED, message="session released", retryable=False),
         oe.EngineError(code=oe.ERROR_CODE_INTERNAL, message="engine fault", retryable=False),
+        oe.EngineError(code=oe.ERROR_CODE_INTERNAL, message="worker crashed while draining its output queue"),
+        oe.EngineError(code=oe.ERROR_CODE_CANCELLED, message="cancelled: the drainage pump stopped"),
     ],
-    ids=["drain-cancelled-retryable", "operator-cancel", "kv-transfer", "kv-transfer-session-gone", "internal"],
+    ids=["drain-cancelled-retryable", "operator-cancel", "kv-transfer", "kv-transfer-session-gone", "internal",
+         "internal-naming-a-drain", "word-containing-drain"],
 )
 def test_retryable_fine(err: object) -> None:
     assert retryable_problem(err) is None
