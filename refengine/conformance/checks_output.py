@@ -219,21 +219,29 @@ def finish_length(t: Target) -> str:
 
 @check("G13", "STOP carries stop_match naming the stop string or stop token")
 def finish_stop_match(t: Target) -> str:
-    """G13: reason STOP comes with the StopMatch that ended the output."""
+    """G13: reason STOP comes with the StopMatch that ended the output, which is not merely the
+    first condition of its kind: a condition that never matches goes first (found by review: a
+    server naming the first configured condition passed)."""
     ref = greedy_reference(t)
     stop = some_stop(ref)
     req = t.request("g13s", max_tokens=24, ignore_eos=True)
+    decoy_text = next(d for d in ("\u2400\u2401", "\u2402\u2403", "\u2404\u2405") if d not in ref.text())
+    req.stopping.conditions.add(stop_text=decoy_text)
     req.stopping.conditions.add(stop_text=stop)
     fin = expect_finish(expect_valid(t.generate(req)), oe.FINISH_REASON_STOP, what=f"stop string {stop!r}")
     expect(fin.stop_match.WhichOneof("match") == "stop_text" and fin.stop_match.stop_text == stop,
-           f"stop_match is {fin.stop_match} for stop string {stop!r}")
-    _, token = first_unique_token(ref)
+           f"stop_match is {fin.stop_match} for stop string {stop!r} (after {decoy_text!r}, which never matches)")
+    at, token = first_unique_token(ref)
+    later = [tok for tok in ref.tokens()[at + 1:] if tok not in ref.tokens()[:at + 1]]  # never sent before it
     req = t.request("g13t", max_tokens=24, ignore_eos=True)
-    req.stopping.conditions.add(stop_token_id=token)
+    for stop_id in later[:1] + [token]:
+        req.stopping.conditions.add(stop_token_id=stop_id)
     fin = expect_finish(expect_valid(t.generate(req)), oe.FINISH_REASON_STOP, what=f"stop token {token}")
     expect(fin.stop_match.WhichOneof("match") == "stop_token_id" and fin.stop_match.stop_token_id == token,
-           f"stop_match is {fin.stop_match} for stop token {token}")
-    return f"stop string {stop!r} and stop token {token} matched"
+           f"stop_match is {fin.stop_match} for stop token {token}"
+           + (f" (after {later[0]}, which the output never reaches)" if later else ""))
+    decoys = "a decoy of each kind first" if later else "a decoy stop string first (no token left for a decoy)"
+    return f"stop string {stop!r} and stop token {token} matched, {decoys}"
 
 
 @check("G13", "STOP at the model's EOS carries stop_match naming eos_token_id")

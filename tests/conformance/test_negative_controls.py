@@ -196,6 +196,7 @@ CONTROLS = [
     Control("prefill-without-request-id", "G9", broken(prefill_without_request_id=True)),
     Control("overlapping-deltas", "G11", broken(overlapping_deltas=True)),
     Control("cached-blocks-not-tokens", "K3", broken(cached_blocks_not_tokens=True)),
+    Control("stop-match-names-first", "G13", broken(stop_match_names_first=True)),
 ]
 
 #: Rules with a check but no negative control, and why (none today: the draft encoder profile's

@@ -92,6 +92,7 @@ class Faults:
     stop_text_without_match: bool = False  # G13: STOP by a stop string carries no stop_match
     eos_without_match: bool = False  # G13: STOP at EOS carries no stop_match
     eos_named_wrong: bool = False  # G13: STOP at EOS names token 0, not the EOS token
+    stop_match_names_first: bool = False  # G13: stop_match names the first stop condition of the matched kind
     leak_stop: bool = False  # G14: stop strings stay in the text
     length_drops_held_text: bool = False  # G14: text held back for a partial stop match is dropped at LENGTH
     length_drops_last_text: bool = False  # G11: at LENGTH, the tokens not sent yet go without their text
@@ -266,6 +267,11 @@ class ToyEngine(Streams):
             out.matcher.consume_token(tok)
         return tok, info
 
+    def named(self, job: Job, kind: str, matched: Any) -> Any:
+        """What stop_match names for ``matched`` (Faults.stop_match_names_first: the first condition of its kind)."""
+        first = [getattr(c, kind) for c in job.req.stopping.conditions if c.WhichOneof("condition") == kind]
+        return first[0] if first and self.faults.stop_match_names_first else matched
+
     def advance(self, job: Job, out: Output, tok: int, info: Any) -> bool:
         """Add ``tok`` to ``out`` (or end it); True when the whole job ended with an error."""
         st = job.req.stopping
@@ -279,7 +285,8 @@ class ToyEngine(Streams):
                 out.tokens.append(tok)
                 out.text += chr(tok)
                 out.pending.append(info)
-            self.finish(job, out, oe.FINISH_REASON_STOP, oe.StopMatch(stop_token_id=tok))
+            match = oe.StopMatch(stop_token_id=self.named(job, "stop_token_id", tok))
+            self.finish(job, out, oe.FINISH_REASON_STOP, match)
             return False
         out.tokens.append(tok)
         out.text += chr(tok) if tok != EOS else ""
@@ -290,7 +297,8 @@ class ToyEngine(Streams):
             at, stop = min(hits)
             if not self.faults.leak_stop:
                 out.text = out.text[: at + (len(stop) if st.include_stop_in_output else 0)]
-            match = None if self.faults.stop_text_without_match else oe.StopMatch(stop_text=stop)
+            match = None if self.faults.stop_text_without_match else \
+                oe.StopMatch(stop_text=self.named(job, "stop_text", stop))
             self.finish(job, out, oe.FINISH_REASON_STOP, match)
             return False
         if len(out.tokens) >= job.max_tokens:
