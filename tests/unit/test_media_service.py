@@ -75,3 +75,40 @@ def test_an_encode_that_completes_releases_nothing() -> None:
     engine.finish.set()
     reply = asyncio.run(servicer(engine).Encode(encode_request(2), context=None))
     assert [h.handle_id for h in reply.handles] == ["h0", "h1"] and engine.released == []
+
+
+class Deadline:
+    """What the servicer reads of a grpc.aio context: the time left, and abort (which raises)."""
+
+    def __init__(self, seconds_left: float) -> None:
+        self.seconds_left = seconds_left
+        self.aborted: tuple | None = None
+
+    def time_remaining(self) -> float:
+        return self.seconds_left
+
+    async def abort(self, code, message: str) -> None:  # noqa: ANN001
+        self.aborted = (code, message)
+        raise RuntimeError("aborted")
+
+
+def test_an_encode_done_at_its_deadline_releases_its_handles_and_says_so() -> None:
+    """Found by review: grpc.aio does not cancel a handler the moment its deadline passes, so an
+    Encode that finished just after it returned normally; the reply was dropped and its handles
+    were held, unnamed, until their leases ended."""
+    engine = SlowEncoder()
+    engine.finish.set()
+    context = Deadline(seconds_left=0.01)
+    try:
+        asyncio.run(servicer(engine).Encode(encode_request(2), context=context))
+    except RuntimeError:
+        pass
+    assert context.aborted is not None and context.aborted[0].name == "DEADLINE_EXCEEDED"
+    assert sorted(engine.released) == ["h0", "h1"]
+
+
+def test_an_encode_with_time_to_spare_keeps_its_handles() -> None:
+    engine = SlowEncoder()
+    engine.finish.set()
+    reply = asyncio.run(servicer(engine).Encode(encode_request(2), context=Deadline(seconds_left=5.0)))
+    assert [h.handle_id for h in reply.handles] == ["h0", "h1"] and engine.released == []
