@@ -2,10 +2,10 @@
 embedding handles out. No language model, no KV cache, no Generate.
 
 ``encode`` (any thread): every item is decoded under the media policy (``sources.py``, the
-same refusals as ``GenerateRequest.media``), items not in the encoder cache are preprocessed
-and encoded in one batch (``MediaInputs.encode_images``), and each item gets a handle on rows
-of the embedding arena (``EmbeddingArena``) under a lease. All or nothing: a refusal, or no
-room, leaves nothing held (ENC3, ENC4).
+same refusals as ``GenerateRequest.media``), identities not in the encoder cache are encoded in
+one batch (``MediaInputs.encode_images``; a uuid given to two images names the first), and each
+item gets a handle on rows of the embedding arena (``EmbeddingArena``) under a lease. All or
+nothing: a refusal, or no room, leaves nothing held (ENC3, ENC4).
 
 Handles are the KV sessions of this engine (``KvSessionStore``: a session's blocks are the
 handle's rows, its ``content`` the media identity), so the KV pull service and the NIXL
@@ -132,7 +132,7 @@ class EncoderEngine(HandleSessions, NoGenerate):
             hits = [self.entries.acquire(identity) for identity in identities]
         held = [identity for identity, rows in zip(identities, hits, strict=True) if rows is not None]
         try:
-            missing = {i: image for i, image, rows in zip(identities, images, hits, strict=True) if rows is None}
+            missing = {i: images[identities.index(i)] for i, rows in zip(identities, hits, strict=True) if rows is None}
             encoded = self.media.encode_images(list(missing.values())) if missing else None
             self._check_fits({i: len(rows) for i, rows in zip(identities, hits, strict=True) if rows is not None}
                              | {identity: encoded[index].shape[0] for index, identity in enumerate(missing)})

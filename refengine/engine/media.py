@@ -186,18 +186,26 @@ class MediaInputs:
     def _embeds(self, images: list[LoadedImage], cache_salt: str | None = None) -> list[torch.Tensor]:
         """Each image's rows, from the encoder cache where it holds them. A salted request's
         entries are its salt's alone (K2): a ``uuid`` is the client's name for an image, and
-        another tenant naming a different image the same way got this one's rows."""
+        another tenant naming a different image the same way got this one's rows. One identity is
+        encoded once a request, from its first item: a ``uuid`` given to two different images
+        names the first (as on an encoder, and as the prefix cache keys them; found by review:
+        each was encoded, and the tokens differed from the same request sent through an encoder)."""
         keys = [salted(image.identity, cache_salt) for image in images]
         found = [self.cache.get(key) for key in keys]
-        missing = [i for i, rows in enumerate(found) if rows is None]
-        if missing:
-            encoded = self.encode_images([images[i] for i in missing])
-            for row, i in enumerate(missing):
+        first_of: dict[str, int] = {}
+        for i, rows in enumerate(found):
+            if rows is None:
+                first_of.setdefault(keys[i], i)
+        if first_of:
+            encoded = self.encode_images([images[i] for i in first_of.values()])
+            rows_of = {}
+            for row, key in enumerate(first_of):
                 # a copy: a view of ``encoded`` would keep the whole batch alive as long as any one
                 # of its entries stays cached (the cache bounds entries, not batches)
-                found[i] = encoded[row].clone() if len(missing) > 1 else encoded[row]
-                self.cache.put(keys[i], found[i])
-        return [rows for rows in found if rows is not None]
+                rows_of[key] = encoded[row].clone() if len(first_of) > 1 else encoded[row]
+                self.cache.put(key, rows_of[key])
+            found = [rows_of[key] if rows is None else rows for key, rows in zip(keys, found, strict=True)]
+        return found
 
 
 def salted(identity: str, cache_salt: str | None) -> str:
