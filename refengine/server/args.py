@@ -20,7 +20,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=d.host, help="address of the Inference listener")
     g.add_argument("--port", type=int, default=d.port,
                    help="port of the Inference listener (0 = any free port)")
-    g.add_argument("--control-host", default=None, help="address of the Control listener (None: --host)")
+    g.add_argument("--control-host", default=None,
+                   help="address of the Control listener opened by --control-port (default: --host)")
     g.add_argument("--control-port", type=int, default=None,
                    help="serve Control on its own listener at this port (None: share the Inference listener)")
     g.add_argument("--instance-id", default=None, help="ServerInfo.instance_id (None: random per process)")

@@ -53,11 +53,14 @@ MAX_STATUS_MESSAGE_BYTES = 1024
 
 
 def bounded_message(message: str) -> str:
-    """``message``, cut to ``MAX_STATUS_MESSAGE_BYTES`` of UTF-8 when longer, saying so."""
+    """``message`` in at most ``MAX_STATUS_MESSAGE_BYTES`` of UTF-8: when longer, its start and a
+    suffix saying how long it was, the two within the bound."""
     encoded = message.encode()
     if len(encoded) <= MAX_STATUS_MESSAGE_BYTES:
         return message
-    return f"{encoded[:MAX_STATUS_MESSAGE_BYTES].decode(errors='ignore')}... ({len(message)} characters in all)"
+    suffix = f"... ({len(message)} characters in all)"
+    kept = encoded[:MAX_STATUS_MESSAGE_BYTES - len(suffix.encode())].decode(errors="ignore")
+    return kept + suffix
 
 
 async def abort_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:

@@ -37,7 +37,8 @@ from tests.conformance.toy_engine import Faults
 from tests.conformance.toy_kv_events import KvFaults, serve_kv
 from tests.conformance.toy_roles import serve_pair
 
-#: 48 at once: the ~80 controls run in two rounds (with 40 at once, in three: 89 s against 73-76 s here).
+#: 48 at once: the controls (117 on 2026-12-06) run in rounds of 48 (with ~80 controls, 48 at once
+#: took 73-76 s here against 89 s for 40 at once).
 PROCESSES, THREADS = 8, 6
 #: The served model's config.json for the R checks' adapters: tiny shapes (the toy reads no weights).
 MODEL_CONFIG = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,

@@ -32,9 +32,8 @@ flash attention rounds P; the softmax sum adds the rounded weights: ``paged_atte
 The first uses ``vdpbf16ps`` (AVX512-BF16), the second float32 multiply-adds in its order, with the
 same bits; ``bf16_query_form`` takes the faster on this core, measured once. Elsewhere bf16
 queries are widened to float32 per step. The step's keys and values are rounded to the cache
-dtype first, also for the SDPA chunks that read them from the step, so that a prompt's result
-does not depend on how it was chunked. The backend registry (``registry.py``) picks the torch reference for other
-dtypes and devices.
+dtype first, so that a prompt's result does not depend on how it was chunked. The backend
+registry (``registry.py``) picks the torch reference for other dtypes and devices.
 """
 
 from __future__ import annotations

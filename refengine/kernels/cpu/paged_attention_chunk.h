@@ -20,7 +20,7 @@
  * how its prompt was chunked, nor on whether it came as a decode row.
  *
  * Requires head_dim a multiple of 16 up to 256 and block_size a power of two from 16 to 256
- * (chunk_attention_supported); the Python side sends other shapes to the row kernel and SDPA.
+ * (chunk_attention_supported); the Python side sends other shapes to the row kernel.
  */
 
 #ifndef CHUNK_TILE_CONSTANTS
