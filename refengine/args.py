@@ -228,7 +228,8 @@ def _add_encoder_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--embedding-staging-mib", type=int, default=d.staging_mib,
                    help="consumers: host memory handles are pulled into, MiB (default: %(default)s)")
     g.add_argument("--embedding-pull-threads", type=int, default=d.pull_threads,
-                   help="consumers: handle pulls run at once (default: %(default)s)")
+                   help="consumers: handle pulls run at once, at most this less one from one encoder "
+                   "(default: %(default)s)")
     g.add_argument("--embedding-pull-timeout", type=float, default=d.pull_timeout_seconds, metavar="SECONDS",
                    help="consumers: a handle pull taking longer ends its request (default: %(default)s)")
 
@@ -260,7 +261,8 @@ def _add_kv_transfer_args(g: argparse._ArgumentGroup) -> None:
                    help="most KV bytes in one gRPC pull chunk, KiB, kept within --max-send-message-mib "
                    "(default: %(default)s)")
     g.add_argument("--kv-transfer-threads", type=int, default=t.num_transfer_threads,
-                   help="pulls a decode engine runs at once (default: %(default)s)")
+                   help="pulls a decode engine runs at once, at most this less one from one prefill server "
+                   "(default: %(default)s)")
     g.add_argument("--kv-pull-timeout", type=float, default=t.pull_timeout_seconds, metavar="SECONDS",
                    help="a pull taking longer fails with KV_TRANSFER_FAILED (default: %(default)s)")
     g.add_argument("--kv-source-allow", action="append", metavar="SOURCE",

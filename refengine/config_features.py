@@ -89,7 +89,9 @@ class KvTransferConfig:
     with NIXL; needs the ``nixl`` package). A decode engine accepts every backend it has.
     ``session_ttl_seconds``: the lease of a session not yet pulled; its KV is freed at
     expiry. ``chunk_bytes``: the most KV bytes in one gRPC pull chunk (each checksummed).
-    ``num_transfer_threads``: pulls a decode engine runs at once. ``pull_timeout_seconds``:
+    ``num_transfer_threads``: pulls a decode engine runs at once, at most one less of them from one
+    source (``kv/transfer/source_pool.py``: a hung source leaves pulls from the others a thread).
+    ``pull_timeout_seconds``:
     the longest one pull may take before it fails (KV_TRANSFER_FAILED). ``allowed_sources``:
     the servers a KV session's or an embedding handle's endpoint may name (host names, IP
     addresses or CIDR networks, ``loopback``, ``any``): pulled rows enter the prefix cache under
@@ -209,7 +211,8 @@ class EncoderConfig:
     recently used evicted first, or whenever a new item needs their rows); a handle's lease is
     ``lease_seconds`` unless Encode asks otherwise, at most ``max_lease_seconds``.
     Consumers (aggregated and prefill roles): handles are pulled into ``staging_mib`` of host
-    memory by ``pull_threads`` threads, over ``pull_timeout_seconds`` at most.
+    memory by ``pull_threads`` threads (at most one less of them from one encoder), over
+    ``pull_timeout_seconds`` at most.
     """
 
     memory_mib: int = 256

@@ -28,7 +28,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from refengine.config import EngineConfig
@@ -38,6 +37,7 @@ from refengine.kv.kv_manager import KvCacheManager
 from refengine.kv.transfer.attributes import FirstToken, SessionAttributes, prompt_hash
 from refengine.kv.transfer.base import BlockStore, Cancellation, KvTransferBackend, PullOrder, TransferFailure
 from refengine.kv.transfer.sessions import KvSession, KvSessionStore
+from refengine.kv.transfer.source_pool import SourcePool, source_of
 from refengine.sampling.sampler import SampledToken
 from refengine.scheduler.scheduler import KvLoad
 from refengine.types import EngineFault, EngineStats, KvSessionSpec
@@ -68,7 +68,7 @@ class KvLoads:
         self.block_nbytes = block_nbytes
         self.pulled_bytes = 0  # over every pull that succeeded, for LoadInfo (transfer rate)
         self.pull_seconds = 0.0
-        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="refengine-kv-pull")
+        self._pool = SourcePool(num_threads, "refengine-kv-pull")  # a hung source never takes every thread
         self._on_done = on_done  # wakes the step loop
         self._lock = threading.Lock()
         self._keys = itertools.count()
@@ -80,7 +80,7 @@ class KvLoads:
         with self._lock:
             key = next(self._keys)
             self._cancel[key] = cancelled
-        self._executor.submit(self._run, key, order, cancelled)
+        self._pool.submit(source_of(order.session.endpoints), lambda: self._run(key, order, cancelled))
         return key
 
     def _run(self, key: int, order: PullOrder, cancelled: threading.Event) -> None:
@@ -119,7 +119,7 @@ class KvLoads:
         with self._lock:
             for event in self._cancel.values():
                 event.set()
-        self._executor.shutdown(wait=True)
+        self._pool.shutdown()
 
 
 class Disaggregation:

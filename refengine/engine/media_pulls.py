@@ -26,7 +26,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,9 +33,10 @@ import torch
 from refengine.config import EngineConfig
 from refengine.kv.transfer.base import Cancellation, KvTransferBackend, PullOrder, SessionPinner, TransferFailure
 from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
+from refengine.kv.transfer.source_pool import SourcePool, source_of
 from refengine.model.embedding_io import EmbeddingArena
 from refengine.multimodal.embedding_rows import RowPool
-from refengine.types import EmbeddingHandleSpec, EngineFault, KvSessionSpec
+from refengine.types import EmbeddingHandleSpec, EmbeddingTransferSpec, EngineFault, KvSessionSpec
 
 if TYPE_CHECKING:
     from refengine.engine.media import MediaInputs
@@ -50,10 +50,14 @@ def pull_order(request_id: str, handle: EmbeddingHandleSpec, backends: Mapping[s
                rows: tuple[int, ...], trace: tuple[tuple[str, str], ...] = ()) -> PullOrder:
     """The KV-transfer order that fetches ``handle``'s rows into ``rows``, over its first
     offered transfer this engine has (checked before acceptance)."""
-    transfer = next(t for t in handle.transfers if t.backend in backends and t.endpoints)
+    transfer = _transfer(handle, backends)
     session = KvSessionSpec(handle.handle_id, transfer.backend, transfer.endpoints,
                             attributes={"transfer": dict(transfer.attributes)})
     return PullOrder(request_id, session, 0, rows, trace, content=handle.identity)
+
+
+def _transfer(handle: EmbeddingHandleSpec, backends: Mapping[str, object]) -> EmbeddingTransferSpec:
+    return next(t for t in handle.transfers if t.backend in backends and t.endpoints)
 
 
 class MediaPulls:
@@ -68,7 +72,7 @@ class MediaPulls:
         self._rows = RowPool(staging.num_rows)
         self._rows_freed = threading.Condition()  # guards _rows and _withheld
         self._withheld = 0  # staging rows a READ may still write into: never given out again
-        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="refengine-media-pull")
+        self._pool = SourcePool(num_threads, "refengine-media-pull")  # a hung encoder never takes every thread
         self._on_done = on_done
         self._lock = threading.Lock()
         self._keys = itertools.count()
@@ -84,7 +88,8 @@ class MediaPulls:
             key = next(self._keys)
             self._cancel[key] = cancelled
             self._current[request_id] = key
-        self._executor.submit(self._run, key, request_id, unique, cancelled, trace)
+        sources = sorted({source_of(_transfer(h, self.backends).endpoints) for h in unique})
+        self._pool.submit("|".join(sources), lambda: self._run(key, request_id, unique, cancelled, trace))
 
     def cancel(self, request_id: str) -> None:
         """The request ended: stop its pull, and drop its end if the pull already finished (found by
@@ -174,7 +179,7 @@ class MediaPulls:
         with self._lock:
             for event in self._cancel.values():
                 event.set()
-        self._executor.shutdown(wait=True)
+        self._pool.shutdown()
         for backend in self.backends.values():
             backend.close()
 

@@ -1,0 +1,89 @@
+"""Transfer threads are shared fairly between sources (``kv/transfer/source_pool.py``). Found by
+review: on one plain pool, pulls to a source that stopped answering took every thread, each until
+its timeout, and a request whose KV (or embedding handle) was on a healthy source waited behind
+them: 59 s behind one hung prefill server with the default 4 threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from refengine.engine.disagg import KvLoads
+from refengine.kv.transfer.base import PullOrder, TransferFailure
+from refengine.kv.transfer.source_pool import SourcePool
+from refengine.types import KvEndpointSpec, KvSessionSpec
+
+WAIT = 10.0
+
+
+def test_a_blocked_source_leaves_a_thread_for_the_others_and_keeps_its_order() -> None:
+    pool = SourcePool(3, "test-pool")
+    release, ran, running, most = threading.Event(), [], [0], [0]
+    lock = threading.Lock()
+
+    def blocked(index: int) -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        release.wait(WAIT)
+        with lock:
+            running[0] -= 1
+            ran.append(f"a{index}")
+
+    try:
+        for index in range(5):
+            pool.submit("hung:1", lambda index=index: blocked(index))
+        healthy = threading.Event()
+        pool.submit("healthy:2", healthy.set)
+        assert healthy.wait(WAIT / 2), "a healthy source's job waited behind a blocked one"
+        release.set()
+    finally:
+        pool.shutdown()  # runs the waiting jobs too
+    assert sorted(ran) == [f"a{index}" for index in range(5)], "a waiting job never ran"
+    assert most[0] == 2 == pool.per_source, "one source ran more jobs at once than its share"
+
+
+def test_one_thread_is_one_job_at_a_time() -> None:
+    pool = SourcePool(1, "test-pool")
+    done: list[str] = []
+    for name in ("a", "b", "c"):
+        pool.submit(f"{name}:1", lambda name=name: done.append(name))
+    pool.shutdown()
+    assert pool.per_source == 1 and done == ["a", "b", "c"]
+
+
+class HungSource:
+    """A transfer backend whose pulls from port 1 hang until cancelled or released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        if order.session.endpoints[0].port == 1:
+            while not (self.release.is_set() or cancelled.is_set()):
+                time.sleep(0.01)
+            if not self.release.is_set():
+                raise TransferFailure("failed", "cancelled")
+
+
+def order(request_id: str, port: int) -> PullOrder:
+    session = KvSessionSpec(request_id, "test", (KvEndpointSpec("127.0.0.1", port, "grpc"),))
+    return PullOrder(request_id, session, 0, (0,))
+
+
+def test_a_pull_from_a_healthy_prefill_does_not_wait_for_a_hung_one() -> None:
+    backend = HungSource()
+    loads = KvLoads({"test": backend}, 4, lambda: None, 1)
+    try:
+        for index in range(4):  # as many as there are transfer threads
+            loads.start(order(f"hung{index}", 1))
+        loads.start(order("healthy", 2))
+        deadline, ended = time.monotonic() + WAIT / 2, []
+        while "healthy" not in ended:
+            assert time.monotonic() < deadline, "the healthy source's pull waited behind the hung source's"
+            ended += [request_id for _, request_id, _ in loads.take_finished()]
+            time.sleep(0.01)
+        assert not any(rid.startswith("hung") for rid in ended)
+        backend.release.set()
+    finally:
+        loads.shutdown()
