@@ -223,3 +223,39 @@ def test_an_ipv6_source_named_without_brackets_is_dialed() -> None:
     finally:
         transfer.close()
         server.stop(0)
+
+
+class _SilentPin(_Source):
+    """Pin never answers (a source that stopped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pin_ended = threading.Event()
+
+    def Pin(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        context.add_callback(self.pin_ended.set)
+        while context.is_active():
+            time.sleep(0.01)
+        return pb.SessionReply()
+
+
+def test_a_cancel_ends_a_pin_waiting_on_a_silent_source() -> None:
+    """Found by review: a NIXL pull's pin was not tied to the pull's cancel, so a cancelled
+    request held its transfer thread until the pin timed out (18.6 s of 20 on a hung source)."""
+    source = _SilentPin()
+    server, port = _serve(source)
+    transfer = GrpcKvTransfer(PULL_TIMEOUT_S)
+    transfer.bind(_Store(), lambda *_: None)
+    cancelled = Cancellation()
+    try:
+        outcome = transfer.start_pin(_order(port).session, 5.0, cancelled=cancelled)
+        threading.Timer(0.3, cancelled.set).start()
+        started = time.monotonic()
+        with pytest.raises(TransferFailure, match="cancelled"):
+            outcome()
+        took = time.monotonic() - started
+        assert source.pin_ended.wait(5.0), "the source's Pin was never cancelled"
+    finally:
+        transfer.close()
+        server.stop(0)
+    assert took < 5.0, f"the pin held its thread {took:.1f} s after the cancel (timeout {PULL_TIMEOUT_S:g} s)"

@@ -92,7 +92,7 @@ class FakePinner:
         self.error: TransferFailure | None = None
 
     def start_pin(self, session: KvSessionSpec, seconds: float, trace: tuple[tuple[str, str], ...] = (),
-                  content: str = "") -> Callable[[], None]:
+                  content: str = "", cancelled: object = None) -> Callable[[], None]:
         self.calls.append((session.session_id, seconds))
         self.traces.append(trace)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from refengine.kv.transfer.base import (
     BlockStore,
+    Cancellation,
     KvTransferBackend,
     PullOrder,
     SessionConfirmed,
@@ -209,7 +210,8 @@ class NixlKvTransfer(KvTransferBackend):
         read_from = source_identity(source.agent_name, source.metadata, source.regions)
         content = pinned_content(order.content, source.block_ids, read_from) if order.content else ""
         pinner = self._pinner
-        pin_outcome = pinner.start_pin(order.session, self._timeout, order.trace, content) if pinner else None
+        pin_outcome = pinner.start_pin(order.session, self._timeout, order.trace, content,
+                                       cancelled if isinstance(cancelled, Cancellation) else None) if pinner else None
         # A source no pin has vouched for is not dialled before its pin does (found by review: a
         # handle naming a made-up agent had this side connect to it and READ before the pin
         # refused it): a source's first pull waits the pin's round trip, later ones overlap it.
