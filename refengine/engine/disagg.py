@@ -63,8 +63,9 @@ class KvLoads:
     finished ones wait for ``take_finished``."""
 
     def __init__(self, backends: Mapping[str, KvTransferBackend], num_threads: int,
-                 on_done: Callable[[], None], block_nbytes: int) -> None:
+                 on_done: Callable[[], None], block_nbytes: int, timeout_seconds: float) -> None:
         self.backends = backends
+        self.timeout_seconds = timeout_seconds  # also the longest wait for a thread (SourcePool)
         self.block_nbytes = block_nbytes
         self.pulled_bytes = 0  # over every pull that succeeded, for LoadInfo (transfer rate)
         self.pull_seconds = 0.0
@@ -80,13 +81,16 @@ class KvLoads:
         with self._lock:
             key = next(self._keys)
             self._cancel[key] = cancelled
-        self._pool.submit(source_of(order.session.endpoints), lambda: self._run(key, order, cancelled))
+        self._pool.submit(source_of(order.session.endpoints), lambda waited: self._run(key, order, cancelled, waited))
         return key
 
-    def _run(self, key: int, order: PullOrder, cancelled: threading.Event) -> None:
+    def _run(self, key: int, order: PullOrder, cancelled: threading.Event, waited: float) -> None:
         failure = None
         started = time.perf_counter()
         try:
+            if waited >= self.timeout_seconds:  # behind a source's pulls that timed out: it would too
+                raise TransferFailure("failed", f"waited {waited:.0f} s for a transfer thread behind other pulls "
+                                      "from the same source (--kv-pull-timeout)", retryable=True)
             self.backends[order.session.transfer_backend].pull(order, cancelled)
         except TransferFailure as exc:
             failure = exc
@@ -134,7 +138,8 @@ class Disaggregation:
         self.fingerprint = fingerprint
         self.sessions = sessions
         self.backends = backends
-        self.loads = KvLoads(backends, config.kv_transfer.num_transfer_threads, on_load_done, store.block_nbytes)
+        self.loads = KvLoads(backends, config.kv_transfer.num_transfer_threads, on_load_done, store.block_nbytes,
+                             config.kv_transfer.pull_timeout_seconds)
         self._receiving: dict[str, int] = {}  # request id -> its pull's key, until the core takes the pull's end
         #: pull key -> (the owner of the blocks of its request, ended before that; the first block it pulls)
         self._ended: dict[int, tuple[str, int]] = {}

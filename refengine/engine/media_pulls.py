@@ -88,8 +88,8 @@ class MediaPulls:
             key = next(self._keys)
             self._cancel[key] = cancelled
             self._current[request_id] = key
-        sources = sorted({source_of(_transfer(h, self.backends).endpoints) for h in unique})
-        self._pool.submit("|".join(sources), lambda: self._run(key, request_id, unique, cancelled, trace))
+        source = "|".join(sorted({source_of(_transfer(h, self.backends).endpoints) for h in unique}))
+        self._pool.submit(source, lambda waited: self._run(key, request_id, unique, cancelled, trace, waited))
 
     def cancel(self, request_id: str) -> None:
         """The request ended: stop its pull, and drop its end if the pull already finished (found by
@@ -107,10 +107,13 @@ class MediaPulls:
         return finished
 
     def _run(self, key: int, request_id: str, handles: list[EmbeddingHandleSpec], cancelled: threading.Event,
-             trace: tuple[tuple[str, str], ...]) -> None:
+             trace: tuple[tuple[str, str], ...], waited: float) -> None:
         pulled: Pulled | None = {}
         fault, seconds = None, 0.0
         try:
+            if waited >= self.timeout_seconds:  # behind an encoder's pulls that timed out: it would too
+                raise TransferFailure("failed", f"waited {waited:.0f} s for a transfer thread behind other pulls "
+                                      "from the same encoder (--embedding-pull-timeout)", retryable=True)
             for handle in handles:
                 started = time.perf_counter()
                 pulled[handle.handle_id] = self._pull(request_id, handle, cancelled, trace)

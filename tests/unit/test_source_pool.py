@@ -32,9 +32,9 @@ def test_a_blocked_source_leaves_a_thread_for_the_others_and_keeps_its_order() -
 
     try:
         for index in range(5):
-            pool.submit("hung:1", lambda index=index: blocked(index))
+            pool.submit("hung:1", lambda waited, index=index: blocked(index))
         healthy = threading.Event()
-        pool.submit("healthy:2", healthy.set)
+        pool.submit("healthy:2", lambda waited: healthy.set())
         assert healthy.wait(WAIT / 2), "a healthy source's job waited behind a blocked one"
         release.set()
     finally:
@@ -47,7 +47,7 @@ def test_one_thread_is_one_job_at_a_time() -> None:
     pool = SourcePool(1, "test-pool")
     done: list[str] = []
     for name in ("a", "b", "c"):
-        pool.submit(f"{name}:1", lambda name=name: done.append(name))
+        pool.submit(f"{name}:1", lambda waited, name=name: done.append(name))
     pool.shutdown()
     assert pool.per_source == 1 and done == ["a", "b", "c"]
 
@@ -73,7 +73,7 @@ def order(request_id: str, port: int) -> PullOrder:
 
 def test_a_pull_from_a_healthy_prefill_does_not_wait_for_a_hung_one() -> None:
     backend = HungSource()
-    loads = KvLoads({"test": backend}, 4, lambda: None, 1)
+    loads = KvLoads({"test": backend}, 4, lambda: None, 1, 30.0)
     try:
         for index in range(4):  # as many as there are transfer threads
             loads.start(order(f"hung{index}", 1))
@@ -85,5 +85,37 @@ def test_a_pull_from_a_healthy_prefill_does_not_wait_for_a_hung_one() -> None:
             time.sleep(0.01)
         assert not any(rid.startswith("hung") for rid in ended)
         backend.release.set()
+    finally:
+        loads.shutdown()
+
+
+class SlowSource:
+    """A transfer backend whose every pull times out after ``seconds`` (a source that stopped)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        cancelled.wait(self.seconds)
+        raise TransferFailure("failed", "timed out", retryable=True)
+
+
+def test_a_pull_that_waited_its_timeout_for_a_thread_fails_at_once() -> None:
+    """Found by review: pulls queued behind a hung source's waited for a thread, then their own
+    whole timeout again (60 s with a 30 s timeout). A pull that already waited its timeout for a
+    thread fails at once, retryable."""
+    timeout = 1.0
+    loads = KvLoads({"test": SlowSource(timeout)}, 2, lambda: None, 1, timeout)  # one at a time from a source
+    try:
+        started = time.monotonic()
+        for index in range(4):
+            loads.start(order(f"hung{index}", 1))
+        ended: dict[str, float] = {}
+        while len(ended) < 4 and time.monotonic() < started + 10 * timeout:
+            for _, request_id, failure in loads.take_finished():
+                assert failure is not None and failure.retryable
+                ended[request_id] = time.monotonic() - started
+            time.sleep(0.01)
+        assert max(ended.values()) < 2.5 * timeout, f"queued pulls waited their timeout again: {ended}"
     finally:
         loads.shutdown()

@@ -10,17 +10,21 @@ handles behind one hung encoder).
 is one thread), so a thread is always left for the other sources. A job past its source's limit
 waits in that source's queue, holding no thread; the thread that ends a job of a source runs that
 source's next waiting job, so the limit holds without resubmitting to the executor (which
-``shutdown`` may already have closed).
+``shutdown`` may already have closed). Each job is told how long it waited there: a pull that
+waited its whole timeout behind a hung source's fails at once instead of waiting it again.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from refengine.types import KvEndpointSpec
+
+Job = Callable[[float], None]
 
 
 def source_of(endpoints: tuple[KvEndpointSpec, ...]) -> str:
@@ -34,26 +38,28 @@ class SourcePool:
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix=thread_name_prefix)
         self._lock = threading.Lock()
         self._running: dict[str, int] = defaultdict(int)  # jobs of a source on a thread now
-        self._waiting: dict[str, deque[Callable[[], None]]] = defaultdict(deque)
+        self._waiting: dict[str, deque[tuple[Job, float]]] = defaultdict(deque)  # (job, when it was queued)
 
-    def submit(self, source: str, job: Callable[[], None]) -> None:
-        """Run ``job`` (which must not raise) when its source has a free slot."""
+    def submit(self, source: str, job: Job) -> None:
+        """Run ``job(seconds it waited in its source's queue)`` (it must not raise) when its
+        source has a free slot."""
         with self._lock:
             if self._running[source] >= self.per_source:
-                self._waiting[source].append(job)
+                self._waiting[source].append((job, time.monotonic()))
                 return
             self._running[source] += 1
-        self._executor.submit(self._chain, source, job)
+        self._executor.submit(self._chain, source, (job, time.monotonic()))
 
-    def _chain(self, source: str, job: Callable[[], None] | None) -> None:
-        while job is not None:
-            job()
+    def _chain(self, source: str, queued: tuple[Job, float] | None) -> None:
+        while queued is not None:
+            job, since = queued
+            job(time.monotonic() - since)
             with self._lock:
                 waiting = self._waiting.get(source)
-                job = waiting.popleft() if waiting else None
+                queued = waiting.popleft() if waiting else None
                 if not waiting:
                     self._waiting.pop(source, None)
-                if job is None:
+                if queued is None:
                     self._running[source] -= 1
                     if not self._running[source]:
                         del self._running[source]
