@@ -90,12 +90,13 @@ class CoreInflowMixin:
         self._publish_kv_events()
         return freed
 
-    def fail_all(self: EngineCore, message: str) -> list[RequestOutput]:
-        """An engine fault: end every request with one terminal error, free all KV."""
+    def fail_all(self: EngineCore, message: str, code: str = "internal",
+                 retryable: bool = False) -> list[RequestOutput]:
+        """An engine fault (or a shutdown): end every request with one terminal error, free all KV."""
         outputs = []
         for request in list(self.requests.values()):
             self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=message))
-            outputs.append(self._fault_output(request, EngineFault("internal", message, retryable=False)))
+            outputs.append(self._fault_output(request, EngineFault(code, message, retryable)))
         self._last_batch = (0, 0)
         self._publish_kv_events()
         return outputs

@@ -129,6 +129,8 @@ class Engine(EngineAcceptMixin, EngineKvMixin, EngineLoraMixin, EngineLoopMixin)
         self._loop_thread: threading.Thread | None = None
         self._stopping = False
         self._shut_down = False  # ``shutdown`` closed the worker pools (grammar, pulls): no restart
+        self._shutdown_on_exit = False  # ``shutdown`` was called on the loop's thread: the loop finishes it
+        self._broken = False  # stopped after a fault whose ``fail_all`` failed too: no restart
         self._woken = False  # a wake since the last step began (e.g. a cancelled pull to clean up)
         self._stalled = False  # the last step ran nothing: wait for a wake (or poll), not spin
         self._stopped_callbacks: list[Callable[[str], None]] = []  # on_stopped's
@@ -211,13 +213,13 @@ class Engine(EngineAcceptMixin, EngineKvMixin, EngineLoraMixin, EngineLoopMixin)
             self._stats = stats
             self._num_taken = 0
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """An engine fault: end every request with one terminal error, free all KV; also those a
-        failed step took and never handed to the core. Its KV events are published under the step
-        lock, like a step's (never inside a snapshot)."""
+    def fail_all(self, message: str, code: str = "internal", retryable: bool = False) -> list[RequestOutput]:
+        """An engine fault (or a shutdown: ``cancelled``, retryable): end every request with one
+        terminal error, free all KV; also those a failed step took and never handed to the core. Its
+        KV events are published under the step lock, like a step's (never inside a snapshot)."""
         with self._step_lock:
-            outputs = self.core.fail_all(message)
-            fault = EngineFault("internal", message, retryable=False)
+            outputs = self.core.fail_all(message, code, retryable)
+            fault = EngineFault(code, message, retryable)
             outputs += [RequestOutput(r.request_id, finished=True, error=fault,
                                       usage=Usage(len(r.prompt_token_ids), 0, 0)) for r in self._unadmitted]
             self._unadmitted = []

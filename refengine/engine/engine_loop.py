@@ -30,11 +30,15 @@ IDLE_POLL_SECONDS = 60.0  # the longest wait for a due session: never near threa
 
 class EngineLoopMixin:
     def start(self: Engine) -> None:
-        """Run ``step`` on a background thread whenever there is work. An engine stopped by a fault
-        may start again; one that was ``shutdown`` may not (found by review: its grammar compiler
-        and pull executors are closed, so a restarted engine failed every guided request)."""
+        """Run ``step`` on a background thread whenever there is work. An engine that was
+        ``shutdown``, or stopped by a fault it could not end its requests after, may not start
+        again (found by review: a shut-down engine's grammar compiler and pull executors are
+        closed, so a restarted one failed every guided request; a broken one's ``start`` did
+        nothing, and every request was refused as "shut down")."""
         if self._shut_down:
             raise EngineStoppedError("the engine was shut down and cannot be restarted: make a new one")
+        if self._broken:
+            raise EngineStoppedError("the engine stopped after a fault it could not recover from: make a new one")
         if self._loop_thread is not None:
             return
         self._stopping = False
@@ -46,23 +50,38 @@ class EngineLoopMixin:
         self._stopped_callbacks.append(callback)
 
     def shutdown(self: Engine) -> None:
-        """Stop the loop, then end every request still active with one terminal error (a
-        server drains first; an in-process caller would otherwise wait on them forever)."""
+        """Stop the loop, then end every request still active with one terminal error, CANCELLED
+        and retryable (a server drains first; an in-process caller would otherwise wait on them
+        forever). Called from a sink or callback, on the loop's own thread, the loop finishes it
+        on its way out (found by review: it joined itself, failed, and left every stream open)."""
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
+        if self._loop_thread is threading.current_thread():
+            self._shutdown_on_exit = True
+            return
         if self._loop_thread is not None:
             self._loop_thread.join()
             self._loop_thread = None
+        self._finish_shutdown()
+
+    def _finish_shutdown(self: Engine) -> None:
         with self._lock:  # the loop is gone: this thread steps now; queued requests end too
             self._unadmitted += self._inbox
             self._inbox = []
             self._sinks.update(self._new_sinks)
             self._new_sinks = {}
         if self._active_ids:
-            self.fail_all("the engine shut down")
+            try:
+                self.fail_all("the engine shut down", "cancelled", retryable=True)
+            except Exception:  # as after a fault: the streams still end, and the pools still close
+                logger.exception("ending the requests at shutdown failed")
+                self._end_streams_directly("the engine shut down")
         if self.core.disagg is not None:
             self.core.disagg.loads.shutdown()
+            with self._step_lock:  # the pulls' ends: their blocks leave their ``load:`` owners
+                self.core.disagg.take_finished_loads()
+                self._take_stats()
             for backend in self.core.disagg.backends.values():
                 backend.close()
         if self.core.media_pulls is not None:
@@ -78,13 +97,15 @@ class EngineLoopMixin:
                     if not self._lock.wait(self._wait_seconds()) and self._stalled:
                         self._stalled = False  # the wait is bounded: a missed wake costs latency only
                 if self._stopping and not self._abort_ids:
-                    return
+                    break
                 self._woken = False
             try:
                 self.step()
             except Exception as exc:
                 logger.exception("engine step failed")
                 self._end_all(f"engine fault: {type(exc).__name__}: {exc}")
+        if self._shutdown_on_exit:  # ``shutdown`` was called from a sink or callback
+            self._finish_shutdown()
 
     def _end_all(self: Engine, message: str) -> None:
         """``fail_all``. When that raises too, the engine's state is broken: every stream still
@@ -95,24 +116,30 @@ class EngineLoopMixin:
             self.fail_all(message)
         except Exception:
             logger.exception("ending the requests after an engine fault failed too: the engine stops")
-            with self._lock:
-                self._stopping = True
-                sinks = {**self._sinks, **self._new_sinks}
-                self._sinks, self._new_sinks, self._inbox = {}, {}, []
-                self._active_ids.clear()
-                self._probe_ids.clear()  # or a restarted engine counts them for good (found by review)
-                self._abort_ids.clear()
-            fault = EngineFault("internal", f"{message}; the engine stopped", retryable=False)
-            for request_id, sink in sinks.items():
-                try:
-                    sink(RequestOutput(request_id, finished=True, error=fault))
-                except Exception:  # a broken consumer must not keep the others from their end
-                    logger.exception("output sink of request %s failed", request_id)
+            fault = self._end_streams_directly(f"{message}; the engine stopped")
             for callback in self._stopped_callbacks:  # the server turns NOT_READY (H3): it serves nothing now
                 try:
                     callback(fault.message)
                 except Exception:
                     logger.exception("an engine-stopped callback failed")
+
+    def _end_streams_directly(self: Engine, message: str) -> EngineFault:
+        """``fail_all`` failed: the engine's state is broken. One terminal error goes straight to
+        each sink, and the engine stops for good (``_broken``: no restart)."""
+        with self._lock:
+            self._stopping = self._broken = True
+            sinks = {**self._sinks, **self._new_sinks}
+            self._sinks, self._new_sinks, self._inbox = {}, {}, []
+            self._active_ids.clear()
+            self._probe_ids.clear()  # or a restarted engine counts them for good (found by review)
+            self._abort_ids.clear()
+        fault = EngineFault("internal", message, retryable=False)
+        for request_id, sink in sinks.items():
+            try:
+                sink(RequestOutput(request_id, finished=True, error=fault))
+            except Exception:  # a broken consumer must not keep the others from their end
+                logger.exception("output sink of request %s failed", request_id)
+        return fault
 
     def _check_when_idle(self: Engine) -> None:
         """``--debug-kv-integrity``: the pool's integrity once no request is left. After a step's

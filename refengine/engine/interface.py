@@ -134,5 +134,6 @@ class EngineClient(Protocol):
         fault it could not end its requests after); it then refuses all new work."""
 
     def shutdown(self) -> None:
-        """Stop the step loop; requests still active then end with one terminal error, and
-        ``add_request`` refuses new ones (EngineStoppedError) until ``start``."""
+        """Stop the step loop; requests still active then end with one terminal error (CANCELLED,
+        retryable), and ``add_request`` refuses new ones (EngineStoppedError) for good: a shut-down
+        engine cannot ``start`` again."""
