@@ -436,7 +436,7 @@ def test_an_unservable_model_in_process_exits_2(tmp_path: Path, capsys: pytest.C
 
 
 @pytest.mark.parametrize(("flags", "says"), [
-    (["--role", "prefill"], "the prefill role offers KV over"),  # engine flags generate lists: a traceback
+    (["--role", "prefill"], "generate runs the aggregated role in-process"),  # was a traceback, then a late refusal
     (["--media-max-mib", "inf"], "--media-max-mib: must be a finite number of MiB, got inf"),  # OverflowError
     (["--media-cache-mib", "nan"], "--media-cache-mib: must be a finite number of MiB, got nan"),
 ])
