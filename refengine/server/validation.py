@@ -174,12 +174,15 @@ def check_response_sizes(request: oe.GenerateRequest, facts: ServerFacts) -> Non
 
 def prompt_positions_limit(request: oe.GenerateRequest, facts: ServerFacts) -> int | None:
     """The most prompt positions whose ``PromptOutput`` (sent once, whole) fits in one message
-    with the requested candidates; None when the whole context always fits."""
+    with the requested candidates; None when the whole context always fits, or no prompt output
+    is asked for. Prompt logprobs alone count too (found by review: only candidates were counted,
+    so a long prompt's logprobs were refused only after its whole prefill)."""
     r = request.response
-    if not r.HasField("prompt_candidates"):
+    if not (r.return_prompt_logprobs or r.HasField("prompt_candidates")):
         return None
-    per_position = TOKEN_INFO_BYTES + CANDIDATE_BYTES * _candidates_per_token(r.prompt_candidates,
-                                                                            facts.caps.vocab_size)
+    candidates = _candidates_per_token(r.prompt_candidates, facts.caps.vocab_size) \
+        if r.HasField("prompt_candidates") else 0
+    per_position = TOKEN_INFO_BYTES + CANDIDATE_BYTES * candidates
     limit = facts.max_send_message_bytes
     return None if facts.caps.max_context_length * per_position <= limit else limit // per_position
 
