@@ -19,85 +19,15 @@ the run is invalid - so even a complete character may still change).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from refengine.engine.token_texts import REPLACEMENT_CHAR, decode, tokenizer_info
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 5  # prompt tokens decoded as left context of the first output tokens (as vLLM)
-
-
-def decode(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
-    """The engine's one definition of "the text of these ids": special tokens kept,
-    no tokenization-space clean-up (it is not local, so it cannot be streamed)."""
-    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-@dataclass
-class _TokenizerInfo:
-    """Facts about one tokenizer, computed once and shared by all requests."""
-
-    byte_values: dict[int, int]  # id of each ``<0xNN>`` byte-fallback token -> its byte NN
-    context_ids: tuple[int, ...]  # a neutral left context for ``token_text`` ("a"), or ()
-    context_text: str
-    token_texts: dict[int, str] = field(default_factory=dict)
-
-
-_INFO: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, _TokenizerInfo] = weakref.WeakKeyDictionary()
-
-
-def _info(tokenizer: PreTrainedTokenizerBase) -> _TokenizerInfo:
-    info = _INFO.get(tokenizer)
-    if info is None:
-        byte_values = {}
-        for byte in range(256):
-            name = f"<0x{byte:02X}>"
-            token_id = tokenizer.convert_tokens_to_ids(name)
-            if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == name:
-                byte_values[token_id] = byte
-        context_ids = tuple(tokenizer.encode("a", add_special_tokens=False))
-        context_text = decode(tokenizer, context_ids)
-        if context_text != "a":  # an odd tokenizer: do without context rather than guess
-            context_ids, context_text = (), ""
-        info = _TokenizerInfo(byte_values, context_ids, context_text)
-        _INFO[tokenizer] = info
-    return info
-
-
-def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
-    """One token's own text, for ``TokenInfo.text`` and candidates (cached per tokenizer).
-
-    Decoded after a neutral left context ("a") so that a SentencePiece ``▁word``
-    keeps its leading space (decoding it alone would strip it). A token that is only
-    part of a UTF-8 character (a byte piece) reads as U+FFFD, as ``decode([id])`` does.
-    """
-    return token_texts(tokenizer, (token_id,))[0]
-
-
-def token_texts(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> list[str]:
-    """``token_text`` of each id: one cache lookup per id (``all`` candidates ask for the
-    whole vocabulary with every token)."""
-    info = _info(tokenizer)
-    cached = info.token_texts
-    texts = [cached.get(token_id) for token_id in token_ids]
-    for i, text in enumerate(texts):
-        if text is None:
-            texts[i] = _uncached_text(tokenizer, info, token_ids[i])
-    return texts
-
-
-def _uncached_text(tokenizer: PreTrainedTokenizerBase, info: _TokenizerInfo, token_id: int) -> str:
-    with_context = decode(tokenizer, [*info.context_ids, token_id])
-    if info.context_ids and with_context.startswith(info.context_text):
-        text = with_context[len(info.context_text) :]
-    else:
-        text = decode(tokenizer, [token_id])
-    info.token_texts[token_id] = text
-    return text
 
 
 class IncrementalDetokenizer:
@@ -119,13 +49,13 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
-        self._byte_values = _info(tokenizer).byte_values
+        self._byte_values = tokenizer_info(tokenizer).byte_values
         context = list(prompt_token_ids[-CONTEXT_TOKENS:])
         context_text = decode(tokenizer, context)
         if context and (context[-1] in self._byte_values or context_text.endswith(REPLACEMENT_CHAR)):
             # unstable boundary: a neutral left context ("a") instead, so that a SentencePiece
             # first token keeps its leading space, as after a stable prompt
-            info = _info(tokenizer)
+            info = tokenizer_info(tokenizer)
             context, context_text = list(info.context_ids), info.context_text
         self._ids = context  # ids[prefix_offset:], the window; older ids are dropped
         self._read_offset = len(context)  # relative to self._ids; everything before it was emitted
@@ -231,18 +161,24 @@ class IncrementalDetokenizer:
             return None
         if inside <= 0 or window is None:
             return 0
-        ends = self._readable_ends(*window, window[1] + inside)
+        ends = self._readable_ends(*window, window[1] + inside, whole_characters=True)
         return max((end for end in ends if end is not None), default=0)
 
-    def _readable_ends(self, ids: list[int], start: int, prefix: str, upto: int) -> list[int | None]:
+    def _readable_ends(self, ids: list[int], start: int, prefix: str, upto: int,
+                       whole_characters: bool = False) -> list[int | None]:
         """For each token of ``ids[start:upto]``: where the text of the tokens up to it ends in the
         window's text (after ``prefix``), when that text reads as the start of the window's; None
-        for a piece of a character."""
+        for a piece of a character. ``whole_characters``: a byte-level piece ending in part of a
+        character ends after its whole ones (they are its own: found by review, min_tokens let a
+        stop string its space made end the output, as if the next token had made it)."""
         whole = decode(self._tokenizer, ids)
         ends: list[int | None] = []
         for end in range(start + 1, upto + 1):
             partial = whole if end == len(ids) else decode(self._tokenizer, ids[:end])
             reads = end == len(ids) or (partial.startswith(prefix) and whole.startswith(partial))
+            if not reads and whole_characters and ids[end - 1] not in self._byte_values:
+                partial = partial.rstrip(REPLACEMENT_CHAR)
+                reads = partial.startswith(prefix) and whole.startswith(partial)
             ends.append(len(partial) - len(prefix) if reads else None)
         return ends
 

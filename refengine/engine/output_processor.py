@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refengine.engine.detokenizer import token_text, token_texts
 from refengine.engine.request import OutputState, Request
 from refengine.engine.stop_checker import process_token
+from refengine.engine.token_texts import token_text, token_texts
 from refengine.sampling.sampler import SampledToken, prompt_logprobs
 from refengine.scheduler.scheduler import ScheduledSequence
 from refengine.types import Candidate, FinishInfo, FinishReason, SequenceDelta, TokenInfo

@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from refengine.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, decode, token_text, token_texts
+from refengine.engine.detokenizer import IncrementalDetokenizer
+from refengine.engine.token_texts import REPLACEMENT_CHAR, decode, token_text, token_texts
 from tests.unit.tokenizer_fixture import byte_fallback_tokenizer, smollm2_tokenizer
 
 TEXTS = [
