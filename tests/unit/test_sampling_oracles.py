@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers.generation.logits_process import (
-    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
 from refengine.sampling import Sampler, SamplingRow, apply_penalties, batch_logprob_info, prompt_logprobs
 from refengine.sampling.truncation import truncation_thresholds
 from refengine.types import CandidateSpec, SamplingParams
+from tests.unit.test_sampler import _hf_kept as hf_kept
 
 
 def _rank(row: list[float], t: int) -> int:
@@ -78,14 +76,8 @@ def test_top_n_zero_or_negative_reports_no_candidates_next_to_other_rows(zero: i
 
 
 def _hf_kept(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    s = TemperatureLogitsWarper(float(p.temperature))(None, x[None].clone())
-    if p.top_k > 0:
-        s = TopKLogitsWarper(p.top_k)(None, s)
-    if p.top_p < 1.0:
-        s = TopPLogitsWarper(p.top_p)(None, s)
-    if p.min_p > 0.0:
-        s = MinPLogitsWarper(p.min_p)(None, s)
-    return torch.isfinite(s[0])
+    """One row of test_sampler's HF warper chain."""
+    return hf_kept(x[None], p)[0]
 
 
 def test_top_k_then_top_p_near_one_keeps_the_whole_top_k_set_as_hf() -> None:
@@ -168,14 +160,8 @@ def test_sampler_rows_match_hf_and_openai_penalties_on_random_batches() -> None:
             if p.greedy:
                 assert tok.token_id == int((st == st.max()).nonzero()[0, 0]), where
             else:
-                scores = st[None].clone()
-                if p.top_k > 0:
-                    scores = TopKLogitsWarper(p.top_k)(None, scores)
-                if p.top_p < 1.0:
-                    scores = TopPLogitsWarper(p.top_p)(None, scores)
-                if p.min_p > 0.0:
-                    scores = MinPLogitsWarper(p.min_p)(None, scores)
-                assert st[tok.token_id].item() in set(st[torch.isfinite(scores[0])].tolist()), where
+                kept = _hf_kept(st, replace(p, temperature=1.0))  # st: already divided by the temperature
+                assert st[tok.token_id].item() in set(st[kept].tolist()), where
             lp = torch.log_softmax(st, -1)
             assert tok.logprob == pytest.approx(lp[tok.token_id].item(), abs=1e-5), where
             assert tok.rank == _rank(lp.tolist(), tok.token_id), where
