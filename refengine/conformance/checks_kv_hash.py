@@ -50,8 +50,9 @@ def stored_events_chain(t: Target) -> str:
         expect(bool(sub.batches), f"include_snapshot sent no batch: {sub.describe()}")
         prompt = fresh_prompt(t, "e4")
         new_batches(sub, lambda: generate(t, prompt))
-        # a shared prefix: its new blocks chain onto cached ones
-        new_batches(sub, lambda: generate(t, prompt + " And then"))
+        # a shared prefix: its new blocks chain onto cached ones (found by review: " And then" alone
+        # filled no block of 16, and a first new block with no parent passed)
+        extended = new_batches(sub, lambda: generate(t, prompt + " And then" * (_block_size(t) // 2 + 1)))
         again = new_batches(sub, lambda: generate(t, prompt, salt=t.new_id("salt"))) if salted else []
         batches = sub.batches
         expect(not sub.errors, f"the subscription failed: {sub.describe()}")
@@ -63,12 +64,19 @@ def stored_events_chain(t: Target) -> str:
     if view.problems and not batches[0].events:
         skip(f"{view.problems[0]}, after an empty snapshot (E2 fails for it): the chain cannot be followed")
     expect(not view.problems, "; ".join(view.problems[:3]))
+    ext = [e.block_stored for b in extended for e in b.events if e.WhichOneof("event") == "block_stored"]
+    if ext:  # its first new block extends the prompt's cached blocks: it cannot be a chain root
+        first = ext[0]
+        expect(first.HasField("parent_block_hash"),
+               f"the prompt extended by ' And then' ... stored {len(ext)} BlockStored; the first has no "
+               "parent_block_hash, though it extends the prompt's blocks stored before (a chain root)")
     if not salted:
         return f"{len(batches)} batches chain; cache_salt not advertised"
     stored = stored_count(again)
     expect(stored > 0, "the same prompt under a new cache_salt stored no block: its blocks hash as the unsalted "
                        "ones, so the salt is not in the block hash (E4, K2)")
-    return f"{len(batches)} batches chain; a salted copy stored {stored} blocks of its own"
+    return (f"{len(batches)} batches chain ({len(ext)} BlockStored of the extension, parented); a salted copy "
+            f"stored {stored} blocks of its own")
 
 
 @check("E4", "the same prompt under a LoRA adapter stores blocks of its own")

@@ -89,7 +89,29 @@ def prompt_first_token(t: Target) -> str:
     expect([x.token_id for x in tokens] == ids[3:],
            f"prompt_logprob_start 3: positions {[x.token_id for x in tokens]}, expected {ids[3:]}")
     expect(all(x.HasField("logprob") for x in tokens), "positions after prompt_logprob_start lack logprobs")
-    return "position 0 bare; start=3 reports positions 3.."
+    note = _prompt_position_matches_output(t, ids[:5])
+    return "position 0 bare; start=3 reports positions 3.." + note
+
+
+def _prompt_position_matches_output(t: Target, ids: list[int]) -> str:
+    """L2/L3 alignment: the greedy token x after ``ids``, sent back as the prompt's last token,
+    has there the output's logprob and rank 1: position i's data is of token i given tokens
+    < i (found by review: prompt logprobs rotated by one position passed every L check)."""
+    if not t.caps.HasField("output_logprobs") or not t.caps.output_logprobs.supported:
+        return ""
+    out = expect_valid(t.generate(_lp_request(t, "l2o", output_lp=True, ids=ids, max_tokens=1))).token_infos()
+    expect(len(out) == 1 and out[0].HasField("logprob"), f"one greedy output token with a logprob expected: {out}")
+    x = out[0]
+    tokens = _prompt(expect_valid(t.generate(_lp_request(t, "l2x", prompt_lp=True, ids=[*ids, x.token_id],
+                                                         max_tokens=1))))
+    last = tokens[-1]
+    expect(last.token_id == x.token_id and last.HasField("logprob") and abs(last.logprob - x.logprob) <= 0.05,
+           f"greedy token {x.token_id} after {ids} has output logprob {x.logprob:.4f}; as the prompt's last token "
+           f"its logprob is {last.logprob if last.HasField('logprob') else 'absent'}: prompt positions carry "
+           "another position's data")
+    expect(not last.HasField("rank") or last.rank == 1 or abs(last.logprob - x.logprob) <= RANK_TIE_LOGPROB,
+           f"greedy token {x.token_id} has rank {last.rank} as the prompt's last token, expected 1")
+    return f"; the last prompt position matches the greedy output ({x.logprob:.4f})"
 
 
 @check("L3", "one TokenInfo per token with id, text, logprob, rank and candidates together")
@@ -109,8 +131,28 @@ def token_info_aligned(t: Target) -> str:
         expect(info.token != "" or info.token_id == 0, f"output token {i} ({info.token_id}) has no text")
         if TOP_N in caps.candidate_selection_modes:
             expect(0 < len(info.candidates) <= 2, f"output token {i} has {len(info.candidates)} candidates, top_n 2")
+            _expect_own_candidate(info, 2, f"output token {i}")
         _expect_candidate_texts(info.candidates, f"output token {i}")
     return f"{len(infos)} aligned TokenInfo" + _prompt_texts(t)
+
+
+def _expect_own_candidate(info: Any, top_n: int, where: str) -> None:
+    """L3 "together": the token's own entry among its top_n candidates (when its rank is within
+    them, or it is listed) has its logprob and text (ranks agreeing is L5's). Found by review: the
+    logprob, rank and candidates of another position attached to this token (a parallel list off
+    by one) passed every L check."""
+    mine = [c for c in info.candidates if c.token_id == info.token_id]
+    if not mine:
+        tied = info.candidates and abs(info.candidates[-1].logprob - info.logprob) <= RANK_TIE_LOGPROB
+        expect(not info.HasField("rank") or info.rank > top_n or tied,
+               f"{where}: token {info.token_id} has rank {info.rank} but is not among its top_n {top_n} candidates "
+               f"{[c.token_id for c in info.candidates]}: its logprob data belongs to another position")
+        return
+    c = mine[0]
+    expect(not info.HasField("logprob") or abs(c.logprob - info.logprob) <= 1e-4,
+           f"{where}: token {info.token_id} logprob {info.logprob}, its candidate entry {c.logprob}")
+    expect(not c.token or c.token == info.token,
+           f"{where}: token {info.token_id} has text {info.token!r}, its candidate entry {c.token!r}")
 
 
 def _expect_candidate_texts(candidates: Any, where: str) -> None:
@@ -130,6 +172,8 @@ def _prompt_texts(t: Target) -> str:
     tokens = _prompt(expect_valid(t.generate(req)))
     for i, info in enumerate(tokens):
         expect(info.token != "" or info.token_id == 0, f"prompt position {i} ({info.token_id}) has no text")
+        if i and _has_mode(t, "prompt_logprobs", TOP_N):
+            _expect_own_candidate(info, 2, f"prompt position {i}")
         _expect_candidate_texts(info.candidates, f"prompt position {i}")
     return f"; {len(tokens)} prompt positions with their text"
 
@@ -177,7 +221,7 @@ def _top_n_where_the_token_is_not_first(t: Target) -> None:
     req = _lp_request(t, "l4np", prompt_lp=True, ids=t.known_token_ids()[:8], max_tokens=1)
     req.response.prompt_candidates.top_n = 2
     for i, info in enumerate(_prompt(expect_valid(t.generate(req)))[1:], 1):
-        expect(len(info.candidates) <= 2, f"prompt top_n 2: position {i} has {len(info.candidates)} candidates "
+        expect(0 < len(info.candidates) <= 2, f"prompt top_n 2: position {i} has {len(info.candidates)} candidates "
                                           f"(ranks {[c.rank for c in info.candidates]})")
 
 

@@ -15,6 +15,7 @@ import pytest
 from refengine.conformance.checks_errors import error_after_acceptance, error_before_and_after_acceptance
 from refengine.conformance.checks_generate import extra_struct
 from refengine.conformance.checks_guided import guided_backend_without_guide, guided_invalid_spec_refused
+from refengine.conformance.checks_logprobs import _expect_own_candidate
 from refengine.conformance.registry import CheckFailed, CheckSkipped
 from refengine.conformance.streams import StreamResult
 from refengine.conformance.target import Options, Target
@@ -234,3 +235,28 @@ def test_x1_invalid_guided_spec_may_be_refused_in_either_phase(spec_answer: Answ
                 guided_invalid_spec_refused(t)
     finally:
         t.close()
+
+
+def _info(token_id: int, logprob: float, rank: int, candidates: list[tuple[int, float, str]],
+          text: str = "t") -> oe.TokenInfo:
+    info = oe.TokenInfo(token_id=token_id, token=text, logprob=logprob, rank=rank)
+    for candidate_id, candidate_logprob, candidate_text in candidates:
+        info.candidates.add(token_id=candidate_id, logprob=candidate_logprob, token=candidate_text)
+    return info
+
+
+@pytest.mark.parametrize(("info", "fails"), [
+    (_info(5, -0.1, 1, [(5, -0.1, "t"), (6, -2.0, "u")]), False),  # its own entry agrees
+    (_info(7, -3.0, 3, [(5, -0.1, "t"), (6, -2.0, "u")]), False),  # ranked below the top 2: not listed
+    (_info(7, -2.0, 3, [(5, -0.1, "t"), (6, -2.0, "u")]), False),  # tied with the last listed
+    (_info(5, -2.0, 2, [(6, -0.1, "u"), (5, -0.1, "t")]), True),  # another position's logprob on it
+    (_info(5, -0.1, 1, [(6, -0.1, "u"), (8, -2.0, "v")]), True),  # rank 1, yet not among its candidates
+    (_info(5, -0.1, 1, [(5, -0.1, "t")], text="q"), True),  # another token's text on it
+])
+def test_l3_a_token_s_own_candidate_entry_agrees_with_it(info: oe.TokenInfo, fails: bool) -> None:
+    """L3 "together" (found by review: logprob data shifted by one position passed every L check)."""
+    if fails:
+        with pytest.raises(CheckFailed):
+            _expect_own_candidate(info, 2, "output token 0")
+    else:
+        _expect_own_candidate(info, 2, "output token 0")
