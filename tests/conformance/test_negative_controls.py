@@ -37,7 +37,7 @@ from tests.conformance.toy_engine import Faults
 from tests.conformance.toy_kv_events import KvFaults, serve_kv
 from tests.conformance.toy_roles import serve_pair
 
-#: 48 at once: the controls (117 on 2026-12-06) run in rounds of 48 (with ~80 controls, 48 at once
+#: 48 at once: the controls (124 on 2026-12-06) run in rounds of 48 (with ~80 controls, 48 at once
 #: took 73-76 s here against 89 s for 40 at once).
 PROCESSES, THREADS = 8, 6
 #: The served model's config.json for the R checks' adapters: tiny shapes (the toy reads no weights).
@@ -181,6 +181,8 @@ CONTROLS = [
     # Found by review (2026-12-06): each passed every check of its rule before.
     Control("top-n-plus-the-token", "L4", broken(sampled_outside_top_n=True)),
     Control("prompt-info-without-text", "L3", broken(prompt_info_without_text=True)),
+    Control("prompt-logprobs-shifted", "L2", broken(prompt_logprobs_shifted=True)),
+    Control("prompt-candidates-ignored", "L4", broken(prompt_candidates_ignored=True)),
     Control("python-int-metadata", "M2", broken(python_int_metadata=True)),
     Control("ids-kept-after-completion", "G2", broken(ids_kept_after_completion=True)),
     Control("length-drops-held-text", "G14", broken(length_drops_held_text=True)),

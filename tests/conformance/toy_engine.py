@@ -173,6 +173,8 @@ class Faults:
     accept_invalid_guide: bool = False  # X1: a spec that does not compile is accepted (and ignored)
     sampled_outside_top_n: bool = False  # L4: top_n candidates + the token itself when outside them (vLLM's k + 1)
     prompt_info_without_text: bool = False  # L3: prompt TokenInfos and every candidate carry no text
+    prompt_logprobs_shifted: bool = False  # L2: position i's logprobs are of the distribution at i - 1 (off by one)
+    prompt_candidates_ignored: bool = False  # L4: prompt_candidates asked for, never sent
     python_int_metadata: bool = False  # M2: numbers parsed with Python's int(): "1_000", "+7", "0_0" accepted
     ids_kept_after_completion: bool = False  # G2: an id that ended STOP/LENGTH stays refused (an aborted one is freed)
 

@@ -165,10 +165,12 @@ class Streams:
         if not r.return_prompt_logprobs and not self.faults.prompt_output_always:
             return
         po = oe.PromptOutput()
-        spec = r.prompt_candidates if r.HasField("prompt_candidates") else None
+        asked = r.HasField("prompt_candidates") and not self.faults.prompt_candidates_ignored
+        spec = r.prompt_candidates if asked else None
         for i in range(r.prompt_logprob_start, len(prompt)):
             bare = i == 0 and not self.faults.first_prompt_logprob
-            lp = distribution(prompt[:i], prompt, 1.0, set()) if r.return_prompt_logprobs and not bare else None
+            at = max(1, i - 1) if self.faults.prompt_logprobs_shifted else i
+            lp = distribution(prompt[:at], prompt, 1.0, set()) if r.return_prompt_logprobs and not bare else None
             po.tokens.append(token_info(prompt[i], lp, spec, self.faults))
             if self.faults.prompt_info_without_text:
                 po.tokens[-1].token = ""
