@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class KvFaults:
     leafless_snapshot: bool = False  # E2: the snapshot leaves out every block no cached block chains onto
     salt_ignored: bool = False  # E4: the cache salt is not in the block hash
     orphans: bool = False  # E4: a prompt's first block is never stored, its children are
+    parent_in_batch_only: bool = False  # E4: a block names its parent only when both are stored in one batch
     status_on_failure: bool = False  # E5: a replay that cannot be served ends with a status, no error event
     status_on_expired: bool = False  # E5: only a replay from an expired number ends with a bare status
     silent_expired: bool = False  # E1: an expired replay starts at the oldest retained batch, no error
@@ -46,6 +48,16 @@ class KvFaults:
     accept_bad_ranks: bool = False  # E6: unknown and repeated ranks are accepted
     no_sources: bool = False  # not a fault (E6 not claimed): no event publisher, so no source listed at all
     no_source_for_a_rank: bool = False  # E6: the source is listed for all ranks, none when rank 0 is asked for
+    lagging: bool = False  # not a fault: stored blocks published 16 a batch, each delivered 0.5 s after
+
+
+LAG_SECONDS = 0.5  # KvFaults.lagging
+
+
+def _batches(removed: list, stored: list, per_batch: int) -> list[list]:
+    """One step's events as the batches published: the removals, then ``per_batch`` stored blocks a batch."""
+    parts = [stored[i:i + per_batch] for i in range(0, len(stored), per_batch)] or [[]]
+    return [removed + parts[0], *parts[1:]]
 
 
 class ToyKvCache:
@@ -66,7 +78,8 @@ class ToyKvCache:
             stored, parent = [], None
             for i, key in enumerate(keys):
                 if key not in self.published and not (self.faults.orphans and i == 0):
-                    stored.append(BlockStored(key, parent, tuple(token_ids[i * BLOCK:(i + 1) * BLOCK]), BLOCK, extra))
+                    named = None if self.faults.parent_in_batch_only and not stored else parent
+                    stored.append(BlockStored(key, named, tuple(token_ids[i * BLOCK:(i + 1) * BLOCK]), BLOCK, extra))
                 parent = key
             if self.faults.partial_blocks and len(token_ids) % BLOCK:
                 stored.append(BlockStored(bytes(16), parent, tuple(token_ids[len(keys) * BLOCK:]), BLOCK, extra))
@@ -85,7 +98,8 @@ class ToyKvCache:
             if removed or stored:
                 if self.faults.gap:
                     self.hub._last_sequence_number += 1
-                self.hub.publish(removed + stored)
+                for part in _batches(removed, stored, 16 if self.faults.lagging else len(stored) or 1):
+                    self.hub.publish(part)
                 if self.faults.repeat_numbers:
                     self.hub._last_sequence_number -= 1
 
@@ -174,6 +188,8 @@ class KvControl(Control):
                 ready.clear()
                 batches, failure = sub.take()
                 for batch in batches:
+                    if faults.lagging and not batch.snapshot:  # a stream behind its engine (RULES set no bound)
+                        time.sleep(max(0.0, batch.timestamp_unix_nanos / 1e9 + LAG_SECONDS - time.time()))
                     yield batch_response(batch, oe.STORAGE_MEDIUM_UNSPECIFIED)
                 if failure:
                     yield oe.SubscribeKvEventsResponse(error=oe.EngineError(
