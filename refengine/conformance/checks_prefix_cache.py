@@ -83,9 +83,11 @@ def _whole_prefix(t: Target, prompt: str, usage: Any) -> str:
     return f"at least a third of the {usage.prompt_tokens}-token prompt"
 
 
-@check("K1", "bypass_prefix_cache: no reuse for that request; the prompt can still be reused after")
+@check("K1", "bypass_prefix_cache: no reuse for that request (a plain repeat after it is reported, not judged)")
 def bypass_skips_reuse(t: Target) -> str:
-    """K1: a bypassing repeat reports 0 cached tokens; a later plain repeat may hit."""
+    """K1: a bypassing repeat reports 0 cached tokens; a later plain repeat may hit (RULES K1: the
+    bypassing request's blocks "may still be cached", so a miss there is no failure; found by
+    review: the title promised the prompt could still be reused)."""
     _need_text(t)
     if not t.caps.supports_prefix_cache_bypass:
         not_claimed("supports_prefix_cache_bypass is not advertised")
