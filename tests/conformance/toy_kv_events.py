@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -48,16 +47,6 @@ class KvFaults:
     accept_bad_ranks: bool = False  # E6: unknown and repeated ranks are accepted
     no_sources: bool = False  # not a fault (E6 not claimed): no event publisher, so no source listed at all
     no_source_for_a_rank: bool = False  # E6: the source is listed for all ranks, none when rank 0 is asked for
-    lagging: bool = False  # not a fault: stored blocks published 16 a batch, each delivered 0.5 s after
-
-
-LAG_SECONDS = 0.5  # KvFaults.lagging
-
-
-def _batches(removed: list, stored: list, per_batch: int) -> list[list]:
-    """One step's events as the batches published: the removals, then ``per_batch`` stored blocks a batch."""
-    parts = [stored[i:i + per_batch] for i in range(0, len(stored), per_batch)] or [[]]
-    return [removed + parts[0], *parts[1:]]
 
 
 class ToyKvCache:
@@ -98,8 +87,7 @@ class ToyKvCache:
             if removed or stored:
                 if self.faults.gap:
                     self.hub._last_sequence_number += 1
-                for part in _batches(removed, stored, 16 if self.faults.lagging else len(stored) or 1):
-                    self.hub.publish(part)
+                self.hub.publish(removed + stored)
                 if self.faults.repeat_numbers:
                     self.hub._last_sequence_number -= 1
 
@@ -188,8 +176,6 @@ class KvControl(Control):
                 ready.clear()
                 batches, failure = sub.take()
                 for batch in batches:
-                    if faults.lagging and not batch.snapshot:  # a stream behind its engine (RULES set no bound)
-                        time.sleep(max(0.0, batch.timestamp_unix_nanos / 1e9 + LAG_SECONDS - time.time()))
                     yield batch_response(batch, oe.STORAGE_MEDIUM_UNSPECIFIED)
                 if failure:
                     yield oe.SubscribeKvEventsResponse(error=oe.EngineError(
