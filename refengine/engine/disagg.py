@@ -65,11 +65,11 @@ class KvLoads:
     def __init__(self, backends: Mapping[str, KvTransferBackend], num_threads: int,
                  on_done: Callable[[], None], block_nbytes: int, timeout_seconds: float) -> None:
         self.backends = backends
-        self.timeout_seconds = timeout_seconds  # also the longest wait for a thread (SourcePool)
         self.block_nbytes = block_nbytes
         self.pulled_bytes = 0  # over every pull that succeeded, for LoadInfo (transfer rate)
         self.pull_seconds = 0.0
-        self._pool = SourcePool(num_threads, "refengine-kv-pull")  # a hung source never takes every thread
+        # a hung source never takes every thread; a pull that waited its timeout for one fails at once
+        self._pool = SourcePool(num_threads, "refengine-kv-pull", timeout_seconds, "source", "--kv-pull-timeout")
         self._on_done = on_done  # wakes the step loop
         self._lock = threading.Lock()
         self._keys = itertools.count()
@@ -81,16 +81,15 @@ class KvLoads:
         with self._lock:
             key = next(self._keys)
             self._cancel[key] = cancelled
-        self._pool.submit(source_of(order.session.endpoints), lambda waited: self._run(key, order, cancelled, waited))
+        self._pool.submit(source_of(order.session.endpoints), lambda late: self._run(key, order, cancelled, late))
         return key
 
-    def _run(self, key: int, order: PullOrder, cancelled: threading.Event, waited: float) -> None:
+    def _run(self, key: int, order: PullOrder, cancelled: Cancellation, late: TransferFailure | None) -> None:
         failure = None
         started = time.perf_counter()
         try:
-            if waited >= self.timeout_seconds:  # behind a source's pulls that timed out: it would too
-                raise TransferFailure("failed", f"waited {waited:.0f} s for a transfer thread behind other pulls "
-                                      "from the same source (--kv-pull-timeout)", retryable=True)
+            if late is not None:
+                raise late
             self.backends[order.session.transfer_backend].pull(order, cancelled)
         except TransferFailure as exc:
             failure = exc

@@ -72,7 +72,9 @@ class MediaPulls:
         self._rows = RowPool(staging.num_rows)
         self._rows_freed = threading.Condition()  # guards _rows and _withheld
         self._withheld = 0  # staging rows a READ may still write into: never given out again
-        self._pool = SourcePool(num_threads, "refengine-media-pull")  # a hung encoder never takes every thread
+        # a hung encoder never takes every thread; a pull that waited its timeout for one fails at once
+        self._pool = SourcePool(num_threads, "refengine-media-pull", timeout_seconds, "encoder",
+                                "--embedding-pull-timeout")
         self._on_done = on_done
         self._lock = threading.Lock()
         self._keys = itertools.count()
@@ -89,7 +91,7 @@ class MediaPulls:
             self._cancel[key] = cancelled
             self._current[request_id] = key
         source = "|".join(sorted({source_of(_transfer(h, self.backends).endpoints) for h in unique}))
-        self._pool.submit(source, lambda waited: self._run(key, request_id, unique, cancelled, trace, waited))
+        self._pool.submit(source, lambda late: self._run(key, request_id, unique, cancelled, trace, late))
 
     def cancel(self, request_id: str) -> None:
         """The request ended: stop its pull, and drop its end if the pull already finished (found by
@@ -106,14 +108,13 @@ class MediaPulls:
             finished, self._finished = self._finished, []
         return finished
 
-    def _run(self, key: int, request_id: str, handles: list[EmbeddingHandleSpec], cancelled: threading.Event,
-             trace: tuple[tuple[str, str], ...], waited: float) -> None:
+    def _run(self, key: int, request_id: str, handles: list[EmbeddingHandleSpec], cancelled: Cancellation,
+             trace: tuple[tuple[str, str], ...], late: TransferFailure | None) -> None:
         pulled: Pulled | None = {}
         fault, seconds = None, 0.0
         try:
-            if waited >= self.timeout_seconds:  # behind an encoder's pulls that timed out: it would too
-                raise TransferFailure("failed", f"waited {waited:.0f} s for a transfer thread behind other pulls "
-                                      "from the same encoder (--embedding-pull-timeout)", retryable=True)
+            if late is not None:
+                raise late
             for handle in handles:
                 started = time.perf_counter()
                 pulled[handle.handle_id] = self._pull(request_id, handle, cancelled, trace)
@@ -133,7 +134,7 @@ class MediaPulls:
                 self._finished.append((request_id, pulled, fault))
         self._on_done()
 
-    def _pull(self, request_id: str, handle: EmbeddingHandleSpec, cancelled: threading.Event,
+    def _pull(self, request_id: str, handle: EmbeddingHandleSpec, cancelled: Cancellation,
               trace: tuple[tuple[str, str], ...]) -> torch.Tensor:
         """One handle's rows, on the LM's device (the time counted: rows taken to rows copied out)."""
         rows = self._take_rows(handle.num_tokens, cancelled)

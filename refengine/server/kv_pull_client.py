@@ -96,15 +96,14 @@ class GrpcKvTransfer(KvTransferBackend):
                 self._sources.popitem(last=False)
             return self._sources[target][1]
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         assert self._store is not None, "bind first"
         stub = self._stub(order.session)
         request = pb.PullRequest(session_id=order.session.session_id, first_block_index=order.first_block_index,
                                  num_blocks=len(order.dest_block_ids), kv_layout=self._store.layout)
         deadline = time.monotonic() + self.pull_timeout_seconds
         call = stub.Pull(request, timeout=self.pull_timeout_seconds, metadata=order.trace)
-        if isinstance(cancelled, Cancellation):  # wakes the read below, blocked on a source that may never answer
-            cancelled.on_cancel(call.cancel)
+        cancelled.on_cancel(call.cancel)  # wakes the read below, blocked on a source that may never answer
         try:
             if order.content:
                 self._check_content(order, call)
@@ -131,7 +130,7 @@ class GrpcKvTransfer(KvTransferBackend):
                                   f"{order.content!r}: " + ("its source did not say what it holds" if said is None
                                                            else "the source holds another item"))
 
-    def _receive(self, order: PullOrder, call: grpc.Call, cancelled: threading.Event) -> None:
+    def _receive(self, order: PullOrder, call: grpc.Call, cancelled: Cancellation) -> None:
         assert self._store is not None
         expected, written = order.first_block_index, 0
         for chunk in call:

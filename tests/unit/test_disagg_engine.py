@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import re
-import threading
 import time
 from dataclasses import replace
 from functools import partial
@@ -23,7 +22,14 @@ from refengine.config import CacheConfig, EngineConfig, KvTransferConfig, Schedu
 from refengine.engine.disagg import first_sampled_token
 from refengine.engine.engine import Engine
 from refengine.engine.first_token_options import first_token_options
-from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder, SessionConfirmed, TransferFailure
+from refengine.kv.transfer.base import (
+    BlockStore,
+    Cancellation,
+    KvTransferBackend,
+    PullOrder,
+    SessionConfirmed,
+    TransferFailure,
+)
 from refengine.types import (
     CandidateSpec,
     GenerationRequest,
@@ -59,7 +65,7 @@ class InProcessPull(KvTransferBackend):
     def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
         self.store = store
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         assert self.source is not None and self.store is not None
         self.num_pulls += 1
         deadline = time.monotonic() + self.delay
@@ -292,7 +298,7 @@ def test_role_mismatch_is_refused(trio) -> None:
 class UnstoppablePull(InProcessPull):
     """A pull whose write could not be stopped (a NIXL READ past its drain)."""
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         raise TransferFailure("failed", "timed out: the READ still runs", dest_may_change=True)
 
 
@@ -317,7 +323,7 @@ def test_blocks_a_pull_may_still_write_are_never_reused(tiny) -> None:
 
 
 class SecondPullUnstoppable(InProcessPull):
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         if self.num_pulls == 1:
             self.num_pulls += 1
             raise TransferFailure("failed", "timed out: the READ still runs", dest_may_change=True)

@@ -18,7 +18,7 @@ import pytest
 
 from refengine.config import CacheConfig, EngineConfig, KvTransferConfig, SchedulerConfig
 from refengine.engine.engine import Engine
-from refengine.kv.transfer.base import PullOrder, TransferFailure
+from refengine.kv.transfer.base import Cancellation, PullOrder, TransferFailure
 from refengine.types import FinishReason, KvParams
 from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
 from tests.unit.test_disagg_engine import BLOCK, PROMPTS, TOKENIZER, VOCAB, InProcessPull, request, run, wait_idle
@@ -33,7 +33,7 @@ class GatedPull(InProcessPull):
         self.gates: dict[str, threading.Event] = {}
         self.started: dict[str, threading.Event] = {}
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         self.started.setdefault(order.request_id, threading.Event()).set()
         if gate := self.gates.get(order.request_id):
             assert gate.wait(30)

@@ -17,7 +17,7 @@ import time
 from functools import partial
 from types import SimpleNamespace
 
-from refengine.kv.transfer.base import PullOrder, TransferFailure
+from refengine.kv.transfer.base import Cancellation, PullOrder, TransferFailure
 from refengine.server.state import ServerState
 from tests.unit.test_disagg_engine import BLOCK, VOCAB, InProcessPull, add_disaggregated, make_engine, tiny  # noqa: F401
 
@@ -29,7 +29,7 @@ class UnstoppableOnceCancelled(InProcessPull):
         super().__init__(source)
         self.stuck = threading.Event()
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         if self.num_pulls == 1:
             self.num_pulls += 1
             self.stuck.set()

@@ -24,7 +24,7 @@ from refengine.engine.engine import Engine
 from refengine.engine.info import engine_info
 from refengine.engine.media import MediaInputs
 from refengine.kv.keys import block_keys
-from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder, TransferFailure
+from refengine.kv.transfer.base import BlockStore, Cancellation, KvTransferBackend, PullOrder, TransferFailure
 from refengine.model.loader import load_model_config, load_weights
 from refengine.model.vision import VISION_PREFIXES
 from refengine.multimodal.embedding_rows import EmbeddingEntries, RowPool
@@ -86,7 +86,7 @@ class Loopback(KvTransferBackend):
     def bind(self, store: BlockStore, on_confirmed: object) -> None:
         self.store = store
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         if cancelled.wait(self.delay):
             raise TransferFailure("failed", "cancelled")
         try:
@@ -331,7 +331,7 @@ def test_gone_handle_and_cancel_while_pulling(llava: TinyLlava) -> None:
 class NonFinite(Loopback):
     """A source whose rows hold NaN (the CRCs of a gRPC pull would still match)."""
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         assert self.store is not None
         values = len(order.dest_block_ids) * self.store.block_nbytes // 4
         self.store.write(order.dest_block_ids, torch.full((values,), float("nan")).numpy().tobytes())
@@ -489,7 +489,7 @@ def test_a_handle_that_cannot_be_made_leaves_nothing_held(llava: TinyLlava, fail
 class SecondTimesOut(Loopback):
     """Pulls the first handle of a request, then times out (retryable) on the next."""
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         self.pulls = getattr(self, "pulls", 0) + 1
         if self.pulls > 1:
             raise TransferFailure("failed", "timed out", retryable=True)

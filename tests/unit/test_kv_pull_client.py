@@ -163,7 +163,7 @@ def test_channels_to_client_named_sources_are_bounded_and_a_running_pull_outlive
     transfer = GrpcKvTransfer(PULL_TIMEOUT_S)
     transfer.bind(store, lambda *_: None)
     try:
-        pulling = futures.ThreadPoolExecutor(1).submit(transfer.pull, _order(port), threading.Event())
+        pulling = futures.ThreadPoolExecutor(1).submit(transfer.pull, _order(port), Cancellation())
         assert source.first_sent.wait(10.0)
         for other in range(MAX_CACHED_SOURCES + 6):  # closed ports: each pin fails, its channel is kept
             session = KvSessionSpec("s-x", "grpc", (KvEndpointSpec(host="127.0.0.2", port=1 + other, protocol="grpc"),))
@@ -173,7 +173,7 @@ def test_channels_to_client_named_sources_are_bounded_and_a_running_pull_outlive
         pulling.result(timeout=10.0)
         assert [data[0] for _, data in store.written] == [1, 2]
         source.gate.set()
-        transfer.pull(_order(port), threading.Event())  # the source again: a fresh channel
+        transfer.pull(_order(port), Cancellation())  # the source again: a fresh channel
         assert len(store.written) == 4
     finally:
         transfer.close()
@@ -194,9 +194,9 @@ def test_a_connection_error_s_details_go_to_the_log_not_the_client(caplog: pytes
     server, port = _serve(_Source(grpc.StatusCode.NOT_FOUND))
     try:
         with pytest.raises(TransferFailure) as refused:
-            transfer.pull(_order(closed_port), threading.Event())
+            transfer.pull(_order(closed_port), Cancellation())
         with pytest.raises(TransferFailure, match="answered NOT_FOUND"):
-            transfer.pull(_order(port), threading.Event())
+            transfer.pull(_order(port), Cancellation())
     finally:
         transfer.close()
         server.stop(0)
@@ -219,7 +219,7 @@ def test_an_ipv6_source_named_without_brackets_is_dialed() -> None:
     session = KvSessionSpec("s-1", "grpc", (KvEndpointSpec(host="::1", port=port, protocol="grpc"),))
     try:
         with pytest.raises(TransferFailure, match="answered NOT_FOUND"):  # it reached the source
-            transfer.pull(PullOrder("r-1", session, 0, (0, 1)), threading.Event())
+            transfer.pull(PullOrder("r-1", session, 0, (0, 1)), Cancellation())
     finally:
         transfer.close()
         server.stop(0)

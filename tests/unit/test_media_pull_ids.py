@@ -12,7 +12,14 @@ import time
 import torch
 
 from refengine.engine.media_pulls import MediaPulls
-from refengine.kv.transfer.base import BlockStore, KvTransferBackend, PullOrder, SessionConfirmed, TransferFailure
+from refengine.kv.transfer.base import (
+    BlockStore,
+    Cancellation,
+    KvTransferBackend,
+    PullOrder,
+    SessionConfirmed,
+    TransferFailure,
+)
 from refengine.model.embedding_io import EmbeddingArena
 from refengine.types import EmbeddingHandleSpec, EmbeddingTransferSpec, KvEndpointSpec
 
@@ -34,7 +41,7 @@ class GatedRows(KvTransferBackend):
     def bind(self, store: BlockStore, on_confirmed: SessionConfirmed) -> None:
         self.store = store
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         handle_id = order.session.session_id
         self.started.add(handle_id)
         if gate := self.gates.get(handle_id):

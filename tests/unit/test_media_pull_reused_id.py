@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from refengine.kv.transfer.base import PullOrder
+from refengine.kv.transfer.base import Cancellation, PullOrder
 from tests.unit.test_encoder_engine import (  # noqa: F401 - llava: a fixture
     Loopback,
     consumer,
@@ -48,7 +48,7 @@ def test_engine_level_a_reused_id_after_fail_all_is_not_handed_the_old_pull(llav
     gate = threading.Event()
 
     class Gated(Loopback):
-        def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+        def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
             assert gate.wait(10)  # held until the step that started it has ended
             super().pull(order, cancelled)
 

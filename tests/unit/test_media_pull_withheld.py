@@ -9,17 +9,16 @@ repeated it, with every pull behind it waiting too.
 
 from __future__ import annotations
 
-import threading
 import time
 
 from refengine.engine.media_pulls import MediaPulls
-from refengine.kv.transfer.base import PullOrder, TransferFailure
+from refengine.kv.transfer.base import Cancellation, PullOrder, TransferFailure
 from refengine.types import EmbeddingHandleSpec, EmbeddingTransferSpec, KvEndpointSpec
 from tests.unit.test_media_pull_ids import HIDDEN, GatedRows, one_thread_pulls
 
 
 class StuckOnH1(GatedRows):
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         if order.session.session_id == "h1":
             raise TransferFailure("failed", "the READ still runs", dest_may_change=True)
         super().pull(order, cancelled)

@@ -9,15 +9,16 @@ import threading
 import time
 
 from refengine.engine.disagg import KvLoads
-from refengine.kv.transfer.base import PullOrder, TransferFailure
+from refengine.kv.transfer.base import Cancellation, PullOrder, TransferFailure
 from refengine.kv.transfer.source_pool import SourcePool
 from refengine.types import KvEndpointSpec, KvSessionSpec
+from tests.unit.test_media_pull_ids import GatedRows, handle, one_thread_pulls
 
 WAIT = 10.0
 
 
 def test_a_blocked_source_leaves_a_thread_for_the_others_and_keeps_its_order() -> None:
-    pool = SourcePool(3, "test-pool")
+    pool = SourcePool(3, "test-pool", WAIT, "source", "--test-timeout")
     release, ran, running, most = threading.Event(), [], [0], [0]
     lock = threading.Lock()
 
@@ -32,9 +33,9 @@ def test_a_blocked_source_leaves_a_thread_for_the_others_and_keeps_its_order() -
 
     try:
         for index in range(5):
-            pool.submit("hung:1", lambda waited, index=index: blocked(index))
+            pool.submit("hung:1", lambda late, index=index: blocked(index))
         healthy = threading.Event()
-        pool.submit("healthy:2", lambda waited: healthy.set())
+        pool.submit("healthy:2", lambda late: healthy.set())
         assert healthy.wait(WAIT / 2), "a healthy source's job waited behind a blocked one"
         release.set()
     finally:
@@ -44,10 +45,10 @@ def test_a_blocked_source_leaves_a_thread_for_the_others_and_keeps_its_order() -
 
 
 def test_one_thread_is_one_job_at_a_time() -> None:
-    pool = SourcePool(1, "test-pool")
+    pool = SourcePool(1, "test-pool", WAIT, "source", "--test-timeout")
     done: list[str] = []
     for name in ("a", "b", "c"):
-        pool.submit(f"{name}:1", lambda waited, name=name: done.append(name))
+        pool.submit(f"{name}:1", lambda late, name=name: done.append(name))
     pool.shutdown()
     assert pool.per_source == 1 and done == ["a", "b", "c"]
 
@@ -58,7 +59,7 @@ class HungSource:
     def __init__(self) -> None:
         self.release = threading.Event()
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         if order.session.endpoints[0].port == 1:
             while not (self.release.is_set() or cancelled.is_set()):
                 time.sleep(0.01)
@@ -95,7 +96,7 @@ class SlowSource:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         cancelled.wait(self.seconds)
         raise TransferFailure("failed", "timed out", retryable=True)
 
@@ -119,3 +120,41 @@ def test_a_pull_that_waited_its_timeout_for_a_thread_fails_at_once() -> None:
         assert max(ended.values()) < 2.5 * timeout, f"queued pulls waited their timeout again: {ended}"
     finally:
         loads.shutdown()
+
+
+def test_a_job_that_waited_the_longest_wait_is_handed_its_failure() -> None:
+    """The pool, not each caller, turns a wait of ``max_wait_seconds`` into a retryable failure:
+    the first job runs, the one queued behind it past the limit gets the failure instead."""
+    pool = SourcePool(1, "test-pool", 0.2, "encoder", "--test-timeout")
+    handed: list[TransferFailure | None] = []
+    pool.submit("a:1", lambda late: (handed.append(late), time.sleep(0.3)))
+    pool.submit("a:1", handed.append)
+    pool.shutdown()
+    assert handed[0] is None and handed[1] is not None and handed[1].retryable
+    assert "the same encoder (--test-timeout)" in str(handed[1])
+
+
+def test_an_embedding_pull_that_waited_its_timeout_for_a_thread_fails_at_once() -> None:
+    """The same rule on the media path (``MediaPulls``): a handle pull queued behind a stuck
+    encoder's for the whole --embedding-pull-timeout ends at once with a retryable fault."""
+    backend = GatedRows()
+    pulls = one_thread_pulls(backend, timeout_seconds=0.3)
+    try:
+        backend.gates["h1"] = threading.Event()  # holds the only transfer thread
+        pulls.start("busy", [handle(1)])
+        pulls.start("queued", [handle(2)])  # the same encoder: it waits for that thread
+        time.sleep(0.5)
+        backend.gates["h1"].set()
+        ends: dict[str, tuple] = {}
+        deadline = time.monotonic() + WAIT
+        while len(ends) < 2:
+            assert time.monotonic() < deadline, ends
+            ends.update((request_id, (pulled, fault)) for request_id, pulled, fault in pulls.take_finished())
+            time.sleep(0.01)
+    finally:
+        pulls.shutdown()
+    assert ends["busy"][1] is None, "the pull on the thread ran to its end"
+    pulled, fault = ends["queued"]
+    assert pulled is None and fault is not None and fault.retryable and fault.code == "kv_transfer_failed"
+    assert "behind other pulls from the same encoder (--embedding-pull-timeout)" in fault.message
+    assert "h2" not in backend.started, "the late pull still dialled the encoder"

@@ -165,10 +165,11 @@ class KvTransferBackend(ABC):
         return ""
 
     @abstractmethod
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         """Decode side, blocking, on a transfer thread: fetch and write the blocks, then tell
-        the source (``on_confirmed`` there). Raises ``TransferFailure``. ``cancelled`` is a
-        :class:`Cancellation` when the engine pulls (a test may pass a plain Event)."""
+        the source (``on_confirmed`` there). Raises ``TransferFailure``. A backend that blocks on
+        the network registers its wake-up with ``cancelled.on_cancel``, so that a request ending
+        frees its transfer thread at once."""
 
     @abstractmethod
     def close(self) -> None:

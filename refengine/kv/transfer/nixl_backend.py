@@ -180,7 +180,7 @@ class NixlKvTransfer(KvTransferBackend):
     def source_problem(self, transfer: Mapping[str, Any], num_blocks: int) -> str:
         return source_problem(transfer, num_blocks, self._store)
 
-    def pull(self, order: PullOrder, cancelled: threading.Event) -> None:
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
         """Validate (before any pin or transfer), then pin and READ at once; see the class docstring."""
         if self._store is None or self._remotes is None:
             raise RuntimeError("NixlKvTransfer.pull: bind() first")
@@ -197,7 +197,7 @@ class NixlKvTransfer(KvTransferBackend):
                 self._active -= 1
                 self._lock.notify_all()
 
-    def _pull(self, order: PullOrder, source: NixlSource, cancelled: threading.Event) -> None:
+    def _pull(self, order: PullOrder, source: NixlSource, cancelled: Cancellation) -> None:
         assert self._remotes is not None
         deadline = time.monotonic() + self._timeout  # the pin holds the blocks this long from now
         if cancelled.is_set():
@@ -211,7 +211,7 @@ class NixlKvTransfer(KvTransferBackend):
         content = pinned_content(order.content, source.block_ids, read_from) if order.content else ""
         pinner = self._pinner
         pin_outcome = pinner.start_pin(order.session, self._timeout, order.trace, content,
-                                       cancelled if isinstance(cancelled, Cancellation) else None) if pinner else None
+                                       cancelled) if pinner else None
         # A source no pin has vouched for is not dialled before its pin does (found by review: a
         # handle naming a made-up agent had this side connect to it and READ before the pin
         # refused it): a source's first pull waits the pin's round trip, later ones overlap it.
@@ -253,7 +253,7 @@ class NixlKvTransfer(KvTransferBackend):
         except Exception:  # the pin window still bounds it; the pull's own failure matters more
             logger.exception("NIXL: ending the pin of session %s failed", session_id)
 
-    def _read(self, order: PullOrder, source: NixlSource, peer: str, cancelled: threading.Event,
+    def _read(self, order: PullOrder, source: NixlSource, peer: str, cancelled: Cancellation,
               deadline: float) -> None:
         local, remote = nixl_call("describe the blocks", self._descriptors, order, source)
         logger.debug("NIXL READ of %d blocks in %d descriptors", len(order.dest_block_ids), local.descCount())
