@@ -1,7 +1,8 @@
 """Consumer side of embedding handles: a request's rows come from its encoder after acceptance.
 
 An accepted request whose media are handles (``Request.awaits_media``) waits outside the
-scheduler while ``MediaPulls`` fetches its handles on a transfer thread, one handle at a time:
+scheduler while ``MediaPulls`` fetches its handles on transfer threads (one part per encoder,
+each part one handle at a time):
 rows of a host staging arena (``EmbeddingArena``) are taken, the handle's first offered
 transfer this engine has ("grpc" or "nixl") copies the encoder's rows into them (the KV
 transfer backends, unchanged: a handle is pulled like a KV session whose blocks are rows,
@@ -26,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -85,13 +87,19 @@ class MediaPulls:
     def start(self, request_id: str, handles: Sequence[EmbeddingHandleSpec],
               trace: tuple[tuple[str, str], ...] = ()) -> None:
         unique = list({h.handle_id: h for h in handles}.values())  # a handle used twice is pulled once
-        cancelled = Cancellation()
+        by_source: dict[str, list[EmbeddingHandleSpec]] = {}
+        for handle in unique:
+            by_source.setdefault(source_of(_transfer(handle, self.backends).endpoints), []).append(handle)
         with self._lock:
             key = next(self._keys)
-            self._cancel[key] = cancelled
+            pull = _RequestPull(key, request_id, Cancellation(), trace, parts_left=len(by_source))
+            self._cancel[key] = pull.cancelled
             self._current[request_id] = key
-        source = "|".join(sorted({source_of(_transfer(h, self.backends).endpoints) for h in unique}))
-        self._pool.submit(source, lambda late: self._run(key, request_id, unique, cancelled, trace, late))
+        # One part per encoder, each within that encoder's share of the threads (found by review:
+        # a request with handles on two encoders queued under their combined key, outside the
+        # limit of either, so a hung encoder could still hold every thread through such requests).
+        for source, part in by_source.items():
+            self._pool.submit(source, lambda late, part=part: self._run_part(pull, part, late))
 
     def cancel(self, request_id: str) -> None:
         """The request ended: stop its pull, and drop its end if the pull already finished (found by
@@ -108,30 +116,49 @@ class MediaPulls:
             finished, self._finished = self._finished, []
         return finished
 
-    def _run(self, key: int, request_id: str, handles: list[EmbeddingHandleSpec], cancelled: Cancellation,
-             trace: tuple[tuple[str, str], ...], late: TransferFailure | None) -> None:
-        pulled: Pulled | None = {}
-        fault, seconds = None, 0.0
+    def _run_part(self, pull: _RequestPull, handles: list[EmbeddingHandleSpec], late: TransferFailure | None) -> None:
+        """Pull one encoder's handles of a request, one at a time; the last part to end ends the
+        request's pull. A part that fails cancels the others: the request fails anyway."""
+        failure: TransferFailure | EngineFault | None = None
         try:
             if late is not None:
                 raise late
             for handle in handles:
                 started = time.perf_counter()
-                pulled[handle.handle_id] = self._pull(request_id, handle, cancelled, trace)
-                seconds += time.perf_counter() - started
-        except TransferFailure as failure:
-            pulled, fault = None, _fault_of(failure, consumed=len(pulled or {}))
+                embeds = self._pull(pull.request_id, handle, pull.cancelled, pull.trace)
+                with self._lock:
+                    pull.pulled[handle.handle_id] = embeds
+                    pull.seconds += time.perf_counter() - started
+        except TransferFailure as exc:
+            failure = exc
         except Exception as exc:  # a backend bug must still end the request
-            logger.exception("media pull of request %s failed", request_id)
-            pulled, fault = None, EngineFault("internal", f"embedding pull: {type(exc).__name__}: {exc}", False)
+            logger.exception("media pull of request %s failed", pull.request_id)
+            failure = EngineFault("internal", f"embedding pull: {type(exc).__name__}: {exc}", False)
         with self._lock:
-            if pulled is not None:
-                self.pulled_bytes += sum(t.numel() * t.element_size() for t in pulled.values())
-                self.pull_seconds += seconds
-            del self._cancel[key]
-            if self._current.get(request_id) == key:
-                del self._current[request_id]
-                self._finished.append((request_id, pulled, fault))
+            if failure is not None and pull.failure is None:
+                pull.failure = failure  # the first: the other parts' "cancelled" follows from it
+            pull.parts_left -= 1
+            ended = not pull.parts_left
+        if failure is not None:
+            pull.cancelled.set()
+        if ended:
+            self._end(pull)
+
+    def _end(self, pull: _RequestPull) -> None:
+        pulled: Pulled | None = pull.pulled
+        fault = pull.failure if isinstance(pull.failure, EngineFault) else None
+        if isinstance(pull.failure, TransferFailure):
+            fault = _fault_of(pull.failure, consumed=len(pull.pulled))
+        with self._lock:
+            if fault is None:
+                self.pulled_bytes += sum(t.numel() * t.element_size() for t in pull.pulled.values())
+                self.pull_seconds += pull.seconds
+            else:
+                pulled = None
+            del self._cancel[pull.key]
+            if self._current.get(pull.request_id) == pull.key:
+                del self._current[pull.request_id]
+                self._finished.append((pull.request_id, pulled, fault))
         self._on_done()
 
     def _pull(self, request_id: str, handle: EmbeddingHandleSpec, cancelled: Cancellation,
@@ -186,6 +213,20 @@ class MediaPulls:
         self._pool.shutdown()
         for backend in self.backends.values():
             backend.close()
+
+
+@dataclass
+class _RequestPull:
+    """One request's pull, in one part per encoder; guarded by ``MediaPulls._lock``."""
+
+    key: int
+    request_id: str
+    cancelled: Cancellation
+    trace: tuple[tuple[str, str], ...]
+    parts_left: int
+    pulled: Pulled = field(default_factory=dict)  # handle id -> rows, over every part
+    seconds: float = 0.0
+    failure: TransferFailure | EngineFault | None = None  # the first part's that failed
 
 
 def _fault_of(failure: TransferFailure, consumed: int) -> EngineFault:

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
+
+import torch
 
 from refengine.engine.disagg import KvLoads
+from refengine.engine.media_pulls import MediaPulls
 from refengine.kv.transfer.base import Cancellation, PullOrder, TransferFailure
 from refengine.kv.transfer.source_pool import SourcePool
-from refengine.types import KvEndpointSpec, KvSessionSpec
+from refengine.model.embedding_io import EmbeddingArena
+from refengine.types import EmbeddingHandleSpec, EmbeddingTransferSpec, KvEndpointSpec, KvSessionSpec
 from tests.unit.test_media_pull_ids import GatedRows, handle, one_thread_pulls
 
 WAIT = 10.0
@@ -158,3 +163,102 @@ def test_an_embedding_pull_that_waited_its_timeout_for_a_thread_fails_at_once() 
     assert pulled is None and fault is not None and fault.retryable and fault.code == "kv_transfer_failed"
     assert "behind other pulls from the same encoder (--embedding-pull-timeout)" in fault.message
     assert "h2" not in backend.started, "the late pull still dialled the encoder"
+
+
+def handle_on(number: int, port: int) -> EmbeddingHandleSpec:
+    """``handle(number)``, held by the encoder at ``port``."""
+    transfer = EmbeddingTransferSpec("grpc", (KvEndpointSpec("127.0.0.1", port, "grpc"),))
+    return replace(handle(number), transfers=(transfer,))
+
+
+def test_a_request_with_handles_on_two_encoders_counts_toward_each_encoders_share() -> None:
+    """Found by review: a request's handles on a hung encoder and a healthy one were queued under
+    their combined key, outside either encoder's limit, so with 2 threads a hung-only request and a
+    mixed one held both and a healthy-only request waited for the hung encoder. Now the mixed
+    request's part on the hung encoder queues behind the hung encoder's share, and its healthy
+    part and the healthy-only request run."""
+    backend = GatedRows()
+    staging = EmbeddingArena(16, 4, torch.float32)
+    backend.bind(staging, lambda handle_id, pulled: None)
+    pulls = MediaPulls({"grpc": backend}, staging, num_threads=2, timeout_seconds=WAIT, on_done=lambda: None,
+                       dtype=torch.float32, device="cpu")
+    hung = threading.Event()
+    backend.gates.update(h1=hung, h2=hung)  # the encoder at port 1 holds every pull
+    try:
+        pulls.start("hung-only", [handle_on(1, 1)])
+        pulls.start("mixed", [handle_on(2, 1), handle_on(3, 2)])
+        pulls.start("healthy-only", [handle_on(4, 2)])
+        ends: dict[str, tuple] = {}
+        deadline = time.monotonic() + WAIT / 2
+        while "healthy-only" not in ends:
+            assert time.monotonic() < deadline, f"a healthy encoder's pull waited for a hung one: {ends}"
+            ends.update((request_id, (pulled, fault)) for request_id, pulled, fault in pulls.take_finished())
+            time.sleep(0.01)
+        assert "h3" in backend.started, "the mixed request's handle on the healthy encoder was not pulled"
+        assert set(ends) == {"healthy-only"}, "a request with a handle on the hung encoder ended early"
+        hung.set()
+        while len(ends) < 3:
+            assert time.monotonic() < deadline + WAIT, ends
+            ends.update((request_id, (pulled, fault)) for request_id, pulled, fault in pulls.take_finished())
+            time.sleep(0.01)
+    finally:
+        hung.set()
+        pulls.shutdown()
+    pulled, fault = ends["mixed"]
+    assert fault is None and pulled is not None and set(pulled) == {"h2", "h3"}, "both parts' rows, together"
+    assert torch.equal(pulled["h3"], torch.full((2, 4), 3.0))
+
+
+class SplitOutcome(GatedRows):
+    """The encoder at port 1 times out (retryable) once the handle at port 2 was pulled, or
+    waits until cancelled when ``port1_waits``; the one at port 2 fails at once when ``port2_fails``."""
+
+    def __init__(self, port1_waits: bool = False, port2_fails: bool = False) -> None:
+        super().__init__()
+        self.port1_waits, self.port2_fails = port1_waits, port2_fails
+        self.port2_pulled = threading.Event()
+
+    def pull(self, order: PullOrder, cancelled: Cancellation) -> None:
+        if order.session.endpoints[0].port == 2:
+            if self.port2_fails:
+                raise TransferFailure("not_found", "gone")
+            super().pull(order, cancelled)
+            self.port2_pulled.set()
+            return
+        if self.port1_waits:
+            cancelled.wait(WAIT)
+            raise TransferFailure("failed", "cancelled" if cancelled.is_set() else "timed out", retryable=True)
+        self.port2_pulled.wait(WAIT)
+        raise TransferFailure("failed", "timed out", retryable=True)
+
+
+def mixed_pull_end(backend: GatedRows) -> tuple[tuple, float]:
+    """Pull one request with a handle on each encoder; its (pulled, fault) and the seconds it took."""
+    staging = EmbeddingArena(16, 4, torch.float32)
+    backend.bind(staging, lambda handle_id, pulled: None)
+    pulls = MediaPulls({"grpc": backend}, staging, num_threads=3, timeout_seconds=WAIT, on_done=lambda: None,
+                       dtype=torch.float32, device="cpu")
+    started = time.monotonic()
+    try:
+        pulls.start("mixed", [handle_on(1, 1), handle_on(2, 2)])
+        while not (ends := pulls.take_finished()):
+            assert time.monotonic() < started + WAIT, "the request's pull never ended"
+            time.sleep(0.01)
+    finally:
+        pulls.shutdown()
+    assert len(ends) == 1 and ends[0][0] == "mixed"
+    return ends[0][1:], time.monotonic() - started
+
+
+def test_a_part_that_fails_after_another_encoders_handle_was_pulled_is_not_retryable() -> None:
+    """ENC13: the handle pulled from the other encoder was consumed, so the same request cannot succeed."""
+    (pulled, fault), _ = mixed_pull_end(SplitOutcome())
+    assert pulled is None and fault is not None and fault.code == "kv_transfer_failed"
+    assert not fault.retryable and "1 handle(s) of this request were pulled" in fault.message
+
+
+def test_a_part_that_fails_stops_the_other_encoders_part() -> None:
+    """The request fails with the first part's fault, at once, not when the stuck part times out."""
+    (pulled, fault), seconds = mixed_pull_end(SplitOutcome(port1_waits=True, port2_fails=True))
+    assert pulled is None and fault is not None and "gone" in fault.message and not fault.retryable
+    assert seconds < WAIT / 2, f"the failed request waited {seconds:.1f} s for its other part"
