@@ -200,21 +200,25 @@ def encoder_cache_hit(t: Target) -> str:
 
 @check("ENC4", "a salted Encode uses and fills only its own salt's cache entries")
 def encoder_cache_salted(t: Target) -> str:
-    """ENC4's salt: an image encoded without salt, then under salt A, then under salt B, is a
-    miss each time (no entry is shared across salts, nor with unsalted Encodes); under salt A
-    again it is a hit, with the same mm_hash throughout."""
+    """ENC4's salt: an image encoded under salt A, then without salt, then under salt B, is a
+    miss each time (no entry is shared across salts, nor between salted and unsalted Encodes, in
+    either direction: the unsalted Encode comes after a salted entry exists, salt B's after an
+    unsalted one does); under salt A again, and unsalted again, it is a hit, with the same mm_hash
+    throughout."""
     enc = encoder_target(t)
     data = unique_png(t, "enc4-salt")
     salt_a, salt_b = t.new_id("salt-a"), t.new_id("salt-b")
     with media_client(enc) as m:
-        plain = m.encode_one(data)
         first_a = m.encode_one(data, cache_salt=salt_a)
+        plain = m.encode_one(data)
         first_b = m.encode_one(data, cache_salt=salt_b)
         again_a = m.encode_one(data, cache_salt=salt_a)
-    expect(not plain.cached, "the first Encode of an image never seen before says cached = true")
-    expect(not first_a.cached, "an Encode under a new cache_salt hit the entry of an unsalted Encode")
-    expect(not first_b.cached, "an Encode under cache_salt B hit the entry made under salt A")
+        again_plain = m.encode_one(data)
+    expect(not first_a.cached, "the first Encode of an image never seen before says cached = true")
+    expect(not plain.cached, "an unsalted Encode hit the entry made under a cache_salt")
+    expect(not first_b.cached, "an Encode under cache_salt B hit the entry of salt A or of an unsalted Encode")
     expect(again_a.cached, "a second Encode of the same image under the same cache_salt says cached = false")
-    hashes = {h.mm_hash for h in (plain, first_a, first_b, again_a)}
+    expect(again_plain.cached, "a second unsalted Encode of the same image says cached = false")
+    hashes = {h.mm_hash for h in (plain, first_a, first_b, again_a, again_plain)}
     expect(len(hashes) == 1, f"mm_hash changes with the salt: {sorted(hashes)}")
     return "misses across salts, a hit within one"

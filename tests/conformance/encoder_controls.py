@@ -63,6 +63,25 @@ def _salt_ignored(request: Any, context: grpc.ServicerContext, forward: Forward)
     return forward(request)
 
 
+class UnsaltedFindsSalted:
+    """ENC4: an unsalted Encode of an image encoded before under a cache_salt finds that salt's
+    entry (the proxy sends it under the salt it remembers), as an encoder whose unsalted lookup
+    matches entries of any salt would."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.salt_of: dict[bytes, str] = {}  # the items of a salted Encode -> its salt
+
+    def encode(self, request: Any, context: grpc.ServicerContext, forward: Forward) -> Any:
+        items = b"".join(item.SerializeToString() for item in request.items)
+        with self.lock:
+            if request.cache_salt:
+                self.salt_of[items] = request.cache_salt
+            else:
+                request.cache_salt = self.salt_of.get(items, "")
+        return forward(request)
+
+
 def _lease_unbounded(request: Any, context: grpc.ServicerContext, forward: Forward) -> Any:
     """ENC5: a lease above the maximum is granted in full: each handle's lease ends lease_seconds from now."""
     reply = forward(request)
@@ -210,6 +229,7 @@ def controls() -> list[EncoderControl]:
         EncoderControl("empty-encode-accepted", "ENC3", encoder={"Media/Encode": _empty_encode_accepted}),
         EncoderControl("cache-hit-unreported", "ENC4", encoder={"Media/Encode": _cache_hit_unreported}),
         EncoderControl("cache-salt-ignored", "ENC4", encoder={"Media/Encode": _salt_ignored}),
+        EncoderControl("unsalted-finds-salted", "ENC4", encoder={"Media/Encode": UnsaltedFindsSalted().encode}),
         EncoderControl("zero-lease-default", "ENC5", encoder={"Media/Encode": _zero_lease_default}),
         EncoderControl("lease-unbounded", "ENC5", encoder={"Media/Encode": _lease_unbounded}),
         EncoderControl("abort-keeps-handle", "ENC6", encoder={"Control/Abort": _abort_keeps_handle}),
