@@ -20,12 +20,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from refengine.conformance.kv_announced import Tracker, announced, chain_depths
 from refengine.conformance.kv_subscriber import (
     EVENT_WAIT_S,
     SETTLE_S,
     HashKey,
-    KvSubscriber,
-    KvView,
     _block_size,
     _key,
     _need_text,
@@ -45,17 +44,6 @@ def _usage(t: Target, prompt: str, what: str) -> Any:
     return usage
 
 
-def _stored(batches: list[Any]) -> list[Any]:
-    return [e.block_stored for b in batches for e in b.events if e.WhichOneof("event") == "block_stored"]
-
-
-def _batches_after(sub: KvSubscriber, before: int, timeout: float = EVENT_WAIT_S) -> list[Any]:
-    """The batches since ``before``: wait for the first, then for the rest of a request's."""
-    sub.wait(lambda s: len(s.batches) > before, timeout)
-    time.sleep(SETTLE_S)
-    return sub.batches[before:]
-
-
 def _size_problems(stored: list[Any], block_size: int) -> list[str]:
     problems = []
     for event in stored:
@@ -69,47 +57,34 @@ def _size_problems(stored: list[Any], block_size: int) -> list[str]:
     return problems
 
 
-def _depth(view: KvView, block: HashKey) -> int | None:
-    """How many blocks the chain ending at ``block`` holds; None when a parent is unknown to the view."""
-    depth, at = 0, block
-    while at is not None:
-        if at not in view.blocks:
-            return None
-        depth, at = depth + 1, view.blocks[at]
-    return depth
-
-
 @check("E3", "BlockStored: only full blocks, no more than the KV holds, every block a repeat reuses")
 def stored_full_blocks(t: Target) -> str:
     """E3: the batches a fresh prompt causes store full blocks only; the longest chain they end
     (with the cached prefix it shares with earlier prompts) is at most (prompt + output - 1) //
-    block_size blocks, and at least the blocks its repeat reports as cached."""
+    block_size blocks, and at least the blocks its repeat reports as cached. Judged once the
+    stream has caught up (``kv_announced.announced``): its chain covers the repeat's hit, or a
+    partial block is seen, or EVENT_WAIT_S passed."""
     _need_text(t)
     block_size = _block_size(t)
-    sub = subscribe(t, include_snapshot=True)
+    tracker = Tracker(subscribe(t, include_snapshot=True))
     try:
-        if not sub.batches:
-            skip(f"include_snapshot sent nothing: {sub.describe()}")
-        before, prompt = len(sub.batches), tagged_prompt(t, "e3s", repeats=4)
-        first = _usage(t, prompt, "a fresh prompt")
-        batches = _batches_after(sub, before)
-        again = _usage(t, prompt, "the same prompt again")
-        view = KvView()
-        for batch in sub.batches[:before + len(batches)]:
-            view.apply(batch)
+        if not tracker.sub.batches:
+            skip(f"include_snapshot sent nothing: {tracker.sub.describe()}")
+        prompt = tagged_prompt(t, "e3s", repeats=4)
+        first, cached, stored = announced(t, tracker, lambda: _usage(t, prompt, "a fresh prompt"),
+                                          lambda seen: bool(_size_problems(seen, block_size)))
+        depths = chain_depths(tracker.view, stored)
         # A second fresh prompt a few tokens longer: a prompt filling its last block exactly has no
         # partial block that a server could wrongly store (found when the prompts' length changed).
-        later = len(sub.batches)
-        _usage(t, tagged_prompt(t, "e3s", repeats=4) + " x y z", "a fresh prompt, a few tokens longer")
-        longer = _stored(_batches_after(sub, later))
+        longer = tagged_prompt(t, "e3s", repeats=4) + " x y z"
+        _, _, stored_longer = announced(t, tracker, lambda: _usage(t, longer, "a fresh prompt, a few tokens longer"),
+                                        lambda seen: bool(_size_problems(seen, block_size)))
     finally:
-        sub.close()
-    stored = _stored(batches)
+        tracker.sub.close()
     if not stored:
         skip(f"no BlockStored after a fresh prompt of {first.prompt_tokens} tokens (prefix caching off?)")
-    problems = _size_problems(stored + longer, block_size)
+    problems = _size_problems(stored + stored_longer, block_size)
     expect(not problems, "; ".join(problems[:3]))
-    depths = [_depth(view, _key(h)) for e in stored for h in e.block_hashes]
     if None in depths:
         skip("a stored block's chain reaches a parent the snapshot and live batches never named (E2's or E4's "
              "finding): its length cannot be judged")
@@ -119,45 +94,15 @@ def stored_full_blocks(t: Target) -> str:
            f"a fresh prompt of {first.prompt_tokens} tokens and {first.completion_tokens} output tokens ends a "
            f"chain of {longest} stored blocks of {block_size}: more than the {in_kv // block_size} full blocks its "
            "KV holds")
-    cached = again.cached_prompt_tokens if again.HasField("cached_prompt_tokens") else 0
     expect(longest * block_size >= cached,
            f"the repeat reused {cached} cached prompt tokens, but the prompt's chain of stored blocks is "
-           f"{longest} blocks of {block_size}: every block a request can hit was announced by a BlockStored")
+           f"{longest} blocks of {block_size} (after waiting up to {EVENT_WAIT_S:.0f} s for more): every block a "
+           "request can hit is announced by a BlockStored")
     return (f"{len(depths)} full blocks stored for {first.prompt_tokens} prompt tokens, a chain of {longest}; "
             f"the repeat reused {cached} tokens")
 
 
-class _Tracker:
-    """A snapshot subscriber's view, applied batch by batch, that records removals and the
-    largest number of blocks it ever held."""
-
-    def __init__(self, sub: KvSubscriber) -> None:
-        self.sub, self.view, self.applied = sub, KvView(), 0
-        self.removed: set[HashKey] = set()
-        self.most_held = 0
-
-    def catch_up(self) -> None:
-        for batch in self.sub.batches[self.applied:]:
-            for event in batch.events:
-                if event.WhichOneof("event") == "block_removed":
-                    self.removed.update(_key(h) for h in event.block_removed.block_hashes)
-            self.view.apply(batch)
-            self.most_held = max(self.most_held, len(self.view.blocks))
-            self.applied += 1
-
-    def evicted_any(self, blocks: list[HashKey]) -> bool:
-        """Whether one of ``blocks`` was removed (any block at all, when ``blocks`` is empty)."""
-        return bool(self.removed.intersection(blocks)) if blocks else bool(self.removed)
-
-    def unknown_removals(self) -> list[str]:
-        """Removals of blocks the view never held; not judged after an empty snapshot (E2's finding)."""
-        batches = self.sub.batches
-        if not batches or not batches[0].events:
-            return []
-        return [p for p in self.view.problems if "BlockRemoved" in p]
-
-
-def _fill(t: Target, tracker: _Tracker, capacity_tokens: int) -> tuple[list[HashKey], str, int]:
+def _fill(t: Target, tracker: Tracker, capacity_tokens: int) -> tuple[list[HashKey], str, int]:
     """Fresh prompts until a block of the first one is removed (any block, when it stored none)
     or twice the cache's tokens went in: the first prompt's stored hashes, that prompt, and the
     prompt tokens sent."""
@@ -170,7 +115,9 @@ def _fill(t: Target, tracker: _Tracker, capacity_tokens: int) -> tuple[list[Hash
         sent += usage.prompt_tokens
         if not first_prompt:  # its own hashes: the batches it caused, before the next prompt
             first_prompt = prompt
-            first_hashes = [_key(h) for e in _stored(_batches_after(tracker.sub, before)) for h in e.block_hashes]
+            tracker.sub.wait(lambda s, n=before: len(s.batches) > n, EVENT_WAIT_S)
+            time.sleep(SETTLE_S)  # a window: a late stream's later batches are missed, but only hashes seen are judged
+            first_hashes = [_key(h) for e in tracker.stored_since(before) for h in e.block_hashes]
             per_repeat = max(1, usage.prompt_tokens // (repeats + 1))
             repeats = max(2, min(limit, capacity_tokens // 4) // per_repeat)
         else:
@@ -194,7 +141,7 @@ def removed_on_eviction(t: Target) -> str:
     if total * block_size > t.options.eviction_budget_tokens:
         skip(f"the cache holds {total} blocks of {block_size} tokens, more than the eviction budget of "
              f"{t.options.eviction_budget_tokens} prompt tokens (--eviction-budget-tokens)")
-    tracker = _Tracker(subscribe(t, include_snapshot=True))
+    tracker = Tracker(subscribe(t, include_snapshot=True))
     try:
         if not tracker.sub.batches:
             skip(f"include_snapshot sent nothing: {tracker.sub.describe()}")

@@ -22,8 +22,9 @@ from refengine.conformance.assertions import expect_valid
 from refengine.conformance.checks_lora import describe, load, scratch
 from refengine.conformance.checks_media import _image, _placeholder
 from refengine.conformance.encoder_support import unique_png
+from refengine.conformance.kv_announced import Tracker, announced
 from refengine.conformance.kv_subscriber import (
-    KvView,
+    EVENT_WAIT_S,
     _block_size,
     _need_text,
     fresh_prompt,
@@ -36,43 +37,55 @@ from refengine.conformance.registry import check, expect, fail, skip
 from refengine.conformance.target import Target
 
 
+def _roots(stored: list[Any]) -> list[Any]:
+    return [e for e in stored if not e.HasField("parent_block_hash")]
+
+
 @check("E4", "every BlockStored's parent is known; a salted copy of a prompt stores blocks of its own")
 def stored_events_chain(t: Target) -> str:
     """E3/E4: a view built from a snapshot and the live batches never meets a child before
-    its parent or a removal of an unknown block; with ``supports_cache_salt``, the same prompt
-    under a new salt stores its blocks again (under other hashes: the salt is part of them).
-    A child of a block the view never saw, after an empty snapshot, may be the snapshot's
-    omission (E2's finding): then the chain cannot be judged (skip)."""
+    its parent or a removal of an unknown block; the prompt extended by a block stores no chain
+    root (its blocks extend the prompt's); with ``supports_cache_salt``, the same prompt under a
+    new salt stores its blocks again (under other hashes: the salt is part of them). Each step
+    waits until what it judges arrived (``kv_announced``), not for a time window: a stream may
+    run late. A child of a block the view never saw, after an empty snapshot, may be the
+    snapshot's omission (E2's finding): then the chain cannot be judged (skip)."""
     _need_text(t)
-    sub = subscribe(t, include_snapshot=True)
+    tracker = Tracker(subscribe(t, include_snapshot=True))
     salted = bool(t.caps.supports_cache_salt)
     try:
-        expect(bool(sub.batches), f"include_snapshot sent no batch: {sub.describe()}")
+        expect(bool(tracker.sub.batches), f"include_snapshot sent no batch: {tracker.sub.describe()}")
         prompt = fresh_prompt(t, "e4")
-        new_batches(sub, lambda: generate(t, prompt))
+        announced(t, tracker, lambda: generate(t, prompt), lambda _: False)  # judged: view.problems
         # a shared prefix: its new blocks chain onto cached ones (found by review: " And then" alone
         # filled no block of 16, and a first new block with no parent passed)
-        extended = new_batches(sub, lambda: generate(t, prompt + " And then" * (_block_size(t) // 2 + 1)))
-        again = new_batches(sub, lambda: generate(t, prompt, salt=t.new_id("salt"))) if salted else []
-        batches = sub.batches
-        expect(not sub.errors, f"the subscription failed: {sub.describe()}")
+        extension = prompt + " And then" * (_block_size(t) // 2 + 1)
+        _, _, ext = announced(t, tracker, lambda: generate(t, extension), lambda seen: bool(_roots(seen)))
+        before, salt = len(tracker.sub.batches), t.new_id("salt")
+        if salted:  # a new salt: every block is new, the first a chain root (the extension's late ones are not)
+            generate(t, prompt, salt=salt)
+
+            def judgeable(_: Any) -> bool:  # its root arrived, or the chain already fails
+                tracker.catch_up()
+                return bool(_roots(tracker.stored_since(before)) or tracker.view.problems)
+
+            tracker.sub.wait(judgeable, EVENT_WAIT_S)
+        tracker.catch_up()
+        expect(not tracker.sub.errors, f"the subscription failed: {tracker.sub.describe()}")
     finally:
-        sub.close()
-    view = KvView()
-    for b in batches:  # in arrival order: how they are numbered is E1's
-        view.apply(b)
+        tracker.sub.close()
+    view, batches = tracker.view, tracker.sub.batches
     if view.problems and not batches[0].events:
         skip(f"{view.problems[0]}, after an empty snapshot (E2 fails for it): the chain cannot be followed")
     expect(not view.problems, "; ".join(view.problems[:3]))
-    ext = [e.block_stored for b in extended for e in b.events if e.WhichOneof("event") == "block_stored"]
-    if ext:  # its first new block extends the prompt's cached blocks: it cannot be a chain root
-        first = ext[0]
-        expect(first.HasField("parent_block_hash"),
-               f"the prompt extended by ' And then' ... stored {len(ext)} BlockStored; the first has no "
-               "parent_block_hash, though it extends the prompt's blocks stored before (a chain root)")
+    expect(not _roots(ext), f"the prompt extended by ' And then' ... stored {len(ext)} BlockStored; "
+                            f"{len(_roots(ext))} without parent_block_hash, though its blocks extend the prompt's "
+                            "blocks stored before (a chain root)")
     if not salted:
         return f"{len(batches)} batches chain; cache_salt not advertised"
-    stored = stored_count(again)
+    since = tracker.stored_since(before)
+    first_root = next((i for i, e in enumerate(since) if not e.HasField("parent_block_hash")), len(since))
+    stored = sum(len(e.block_hashes) for e in since[first_root:])
     expect(stored > 0, "the same prompt under a new cache_salt stored no block: its blocks hash as the unsalted "
                        "ones, so the salt is not in the block hash (E4, K2)")
     return (f"{len(batches)} batches chain ({len(ext)} BlockStored of the extension, parented); a salted copy "

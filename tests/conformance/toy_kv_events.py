@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -47,6 +48,22 @@ class KvFaults:
     accept_bad_ranks: bool = False  # E6: unknown and repeated ranks are accepted
     no_sources: bool = False  # not a fault (E6 not claimed): no event publisher, so no source listed at all
     no_source_for_a_rank: bool = False  # E6: the source is listed for all ranks, none when rank 0 is asked for
+    lagging: bool = False  # not a fault: stored blocks published 16 a batch, each delivered 0.5 s after
+    staggered: bool = False  # not a fault: as ``lagging``, and a step's later batches 0.5 s after its first
+
+
+#: KvFaults.lagging. With ``staggered`` the gap between a step's first batch and the rest is longer
+#: than the 0.3 s that E3 and E4 once waited after a request's first batch, so a check judging such
+#: a window fails that stream without CPU load too (with every batch 0.5 s late, E3 failed only in
+#: CI, under load). Not in the negative controls: E1's ``live_batches`` then sends more requests than
+#: it needs and replays a batch the controls' 8-batch window no longer holds.
+LAG_SECONDS = 0.5
+
+
+def _batches(removed: list, stored: list, per_batch: int) -> list[list]:
+    """One step's events as the batches published: the removals, then ``per_batch`` stored blocks a batch."""
+    parts = [stored[i:i + per_batch] for i in range(0, len(stored), per_batch)] or [[]]
+    return [removed + parts[0], *parts[1:]]
 
 
 class ToyKvCache:
@@ -58,6 +75,7 @@ class ToyKvCache:
         self.lock = threading.Lock()
         self.published: OrderedDict[bytes, BlockStored] = OrderedDict()
         self.ever_published: set[bytes] = set()
+        self.later_batches: set[int] = set()  # the numbers of batches that are not their step's first
 
     def store_prompt(self, token_ids: list[int], salt: str, lora_name: str) -> None:
         extra = ("toy",) + ((f"salt:{salt}",) if salt and not self.faults.salt_ignored else ())
@@ -87,7 +105,11 @@ class ToyKvCache:
             if removed or stored:
                 if self.faults.gap:
                     self.hub._last_sequence_number += 1
-                self.hub.publish(removed + stored)
+                late = self.faults.lagging or self.faults.staggered
+                for i, part in enumerate(_batches(removed, stored, 16 if late else len(stored) or 1)):
+                    self.hub.publish(part)
+                    if i:
+                        self.later_batches.add(self.hub.last_sequence_number)
                 if self.faults.repeat_numbers:
                     self.hub._last_sequence_number -= 1
 
@@ -176,6 +198,10 @@ class KvControl(Control):
                 ready.clear()
                 batches, failure = sub.take()
                 for batch in batches:
+                    if (faults.lagging or faults.staggered) and not batch.snapshot:  # RULES set no latency bound
+                        later = faults.staggered and batch.sequence_number in cache.later_batches
+                        lag = LAG_SECONDS * (2 if later else 1)
+                        time.sleep(max(0.0, batch.timestamp_unix_nanos / 1e9 + lag - time.time()))
                     yield batch_response(batch, oe.STORAGE_MEDIUM_UNSPECIFIED)
                 if failure:
                     yield oe.SubscribeKvEventsResponse(error=oe.EngineError(
