@@ -14,7 +14,8 @@ another rule for a missing ``output_index`` (before, omitting it failed 33 rules
 The controls run at once (about 25 s each alone, mostly waiting on the toy's paced streams):
 PROCESSES worker processes (forkserver: no gRPC state inherited from this one) take them from
 one queue, THREADS at a time each, every control with servers of its own; the module fixture
-runs them all, the tests assert on the results.
+runs them all, the tests assert on the results. Those processes run at niceness NICE, so that
+the other pytest worker's servers are not starved meanwhile.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ from tests.conformance.toy_roles import serve_pair
 #: 48 at once: the controls (126 on 2026-12-06) run in rounds of 48 (with ~80 controls, 48 at once
 #: took 73-76 s here against 89 s for 40 at once).
 PROCESSES, THREADS = 8, 6
+#: The niceness of those processes (their threads inherit it). Together they take more than the
+#: 2 cores of the CI machine (~200-300 s of CPU in ~180-220 s), and at the default priority their
+#: dozens of runnable threads starved the other pytest worker: beside them, the real-engine G13,
+#: G14, G17 and G18 checks and the X1 stall test of test_conformance.py took 173-217 s against
+#: 114 s beside controls at niceness 10, which themselves took 204 s against 180-217 s (2026-12-07).
+NICE = 10
 #: The served model's config.json for the R checks' adapters: tiny shapes (the toy reads no weights).
 MODEL_CONFIG = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
                 "num_key_value_heads": 2, "head_dim": 4, "num_hidden_layers": 1}
@@ -251,7 +258,10 @@ _work: Any = None  # a worker process's queue of controls to run (None: no more)
 
 
 def _take_work(queue: Any) -> None:
+    """A worker process's initializer: before it starts any thread (Linux: a thread's niceness
+    is inherited by the threads it starts)."""
     global _work
+    os.nice(NICE)
     _work = queue
 
 
@@ -281,6 +291,18 @@ def run_all(controls: list[Control]) -> dict[str, list[Outcome]]:
         for part in [pool.submit(run_queued) for _ in range(PROCESSES)]:
             found.update(part.result())
     return found
+
+
+def _niceness_in_a_thread() -> int:
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(os.nice, 0).result()
+
+
+def test_the_controls_yield_the_cpu_to_the_other_tests() -> None:
+    """The threads of a worker process run at niceness NICE above this process's (at most 19)."""
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(1, mp_context=context, initializer=_take_work, initargs=(None,)) as pool:
+        assert pool.submit(_niceness_in_a_thread).result() == min(19, os.nice(0) + NICE)
 
 
 @pytest.fixture(scope="module")
