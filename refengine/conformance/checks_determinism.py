@@ -24,7 +24,7 @@ def _load_in_background(t: Target, count: int, tag: str) -> list[tuple[Any, Back
     return started
 
 
-def _join_all(t: Target, started: list[tuple[Any, Background]]) -> None:
+def _join_all(started: list[tuple[Any, Background]]) -> None:
     for req, call in started:
         expect_valid(call.join(), what=f"background request {req.request_id}")
 
@@ -54,7 +54,7 @@ def seed_reproducible(t: Target) -> str:
     try:
         busy = expect_valid(t.generate(_seeded(t, 1234, n)), num_sequences=n, what="seeded run 3 (batched)")
     finally:
-        _join_all(t, background)
+        _join_all(background)
     expect(_outputs(busy, n) == _outputs(first, n),
            f"same seed, alone {_outputs(first, n)} vs batched with 3 others {_outputs(busy, n)}")
     other = expect_valid(t.generate(_seeded(t, 4321, n)), num_sequences=n, what="other seed")
@@ -82,7 +82,7 @@ def greedy_invariant(t: Target) -> str:
     try:
         busy = greedy("g18busy")
     finally:
-        _join_all(t, background)
+        _join_all(background)
     expect(busy.tokens() == alone.tokens(),
            f"greedy alone {alone.tokens()} vs with 4 concurrent requests {busy.tokens()}")
     cached = greedy("g18cached")
@@ -137,7 +137,7 @@ def greedy_chunked(t: Target) -> str:
     try:
         busy = greedy("g18chunk-busy")
     finally:
-        _join_all(t, background)
+        _join_all(background)
     expect(busy.tokens() == alone.tokens(),
            f"{length}-token prompt (budget {budget}): alone {alone.tokens()} vs batched {busy.tokens()}")
     t.wait_idle("G18 chunked")

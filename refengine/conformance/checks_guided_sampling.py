@@ -45,7 +45,7 @@ def _alone_then_batched(t: Target, make: Any, tag: str) -> tuple[StreamResult, S
     try:
         busy = t.generate(make())
     finally:
-        _join_all(t, background)
+        _join_all(background)
     return first, again, busy
 
 

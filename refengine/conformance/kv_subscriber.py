@@ -33,7 +33,6 @@ class KvSubscriber:
         self.code: grpc.StatusCode | None = None
         self.details = ""
         self._on_response = on_response
-        self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -70,11 +69,6 @@ class KvSubscriber:
         with self._cond:
             return [r.error for r in self.responses if r.WhichOneof("event") == "error"]
 
-    @property
-    def last_sequence_number(self) -> int | None:
-        batches = self.batches
-        return batches[-1].sequence_number if batches else None
-
     def kinds(self) -> list[str]:
         with self._cond:
             return [r.WhichOneof("event") or "<none>" for r in self.responses]
@@ -108,7 +102,6 @@ class KvSubscriber:
 
     def close(self) -> None:
         """Cancel the call (the client goes away) and stop the reader."""
-        self._closed = True
         self.call.cancel()
         self._thread.join(5.0)
 

@@ -22,10 +22,6 @@ from refengine.types import BlockStored, KvEvent, KvEventBatch
 logger = logging.getLogger(__name__)
 
 
-class SubscriptionEnded(Exception):
-    """The terminal failure of a subscription (replay point gone, too slow); the message says why."""
-
-
 class KvEventSubscription:
     """One subscriber's view of the hub: batches in order, then possibly one failure.
 

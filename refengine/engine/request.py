@@ -106,10 +106,6 @@ class Request:
         return self.params.logprobs.output_logprobs or self.params.logprobs.output_candidates is not None
 
     @property
-    def has_pending_forks(self) -> bool:
-        return any(o.status is OutputStatus.WAITING_FOR_PROMPT for o in self.outputs)
-
-    @property
     def finished(self) -> bool:
         return all(o.status is OutputStatus.FINISHED for o in self.outputs)
 
