@@ -200,10 +200,6 @@ class KvCacheManager:
         return held
 
     @property
-    def num_owners(self) -> int:
-        return len(self._holdings)
-
-    @property
     def owners(self) -> tuple[str, ...]:
         return tuple(self._holdings)
 
