@@ -161,14 +161,3 @@ def select(rules: list[str] | None = None) -> list[Check]:
     if unknown:
         raise ValueError(f"no check for: {', '.join(sorted(unknown))}")
     return [c for c in checks if c.rule in wanted or c.section in wanted]
-
-
-def rules_in(markdown: str, sections: str) -> list[str]:
-    """Rule ids defined in a RULES.md text (lines ``- G14 ...``) for the given sections."""
-    found = re.findall(r"^- ([A-Z]\d+)\b", markdown, flags=re.MULTILINE)
-    return [r for r in found if r[0] in sections]
-
-
-def profile_rules_in(markdown: str, section: str) -> list[str]:
-    """Rule ids a draft profile's page defines (lines ``- **ENC3** ...``) for ``section`` (``ENC``)."""
-    return re.findall(rf"^- \*\*({re.escape(section)}\d+)\*\*", markdown, flags=re.MULTILINE)
