@@ -7,7 +7,7 @@ unused rank rows zero, so one layout serves adapters of any rank up to ``rank``.
 
 ``LoraBatch`` is made once per step from the per-token slots: the step's adapter tokens,
 sorted by slot (stably, so each segment keeps token order), cut into one segment per slot.
-Every projection of the step reuses it. ``apply_lora`` is the torch reference, two ways:
+Every projection of the step reuses it. ``apply_lora_parts`` is the torch reference, two ways:
 when segments are about equally long (decode steps) every segment is padded to the longest
 and one batched shrink and one batched expand (``bmm``) cover all of them; otherwise (a
 long prefill chunk beside a few decodes) each segment gets its own shrink and expand matmul
@@ -109,14 +109,6 @@ def _slot_weights(weights: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
     if batch.slot_range is not None:
         return weights[batch.slot_range[0]:batch.slot_range[1]]
     return weights[batch.seg_tensors[2].long()]
-
-
-def apply_lora(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               active_slots: frozenset[int] | None = None) -> None:
-    """``y += delta`` in place for one module (torch reference): ``x [T, in]``, ``y [T, out]``,
-    ``lora_a [slots, rank, in]``, ``lora_b [slots, out, rank]``. ``active_slots``: the slots
-    whose adapter targets the module (others are skipped); None = all."""
-    apply_lora_parts(y, x, batch, lora_a, (lora_b,), active_slots)
 
 
 def apply_lora_parts(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, lora_a: torch.Tensor,

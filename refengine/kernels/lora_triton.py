@@ -1,4 +1,4 @@
-"""Multi-LoRA deltas on CUDA: the Triton twin of ``lora.apply_lora`` (punica / S-LoRA's
+"""Multi-LoRA deltas on CUDA: the Triton twin of ``lora.apply_lora_parts`` (punica / S-LoRA's
 SGMV, "segmented gather matrix-vector"), ``y[t] += B[s] @ (A[s] @ x[t])`` for every token
 ``t`` of a ``LoraBatch`` whose adapter sits in slot ``s``.
 
@@ -162,11 +162,11 @@ def _precision(*tensors: torch.Tensor) -> str:
 
 def apply_lora_triton(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, lora_a: torch.Tensor,
                       lora_b: torch.Tensor, active_slots: frozenset[int] | None = None) -> None:
-    """``y += delta`` in place, as ``lora.apply_lora``. ``x [T, in]``, ``y [T, out]``.
-    ``active_slots``: the slots whose adapter has weights for this projection (others are
-    skipped: their delta is zero); None = all."""
+    """``y += delta`` in place for one module, as ``lora.apply_lora_parts`` with one part.
+    ``x [T, in]``, ``y [T, out]``. ``active_slots``: the slots whose adapter has weights for this
+    projection (others are skipped: their delta is zero); None = all."""
     if triton is None:
-        raise RuntimeError("apply_lora_triton needs Triton; use lora.apply_lora without it")
+        raise RuntimeError("apply_lora_triton needs Triton; use lora.apply_lora_parts without it")
     segments = _segments(batch, active_slots)
     if segments is None:
         return

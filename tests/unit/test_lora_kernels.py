@@ -1,4 +1,4 @@
-"""``apply_lora`` (both of its paths) and ``LoraLinear`` against a per-token loop in plain
+"""``apply_lora_parts`` (both of its paths) and ``LoraLinear`` against a per-token loop in plain
 Python: ``y[t] += B[s] @ (A[s] @ x[t])`` for each token ``t`` on slot ``s``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from refengine.kernels.linear import Linear
-from refengine.kernels.lora import LoraBatch, apply_lora
+from refengine.kernels.lora import LoraBatch, apply_lora_parts
 from refengine.kernels.lora_linear import LoraLinear, LoraPair, ProjectionDeltas
 
 pytestmark = pytest.mark.threads(2)  # the work split between threads (tests/conftest.py)
@@ -48,7 +48,7 @@ def test_apply_lora_matches_the_per_token_loop(case: str) -> None:
     batch = LoraBatch.build(torch.tensor(slots))
     assert batch is not None and batch.batched == batched and (batch.seg_rows is not None) == in_place
     expected = naive(y, x, slots, a, b)
-    apply_lora(y, x, batch, a, b)
+    apply_lora_parts(y, x, batch, a, (b,))
     assert torch.allclose(y, expected, atol=1e-4)
 
 
@@ -61,7 +61,7 @@ def test_active_slots_skip_the_others_and_padding_maps_back() -> None:
     # every token's padded position holds that token's own row
     assert torch.equal(batch.padded_rows[batch.padded_positions], batch.token_indices)
     expected = naive(y, x, slots, a, b, frozenset({2}))
-    apply_lora(y, x, batch, a, b, frozenset({2}))
+    apply_lora_parts(y, x, batch, a, (b,), frozenset({2}))
     assert torch.allclose(y, expected, atol=1e-4)
     assert LoraBatch.build(torch.tensor([-1, -1])) is None
 

@@ -1,5 +1,5 @@
 """The Triton multi-LoRA kernels (kernels/lora_triton.py) against the torch reference
-(kernels/lora.py's ``apply_lora``), plus ``LoraBatch.build``'s invariants.
+(kernels/lora.py's ``apply_lora_parts``), plus ``LoraBatch.build``'s invariants.
 
 Where the kernels run: on CUDA when there is a GPU (compiled, in this process); otherwise
 on the CPU under Triton's interpreter, in fp32 (its bf16 arithmetic is wrong). The
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from refengine.kernels import lora_triton
-from refengine.kernels.lora import LoraBatch, apply_lora
+from refengine.kernels.lora import LoraBatch, apply_lora_parts
 from tests.triton_interpreter import (
     DEVICE,
     INTERPRET,
@@ -82,7 +82,7 @@ def check(slots: list[int], lora_a: torch.Tensor, lora_b: torch.Tensor,
     batch = LoraBatch.build(torch.tensor(slots, device=DEVICE))
     assert batch is not None
     expected, got = y.clone(), y.clone()
-    apply_lora(expected, x, batch, lora_a, lora_b, active_slots)
+    apply_lora_parts(expected, x, batch, lora_a, (lora_b,), active_slots)
     lora_triton.apply_lora_triton(got, x, batch, lora_a, lora_b, active_slots)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     return (got - y).cpu()
@@ -136,7 +136,7 @@ def test_fused_projection_views_with_partial_rank() -> None:
     x, expected_wide = x_wide[:, 30:70], y_wide.clone()
     batch = LoraBatch.build(torch.tensor(slots, device=DEVICE))
     assert batch is not None
-    apply_lora(expected_wide[:, 56:112], x, batch, lora_a, lora_b)
+    apply_lora_parts(expected_wide[:, 56:112], x, batch, lora_a, (lora_b,))
     got_wide = y_wide.clone()
     lora_triton.apply_lora_triton(got_wide[:, 56:112], x, batch, lora_a, lora_b)
     torch.testing.assert_close(got_wide, expected_wide, rtol=1e-4, atol=1e-4)
@@ -157,7 +157,7 @@ def test_half_precision_on_cuda(dtype: torch.dtype) -> None:
     batch = LoraBatch.build(torch.tensor(slots, device=DEVICE))
     assert batch is not None
     expected = y.float()
-    apply_lora(expected, x.float(), batch, lora_a.to(dtype).float(), lora_b.to(dtype).float())
+    apply_lora_parts(expected, x.float(), batch, lora_a.to(dtype).float(), (lora_b.to(dtype).float(),))
     got = y.clone()
     lora_triton.apply_lora_triton(got, x, batch, lora_a.to(dtype), lora_b.to(dtype))
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
