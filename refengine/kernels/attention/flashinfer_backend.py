@@ -133,7 +133,6 @@ class FlashInferBackend(CapturableBackend, AttentionBackend):
         self._decode: dict[bool, Any] = {}  # use_tensor_cores -> decode wrapper, made on first use
         self._plan: PagedKvPlan | None = None
         self._planned: tuple[_Signature, Any] | None = None  # this step's planned signature and wrapper
-        self.plans = 0  # wrapper plans so far (tests: one per step)
         # Graph mode (see the module docstring).
         self._graph: FlashInferGraphBuffers | None = None
         self._graph_wrappers: dict[tuple[int, bool], Any] = {}  # (batch size, use_tensor_cores) -> wrapper
@@ -208,7 +207,6 @@ class FlashInferBackend(CapturableBackend, AttentionBackend):
             wrapper.plan(plan.qo_indptr, plan.paged_kv_indptr, plan.paged_kv_indices, plan.paged_kv_last_page_len,
                          sig.num_qo_heads, sig.num_kv_heads, sig.head_dim, plan.page_size, causal=True,
                          sm_scale=sig.scale, q_data_type=sig.dtype, kv_data_type=sig.dtype)
-        self.plans += 1
         self._planned = (sig, wrapper)
         return wrapper
 
@@ -247,7 +245,6 @@ class FlashInferBackend(CapturableBackend, AttentionBackend):
                 self._workspace, KV_LAYOUT, use_cuda_graph=True, use_tensor_cores=key[1],
                 **graph.wrapper_buffers(plan.num_seqs))
         _plan_decode(self._graph_wrappers[key], plan, sig)
-        self.plans += 1
         self._graph_planned = (plan.num_seqs, sig)
 
 
