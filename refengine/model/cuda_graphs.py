@@ -193,10 +193,6 @@ class DecodeGraphs:
         self._positions: torch.Tensor | None = None
         self.num_replays = 0  # steps served by a graph, for tests and stats
 
-    @property
-    def captured(self) -> bool:
-        return bool(self._replays)
-
     def ineligible_reason(self, model_input: ModelInput) -> str:
         return (step_ineligible_reason(model_input, self.sizes[-1], self.max_num_blocks_per_seq)
                 or self.attention.graph_step_ineligible_reason(model_input.seq_lens, self.block_size))
