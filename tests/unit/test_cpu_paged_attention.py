@@ -31,6 +31,7 @@ from refengine.kernels.attention.cpu_paged import (
     native_kernel_unavailable_reason,
 )
 from refengine.kernels.cpu_features import cpu_flags, native_bf16
+from tests.unit.kernel_helpers import forget_loaded_kernels
 
 _REASON = native_kernel_unavailable_reason()
 pytestmark = [pytest.mark.threads(2),  # the work split between threads (tests/conftest.py)
@@ -538,9 +539,9 @@ def test_cache_write_layout_and_untouched_blocks(block_size) -> None:
 def fresh_loader(monkeypatch, tmp_path):
     """An empty kernel cache dir, and the loader's memo cleared before and after."""
     monkeypatch.setenv("REFENGINE_CACHE_DIR", str(tmp_path / "cache"))
-    cpu.clear_cache()
+    forget_loaded_kernels()
     yield tmp_path / "cache"
-    cpu.clear_cache()  # runs before monkeypatch restores the environment; the next load() looks again
+    forget_loaded_kernels()  # runs before monkeypatch restores the environment; the next load() looks again
 
 
 def test_make_attention_backend_choices() -> None:
@@ -570,7 +571,7 @@ def test_no_compiler_falls_back(fresh_loader, monkeypatch, tmp_path) -> None:
     empty.mkdir()
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("PATH", str(empty))  # hides gcc too: _compiler() falls back to which("gcc")
-    cpu.clear_cache()
+    forget_loaded_kernels()
     loaded = cpu.load("paged_attention")
     assert loaded.library is None
     assert "compiler" in loaded.reason
@@ -612,7 +613,7 @@ def test_build_is_cached(fresh_loader) -> None:
     assert sorted(path.parent.iterdir()) == [path, path.with_name("libfused_ops.so.sha256")]
     built = path.stat().st_mtime_ns
 
-    cpu.clear_cache()
+    forget_loaded_kernels()
     second = cpu.load("fused_ops")  # a new process would do this: finds the built library
     assert second.library is not None and Path(second.library._name) == path
     assert path.stat().st_mtime_ns == built  # not rebuilt
@@ -630,7 +631,7 @@ def test_unwritable_cache_falls_back(fresh_loader, monkeypatch, tmp_path) -> Non
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("")
     monkeypatch.setenv("REFENGINE_CACHE_DIR", str(blocker / "cache"))
-    cpu.clear_cache()
+    forget_loaded_kernels()
     loaded = cpu.load("paged_attention")
     assert loaded.library is None and "could not build or load" in loaded.reason
     assert type(make_attention_backend("auto", torch.float32, "cpu")) is TorchReferenceBackend
@@ -638,7 +639,7 @@ def test_unwritable_cache_falls_back(fresh_loader, monkeypatch, tmp_path) -> Non
 
 def test_failed_build_leaves_nothing_behind(fresh_loader, monkeypatch) -> None:
     monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
-    cpu.clear_cache()
+    forget_loaded_kernels()
     loaded = cpu.load("paged_attention")
     assert loaded.library is None and "failed to build paged_attention.c" in loaded.reason
     assert [p for p in (fresh_loader / "kernels").rglob("*") if p.is_file()] == []

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from refengine.kernels import cpu
+from tests.unit.kernel_helpers import forget_loaded_kernels
 
 NEEDS_CC = pytest.mark.skipif(cpu._compiler() is None, reason="needs a C compiler to build the kernels")
 LOAD_IN_A_NEW_PROCESS = ("from refengine.kernels import cpu; loaded = cpu.load('fused_ops'); "
@@ -24,9 +25,9 @@ LOAD_IN_A_NEW_PROCESS = ("from refengine.kernels import cpu; loaded = cpu.load('
 @pytest.fixture
 def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("REFENGINE_CACHE_DIR", str(tmp_path / "cache"))
-    cpu.clear_cache()
+    forget_loaded_kernels()
     yield tmp_path / "cache"
-    cpu.clear_cache()
+    forget_loaded_kernels()
 
 
 @NEEDS_CC
@@ -101,7 +102,7 @@ def test_a_library_others_could_have_replaced_is_built_again_and_closed(fresh_lo
     path = _cache_paths(library)[writable]
     path.chmod(stat.S_IMODE(path.stat().st_mode) | stat.S_IWOTH | stat.S_IWGRP)
     planted = library.stat().st_ino
-    cpu.clear_cache()
+    forget_loaded_kernels()
     assert cpu.load("fused_ops").library is not None
     assert library.stat().st_ino != planted, "the library others could have written was loaded"
     for each in _cache_paths(library).values():
@@ -116,7 +117,7 @@ def test_root_s_library_others_could_replace_is_not_loaded_by_another_user(
     path = _cache_paths(library)[writable]
     path.chmod(stat.S_IMODE(path.stat().st_mode) | stat.S_IWOTH)
     monkeypatch.setattr(os, "getuid", lambda: os.stat(path).st_uid + 4321)  # someone else: root or not
-    cpu.clear_cache()
+    forget_loaded_kernels()
     loaded = cpu.load("fused_ops")
     assert loaded.library is None
     if os.stat(path).st_uid == 0:  # root's, trusted, but open: refused, naming the open path
@@ -130,7 +131,7 @@ def test_root_s_library_others_could_replace_is_not_loaded_by_another_user(
 def test_a_library_owned_by_another_user_is_not_loaded(fresh_loader: Path) -> None:
     library = Path(cpu.load("fused_ops").library._name)
     os.chown(library, 4321, -1)
-    cpu.clear_cache()
+    forget_loaded_kernels()
     loaded = cpu.load("fused_ops")
     assert loaded.library is None and "owned by uid 4321" in loaded.reason
 

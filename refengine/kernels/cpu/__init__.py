@@ -130,7 +130,7 @@ DISABLED = KernelLibrary(None, "disabled by --no-native-kernels (KernelConfig.na
 def load(name: str, enabled: bool = True) -> KernelLibrary:
     """Build (if needed) and load ``<name>.c`` from this package; ``enabled`` is
     ``KernelConfig.native_cpu_kernels`` (False: nothing is built, callers fall back).
-    Memoized per process (see ``clear_cache``)."""
+    Memoized per process: each library is looked for, built and loaded once."""
     if not enabled:
         return DISABLED
     return _load(name)
@@ -152,12 +152,6 @@ def _load(name: str) -> KernelLibrary:
         return KernelLibrary(ctypes.CDLL(str(target)), "")
     except (OSError, subprocess.SubprocessError) as exc:  # an unwritable cache, a broken compiler, a bad library
         return KernelLibrary(None, f"could not build or load lib{name}.so with {compiler}: {exc}")
-
-
-def clear_cache() -> None:
-    """Forget what ``load`` built and loaded in this process (tests that change the
-    compiler or the cache directory call it; the next ``load`` looks again)."""
-    _load.cache_clear()
 
 
 def _build(compiler: str, source: Path, target: Path) -> str:
