@@ -13,7 +13,7 @@ import random
 import pytest
 
 from refengine.engine.detokenizer import IncrementalDetokenizer
-from refengine.engine.token_texts import REPLACEMENT_CHAR, decode, token_text, token_texts
+from refengine.engine.token_texts import REPLACEMENT_CHAR, decode, token_text, token_texts, tokenizer_info
 from tests.unit.tokenizer_fixture import byte_fallback_tokenizer, smollm2_tokenizer
 
 TEXTS = [
@@ -117,6 +117,19 @@ def test_smollm2_incomplete_at_finish_flushes_replacement() -> None:
     deltas, tail = run(tok, [], out)
     assert "".join(deltas) == ""
     assert tail == decode(tok, out) and tail.endswith(REPLACEMENT_CHAR)
+
+
+def test_smollm2_token_bytes_read_as_decode() -> None:
+    """The byte table the detokenizer judges completeness by: each vocabulary token's bytes, read
+    as lossy UTF-8, are what ``decode`` makes of the token; added tokens are left out (``decode``
+    writes them as they are)."""
+    tok = smollm2_tokenizer()
+    token_bytes = tokenizer_info(tok).token_bytes
+    assert token_bytes is not None and tokenizer_info(byte_fallback_tokenizer()).token_bytes is None
+    assert set(token_bytes) == set(range(len(tok))) - set(tok.get_added_vocab().values())
+    for token_id, data in token_bytes.items():
+        assert data.decode("utf-8", "replace") == decode(tok, [token_id]), token_id
+    assert token_bytes[tok.encode("\ufffd", add_special_tokens=False)[0]] == b"\xef\xbf\xbd"
 
 
 def test_window_stays_short() -> None:
