@@ -11,10 +11,14 @@ newest tokens - and emit the difference once it is stable:
     delta = decode(ids[prefix_offset:])[len(decode(ids[prefix_offset:read_offset])):]
 
 A boundary (``read_offset``) is *stable* when text decoded before it can no longer
-change whatever follows: the decoded text does not end in U+FFFD (an incomplete
-UTF-8 character) and the last token is not a byte-fallback token (the ByteFallback
+change whatever follows: the last token is not a byte-fallback token (the ByteFallback
 decoder turns a whole run of byte tokens into U+FFFD, one per byte, if any byte of
-the run is invalid - so even a complete character may still change).
+the run is invalid - so even a complete character may still change), and the text ends
+at a whole character. For byte-level BPE that is judged from the tokens' bytes
+(``held_bytes.ByteStream``: a literal U+FFFD is whole, a piece of a character is not),
+before any decoding; for other tokenizers from the decoded text not ending in U+FFFD.
+Held tokens are not decoded again per token: a byte-level piece is at most 3 bytes of a
+character, and a held byte-fallback run's text is kept as it grows (``ByteRun``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from refengine.engine.token_texts import REPLACEMENT_CHAR, decode, tokenizer_info
+from refengine.engine.held_bytes import ByteRun, ByteStream, run_ends
+from refengine.engine.token_texts import REPLACEMENT_CHAR, decode, token_text, tokenizer_info
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,31 +46,40 @@ class IncrementalDetokenizer:
       For byte-level BPE (SmolLM2, Llama 3) this equals ``decode(out)``; for SentencePiece
       it differs from ``decode(out)`` only by keeping the first output token's leading
       space, which is the point.
-    - A delta from ``add_token`` never ends in U+FFFD and never changes later:
-      text that may still change is held back until it is stable or ``flush``.
+    - A delta from ``add_token`` never changes later: text that may still change is held
+      back until it is stable or ``flush``. It ends in U+FFFD only where no later token can
+      change that (byte-level BPE: a literal U+FFFD, or a byte no later byte completes).
     - Cost per token: two decodes of a short window (ids since the last stable
       boundary but one; three when held tokens are released), never of the whole output.
+      A byte-level piece or byte-fallback token costs none while it is held: the run is
+      decoded once when released, and ``peek_final`` reads the text kept as it grew.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
-        self._byte_values = tokenizer_info(tokenizer).byte_values
+        info = tokenizer_info(tokenizer)
+        self._byte_values = info.byte_values
+        self._token_bytes = info.token_bytes  # None: not byte-level BPE
+        self._stream = ByteStream()
         context = list(prompt_token_ids[-CONTEXT_TOKENS:])
         context_text = decode(tokenizer, context)
-        if context and (context[-1] in self._byte_values or context_text.endswith(REPLACEMENT_CHAR)):
+        if context and not self._ends_whole(context, context_text):
             # unstable boundary: a neutral left context ("a") instead, so that a SentencePiece
             # first token keeps its leading space, as after a stable prompt
-            info = tokenizer_info(tokenizer)
             context, context_text = list(info.context_ids), info.context_text
+            self._stream = ByteStream()
+        self._stream.release()  # the context is the prefix: nothing of it is held
         self._ids = context  # ids[prefix_offset:], the window; older ids are dropped
         self._read_offset = len(context)  # relative to self._ids; everything before it was emitted
         self._prefix_text = context_text  # decode(self._ids[:self._read_offset])
         #: Of the last delta, the characters that the tokens before the last one made (their
         #: text was held back and came with it): where a byte-fallback run's own text ends.
         self.num_chars_before_last = 0
-        #: Continuation bytes the held byte-fallback run still needs to end its UTF-8 character
-        #: (0: the last byte token ended one, so the held text may now read differently).
-        self._utf8_needed = 0
+        #: Whether the last token ended a character (a byte-fallback piece in the middle of one
+        #: did not): only then may the held text read differently.
+        self._ended = True
+        #: The byte-fallback run the last tokens make, as it reads so far; None after another token.
+        self._byte_run: ByteRun | None = None
         #: The window of the last text that several tokens made together: (ids, read offset,
         #: prefix text), for ``token_ends``; None when the last text came from one token.
         self._run: tuple[list[int], int, str] | None = None
@@ -79,13 +93,18 @@ class IncrementalDetokenizer:
         self._run = None
         byte = self._byte_values.get(token_id)
         if byte is not None:
-            self._utf8_needed = _utf8_needed(byte, self._utf8_needed)
+            self._byte_run = self._byte_run or ByteRun()
+            self._byte_run.add(byte)
+            self._ended = self._byte_run.ended_character
             return ""  # a byte-fallback run may still turn into replacement characters
-        self._utf8_needed = 0
+        self._byte_run = None
+        self._ended = True
+        if self._token_bytes is not None and not self._add_bytes(token_id):
+            return ""  # a byte-level piece of a character: the next bytes may complete it
         text = decode(self._tokenizer, self._ids)
         if (
             len(text) <= len(self._prefix_text)
-            or text.endswith(REPLACEMENT_CHAR)
+            or (self._token_bytes is None and text.endswith(REPLACEMENT_CHAR))
             or not text.startswith(self._prefix_text)
         ):
             # Not stable yet: hold back, the window grows. (A decoder that is not local at
@@ -96,10 +115,23 @@ class IncrementalDetokenizer:
             self.num_chars_before_last = self._split_before_last(text, len(delta))
             self._run = (self._ids.copy(), self._read_offset, self._prefix_text)
         # The unread tokens become the next prefix window; the new boundary is the end.
+        self._stream.release()
         del self._ids[: self._read_offset]
         self._read_offset = len(self._ids)
         self._prefix_text = decode(self._tokenizer, self._ids)
         return delta
+
+    def _ends_whole(self, ids: list[int], text: str) -> bool:
+        """Whether ``ids`` (the prompt's context, reading ``text``) end at a whole character."""
+        if self._token_bytes is None:
+            return ids[-1] not in self._byte_values and not text.endswith(REPLACEMENT_CHAR)
+        return [self._add_bytes(token_id) for token_id in ids][-1]
+
+    def _add_bytes(self, token_id: int) -> bool:
+        """Byte-level BPE: append the token's bytes; whether they end at a whole character."""
+        assert self._token_bytes is not None
+        data = self._token_bytes.get(token_id)
+        return self._stream.add(data, token_text(self._tokenizer, token_id) if data is None else "")
 
     def _split_before_last(self, text: str, delta_chars: int) -> int:
         """How much of the delta the tokens before the last one made; all of it where the
@@ -118,20 +150,28 @@ class IncrementalDetokenizer:
     @property
     def ended_character(self) -> bool:
         """Whether the held text ends at a whole UTF-8 character (the last token was not a
-        byte piece in the middle of one): only then can a held run newly complete a stop string."""
-        return self._utf8_needed == 0
+        byte-fallback piece in the middle of one): only then can a held run newly complete a stop
+        string. (``peek_final`` leaves a byte-level piece's incomplete character out.)"""
+        return self._ended
 
     def peek(self) -> str:
         """What ``flush`` would return now, without changing anything."""
         if len(self._ids) == self._read_offset:
             return ""
+        run = self._byte_run
+        if run is not None and run.num_bytes == len(self._ids) - self._read_offset and self._prefix_text:
+            # only the run is held, after a prefix of its own text: the run reads by itself
+            return run.text()
         return decode(self._tokenizer, self._ids)[len(self._prefix_text) :]
 
     def peek_final(self) -> str:
         """``peek`` less what a later token may still change: a trailing U+FFFD of a byte-level
         BPE piece (the next piece may complete its character; found by review: a stop string
-        "\ufffd" matched every emoji split across tokens). After a byte-fallback piece that
-        ended its character (``ended_character``) the held text is final as it reads."""
+        "\ufffd" matched every emoji split across tokens). Byte-level BPE: the held characters
+        as its bytes read, kept as they came. After a byte-fallback piece that ended its
+        character (``ended_character``) the held text is final as it reads."""
+        if self._token_bytes is not None:
+            return self._stream.held_text()
         held = self.peek()
         return held if self._ids and self._ids[-1] in self._byte_values else held.rstrip(REPLACEMENT_CHAR)
 
@@ -161,18 +201,27 @@ class IncrementalDetokenizer:
             return None
         if inside <= 0 or window is None:
             return 0
-        ends = self._readable_ends(*window, window[1] + inside, whole_characters=True)
+        whole = self._prefix_text + self.peek() if held else None  # held: a byte run's kept text
+        ends = self._readable_ends(*window, window[1] + inside, whole_characters=True, whole=whole)
         return max((end for end in ends if end is not None), default=0)
 
     def _readable_ends(self, ids: list[int], start: int, prefix: str, upto: int,
-                       whole_characters: bool = False) -> list[int | None]:
+                       whole_characters: bool = False, whole: str | None = None) -> list[int | None]:
         """For each token of ``ids[start:upto]``: where the text of the tokens up to it ends in the
         window's text (after ``prefix``), when that text reads as the start of the window's; None
         for a piece of a character. ``whole_characters``: a byte-level piece ending in part of a
         character ends after its whole ones (they are its own: found by review, min_tokens let a
-        stop string its space made end the output, as if the next token had made it)."""
-        whole = decode(self._tokenizer, ids)
-        ends: list[int | None] = []
+        stop string its space made end the output, as if the next token had made it). ``whole``:
+        the window's text, when known without decoding it."""
+        whole = decode(self._tokenizer, ids) if whole is None else whole
+        run = [self._byte_values.get(token_id, -1) for token_id in ids[start : min(upto, len(ids) - 1)]]
+        if prefix and start and ids[start - 1] not in self._byte_values and whole.startswith(prefix) \
+                and all(byte >= 0 for byte in run):
+            # a byte-fallback run after a prefix of its own text (then perhaps the token ending
+            # it, which ends with the window): each byte's end follows from the run's bytes
+            ends = run_ends(bytes(run), whole[len(prefix) :])
+            return ends + [len(whole) - len(prefix)] * (upto - start - len(run))
+        ends = []
         for end in range(start + 1, upto + 1):
             partial = whole if end == len(ids) else decode(self._tokenizer, ids[:end])
             reads = end == len(ids) or (partial.startswith(prefix) and whole.startswith(partial))
@@ -192,6 +241,7 @@ class IncrementalDetokenizer:
         self._ids = []
         self._read_offset = 0
         self._prefix_text = ""
+        self._stream, self._byte_run, self._ended = ByteStream(), None, True  # its bytes were read too
         return delta
 
 
@@ -221,16 +271,3 @@ class NoTextDetokenizer:
     def flush(self) -> str:
         return ""
 
-
-def _utf8_needed(byte: int, needed: int) -> int:
-    """The continuation bytes still needed after ``byte``, ``needed`` before it (a stray or
-    invalid byte ends the character: the decoder makes it U+FFFD)."""
-    if 0x80 <= byte < 0xC0:
-        return max(needed - 1, 0)
-    if 0xC0 <= byte < 0xE0:
-        return 1
-    if 0xE0 <= byte < 0xF0:
-        return 2
-    if 0xF0 <= byte < 0xF8:
-        return 3
-    return 0

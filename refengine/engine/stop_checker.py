@@ -118,6 +118,9 @@ class StopChecker:
         self._held = ""  # == the text the state spells
         self._matched = False
         self._drop_token = False
+        #: ``would_match``'s last text, protection and the state after it: a held run's text
+        #: grows, so the next call reads only what it added (not the whole run per token)
+        self._peeked: tuple[str, int, int] | None = None
 
     def check_token(self, token_id: int, num_output_tokens: int) -> FinishInfo | None:
         """Called after each sampled token (``num_output_tokens`` includes it)."""
@@ -166,6 +169,8 @@ class StopChecker:
             return "", None
         if self._automaton is None:
             return new_text, None
+        if new_text:
+            self._peeked = None  # the state moves on
         automaton, state, match = self._automaton, self._state, self._automaton.match
         text = self._held + new_text
         first_open = len(text) if protected is None else len(self._held) + protected
@@ -187,14 +192,18 @@ class StopChecker:
         return self._automaton is not None
 
     def would_match(self, new_text: str, protected: int | None = 0) -> bool:
-        """Whether ``feed_text(new_text, protected)`` would complete a stop string (no state changes)."""
+        """Whether ``feed_text(new_text, protected)`` would complete a stop string (no state changes
+        but a memo: a text that starts with the last one, which matched nothing, reads on from it)."""
         if self._matched or self._automaton is None or protected is None:
             return False
-        automaton, state = self._automaton, self._state
-        for i, ch in enumerate(new_text):
-            state = automaton.step(state, ch)
+        automaton, state, start = self._automaton, self._state, 0
+        if self._peeked is not None and self._peeked[1] == protected and new_text.startswith(self._peeked[0]):
+            start, state = len(self._peeked[0]), self._peeked[2]
+        for i in range(start, len(new_text)):
+            state = automaton.step(state, new_text[i])
             if automaton.match[state] is not None and i >= protected:
                 return True
+        self._peeked = (new_text, protected, state)
         return False
 
     def finish_text(self) -> str:

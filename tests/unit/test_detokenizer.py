@@ -33,18 +33,22 @@ def run(tokenizer, prompt: list[int], out: list[int]) -> tuple[list[str], str]:
     return deltas, detok.flush()
 
 
-def check_stream(tokenizer, prompt: list[int], out: list[int], expected_of) -> None:
-    """Invariants of one stream. ``expected_of(k)`` = oracle text for ``out[:k]``."""
+def check_stream(tokenizer, prompt: list[int], out: list[int], expected_of, continued_of=None) -> None:
+    """Invariants of one stream. ``expected_of(k)`` = oracle text for ``out[:k]``; byte-level BPE:
+    ``continued_of(k)`` = oracle texts of ``out[:k]`` and a byte that could still complete a
+    character (a delta may end in U+FFFD only where no byte can change it: a literal one)."""
     deltas, tail = run(tokenizer, prompt, out)
     final = expected_of(len(out))
     assert "".join(deltas) + tail == final
     emitted = ""
     for k, delta in enumerate(deltas, start=1):
-        assert not delta.endswith(REPLACEMENT_CHAR), (prompt, out[:k], delta)
+        assert continued_of is not None or not delta.endswith(REPLACEMENT_CHAR), (prompt, out[:k], delta)
         emitted += delta
         # Never emits text that later changes: a prefix of both the text so far and the final text.
         assert expected_of(k).startswith(emitted), (prompt, out[:k], emitted)
         assert final.startswith(emitted)
+        for continued in continued_of(k) if continued_of is not None and delta else ():
+            assert continued.startswith(emitted), (prompt, out[:k], emitted, continued)
     if REPLACEMENT_CHAR not in final:
         assert all(REPLACEMENT_CHAR not in delta for delta in [*deltas, tail])
 
@@ -57,6 +61,16 @@ def smollm2_byte_pieces() -> list[int]:
     """Ids that are only part of a UTF-8 character (their own text shows U+FFFD)."""
     tok = smollm2_tokenizer()
     return [i for i in range(len(tok)) if REPLACEMENT_CHAR in decode(tok, [i])]
+
+
+def smollm2_continued(out: list[int], k: int) -> list[str]:
+    """``decode`` of ``out[:k]`` and one more byte that continues a character: each lead byte
+    takes one of these as its second byte (E0: A0-BF, ED: 80-9F, F0: 90-BF, F4: 80-8F)."""
+    tok = smollm2_tokenizer()
+    return [decode(tok, [*out[:k], tok.convert_tokens_to_ids(BYTE_CHARS[byte])]) for byte in (0x80, 0x90, 0xA0)]
+
+
+BYTE_CHARS = {0x80: "Ģ", 0x90: "Ĳ", 0xA0: "ł"}  # GPT-2's byte-to-unicode characters of these bytes
 
 
 def smollm2_random_ids(rng: random.Random, n: int) -> list[int]:
@@ -88,7 +102,8 @@ def test_smollm2_random_streams_match_decode(seed: int) -> None:
     for _ in range(60):
         prompt = smollm2_random_ids(rng, rng.choice([0, 1, 2, 7, 20]))
         out = smollm2_random_ids(rng, rng.randint(1, 40))
-        check_stream(tok, prompt, out, lambda k, out=out: decode(tok, out[:k]))
+        check_stream(tok, prompt, out, lambda k, out=out: decode(tok, out[:k]),
+                     lambda k, out=out: smollm2_continued(out, k))
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -130,6 +145,22 @@ def test_smollm2_token_bytes_read_as_decode() -> None:
     for token_id, data in token_bytes.items():
         assert data.decode("utf-8", "replace") == decode(tok, [token_id]), token_id
     assert token_bytes[tok.encode("\ufffd", add_special_tokens=False)[0]] == b"\xef\xbf\xbd"
+
+
+def test_smollm2_literal_replacement_characters_stream_at_once() -> None:
+    """Found by review: a literal U+FFFD (EF BF BD) and a stray byte 80 read U+FFFD just like a
+    piece of a character, so the text was held (and decoded again per token) until the output
+    ended. Judged by their bytes, they are whole: each token's text comes with it; a piece
+    still waits for the bytes that complete its character."""
+    tok = smollm2_tokenizer()
+    literal = tok.encode("\ufffd" * 40, add_special_tokens=False)
+    stray = [tok.convert_tokens_to_ids(BYTE_CHARS[0x80])] * 40
+    for out in (literal, stray):
+        deltas, tail = run(tok, tok.encode("Hi", add_special_tokens=False), out)
+        assert deltas == [REPLACEMENT_CHAR] * 40 and tail == ""
+    emoji = tok.encode(" 😀!", add_special_tokens=False)
+    deltas, tail = run(tok, [], literal[:1] + emoji)
+    assert deltas[:2] == [REPLACEMENT_CHAR, ""] and "".join(deltas) + tail == decode(tok, literal[:1] + emoji)
 
 
 def test_window_stays_short() -> None:
@@ -197,6 +228,45 @@ def test_byte_fallback_random_streams_match_decode(seed: int) -> None:
         check_stream(tok, prompt, out, lambda k, p=prompt, o=out: sentencepiece_expected(tok, p, o[:k]))
         if not prompt:
             assert "".join(run(tok, prompt, out)[0]) + run(tok, prompt, out)[1] == decode(tok, out)
+
+
+def readable_ends_oracle(tok, prompt: list[int], out: list[int]) -> tuple[int, ...]:
+    """``token_ends`` by its definition, one ``decode`` per token: where each token's text ends,
+    the longest decode of the tokens up to it that the text starts with."""
+    prefix = decode(tok, prompt)
+    whole = decode(tok, prompt + out)
+    ends: list[int | None] = []
+    for k in range(1, len(out) + 1):
+        partial = decode(tok, prompt + out[:k])
+        reads = k == len(out) or (partial.startswith(prefix) and whole.startswith(partial))
+        ends.append(len(partial) - len(prefix) if reads else None)
+    for i in range(len(ends) - 2, -1, -1):
+        ends[i] = ends[i] if ends[i] is not None else ends[i + 1]
+    return tuple(end for end in ends if end is not None)
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_byte_run_token_ends_match_decode(closed: bool) -> None:
+    """Where each token of a released byte-fallback run ends (read from the run's bytes in one
+    pass, not decoded per token): valid, invalid and literal U+FFFD runs, closed by a token or by
+    ``flush``."""
+    tok = byte_fallback_tokenizer()
+    prompt = tok.encode("the cat", add_special_tokens=False)
+    utf8 = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "é世\ufffd界😀".encode()]
+    rng = random.Random(7)
+    for _ in range(300):
+        run_ids: list[int] = []
+        size = rng.randint(2, 12)
+        while len(run_ids) < size:
+            start = rng.randrange(len(utf8))
+            run_ids += utf8[start : start + rng.randint(1, 4)] if rng.random() < 0.8 else [rng.choice(byte_ids(tok))]
+        out = run_ids + tok.encode("the", add_special_tokens=False) if closed else run_ids
+        detok = IncrementalDetokenizer(tok, prompt)
+        for token_id in out:
+            detok.add_token(token_id)
+        if not closed:
+            detok.flush()
+        assert detok.token_ends() == readable_ends_oracle(tok, prompt[-5:], out), out
 
 
 def test_byte_run_completed_then_broken_turns_to_replacements() -> None:

@@ -1,0 +1,102 @@
+"""Held bytes, judged incrementally: the detokenizer holds text back while it may still change,
+and this tells it when it can no longer change without decoding the held tokens again for
+every token (which made a long held run cost O(n²) on the engine's step thread).
+
+- ``ByteStream``: the bytes of a byte-level BPE output (SmolLM2, Llama 3). ``decode`` reads them
+  as one lossy UTF-8 stream, so its text so far is final once the bytes end at a complete
+  character or at an invalid byte that no later byte can complete. A literal U+FFFD (EF BF BD)
+  is complete: judging by the decoded text's last character could not tell it from a piece.
+- ``ByteRun``: a run of SentencePiece byte-fallback tokens (``<0xNN>``). The ByteFallback decoder
+  reads a run as its UTF-8 text, or as one U+FFFD per byte when any byte of it is invalid or it
+  ends mid-character, so the whole run stays held; this keeps what it reads as so far.
+
+Python's UTF-8 codec is the judge: like ``decode`` (Rust's ``from_utf8_lossy``) it replaces each
+maximal invalid subpart by one U+FFFD.
+"""
+
+from __future__ import annotations
+
+import codecs
+
+from refengine.engine.token_texts import REPLACEMENT_CHAR
+
+
+class ByteStream:
+    """The bytes of a byte-level BPE output: where they end a character, and the whole
+    characters of the held tokens (those since ``release``), for an early stop-string check."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._held: list[str] = []
+
+    def add(self, data: bytes | None, text: str) -> bool:
+        """Append one token's bytes (None: an added token, ``text``, which ``decode`` writes as
+        it is and which ends the bytes before it); return whether the bytes now end a character."""
+        if data is None:
+            self._held += [self._decoder.decode(b"", final=True), text]
+            return True
+        self._held.append(self._decoder.decode(data))
+        return not self._decoder.getstate()[0]  # no bytes buffered: nothing can still change
+
+    def held_text(self) -> str:
+        """The held tokens' text but the bytes of a character still incomplete (they may change)."""
+        return "".join(self._held)
+
+    def release(self) -> None:
+        """The held tokens' text was returned: what follows is held anew."""
+        self._held.clear()
+
+
+class ByteRun:
+    """One run of byte-fallback tokens, as the ByteFallback decoder reads it so far."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        self.num_bytes = 0
+        self._valid = True  # no invalid byte so far (the run may still end mid-character)
+        self._chars: list[str] = []  # while valid: its characters so far, joined only when read
+
+    def add(self, byte: int) -> None:
+        self.num_bytes += 1
+        if self._valid:
+            try:
+                self._chars.append(self._decoder.decode(bytes((byte,))))
+            except UnicodeDecodeError:  # never valid again: every byte reads U+FFFD
+                self._valid, self._chars = False, []
+
+    @property
+    def ended_character(self) -> bool:
+        """Whether the last byte ended a character (after an invalid byte, every byte does)."""
+        return not self._valid or not self._decoder.getstate()[0]
+
+    def text(self) -> str:
+        """What the run reads as if it ended here."""
+        if self._valid and not self._decoder.getstate()[0]:
+            return "".join(self._chars)
+        return REPLACEMENT_CHAR * self.num_bytes
+
+
+def run_ends(data: bytes, tail: str) -> list[int | None]:
+    """For each byte of a byte-fallback run whose window reads ``tail`` (the run's text, then
+    that of a token ending the run, if any), where the text of the run up to it ends in
+    ``tail``, when that text is how ``tail`` starts; None otherwise. The run up to a byte reads
+    as its characters when they are complete and valid, else as one U+FFFD per byte. Linear:
+    the characters only grow, and ``tail`` starts with U+FFFD * k for every k up to its count."""
+    leading = len(tail) - len(tail.lstrip(REPLACEMENT_CHAR))
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    valid, chars, agrees = True, 0, True  # valid so far: its characters; tail starts with them
+    ends: list[int | None] = []
+    for k, byte in enumerate(data, start=1):
+        if valid:
+            try:
+                new = decoder.decode(bytes((byte,)))
+            except UnicodeDecodeError:
+                valid = False
+            else:
+                agrees = agrees and tail.startswith(new, chars)
+                chars += len(new)
+        if valid and not decoder.getstate()[0]:
+            ends.append(chars if agrees else None)
+        else:
+            ends.append(k if k <= leading else None)
+    return ends
