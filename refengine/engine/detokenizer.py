@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from refengine.engine.held_bytes import ByteRun, ByteStream, run_ends
+from refengine.engine.held_bytes import ByteRun, ByteStream, run_ends, stream_ends
 from refengine.engine.token_texts import REPLACEMENT_CHAR, decode, token_text, tokenizer_info
 
 if TYPE_CHECKING:
@@ -158,6 +158,8 @@ class IncrementalDetokenizer:
         """What ``flush`` would return now, without changing anything."""
         if len(self._ids) == self._read_offset:
             return ""
+        if self._token_bytes is not None:  # the held tokens' text, as their bytes read
+            return self._stream.held_text(incomplete=True)
         run = self._byte_run
         if run is not None and run.num_bytes == len(self._ids) - self._read_offset and self._prefix_text:
             # only the run is held, after a prefix of its own text: the run reads by itself
@@ -180,6 +182,7 @@ class IncrementalDetokenizer:
         released it or ``flush``), where each token's own text ends in it: the longest decode of
         the tokens up to it that the text starts with. A piece of a character ends where the
         token that completes it does. None when the last text came from one token. Costs one
+        decode and a pass over the run's bytes (byte-level BPE, a byte-fallback run), else one
         decode per token of the run: called only where an excluded stop string may cut it."""
         if self._run is None:
             return None
@@ -214,13 +217,9 @@ class IncrementalDetokenizer:
         stop string its space made end the output, as if the next token had made it). ``whole``:
         the window's text, when known without decoding it."""
         whole = decode(self._tokenizer, ids) if whole is None else whole
-        run = [self._byte_values.get(token_id, -1) for token_id in ids[start : min(upto, len(ids) - 1)]]
-        if prefix and start and ids[start - 1] not in self._byte_values and whole.startswith(prefix) \
-                and all(byte >= 0 for byte in run):
-            # a byte-fallback run after a prefix of its own text (then perhaps the token ending
-            # it, which ends with the window): each byte's end follows from the run's bytes
-            ends = run_ends(bytes(run), whole[len(prefix) :])
-            return ends + [len(whole) - len(prefix)] * (upto - start - len(run))
+        ends = self._ends_from_bytes(ids, start, prefix, upto, whole, whole_characters)
+        if ends is not None:
+            return ends
         ends = []
         for end in range(start + 1, upto + 1):
             partial = whole if end == len(ids) else decode(self._tokenizer, ids[:end])
@@ -230,6 +229,24 @@ class IncrementalDetokenizer:
                 reads = partial.startswith(prefix) and whole.startswith(partial)
             ends.append(len(partial) - len(prefix) if reads else None)
         return ends
+
+    def _ends_from_bytes(self, ids: list[int], start: int, prefix: str, upto: int, whole: str,
+                         whole_characters: bool) -> list[int | None] | None:
+        """``_readable_ends`` in one pass over the tokens' bytes, without a decode per token, where
+        they tell it: byte-level BPE, or a byte-fallback run after a prefix of its own text. The
+        window's last token ends with it (it may be the one ending a run)."""
+        if not whole.startswith(prefix):
+            return None
+        tail, inner = whole[len(prefix) :], ids[start : min(upto, len(ids) - 1)]
+        last = [len(tail)] * (upto == len(ids))
+        if self._token_bytes is not None:
+            data = [self._token_bytes.get(token_id) for token_id in inner]
+            chunks = [token_text(self._tokenizer, t) if d is None else d for t, d in zip(inner, data, strict=True)]
+            return stream_ends(chunks, tail, whole_characters, prefix.endswith(REPLACEMENT_CHAR)) + last
+        run = [self._byte_values.get(token_id, -1) for token_id in inner]
+        if prefix and start and ids[start - 1] not in self._byte_values and all(byte >= 0 for byte in run):
+            return run_ends(bytes(run), tail) + last
+        return None
 
     def flush(self) -> str:
         """At finish: release whatever was held back (U+FFFD where bytes never completed)."""

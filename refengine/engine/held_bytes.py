@@ -11,12 +11,17 @@ every token (which made a long held run cost O(n²) on the engine's step thread)
   ends mid-character, so the whole run stays held; this keeps what it reads as so far.
 
 Python's UTF-8 codec is the judge: like ``decode`` (Rust's ``from_utf8_lossy``) it replaces each
-maximal invalid subpart by one U+FFFD.
+maximal invalid subpart by one U+FFFD. Its incremental decoder waits on one kind of invalid
+prefix, ED A0-BF (a surrogate's), that ``decode`` already replaces: ``_read`` does not wait on it
+(checked for every 1-3 byte sequence and split point: what stays buffered is exactly the valid
+prefix of a character that ends the bytes, and the text read plus one U+FFFD for it is their
+lossy decoding).
 """
 
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 
 from refengine.engine.token_texts import REPLACEMENT_CHAR
 
@@ -35,12 +40,13 @@ class ByteStream:
         if data is None:
             self._held += [self._decoder.decode(b"", final=True), text]
             return True
-        self._held.append(self._decoder.decode(data))
+        self._held.append(_read(self._decoder, data))
         return not self._decoder.getstate()[0]  # no bytes buffered: nothing can still change
 
-    def held_text(self) -> str:
-        """The held tokens' text but the bytes of a character still incomplete (they may change)."""
-        return "".join(self._held)
+    def held_text(self, incomplete: bool = False) -> str:
+        """The held tokens' text, less the bytes of a character still incomplete (they may change);
+        ``incomplete``: with them, as the one U+FFFD that ``decode`` makes of them now."""
+        return "".join(self._held) + (REPLACEMENT_CHAR if incomplete and self._decoder.getstate()[0] else "")
 
     def release(self) -> None:
         """The held tokens' text was returned: what follows is held anew."""
@@ -60,7 +66,7 @@ class ByteRun:
         self.num_bytes += 1
         if self._valid:
             try:
-                self._chars.append(self._decoder.decode(bytes((byte,))))
+                self._chars.append(_read(self._decoder, bytes((byte,))))
             except UnicodeDecodeError:  # never valid again: every byte reads U+FFFD
                 self._valid, self._chars = False, []
 
@@ -89,7 +95,7 @@ def run_ends(data: bytes, tail: str) -> list[int | None]:
     for k, byte in enumerate(data, start=1):
         if valid:
             try:
-                new = decoder.decode(bytes((byte,)))
+                new = _read(decoder, bytes((byte,)))
             except UnicodeDecodeError:
                 valid = False
             else:
@@ -100,3 +106,39 @@ def run_ends(data: bytes, tail: str) -> list[int | None]:
         else:
             ends.append(k if k <= leading else None)
     return ends
+
+
+def stream_ends(chunks: Sequence[bytes | str], tail: str, whole_characters: bool, after_fffd: bool) -> list[int | None]:
+    """``run_ends`` for byte-level BPE tokens (``chunks``: each one's bytes, or an added token's
+    text): the tokens up to one read as the characters their bytes complete, then one U+FFFD for
+    a character still incomplete. ``whole_characters``: where that does not read, the text less
+    its trailing U+FFFDs may (as ``str.rstrip``; none may be left of it when the window's prefix,
+    ``after_fffd``, ends in one). Linear: the characters only grow."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    chars = common = trailing = 0  # characters read, how many of them tail starts with, U+FFFDs ending them
+    ends: list[int | None] = []
+    for chunk in chunks:
+        new = decoder.decode(b"", final=True) + chunk if isinstance(chunk, str) else _read(decoder, chunk)
+        if common == chars:
+            common += next((i for i, (a, b) in enumerate(zip(new, tail[chars:], strict=False)) if a != b),
+                           min(len(new), len(tail) - chars))
+        chars += len(new)
+        kept = len(new.rstrip(REPLACEMENT_CHAR))
+        trailing = trailing + len(new) if kept == 0 else len(new) - kept
+        pending = bool(decoder.getstate()[0])
+        if common == chars and (not pending or tail.startswith(REPLACEMENT_CHAR, chars)):
+            ends.append(chars + pending)
+        elif whole_characters and chars - trailing <= common and (chars > trailing or not after_fffd):
+            ends.append(chars - trailing)
+        else:
+            ends.append(None)
+    return ends
+
+
+def _read(decoder: codecs.IncrementalDecoder, data: bytes) -> str:
+    """``decoder.decode(data)``, but not waiting on ED A0-BF (strict: raising for it)."""
+    text = decoder.decode(data)
+    pending = decoder.getstate()[0]
+    if pending[:1] == b"\xed" and pending[1:2] >= b"\xa0":
+        text += decoder.decode(b"", final=True)
+    return text

@@ -163,6 +163,21 @@ def test_smollm2_literal_replacement_characters_stream_at_once() -> None:
     assert deltas[:2] == [REPLACEMENT_CHAR, ""] and "".join(deltas) + tail == decode(tok, literal[:1] + emoji)
 
 
+def test_smollm2_surrogate_bytes_are_not_held() -> None:
+    """ED A0-BF would start a surrogate: ``decode`` makes a U+FFFD of each byte at once, and the
+    detokenizer sends them at once (found by the oracle fuzz: Python's incremental UTF-8 decoder
+    waits on them, so a held window read one U+FFFD short of ``decode``)."""
+    tok = smollm2_tokenizer()
+    token_bytes = tokenizer_info(tok).token_bytes
+    assert token_bytes is not None
+    single = {data: token_id for token_id, data in token_bytes.items() if len(data) == 1}
+    for second in range(0x80, 0xC0):
+        out = [single[b"\xed"], single[bytes((second,))], single[b"\x80"]]
+        deltas, tail = run(tok, tok.encode("Hi", add_special_tokens=False), out)
+        assert "".join(deltas) + tail == decode(tok, out)
+        assert deltas[:2] == (["", REPLACEMENT_CHAR * 2] if second >= 0xA0 else ["", ""]), second
+
+
 def test_window_stays_short() -> None:
     tok = smollm2_tokenizer()
     out = tok.encode(" ".join(TEXTS) * 20, add_special_tokens=False)
@@ -267,6 +282,26 @@ def test_byte_run_token_ends_match_decode(closed: bool) -> None:
         if not closed:
             detok.flush()
         assert detok.token_ends() == readable_ends_oracle(tok, prompt[-5:], out), out
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_smollm2_held_pieces_token_ends_match_decode(closed: bool) -> None:
+    """The same for byte-level BPE: tokens ending in a lead byte are held whatever follows; closed
+    by a piece, text, a literal U+FFFD or an added token, or by ``flush``."""
+    tok = smollm2_tokenizer()
+    token_bytes = tokenizer_info(tok).token_bytes
+    assert token_bytes is not None
+    leads = [i for i, data in token_bytes.items() if data and 0xC2 <= data[-1] <= 0xF4]
+    closing = [*smollm2_byte_pieces(), *tok.encode(" the\ufffd", add_special_tokens=False), tok.eos_token_id]
+    prompt = tok.encode("the cat", add_special_tokens=False)
+    rng = random.Random(8)
+    for _ in range(300):
+        out = [rng.choice(leads) for _ in range(rng.randint(1, 10))] + ([rng.choice(closing)] if closed else [])
+        detok = IncrementalDetokenizer(tok, prompt)
+        deltas = [detok.add_token(token_id) for token_id in out]
+        if not closed or not "".join(deltas):
+            detok.flush()
+        assert detok.token_ends() == (readable_ends_oracle(tok, prompt[-5:], out) if len(out) > 1 else None), out
 
 
 def test_byte_run_completed_then_broken_turns_to_replacements() -> None:

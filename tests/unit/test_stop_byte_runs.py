@@ -56,31 +56,36 @@ def test_the_first_output_token_keeps_its_space_after_a_byte_token_prompt(ending
     assert text == decode(TOKENIZER, prompt + output)[len(decode(TOKENIZER, prompt)):] == " the end"
 
 
-def _held_runs() -> dict[str, tuple[object, list[int]]]:
-    """2,000 tokens that each leave text held back before this fix: byte-fallback bytes of emoji,
-    and, on SmolLM2 (byte-level BPE), literal U+FFFD tokens (EF BF BD) and a stray continuation
-    byte 80 (GPT-2's character "Ģ"), which read as U+FFFD just like a piece of a character."""
+def _held_runs() -> dict[str, tuple[object, list[int], int]]:
+    """2,000 tokens that each leave text held back before this fix (and the token whose step
+    first sends text): byte-fallback bytes of emoji; on SmolLM2 (byte-level BPE), literal U+FFFD
+    tokens (EF BF BD) and a stray continuation byte 80 (GPT-2's character "Ģ"), which read as
+    U+FFFD just like a piece of a character, and 'ĠðŁĺ' (a space, then 3 bytes of "😀"), each
+    of which leaves a piece of a character that the next one makes U+FFFD."""
     smollm2 = smollm2_tokenizer()
     return {
-        "byte-fallback emoji": (TOKENIZER, _byte_ids("😀" * 500)),
-        "SmolLM2 literal U+FFFD": (smollm2, smollm2.encode("\ufffd" * 2000, add_special_tokens=False)),
-        "SmolLM2 stray byte 80": (smollm2, [smollm2.convert_tokens_to_ids("Ģ")] * 2000),
+        "byte-fallback emoji": (TOKENIZER, _byte_ids("😀" * 500), 2000),
+        "SmolLM2 literal U+FFFD": (smollm2, smollm2.encode("\ufffd" * 2000, add_special_tokens=False), 1),
+        "SmolLM2 stray byte 80": (smollm2, [smollm2.convert_tokens_to_ids("Ģ")] * 2000, 1),
+        "SmolLM2 pieces": (smollm2, [smollm2.convert_tokens_to_ids("ĠðŁĺ")] * 2000, 2000),
     }
 
 
-@pytest.mark.parametrize("case", ["byte-fallback emoji", "SmolLM2 literal U+FFFD", "SmolLM2 stray byte 80"])
+@pytest.mark.parametrize("case", ["byte-fallback emoji", "SmolLM2 literal U+FFFD", "SmolLM2 stray byte 80",
+                                  "SmolLM2 pieces"])
 @pytest.mark.parametrize("stop_strings", [(), ("never",)])
 def test_a_long_held_run_costs_linear_decoding(monkeypatch: pytest.MonkeyPatch, case: str,
                                                stop_strings: tuple[str, ...]) -> None:
     """Found by review: held text was decoded again for every token (to judge it, and to peek at
     it for stop strings), and each token of a run released at once again to place it: O(n²) on
     the step thread (8,000 tokens: 5-17 s). Now at most 3 decodes per token, of a few ids each:
-    the tokens decoded in all stay within 16 per output token (it was over 1,000), and the stop
+    the tokens decoded in all stay within 16 per output token (it was over 1,000; and with the
+    held pieces, each token was placed by a decode at the end), and the stop
     checker reads each held character about once, not the whole held text per token."""
     from refengine.engine import detokenizer as detokenizer_module
     from refengine.engine.stop_checker import StopChecker, process_token
 
-    tokenizer, out = _held_runs()[case]
+    tokenizer, out, first_text_at = _held_runs()[case]
     assert len(out) == 2000 and decode(tokenizer, out).count("\ufffd") == (0 if tokenizer is TOKENIZER else 2000)
     real, decoded = detokenizer_module.decode, []
     monkeypatch.setattr(detokenizer_module, "decode", lambda tok, ids: decoded.append(len(ids)) or real(tok, ids))
@@ -98,7 +103,7 @@ def test_a_long_held_run_costs_linear_decoding(monkeypatch: pytest.MonkeyPatch, 
         text += step.text
         first_text = first_text or (step.text and count)
     assert step.finish is not None and text == decode(tokenizer, out)
-    assert first_text == (len(out) if tokenizer is TOKENIZER else 1)  # only a byte-fallback run waits
+    assert first_text == first_text_at
     assert len(decoded) <= 3 * len(out) and sum(decoded) <= 16 * len(out), (len(decoded), sum(decoded))
     assert len(steps) <= 3 * len(text), len(steps)
 
