@@ -7,12 +7,15 @@ prompt, which keeps the first output token's leading space).
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 
 import pytest
 
+from refengine.engine import token_texts as token_texts_module
 from refengine.engine.detokenizer import IncrementalDetokenizer
+from refengine.engine.output_processor import OutputProcessor
 from refengine.engine.token_texts import REPLACEMENT_CHAR, decode, token_text, token_texts, tokenizer_info
 from tests.unit.tokenizer_fixture import byte_fallback_tokenizer, smollm2_tokenizer
 
@@ -344,3 +347,17 @@ def test_token_texts_of_many_ids_in_any_order_are_each_ids_text() -> None:
     assert texts[:4] == [" the", REPLACEMENT_CHAR, "世", " the"]
     assert texts[4:] == [token_text(tok, i) for i in reversed(range(len(tok)))]
     assert texts[-1] == decode(tok, [0])
+
+
+def test_the_byte_table_is_built_when_the_engine_starts_not_at_the_first_request(monkeypatch) -> None:
+    """Building SmolLM2's per-token bytes takes 0.2 s (more for a 128k vocabulary): the output
+    processor builds it at start-up, so the first request's step does not pay it."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer())  # a tokenizer no test has used yet
+    OutputProcessor(tokenizer)
+
+    def built_again(*args: object) -> None:
+        raise AssertionError("the byte table was built at the first request")
+
+    monkeypatch.setattr(token_texts_module, "_token_bytes", built_again)
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi", add_special_tokens=False))
+    assert detokenizer.add_token(tokenizer.encode(" there", add_special_tokens=False)[0]) == " there"
