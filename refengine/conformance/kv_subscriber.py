@@ -202,40 +202,47 @@ def _need_text(t: Target) -> None:
         not_claimed("the model takes no text prompt; the KV event checks send fresh text prompts")
 
 
-def live_batches(t: Target, tag: str, wanted: int = 2, max_requests: int = 4) -> tuple[KvSubscriber, list[Any]]:
-    """A live subscription and the batches that fresh requests caused (at least ``wanted``,
-    one request at a time); skip when the server published none."""
+def live_batches(t: Target, tag: str, wanted: int = 2) -> tuple[KvSubscriber, list[Any]]:
+    """A live subscription and the batches that fresh requests caused: one request at a time,
+    each once a batch arrived after the previous one, until ``wanted`` batches arrived or a
+    request caused none within EVENT_WAIT_S; skip when the server published none.
+
+    It waits for a batch, not for a time window: a stream may run behind its engine (RULES set
+    no bound). Waiting 2 s, it sent the next request while the last one's batches were still in
+    flight, and E1's replay then asked for a batch the server had no longer retained (a toy 2.5 s
+    late with 4 batches retained failed E1)."""
     _need_text(t)
     sub = subscribe(t)
     if sub.ended:
         fail(f"SubscribeKvEvents ended at once: {sub.describe()}")
-    for _ in range(max_requests):
+    while len(sub.batches) < wanted:  # invariant: every pass adds a batch, else it stops
+        seen = len(sub.batches)
         generate(t, fresh_prompt(t, tag))
-        sub.wait(lambda s: bool(s.responses), 2.0)
-        if len(sub.batches) >= wanted or sub.ended:
+        if not sub.wait(lambda s, seen=seen: len(s.batches) > seen, EVENT_WAIT_S):
             break
-    sub.wait_responses(wanted, 2.0)
     if sub.errors or (sub.ended and sub.code != grpc.StatusCode.OK):
         fail(f"a live subscription failed: {sub.describe()}")
     batches = sub.batches
     if not batches:
         sub.close()
-        skip(f"no KV event batch after {max_requests} requests with fresh multi-block prompts "
+        skip(f"no KV event batch within {EVENT_WAIT_S:.0f} s of a request with a fresh multi-block prompt "
              "(prefix caching off?)")
     return sub, batches
 
 
 def publish_up_to(t: Target, live: KvSubscriber, budget: int, tag: str) -> int:
     """Fresh requests, one at a time, until ``live`` has seen batch number ``budget`` (or a
-    request caused no batch, or ``budget`` requests were sent); the newest number seen. So a
-    check that needs batch 1 expired does not depend on how many checks ran before it."""
+    request caused no batch within EVENT_WAIT_S, or ``budget`` requests were sent); the newest
+    number seen. So a check that needs batch 1 expired does not depend on how many checks ran
+    before it. (Waiting 2 s, it stopped early on a stream 2.5 s late, and E1 skipped a replay
+    from an expired batch served silently as "still retained".)"""
     newest = max(b.sequence_number for b in live.batches)
     for n in range(budget):
         if newest >= budget:
             break
         seen = len(live.batches)
         generate(t, fresh_prompt(t, f"{tag}{n}"))
-        if not live.wait(lambda s, seen=seen: len(s.batches) > seen, 2.0):
+        if not live.wait(lambda s, seen=seen: len(s.batches) > seen, EVENT_WAIT_S):
             break
         newest = max(b.sequence_number for b in live.batches)
     return newest

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from refengine.conformance import Options, Status, run
-from tests.conformance.toy_kv_events import KvFaults, serve_kv
+from refengine.conformance import Options, Status, run, run_report, select
+from tests.conformance import toy_kv_events
+from tests.conformance.toy_kv_events import LAG_SECONDS, KvFaults, serve_kv
 
 E_CHECKS = ["E1:replay_expired", "E1:replay_retained", "E1:sequence_numbers_increase", "E2:snapshot_then_live",
             "E3:removed_on_eviction", "E3:stored_full_blocks", "E4:lora_in_block_hash", "E4:media_in_block_hash",
@@ -62,6 +63,44 @@ def test_an_expired_replay_passes_with_a_short_window() -> None:
     assert result.status is Status.PASS, result.message
 
 
+def run_one(faults: KvFaults, name: str) -> Any:
+    """Only the check ``name`` against the toy with ``faults``: its Result."""
+    server, address, engine = serve_kv(faults)
+    try:
+        checks = [c for c in select([name.split(":")[0]]) if c.name == name]
+        return run_report(address, checks, Options(idle_timeout_s=2.0)).results[0]
+    finally:
+        server.stop(0)
+        engine.running = False
+
+
+@pytest.mark.parametrize(("faults", "lag_s"), [
+    (KvFaults(retained=1), LAG_SECONDS),
+    (KvFaults(retained=8, staggered=True), LAG_SECONDS),
+    (KvFaults(retained=4, lagging=True), 2.5),
+], ids=["newest_batch_retained", "staggered", "late_2.5s"])
+def test_a_retained_replay_passes_a_short_window_and_a_lagging_stream(
+        faults: KvFaults, lag_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """E1's retained replay asked for its batch only after more requests: against a server
+    retaining only its newest batch (conforming: RULES set no retention), a stream whose step's
+    later batches come 1 s late (the suite sent 4 requests where 1 did, 12 batches past an
+    8-batch window), or one 2.5 s late (a request every 2 s until a batch came), the batch was
+    gone and E1 failed. The replay is now opened once the first request's first batch arrived."""
+    monkeypatch.setattr(toy_kv_events, "LAG_SECONDS", lag_s)
+    result = run_one(faults, "E1:replay_retained")
+    assert result.status is Status.PASS, result.message
+
+
+def test_an_expired_replay_served_silently_fails_on_a_stream_2_5_s_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The expiry check publishes batches up to --replay-budget-batches first, a request at a
+    time. Waiting 2 s for each request's batch, it stopped after one on a stream 2.5 s late
+    and skipped this violation ("batch 1 is still retained") on a server retaining 16 batches
+    (with live_batches waiting for its batch: before, that had sent requests ahead, in flight)."""
+    monkeypatch.setattr(toy_kv_events, "LAG_SECONDS", 2.5)
+    result = run_one(KvFaults(retained=16, lagging=True, silent_expired=True), "E1:replay_expired")
+    assert result.status is Status.FAIL and "skipped silently" in result.message, (result.status, result.message)
+
+
 def test_a_server_without_kv_events_claims_no_check() -> None:
     from tests.conformance.fake_server import serve
 
@@ -84,6 +123,7 @@ def test_no_event_source_at_all_is_not_claimed_not_passed() -> None:
 @pytest.mark.parametrize(("faults", "name", "says"), [
     (KvFaults(repeat_numbers=True), "E1:sequence_numbers_increase", "strictly increase"),
     (KvFaults(silent_expired=True, retained=1), "E1:replay_expired", "skipped silently"),
+    (KvFaults(replay_skips_first=True, staggered=True), "E1:replay_retained", "a replay repeats the same batches"),
     (KvFaults(gap=True), "E2:snapshot_then_live", "a gap"),
     (KvFaults(empty_snapshot=True), "E2:snapshot_then_live", "snapshot is empty"),
     (KvFaults(partial_blocks=True), "E3:stored_full_blocks", "only full blocks enter the prefix cache"),
@@ -103,8 +143,8 @@ def test_no_event_source_at_all_is_not_claimed_not_passed() -> None:
     (KvFaults(status_on_expired=True, retained=8), "E5:expired_replay_is_error_event", "refused with status"),
     (KvFaults(unconnectable_source=True), "E6:kv_event_sources", "connection refused"),
     (KvFaults(no_source_for_a_rank=True), "E6:kv_event_sources", "want one, rank 0"),
-], ids=["repeat_numbers", "silent_expired", "gap", "empty_snapshot", "partial_blocks", "silent_eviction",
-        "announce_once", "salt_ignored", "orphans", "parent_in_batch_only", "lagging_partial_blocks",
+], ids=["repeat_numbers", "silent_expired", "lagging_replay_skips_first", "gap", "empty_snapshot", "partial_blocks",
+        "silent_eviction", "announce_once", "salt_ignored", "orphans", "parent_in_batch_only", "lagging_partial_blocks",
         "lagging_parent_in_batch_only", "lagging_salt_ignored",
         "status_on_failure", "wildcard_host", "accept_bad_ranks", "leafless_snapshot", "status_on_expired",
         "unconnectable_source", "no_source_for_a_rank"])

@@ -43,6 +43,7 @@ class KvFaults:
     status_on_failure: bool = False  # E5: a replay that cannot be served ends with a status, no error event
     status_on_expired: bool = False  # E5: only a replay from an expired number ends with a bare status
     silent_expired: bool = False  # E1: an expired replay starts at the oldest retained batch, no error
+    replay_skips_first: bool = False  # E1: a replay from a retained number starts one batch later
     wildcard_host: bool = False  # E6: a source advertises 0.0.0.0
     unconnectable_source: bool = False  # E6: the advertised port has no listener
     accept_bad_ranks: bool = False  # E6: unknown and repeated ranks are accepted
@@ -188,6 +189,8 @@ class KvControl(Control):
             expired = 0 < start < cache.oldest()
             if faults.silent_expired and expired:
                 start = cache.oldest()
+            elif faults.replay_skips_first and start and not expired:
+                start += 1
             snapshot = [] if faults.empty_snapshot else cache.snapshot()
             sub = cache.hub.subscribe(ready.set, snapshot if request.include_snapshot else None, start)
         try:
