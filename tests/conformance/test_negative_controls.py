@@ -174,7 +174,8 @@ CONTROLS = [
     Control("snapshot-without-leaves", "E2", kv=events(leafless_snapshot=True)),
     Control("partial-block-stored", "E3", kv=events(partial_blocks=True)),
     Control("parent-named-within-a-batch-only", "E4", kv=events(parent_in_batch_only=True)),
-    Control("lagging-event-stream", "", kv=events(lagging=True)),  # not a fault: RULES set no latency bound
+    # Not a fault (RULES set no latency bound): batches 0.5 s late, a step's later ones 1 s.
+    Control("lagging-event-stream", "", kv=events(staggered=True)),
     Control("eviction-unannounced", "E3", kv=events(silent_eviction=True)),
     Control("recomputed-block-unannounced", "E3", kv=events(announce_once=True)),
     Control("salt-not-in-block-hash", "E4", kv=events(salt_ignored=True)),

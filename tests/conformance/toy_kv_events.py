@@ -56,8 +56,8 @@ class KvFaults:
 #: KvFaults.lagging. With ``staggered`` the gap between a step's first batch and the rest is longer
 #: than the 0.3 s that E3 and E4 once waited after a request's first batch, so a check judging such
 #: a window fails that stream without CPU load too (with every batch 0.5 s late, E3 failed only in
-#: CI, under load). Not in the negative controls: E1's ``live_batches`` then sends more requests than
-#: it needs and replays a batch the controls' 8-batch window no longer holds.
+#: CI, under load); E1's retained replay, which sent more requests than it needed, replayed a batch
+#: the negative controls' 8-batch window no longer held. The lagging-event-stream control uses it.
 LAG_SECONDS = 0.5
 
 
