@@ -96,29 +96,42 @@ def stored_events_chain(t: Target) -> str:
 def lora_in_block_hash(t: Target) -> str:
     """E4: a fresh prompt, sent without an adapter (its blocks stored), then again under a
     loaded LoRA adapter, stores blocks again: the adapter's KV differs from the base model's,
-    so its blocks hash differently. Skips, saying why, without LoRA or adapter files (section R
-    needs the same), or when the adapter does not load (R's finding)."""
+    so its blocks hash differently, a chain of its own from a new root. Skips, saying why,
+    without LoRA or adapter files (section R needs the same), or when the adapter does not load
+    (R's finding). It waits for what it judges, not for a time window: the base prompt's blocks
+    until announced (``kv_announced``), then the adapted prompt's chain root, unless its Usage
+    shows it served from cache (found with a stream whose step's later batches come 1 s late:
+    the base prompt's late batches, counted as the adapter's, passed a server leaving the
+    adapter out of the block hash)."""
     _need_text(t)
     with scratch(t, "e4lora") as files:
         adapter = files.specs[0]
         code, _, details = load(t, adapter)
         if code != grpc.StatusCode.OK:
             skip(f"LoadLora {describe(adapter)} returned {code.name} ({details!r}): section R judges that")
-        sub = subscribe(t)
+        tracker = Tracker(subscribe(t))
         try:
             prompt = fresh_prompt(t, "e4lora")
-            base = stored_count(new_batches(sub, lambda: generate(t, prompt)))
-            usages: list[Any] = []
-            adapted = stored_count(new_batches(
-                sub, lambda: usages.append(generate(t, prompt, lora_name=adapter.lora_name))))
-            expect(not sub.errors, f"the subscription failed: {sub.describe()}")
+            _, _, base = announced(t, tracker, lambda: generate(t, prompt), lambda _: False)
+            before = len(tracker.sub.batches)
+            usage = generate(t, prompt, lora_name=adapter.lora_name)
+            cached = usage.cached_prompt_tokens if usage is not None else 0
+            if not cached:  # else the violation is visible already
+
+                def rooted(_: Any) -> bool:
+                    return bool(_roots(tracker.stored_since(before)))
+
+                tracker.sub.wait(rooted, EVENT_WAIT_S)
+            expect(not tracker.sub.errors, f"the subscription failed: {tracker.sub.describe()}")
+            since = tracker.stored_since(before)
         finally:
-            sub.close()
+            tracker.sub.close()
     if not base:
         skip("the prompt without an adapter stored no block (E3 judges that): nothing to compare")
-    if adapted:
-        return f"the base prompt stored {base} blocks, the same prompt under an adapter {adapted} of its own"
-    cached = usages[0].cached_prompt_tokens if usages and usages[0] is not None else 0
+    first_root = next((i for i, e in enumerate(since) if not e.HasField("parent_block_hash")), len(since))
+    if adapted := sum(len(e.block_hashes) for e in since[first_root:]):
+        return (f"the base prompt stored {sum(len(e.block_hashes) for e in base)} blocks, the same prompt under "
+                f"an adapter {adapted} of its own")
     expect(not cached, f"the same prompt under LoRA adapter {adapter.lora_name!r} stored no block and reported "
                        f"{cached} cached prompt tokens: it was served the base model's blocks, which hash the same "
                        "without the adapter in the block hash")

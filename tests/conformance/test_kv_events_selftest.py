@@ -7,13 +7,16 @@ Control that serves KV events from refengine's own ``KvEventHub``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from refengine.conformance import Options, Status, run, run_report, select
 from tests.conformance import toy_kv_events
+from tests.conformance.toy_engine import Faults
 from tests.conformance.toy_kv_events import LAG_SECONDS, KvFaults, serve_kv
 
 E_CHECKS = ["E1:replay_expired", "E1:replay_retained", "E1:sequence_numbers_increase", "E2:snapshot_then_live",
@@ -63,12 +66,12 @@ def test_an_expired_replay_passes_with_a_short_window() -> None:
     assert result.status is Status.PASS, result.message
 
 
-def run_one(faults: KvFaults, name: str) -> Any:
-    """Only the check ``name`` against the toy with ``faults``: its Result."""
-    server, address, engine = serve_kv(faults)
+def run_one(faults: KvFaults, name: str, engine_faults: Faults | None = None, **options: Any) -> Any:
+    """Only the check ``name`` against the toy with ``faults`` (``engine_faults``): its Result."""
+    server, address, engine = serve_kv(faults, engine_faults)
     try:
         checks = [c for c in select([name.split(":")[0]]) if c.name == name]
-        return run_report(address, checks, Options(idle_timeout_s=2.0)).results[0]
+        return run_report(address, checks, Options(idle_timeout_s=2.0, **options)).results[0]
     finally:
         server.stop(0)
         engine.running = False
@@ -99,6 +102,29 @@ def test_an_expired_replay_served_silently_fails_on_a_stream_2_5_s_late(monkeypa
     monkeypatch.setattr(toy_kv_events, "LAG_SECONDS", 2.5)
     result = run_one(KvFaults(retained=16, lagging=True, silent_expired=True), "E1:replay_expired")
     assert result.status is Status.FAIL and "skipped silently" in result.message, (result.status, result.message)
+
+
+#: The served model's config.json, for the adapters E4 writes (the toy reads no weights).
+MODEL_CONFIG = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "head_dim": 4, "num_hidden_layers": 1}
+
+
+@pytest.mark.parametrize(("lora_not_in_hash", "status"), [(False, Status.PASS), (True, Status.FAIL)],
+                         ids=["conforming", "lora_not_in_hash"])
+def test_the_adapter_block_hash_check_on_a_lagging_stream(lora_not_in_hash: bool, status: Status,
+                                                          tmp_path: Path) -> None:
+    """E4's LoRA check counted the blocks stored 0.3 s after each request's first batch: on a
+    stream whose step's later batches come 1 s late, the base prompt's late batches arrived
+    after the adapted request and were counted as its own, so a server leaving the adapter out
+    of the block hash passed ("the same prompt under an adapter 34 of its own")."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(MODEL_CONFIG))
+    (tmp_path / "lora").mkdir()
+    result = run_one(KvFaults(staggered=True), "E4:lora_in_block_hash",
+                     Faults(lora=True, lora_not_in_hash=lora_not_in_hash),
+                     lora_dir=str(tmp_path / "lora"), lora_model_config=str(config))
+    assert result.status is status, result.message
+    assert lora_not_in_hash is ("without the adapter in the block hash" in result.message), result.message
 
 
 def test_a_server_without_kv_events_claims_no_check() -> None:
