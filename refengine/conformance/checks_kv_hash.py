@@ -41,6 +41,13 @@ def _roots(stored: list[Any]) -> list[Any]:
     return [e for e in stored if not e.HasField("parent_block_hash")]
 
 
+def _own_blocks(stored: list[Any]) -> int:
+    """The blocks ``stored`` names from its first chain root on: a request's own chain (the
+    BlockStored before that root are an earlier request's, delivered late)."""
+    first_root = next((i for i, e in enumerate(stored) if not e.HasField("parent_block_hash")), len(stored))
+    return sum(len(e.block_hashes) for e in stored[first_root:])
+
+
 @check("E4", "every BlockStored's parent is known; a salted copy of a prompt stores blocks of its own")
 def stored_events_chain(t: Target) -> str:
     """E3/E4: a view built from a snapshot and the live batches never meets a child before
@@ -83,9 +90,7 @@ def stored_events_chain(t: Target) -> str:
                             "blocks stored before (a chain root)")
     if not salted:
         return f"{len(batches)} batches chain; cache_salt not advertised"
-    since = tracker.stored_since(before)
-    first_root = next((i for i, e in enumerate(since) if not e.HasField("parent_block_hash")), len(since))
-    stored = sum(len(e.block_hashes) for e in since[first_root:])
+    stored = _own_blocks(tracker.stored_since(before))
     expect(stored > 0, "the same prompt under a new cache_salt stored no block: its blocks hash as the unsalted "
                        "ones, so the salt is not in the block hash (E4, K2)")
     return (f"{len(batches)} batches chain ({len(ext)} BlockStored of the extension, parented); a salted copy "
@@ -128,8 +133,7 @@ def lora_in_block_hash(t: Target) -> str:
             tracker.sub.close()
     if not base:
         skip("the prompt without an adapter stored no block (E3 judges that): nothing to compare")
-    first_root = next((i for i, e in enumerate(since) if not e.HasField("parent_block_hash")), len(since))
-    if adapted := sum(len(e.block_hashes) for e in since[first_root:]):
+    if adapted := _own_blocks(since):
         return (f"the base prompt stored {sum(len(e.block_hashes) for e in base)} blocks, the same prompt under "
                 f"an adapter {adapted} of its own")
     expect(not cached, f"the same prompt under LoRA adapter {adapter.lora_name!r} stored no block and reported "

@@ -145,20 +145,18 @@ class MediaPulls:
             self._end(pull)
 
     def _end(self, pull: _RequestPull) -> None:
-        pulled: Pulled | None = pull.pulled
-        fault = pull.failure if isinstance(pull.failure, EngineFault) else None
-        if isinstance(pull.failure, TransferFailure):
-            fault = _fault_of(pull.failure, consumed=len(pull.pulled))
+        """Every part ended: the request's rows, or its one fault (all parts' rows dropped)."""
+        fault = pull.failure
+        if isinstance(fault, TransferFailure):
+            fault = _fault_of(fault, consumed=len(pull.pulled))
         with self._lock:
             if fault is None:
                 self.pulled_bytes += sum(t.numel() * t.element_size() for t in pull.pulled.values())
                 self.pull_seconds += pull.seconds
-            else:
-                pulled = None
             del self._cancel[pull.key]
             if self._current.get(pull.request_id) == pull.key:
                 del self._current[pull.request_id]
-                self._finished.append((pull.request_id, pulled, fault))
+                self._finished.append((pull.request_id, pull.pulled if fault is None else None, fault))
         self._on_done()
 
     def _pull(self, request_id: str, handle: EmbeddingHandleSpec, cancelled: Cancellation,

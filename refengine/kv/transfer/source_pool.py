@@ -39,7 +39,7 @@ class SourcePool:
     def __init__(self, num_threads: int, thread_name_prefix: str, max_wait_seconds: float, source_noun: str,
                  timeout_option: str) -> None:
         self.per_source = max(1, num_threads - 1)
-        self.max_wait_seconds = max_wait_seconds
+        self._max_wait_seconds = max_wait_seconds
         self._source_noun, self._timeout_option = source_noun, timeout_option  # for the failure's message
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix=thread_name_prefix)
         self._lock = threading.Lock()
@@ -71,7 +71,7 @@ class SourcePool:
                         del self._running[source]
 
     def _late(self, waited: float) -> TransferFailure | None:
-        if waited < self.max_wait_seconds:
+        if waited < self._max_wait_seconds:
             return None
         return TransferFailure("failed", f"waited {waited:.0f} s for a transfer thread behind other pulls from "
                                f"the same {self._source_noun} ({self._timeout_option})", retryable=True)
