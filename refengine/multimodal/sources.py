@@ -19,7 +19,10 @@ caller runs in that order (``engine/media.py``, every item's ``local_bytes`` fir
    Truncated, corrupt, zero-size or unrecognised data is refused.
 5. Animated images (GIF, APNG, WebP): the first frame only. The result is RGB; transparency
    is composited onto white (as Hugging Face image processors do). EXIF orientation is not
-   applied: the pixels are used as stored.
+   applied: the pixels are used as stored. Greyscale of more than 8 bits (a 16-bit PNG opens
+   as mode ``I;16``; a TIFF can give ``I``) is scaled to 8 bits, 65535 -> 255: Pillow's own
+   ``convert`` clips each value at 255 instead, which turns almost any such picture white (and
+   so does ``convert("RGB")`` in the Hugging Face and vLLM loaders, where refengine differs).
 
 The ``mime_type`` hint, and a data URI's declared type, are not trusted and choose nothing:
 the format is detected from the bytes, and a hint that disagrees with it is ignored.
@@ -49,6 +52,7 @@ import io
 import re
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from refengine.config import MediaConfig
@@ -66,6 +70,8 @@ FORMAT_ALIASES = {"MPO": "JPEG"}
 _TOKEN = r"[a-z0-9][a-z0-9!#$&^_.+-]*"
 _MEDIA_TYPE = re.compile(rf"{_TOKEN}/{_TOKEN}(?:;{_TOKEN}=[^;,]*)*", re.IGNORECASE)
 _WHITE = (255, 255, 255, 255)
+#: Pillow modes of greyscale wider than 8 bits (``_grey_to_8_bits``).
+_WIDE_GREY = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,10 +238,24 @@ def _webp_canvas(data: bytes) -> tuple[int, int] | None:
 
 def _to_rgb(image: Image.Image) -> Image.Image:
     """A new RGB image (the first frame); transparent parts composited onto white."""
+    if image.mode in _WIDE_GREY:
+        image = _grey_to_8_bits(image)
     if image.has_transparency_data:
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, _WHITE), rgba).convert("RGB")
     return image.convert("RGB")
+
+
+def _grey_to_8_bits(image: Image.Image) -> Image.Image:
+    """Wide greyscale as ``L`` (``LA`` where a transparent grey value is named), each value
+    scaled from 0..65535 to 0..255, rounded; a 32-bit ``I`` value is first held to that range."""
+    values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
+    grey = Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), "L")
+    key = image.info.get("transparency")
+    if not isinstance(key, int):
+        return grey
+    alpha = Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8), "L")
+    return Image.merge("LA", (grey, alpha))
 
 
 def _identity(uuid: str, image: Image.Image) -> str:
