@@ -114,7 +114,7 @@ class Control(oe.ControlServicer):
         info = oe.ModelInfo(
             model_id="" if f.empty_model_id else "toy", served_model_name="toy", served_model_aliases=["toy-alias"],
             max_context_length=CTX, supports_text_input=True, supports_token_ids_input=True, supports_lora=f.lora,
-            supports_multimodal=f.multimodal,
+            supports_multimodal=f.multimodal or f.images,
             generation=oe.GenerationCapabilities(
                 prompt_logprobs=oe.LogprobCapabilities(supported=False) if f.prompt_logprobs_unadvertised else lp,
                 output_logprobs=lp, max_num_sequences=MAX_N, supports_priority=True,

@@ -37,6 +37,7 @@ from tests.conformance.rule_ids import profile_rules_in, rules_in
 from tests.conformance.test_conformance import COVERED_SECTIONS, REPO, rules_markdown
 from tests.conformance.toy_engine import Faults
 from tests.conformance.toy_kv_events import KvFaults, serve_kv
+from tests.conformance.toy_media import PLACEHOLDER
 from tests.conformance.toy_roles import serve_pair
 
 #: 48 at once: the controls (126 on 2026-12-06) run in rounds of 48 (with ~80 controls, 48 at once
@@ -180,6 +181,9 @@ CONTROLS = [
     Control("recomputed-block-unannounced", "E3", kv=events(announce_once=True)),
     Control("salt-not-in-block-hash", "E4", kv=events(salt_ignored=True)),
     Control("lora-not-in-block-hash", "E4", broken(lora_not_in_hash=True)),
+    # Not a fault: a multimodal toy serving images at its placeholder (the suite is told it, as for a real model).
+    Control("images-served", "", broken(images=True)),
+    Control("media-not-in-block-hash", "E4", broken(images=True, media_not_in_hash=True)),
     Control("replay-failure-as-status", "E5", kv=events(status_on_failure=True)),
     Control("expired-replay-as-status", "E5", kv=events(status_on_expired=True)),
     Control("wildcard-event-host", "E6", kv=events(wildcard_host=True)),
@@ -245,6 +249,7 @@ def run_control(control: Control) -> list[Outcome]:
         pair, prefill, decode, pair_engines = serve_pair(control.faults)
         options = Options(idle_timeout_s=3.0, prefill_address=prefill, decode_address=decode, lora_dir=lora_dir,
                           lora_model_config=config, slow_reader_s=0.2, slow_reader_extra=SHED_AFTER,
+                          media_placeholder_token_id=PLACEHOLDER if control.faults.images else None,
                           eviction_budget_tokens=EVICTION_BUDGET if control.rule in ("", "E3") else 0)
         try:
             results = run(address, None, options)
@@ -329,6 +334,17 @@ def test_the_unbroken_toy_checks_every_rule_and_passes_what_it_can_exercise(
     by_name = {name: (status, message) for name, _, status, message in results}
     not_passed = {name: by_name[name] for name in RELEASE_CHECKS + GUIDED_CHECKS + BLOCK_EVENT_CHECKS
                   if by_name[name][0] != Status.PASS.value}
+    assert not not_passed, not_passed
+
+
+#: The checks that send real images at the model's placeholder: the toy serving images must PASS them.
+IMAGE_CHECKS = ["D9:multimodal_image_accepted", "D9:multimodal_image_used", "G19:media_placeholder_mismatch_refused",
+                "G19:media_malformed_image_refused", "E4:media_in_block_hash"]
+
+
+def test_the_toy_serving_images_passes_the_image_checks(outcomes: dict[str, list[Outcome]]) -> None:
+    by_name = {name: (status, message) for name, _, status, message in outcomes["images-served"]}
+    not_passed = {name: by_name[name] for name in IMAGE_CHECKS if by_name[name][0] != Status.PASS.value}
     assert not not_passed, not_passed
 
 

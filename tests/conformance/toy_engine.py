@@ -26,6 +26,7 @@ from google.protobuf import json_format
 from refengine.conformance.release import RELEASE_BSR_COMMIT
 from refengine.protocol import oe
 from tests.conformance.toy_lora import ToyLoras
+from tests.conformance.toy_media import place
 from tests.conformance.toy_model import PrefixCache, distribution, probabilities, token_info
 from tests.conformance.toy_requests import (  # noqa: F401  (the toy's limits, imported from here by tests)
     BLOCK,
@@ -67,6 +68,8 @@ class Faults:
     late_media_validation: bool = False  # D9: media accepted, then EngineError INVALID_ARGUMENT
     ignore_media: bool = False  # D9/G19: media accepted and silently ignored by a text-only model
     late_fetch_failure: bool = False  # not a fault (D9): media URLs accepted, their fetch fails after acceptance
+    images: bool = False  # not a fault: supports_multimodal, PNG images at toy_media.PLACEHOLDER served
+    media_not_in_hash: bool = False  # E4: the image is in neither cache's block key (a new image hits the old's blocks)
     strict_routing_key: bool = False  # M1: a routing key with "/" refused
     lenient_metadata: bool = False  # M2: "1.5" and "1e3" accepted as numbers
     header_rank_over_session: bool = False  # M3: with a target-dp-rank header, kv.session is dropped
@@ -322,10 +325,10 @@ class ToyEngine(Streams):
 
     # -- admission ---------------------------------------------------------------------
     def submit(self, req: Any, priority: int) -> Job:
-        prompt = validate(req, self.faults)
+        prompt, images, image_shift = place(req, validate(req, self.faults), self.faults)
         require(not req.kv.HasField("session"), "kv.session on an AGGREGATED engine",
                 grpc.StatusCode.FAILED_PRECONDITION)
-        shift = self.loras.shift(req.lora_name)
+        shift = self.loras.shift(req.lora_name) + image_shift
         grammar = compile_guide(req, self.faults)
         max_tokens = req.stopping.max_tokens if req.stopping.HasField("max_tokens") else CTX - len(prompt)
         n = req.sampling.num_sequences if req.sampling.num_sequences else 1
@@ -338,7 +341,7 @@ class ToyEngine(Streams):
             outputs = [Output(i, self.rng(req, i), llguidance.LLMatcher(TOKENIZER, grammar, log_level=0)
                               if grammar else None) for i in range(n)]
             job = Job(req, prompt, max_tokens, priority, queue.Queue(), outputs, shift,
-                      self.cache.serve(prompt, req.kv.cache_salt, req.lora_name, req.kv.bypass_prefix_cache),
+                      self.cache.serve(prompt, req.kv.cache_salt, req.lora_name, req.kv.bypass_prefix_cache, images),
                       int(fail_after) if fail_after is not None else None)
             self.jobs[rid] = job
             self.admitted += 1

@@ -1,7 +1,8 @@
 """The toy server with KV events (section E): a Control that serves them from refengine's own
-``KvEventHub``. Each Generate stores its prompt's full blocks (4 ASCII tokens each) that are
-not cached yet, as one batch, evicting the least recently used blocks first when the cache
-(``TOTAL_BLOCKS``, as ServerInfo reports it) is full; ``KvFaults`` break the section-E rules on purpose.
+``KvEventHub``. Each Generate stores its prompt's full blocks (4 ASCII tokens each; an image's
+positions as tests/conformance/toy_media.py expands them) that are not cached yet, as one batch,
+evicting the least recently used blocks first when the cache (``TOTAL_BLOCKS``, as ServerInfo
+reports it) is full; ``KvFaults`` break the section-E rules on purpose.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import grpc
 
 from refengine.engine.kv_events import KvEventHub
 from refengine.kv.keys import block_keys
+from refengine.kv.prefix_hash import MediaSpan, block_extra_keys
 from refengine.protocol import oe
 from refengine.server.kv_events_wire import batch_response
 from refengine.types import BlockRemoved, BlockStored
 from tests.conformance.fake_server import TOTAL_BLOCKS, Control, Inference, start
 from tests.conformance.toy_engine import BLOCK, Faults, ToyEngine
+from tests.conformance.toy_media import requested
 
 
 @dataclass(frozen=True)
@@ -78,16 +81,17 @@ class ToyKvCache:
         self.ever_published: set[bytes] = set()
         self.later_batches: set[int] = set()  # the numbers of batches that are not their step's first
 
-    def store_prompt(self, token_ids: list[int], salt: str, lora_name: str) -> None:
+    def store_prompt(self, token_ids: list[int], salt: str, lora_name: str, images: list[MediaSpan]) -> None:
         extra = ("toy",) + ((f"salt:{salt}",) if salt and not self.faults.salt_ignored else ())
         extra += (f"lora:{lora_name}",) if lora_name else ()
-        keys = block_keys(token_ids, BLOCK, extra)
+        keys = block_keys(token_ids, BLOCK, extra, images)
         with self.lock:
             stored, parent = [], None
             for i, key in enumerate(keys):
                 if key not in self.published and not (self.faults.orphans and i == 0):
                     named = None if self.faults.parent_in_batch_only and not stored else parent
-                    stored.append(BlockStored(key, named, tuple(token_ids[i * BLOCK:(i + 1) * BLOCK]), BLOCK, extra))
+                    stored.append(BlockStored(key, named, tuple(token_ids[i * BLOCK:(i + 1) * BLOCK]), BLOCK,
+                                              block_extra_keys(i, BLOCK, extra, images)))
                 parent = key
             if self.faults.partial_blocks and len(token_ids) % BLOCK:
                 stored.append(BlockStored(bytes(16), parent, tuple(token_ids[len(keys) * BLOCK:]), BLOCK, extra))
@@ -146,9 +150,12 @@ class KvInference(Inference):
         self.cache = cache
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        tokens = [ord(c) % 128 for c in request.prompt] or list(request.token_ids.ids)
-        self.cache.store_prompt(tokens, request.kv.cache_salt,
-                                "" if self.engine.faults.lora_not_in_hash else request.lora_name)
+        faults = self.engine.faults
+        tokens, images = [ord(c) % 128 for c in request.prompt] or list(request.token_ids.ids), []
+        if faults.images:
+            tokens, images = requested(request, tokens)
+        self.cache.store_prompt(tokens, request.kv.cache_salt, "" if faults.lora_not_in_hash else request.lora_name,
+                                [] if faults.media_not_in_hash else images)
         yield from super().Generate(request, context)
 
 

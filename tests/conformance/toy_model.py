@@ -6,8 +6,10 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from refengine.kv.prefix_hash import MediaSpan
 from refengine.protocol import oe
 from tests.conformance.toy_requests import EOS, VOCAB
 
@@ -85,18 +87,20 @@ def token_info(tok: int, lp: tuple[float, ...] | None, spec: Any | None, faults:
 
 
 class PrefixCache:
-    """Full CACHE_BLOCK-token blocks, each keyed by its whole prefix, the cache salt and the LoRA adapter."""
+    """Full CACHE_BLOCK-token blocks, each keyed by its whole prefix, the cache salt, the LoRA adapter
+    and the images with a position in it (their spans: tests/conformance/toy_media.py)."""
 
     def __init__(self, faults: Faults) -> None:
         self.faults = faults
         self.blocks: set[int] = set()
         self.block = 1 if faults.token_cache else CACHE_BLOCK
 
-    def keys(self, prompt: list[int], salt: str, lora_name: str) -> list[int]:
-        """The key of each full block: its whole prefix, the salt and the adapter."""
+    def keys(self, prompt: list[int], salt: str, lora_name: str, images: Sequence[MediaSpan]) -> list[int]:
+        """The key of each full block: its whole prefix, the salt, the adapter and its images."""
         keys, key = [], hash((salt, lora_name))
         for end in range(self.block, len(prompt) + 1, self.block):
-            key = hash((key, tuple(prompt[end - self.block:end])))
+            held = tuple(name for first, last, name in images if first < end and last > end - self.block)
+            key = hash((key, tuple(prompt[end - self.block:end]), held))
             keys.append(key)
         return keys
 
@@ -104,14 +108,15 @@ class PrefixCache:
         """The leading blocks of ``keys`` that are cached."""
         return next((i for i, k in enumerate(keys) if k not in self.blocks), len(keys))
 
-    def serve(self, prompt: list[int], salt: str, lora_name: str, bypass: bool) -> int:
+    def serve(self, prompt: list[int], salt: str, lora_name: str, bypass: bool, images: Sequence[MediaSpan]) -> int:
         """K1-K3, E4: store the prompt's blocks; returns the prompt tokens served from cache."""
         salt = "" if self.faults.prefix_salt_ignored else salt
         lora_name = "" if self.faults.lora_not_in_hash else lora_name
-        keys = self.keys(prompt, salt, lora_name)
+        images = () if self.faults.media_not_in_hash else images
+        keys = self.keys(prompt, salt, lora_name, images)
         hits = self.hits(keys)
         if salt and self.faults.salt_falls_back_to_unsalted:  # K2's fault: a salted miss looks in the unsalted cache
-            hits = max(hits, self.hits(self.keys(prompt, "", lora_name)))
+            hits = max(hits, self.hits(self.keys(prompt, "", lora_name, images)))
         if bypass and not self.faults.bypass_ignored:
             hits = 0
         self.blocks.update(keys)

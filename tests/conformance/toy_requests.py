@@ -143,13 +143,15 @@ def _response(r: Any, prompt: list[int]) -> None:
 
 
 def _media(req: Any, faults: Faults) -> None:
-    """G19 (and D9 for the multimodal variant, whose media fail after acceptance)."""
+    """G19 (and D9 for the multimodal variants: media failing after acceptance, or images,
+    which tests/conformance/toy_media.py validates)."""
     if faults.ignore_media:
         return
     items = [m for m in req.media if m.WhichOneof("source") is not None or not faults.accept_sourceless_media]
     require(all(m.WhichOneof("source") is not None for m in items), "a media item sets no source")
     fetched_late = faults.late_fetch_failure and all(m.WhichOneof("source") == "url" for m in items)
-    require(not items or faults.late_media_validation or fetched_late, "multimodal input is not supported")
+    require(not items or faults.images or faults.late_media_validation or fetched_late,
+            "multimodal input is not supported")
 
 
 def validate(req: Any, faults: Faults) -> list[int]:
