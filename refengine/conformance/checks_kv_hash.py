@@ -25,12 +25,13 @@ from refengine.conformance.encoder_support import unique_png
 from refengine.conformance.kv_announced import Tracker, announced
 from refengine.conformance.kv_subscriber import (
     EVENT_WAIT_S,
+    HashKey,
+    KvView,
     _block_size,
+    _key,
     _need_text,
     fresh_prompt,
     generate,
-    new_batches,
-    stored_count,
     subscribe,
 )
 from refengine.conformance.registry import check, expect, fail, skip
@@ -153,34 +154,67 @@ def _image_prompt(t: Target, token: int) -> list[int]:
     return [rng.choice(text) for _ in range(block)] + [token] + [text[k % len(text)] for k in range(2 * block)]
 
 
+def _children(view: KvView, block: HashKey) -> set[HashKey]:
+    """The blocks ``view`` holds whose parent is ``block``."""
+    return {key for key, parent in view.blocks.items() if parent == block}
+
+
 @check("E4", "the same prompt with a different image stores blocks of its own")
 def media_in_block_hash(t: Target) -> str:
-    """E4 (media; found by review: the media part was unchecked): one token prompt sent with a
-    fresh image, then with another fresh image. The second image's KV differs from the
-    placeholder on, so it must store blocks of its own; served the first image's blocks it
-    would answer about the wrong picture. Skips without the placeholder (D9's option) or when
-    the first request stored no block."""
+    """E4 (media; found by review: the media part was unchecked): one token prompt, a block of
+    text then the image's placeholder, sent with a fresh image, then with another fresh image.
+    The text block is the same under both, so the second image's blocks chain onto the cached
+    one (no chain root, unlike the salted or adapted copies): the block holding the image's
+    first position depends on the image, so each image stores a child of the text block of its
+    own. Served the first image's blocks, the second would answer about the wrong picture.
+
+    It waits for what it judges, not for a time window: the first image prompt's blocks until
+    announced (``kv_announced``), then a second child of its text block (either image's may
+    come late; up to EVENT_WAIT_S), unless the second request's Usage reports more cached
+    prompt tokens than the text before the image: a position from the image on then reused KV
+    computed with the first image, the violation visible (the text block itself is a
+    legitimate hit, unlike any hit under an adapter). Counting the blocks stored 0.3 s after
+    each request passed a server leaving the image out of its block hash on a stream whose
+    step's later batches come 1 s late: the first prompt's late batches counted as the
+    second's. Skips without the placeholder (D9's option) or when no block after the text
+    block was stored (a server not caching blocks that hold an image)."""
     token = _placeholder(t)
     ids = _image_prompt(t, token)
-    sub = subscribe(t)
-    results: list[Any] = []
+    tracker = Tracker(subscribe(t))
 
-    def send(tag: str) -> None:
+    def send(tag: str, image: bytes) -> Any:
         req = t.request(tag, token_ids=ids, max_tokens=2)
-        _image(unique_png(t, tag))(req.media.add())
-        results.append(expect_valid(t.generate(req), what=f"the image prompt ({tag})"))
+        _image(image)(req.media.add())
+        return expect_valid(t.generate(req), what=f"the image prompt ({tag})").usage()
 
     try:
-        first = stored_count(new_batches(sub, lambda: send("e4imga")))
-        second = stored_count(new_batches(sub, lambda: send("e4imgb")))
-        expect(not sub.errors, f"the subscription failed: {sub.describe()}")
+        image = unique_png(t, "e4imga")
+        _, _, first = announced(t, tracker, lambda: send("e4imga", image), lambda _: False)
+        text = next((_key(e.block_hashes[0]) for e in _roots(first)), None)
+        usage = send("e4imgb", unique_png(t, "e4imgb"))
+        cached = usage.cached_prompt_tokens if usage is not None else 0
+        if text is not None and cached <= ids.index(token):  # else the violation is visible already
+
+            def forked(_: Any) -> bool:
+                tracker.catch_up()
+                return len(_children(tracker.view, text)) > 1
+
+            tracker.sub.wait(forked, EVENT_WAIT_S)
+        tracker.catch_up()
+        expect(not tracker.sub.errors, f"the subscription failed: {tracker.sub.describe()}")
     finally:
-        sub.close()
+        tracker.sub.close()
     if not first:
         skip("the first image prompt stored no block (E3 judges that): nothing to compare")
-    if second:
-        return f"the prompt stored {first} blocks with one image, {second} of its own with another"
-    usage = results[1].usage()
-    cached = usage.cached_prompt_tokens if usage is not None else 0
-    fail(f"the same token prompt with another image stored no block ({cached} cached prompt tokens): its blocks "
-         "hash as the first image's, so the image is not in the block hash")
+    if text is None:
+        skip("the first image prompt stored no chain root (E4's chain check judges that): its text block is unknown")
+    children = _children(tracker.view, text)
+    if len(children) > 1:
+        return (f"the prompt's text block has a child block under each image: the second image's blocks hash apart "
+                f"from the image on ({sum(len(e.block_hashes) for e in first)} blocks of the first image prompt "
+                "announced before the second was sent)")
+    if not children:
+        skip("neither image prompt stored a block after its text block: this server does not cache blocks holding "
+             "an image, so there is no hash to judge")
+    fail(f"the same token prompt with another image stored no block of its own from the image on ({cached} cached "
+         "prompt tokens): its blocks hash as the first image's, so the image is not in the block hash")

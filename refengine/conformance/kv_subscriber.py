@@ -262,21 +262,6 @@ def expired_replay(t: Target, tag: str) -> tuple[KvSubscriber, int]:
     return subscribe(t, start=1), newest
 
 
-def new_batches(sub: KvSubscriber, request: Callable[[], None]) -> list[Any]:
-    """The batches that arrive after ``request`` (one Generate that stores fresh blocks, or none)."""
-    before = len(sub.batches)
-    request()
-    sub.wait(lambda s: len(s.batches) > before, 2.0)
-    time.sleep(SETTLE_S)  # the rest of its batches
-    return sub.batches[before:]
-
-
-def stored_count(batches: list[Any]) -> int:
-    """The blocks the ``BlockStored`` events of ``batches`` store."""
-    return sum(len(e.block_stored.block_hashes) for b in batches for e in b.events
-               if e.WhichOneof("event") == "block_stored")
-
-
 def latest_number(t: Target) -> int:
     """The newest batch number: a snapshot's (E2), else a live batch caused by one request."""
     sub = subscribe(t, include_snapshot=True)

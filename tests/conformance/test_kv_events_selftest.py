@@ -18,6 +18,7 @@ from refengine.conformance import Options, Status, run, run_report, select
 from tests.conformance import toy_kv_events
 from tests.conformance.toy_engine import Faults
 from tests.conformance.toy_kv_events import LAG_SECONDS, KvFaults, serve_kv
+from tests.conformance.toy_media import PLACEHOLDER
 
 E_CHECKS = ["E1:replay_expired", "E1:replay_retained", "E1:sequence_numbers_increase", "E2:snapshot_then_live",
             "E3:removed_on_eviction", "E3:stored_full_blocks", "E4:lora_in_block_hash", "E4:media_in_block_hash",
@@ -125,6 +126,21 @@ def test_the_adapter_block_hash_check_on_a_lagging_stream(lora_not_in_hash: bool
                      lora_dir=str(tmp_path / "lora"), lora_model_config=str(config))
     assert result.status is status, result.message
     assert lora_not_in_hash is ("without the adapter in the block hash" in result.message), result.message
+
+
+@pytest.mark.parametrize(("media_not_in_hash", "status"), [(False, Status.PASS), (True, Status.FAIL)],
+                         ids=["conforming", "media_not_in_hash"])
+def test_the_image_block_hash_check_on_a_lagging_stream(media_not_in_hash: bool, status: Status) -> None:
+    """E4's media check counted the blocks stored 0.3 s after each request's first batch: on a
+    stream whose step's later batches come 1 s late, the first image prompt's late batch (3 of
+    its 19 blocks) arrived after the second request and was counted as its own, so a server
+    leaving the image out of the block hash passed ("16 blocks with one image, 3 of its own
+    with another"); the conforming server passed on those same 3 blocks, none of the second's."""
+    result = run_one(KvFaults(staggered=True), "E4:media_in_block_hash",
+                     Faults(images=True, media_not_in_hash=media_not_in_hash), media_placeholder_token_id=PLACEHOLDER)
+    assert result.status is status, result.message
+    assert media_not_in_hash is ("the image is not in the block hash" in result.message), result.message
+    assert media_not_in_hash or "a child block under each image" in result.message, result.message
 
 
 def test_a_server_without_kv_events_claims_no_check() -> None:
