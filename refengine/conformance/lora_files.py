@@ -21,7 +21,6 @@ import numpy as np
 from safetensors.numpy import save_file
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
