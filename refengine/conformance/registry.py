@@ -41,10 +41,6 @@ SECTIONS: dict[str, str] = {
     "X": "errors",
     "ENC": "draft profile encoder",
 }
-#: Sections that are draft profiles (docs/profiles/README.md), not RULES.md: each names its page,
-#: where its rules are written ``- **ENC1** ...``. Their checks skip as "not claimed" against a
-#: server that does not list the profile in ServerInfo.extra["refengine.profiles"].
-PROFILE_PAGES: dict[str, str] = {"ENC": "docs/profiles/encoder.md"}
 
 _RULE_ID = re.compile(r"^([A-Z]+)(\d+)$")
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import re
 
+#: Sections of the registry that are draft profiles (docs/profiles/README.md), not RULES.md: each
+#: names its page, where its rules are written ``- **ENC1** ...``.
+PROFILE_PAGES: dict[str, str] = {"ENC": "docs/profiles/encoder.md"}
+
 
 def rules_in(markdown: str, sections: str) -> list[str]:
     """Rule ids defined in a RULES.md text (lines ``- G14 ...``) for the given sections."""

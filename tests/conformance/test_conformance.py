@@ -18,9 +18,9 @@ import pytest
 
 from refengine.conformance import Options, Status, Target, all_checks, run_check
 from refengine.conformance.checks_errors import stalled_stream
-from refengine.conformance.registry import PROFILE_PAGES, Check
+from refengine.conformance.registry import Check
 from refengine.server.convert import EXTRA_STALL_TIMEOUT, EXTRA_STREAM_BUFFER
-from tests.conformance.rule_ids import rules_in
+from tests.conformance.rule_ids import PROFILE_PAGES, rules_in
 from tests.integration.conftest import ServerProcess
 from tests.support_matrix import observe
 

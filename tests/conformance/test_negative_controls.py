@@ -31,9 +31,9 @@ from typing import Any
 import pytest
 
 from refengine.conformance import Options, Status, run, select
-from refengine.conformance.registry import PROFILE_PAGES, all_checks
+from refengine.conformance.registry import all_checks
 from tests.conformance import encoder_controls
-from tests.conformance.rule_ids import profile_rules_in, rules_in
+from tests.conformance.rule_ids import PROFILE_PAGES, profile_rules_in, rules_in
 from tests.conformance.test_conformance import COVERED_SECTIONS, REPO, rules_markdown
 from tests.conformance.toy_engine import Faults
 from tests.conformance.toy_kv_events import KvFaults, serve_kv

@@ -17,14 +17,14 @@ from refengine.conformance.checks_errors import retryable_problem
 from refengine.conformance.encoder_support import handle_problems, profile_problems, tampered
 from refengine.conformance.guides import CASES
 from refengine.conformance.json_prefix import json_prefix_problem
-from refengine.conformance.registry import PROFILE_PAGES, rule_key, rule_section
+from refengine.conformance.registry import rule_key, rule_section
 from refengine.conformance.release import RELEASE_BSR_COMMIT, RELEASE_GIT_COMMIT, schema_release_problem
 from refengine.conformance.target import ConnectError
 from refengine.protocol import oe
 from refengine.protocol.v1alpha1 import media_pb2 as media
 from tests.conformance import toy_engine
 from tests.conformance.fake_server import Faults, serve
-from tests.conformance.rule_ids import profile_rules_in
+from tests.conformance.rule_ids import PROFILE_PAGES, profile_rules_in
 from tests.conformance.test_conformance import REPO
 from tests.conformance.test_negative_controls import GUIDED_CHECKS
 from tests.integration.conftest import free_port
