@@ -72,8 +72,3 @@ def parse(text: str) -> tuple[list[str], Cells]:
             if value != NOT_RUN:
                 cells[(column, match.group("check"))] = value
     return columns, cells
-
-
-def listed_checks(text: str) -> list[str]:
-    """Check names with a row on the page, in page order."""
-    return [m.group("check") for m in map(_ROW.match, text.splitlines()) if m]
