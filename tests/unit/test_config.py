@@ -342,7 +342,11 @@ def test_apply_process_settings_sets_the_thread_count_only_when_asked() -> None:
 
 
 def test_config_names_match_the_registry() -> None:
-    assert ATTENTION_BACKENDS == ("auto", *registry.backend_names())
+    """config.ATTENTION_BACKENDS (for code that may not import torch) is what the registry offers, in
+    its order: the names an unknown backend is told to choose from."""
+    with pytest.raises(ValueError, match="choose one of ") as refused:
+        registry.make_attention_backend("flash", torch.float32, "cpu", KernelConfig())
+    assert str(refused.value).partition("choose one of ")[2] == ", ".join(ATTENTION_BACKENDS)
 
 
 def test_unknown_backend_lists_the_known_ones() -> None:

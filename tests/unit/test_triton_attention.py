@@ -297,7 +297,8 @@ def test_a_step_the_eager_path_would_split_runs_eagerly() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_without_cuda_triton_is_unavailable_and_auto_unchanged(dtype: torch.dtype) -> None:
     kernels = KernelConfig()
-    assert registry.backend_names()[:2] == ("flashinfer", "triton")  # CUDA backends first: auto prefers them
+    why = registry.choose_backend("auto", dtype, "cpu", kernels)[1]
+    assert why.index("flashinfer: ") < why.index("triton: "), why  # CUDA backends first: auto prefers them
     for device in ("cpu", "cuda"):
         reason = registry.unavailable_reason("triton", dtype, device, kernels)
         assert reason and ("needs CUDA" in reason or "CUDA is not available" in reason or "not installed" in reason)

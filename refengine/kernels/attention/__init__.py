@@ -6,7 +6,6 @@ from refengine.config import ATTENTION_BACKENDS
 from refengine.kernels.attention.base import AttentionBackend, AttentionMetadata
 from refengine.kernels.attention.registry import (
     available_backends,
-    backend_names,
     make_attention_backend,
     register_backend,
     unavailable_reason,
@@ -14,5 +13,5 @@ from refengine.kernels.attention.registry import (
 from refengine.kernels.attention.torch_ref import TorchReferenceBackend
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "TorchReferenceBackend",
-           "available_backends", "backend_names", "make_attention_backend", "register_backend",
+           "available_backends", "make_attention_backend", "register_backend",
            "unavailable_reason"]

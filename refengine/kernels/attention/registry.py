@@ -6,8 +6,8 @@ backend that is available, so registration order is preference order: the fastes
 narrowest backend first, the torch reference (any dtype, any device) last. Naming a
 backend insists on it: unavailable is an error carrying the reason.
 
-``refengine.config.ATTENTION_BACKENDS`` repeats ``("auto", *backend_names())`` for code
-that may not import torch; ``tests/unit/test_config.py`` checks that they agree.
+``refengine.config.ATTENTION_BACKENDS`` repeats ``auto`` and the registered names, in order, for
+code that may not import torch; ``tests/unit/test_config.py`` checks that they agree.
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ def register_backend(name: str, factory: BackendFactory, unavailable_reason: Una
     if name == AUTO or name in _BACKENDS:
         raise ValueError(f"attention backend name {name!r} is reserved or already registered")
     _BACKENDS[name] = _Entry(factory, unavailable_reason)
-
-
-def backend_names() -> tuple[str, ...]:
-    """Every registered backend, in ``auto``'s order of preference."""
-    return tuple(_BACKENDS)
 
 
 def unavailable_reason(name: str, dtype: torch.dtype, device: str, kernels: KernelConfig,
