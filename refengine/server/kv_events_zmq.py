@@ -79,7 +79,6 @@ class ZmqKvEventPublisher:
         self._lock = threading.Lock()  # guards the counters read by other threads
         self._pub_addr: tuple[str, int] | None = None
         self._replay_addr: tuple[str, int] | None = None
-        self.resyncs = 0  # times the engine cut the subscription off and a snapshot was sent
 
     # -- lifecycle -------------------------------------------------------------
     def start(self) -> None:
@@ -216,7 +215,6 @@ class ZmqKvEventPublisher:
             self._stop.wait(RESUBSCRIBE_BACKOFF_SECONDS)
             self._ready.set()
             return
-        self.resyncs += 1
         self._ready.set()  # the snapshot batch is already queued
 
     def _publish_batch(self, batch: KvEventBatch) -> None:

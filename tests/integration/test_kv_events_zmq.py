@@ -329,7 +329,9 @@ def test_a_consumer_view_ends_equal_to_the_pool_after_evictions_and_a_reset(tiny
     sub.close(linger=0)
 
 
-def test_a_publisher_cut_off_by_the_engine_resends_the_cache_after_a_clear(tiny, ctx, started) -> None:
+def test_a_publisher_cut_off_by_the_engine_resends_the_cache_after_a_clear(tiny, ctx, started, caplog) -> None:
+    """What a consumer sees of the cut-off: one message starting with AllBlocksCleared, then the cached
+    blocks, then live batches again; what the operator sees: one warning saying so."""
     engine = make_engine(tiny, subscriber_buffer=1)
     gate = threading.Event()
     pub = ZmqKvEventPublisher(engine, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}",
@@ -346,9 +348,14 @@ def test_a_publisher_cut_off_by_the_engine_resends_the_cache_after_a_clear(tiny,
         for i in range(3):  # several batches while the publisher holds one: the engine cuts it off
             engine.run_until_done([request(f"c{i}", ids(60 + i, 9), max_tokens=2)])
         gate.set()
-        wait_until(lambda: pub.resyncs == 1, "the resubscription")
         view: dict[int, int | None] = {}
         messages = []
+
+        def clears() -> int:
+            messages[:] = [decode(p) for _, p in replay(ctx, pub.replay_endpoint, 0)]
+            return sum(events[:1] == [{"type": "AllBlocksCleared"}] for events in messages)
+
+        wait_until(lambda: clears() == 1, "the snapshot after the cut-off")
 
         def caught_up() -> bool:
             messages[:] = [decode(p) for _, p in replay(ctx, pub.replay_endpoint, 0)]
@@ -363,7 +370,9 @@ def test_a_publisher_cut_off_by_the_engine_resends_the_cache_after_a_clear(tiny,
         assert {e["block_hashes"][0] for e in resync[1:]} == published(engine)
         engine.run_until_done([request("live", ids(70, 9), max_tokens=2)])  # live again after it
         wait_until(caught_up, "live batches after the snapshot")
-        assert pub.resyncs == 1
+        assert clears() == 1 and messages[-1][0] != {"type": "AllBlocksCleared"}
+        resent = [r for r in caplog.records if "resending the cached blocks" in r.getMessage()]
+        assert len(resent) == 1 and resent[0].levelname == "WARNING"
     finally:
         pub.close()
 
