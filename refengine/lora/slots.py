@@ -20,7 +20,6 @@ class LoraSlots:
         self.num_slots = num_slots
         self._load_slot = load_slot
         self._resident: OrderedDict[int, int] = OrderedDict()  # adapter key -> slot, least recent first
-        self.num_swaps = 0  # adapters copied into a slot, in total
 
     def assign(self, adapters: Iterable[LoadedLora]) -> dict[int, int]:
         """Slots for this step's adapters (``key -> slot``), loading those not resident."""
@@ -34,7 +33,6 @@ class LoraSlots:
                 slot = self._free_slot(needed)
                 self._load_slot(slot, loaded)
                 self._resident[key] = slot
-                self.num_swaps += 1
         return {key: self._resident[key] for key in needed}
 
     def _free_slot(self, needed: dict[int, LoadedLora]) -> int:

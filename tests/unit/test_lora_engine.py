@@ -157,17 +157,19 @@ def test_a_mixed_batch_gives_each_request_its_solo_tokens(tiny, adapters, max_lo
     engine = make_engine(tiny, root, max_loras=max_loras)
     for name in ADAPTERS:
         engine.load_lora(spec(name, root))
-    per_step: list[int] = []  # distinct adapters of each step
+    per_step: list[set[int]] = []  # distinct adapters of each step
     assign = engine.core.lora.slots.assign
 
     def counting_assign(step_adapters):
         step_adapters = list(step_adapters)
-        per_step.append(len({loaded.key for loaded in step_adapters}))
+        per_step.append({loaded.key for loaded in step_adapters})
         return assign(step_adapters)
 
     engine.core.lora.slots.assign = counting_assign
     assert tokens(engine, requests) == solo
-    assert max(per_step) <= max_loras and (max_loras == 4 or engine.core.lora.slots.num_swaps > max_loras)
+    assert max(map(len, per_step)) <= max_loras
+    # More adapters than slots ran: some were copied into a slot another had held.
+    assert max_loras == 4 or len(set().union(*per_step)) > max_loras
     assert_idle(engine)
 
 
