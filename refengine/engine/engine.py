@@ -180,9 +180,11 @@ class Engine(EngineAcceptMixin, EngineKvMixin, EngineLoraMixin, EngineLoopMixin)
     def stats(self) -> EngineStats:
         """A snapshot taken when the running step chose its batch (else at the end of the last
         step), plus the requests enqueued since, also those a step has taken and not yet scheduled."""
+        subscribers = self.kv_events.num_subscribers  # the hub's own lock, not taken under the engine's
         with self._lock:
             snapshot, num_new = self._stats, len(self._inbox) + self._num_taken
-            return replace(snapshot, waiting_requests=snapshot.waiting_requests + num_new, num_steps=self._num_steps)
+            return replace(snapshot, waiting_requests=snapshot.waiting_requests + num_new, num_steps=self._num_steps,
+                           kv_event_subscribers=subscribers)
 
     # -- the step (engine thread) ----------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -161,6 +161,7 @@ class ControlServicer(oe.ControlServicer):
                 decode_batch_size=stats.decode_batch_size,
                 attributes=_struct({"cached_kv_blocks": stats.cached_kv_blocks,
                                     "open_streams": len(self.state.streams),
+                                    "kv_event_subscribers": stats.kv_event_subscribers,
                                     "kv_pulled_bytes": stats.kv_pulled_bytes,
                                     "kv_pull_seconds": stats.kv_pull_seconds,
                                     "embedding_pulled_bytes": stats.embedding_pulled_bytes,

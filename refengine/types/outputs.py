@@ -131,6 +131,7 @@ class EngineStats:
     embedding_pulled_bytes: int = 0  # consumers: embedding rows received from encoders, in total
     embedding_pull_seconds: float = 0.0  # ... and the time those pulls took
     num_steps: int = 0  # steps the engine has run, in total: progress (a busy engine's steps advance)
+    kv_event_subscribers: int = 0  # KV event streams being fed: SubscribeKvEvents calls, the ZMQ publisher
 
 
 @dataclass(frozen=True)

@@ -228,6 +228,30 @@ def test_getload_cached_blocks_drop_to_zero_after_sigusr1(server: ServerProcess,
     assert client.load().attributes["cached_kv_blocks"] == 0
 
 
+def subscribers_reach(client: OpenEngineClient, count: int, timeout: float = 10.0) -> int:
+    """GetLoad's ``kv_event_subscribers`` once it equals ``count``, or when ``timeout`` ran out."""
+    deadline = time.monotonic() + timeout
+    while (seen := int(client.load().attributes["kv_event_subscribers"])) != count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return seen
+
+
+def test_getload_counts_the_kv_event_streams_being_fed(client: OpenEngineClient) -> None:
+    """``LoadInfo.attributes["kv_event_subscribers"]``: the streams the engine feeds, one less as each
+    client leaves (a subscription the server kept after its client left would show here)."""
+    assert subscribers_reach(client, 0) == 0
+    live, snapshot = subscribe(client), subscribe(client, include_snapshot=True)
+    try:
+        assert snapshot.wait_responses(1), snapshot.describe()
+        assert subscribers_reach(client, 2) == 2
+        live.close()
+        assert subscribers_reach(client, 1) == 1
+    finally:
+        live.close()
+        snapshot.close()
+    assert subscribers_reach(client, 0) == 0
+
+
 def refused(sub: KvSubscriber) -> str:
     assert sub.wait_end(10), sub.describe()
     assert sub.responses == [], sub.describe()

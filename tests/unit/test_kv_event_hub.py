@@ -201,7 +201,7 @@ def test_replay_from_an_expired_or_future_number_fails_with_a_message(tiny) -> N
     ok = View(engine, start=oldest)
     ok.drain()
     assert [b.sequence_number for b in ok.batches] == list(range(oldest, last + 1)) and ok.failure is None
-    subscribers = engine.kv_events.num_subscribers
+    subscribers = engine.stats().kv_event_subscribers
     for start in (1, oldest - 1):
         expired = View(engine, start=start)
         expired.drain()
@@ -210,7 +210,7 @@ def test_replay_from_an_expired_or_future_number_fails_with_a_message(tiny) -> N
     future = View(engine, start=last + 2)
     future.drain()
     assert future.batches == [] and f"newest batch is {last}" in (future.failure or "")
-    assert engine.kv_events.num_subscribers == subscribers  # a failed subscription is not kept
+    assert engine.stats().kv_event_subscribers == subscribers  # a failed subscription is not kept
 
 
 def test_snapshot_and_replay_exclude_each_other_and_disabled_events_refuse(tiny) -> None:
@@ -241,7 +241,7 @@ def test_a_subscriber_that_never_takes_is_cut_off_and_the_engine_runs_on(tiny) -
     batches, failure = stuck.take()
     assert batches == received[:3]  # it keeps what it held, in order, then one failure
     assert failure is not None and "too slow" in failure and "3 batches unread" in failure
-    assert engine.kv_events.num_subscribers == 1  # dropped from the hub: only ``healthy`` is fed
+    assert engine.stats().kv_event_subscribers == 1  # dropped from the hub: only ``healthy`` is fed
     assert len(calls) == 4  # three batches and the failure; nothing after it
 
 
