@@ -16,9 +16,9 @@ it yields.
 
 Chat: OpenEngine v0.1.0 has no chat API; templates are applied by the caller.
 ``stream_text(chat=formatter)`` calls ``formatter(model, prompt)`` before sending;
-``refengine generate --remote --chat`` passes one that applies the model's chat template
-*locally*, which works only when this machine can resolve the served model by name (a
-manifest such as the embedded ``smollm2-135m-instruct``).
+``refengine.model.chat.chat_prompt`` is one (what ``refengine generate --remote --chat`` applies):
+it renders the model's chat template *locally*, which works only when this machine can resolve
+the served model by name (a manifest such as the embedded ``smollm2-135m-instruct``).
 """
 
 from __future__ import annotations
@@ -204,8 +204,8 @@ ChatFormatter = Callable[[str, str], str]
 
 def stream_text(address: str, prompt: str, model: str = "", max_tokens: int = 128, temperature: float = 0.0,
                 chat: ChatFormatter | None = None) -> Iterator[str]:
-    """Text deltas of output 0, for ``refengine generate --remote``. OpenEngine v0.1.0 has no
-    chat API: with ``chat``, the caller's formatter applies the model's template here."""
+    """Text deltas of output 0 of one request: the shortest way to stream from any server. OpenEngine
+    v0.1.0 has no chat API: with ``chat``, the caller's formatter applies the model's template here."""
     with OpenEngineClient(address) as client:
         if chat is not None:
             prompt = chat(model or client.default_model(), prompt)

@@ -25,8 +25,9 @@ claimed"::
 
 or from Python::
 
-    from refengine.conformance import run
+    from refengine.conformance import format_matrix, run
     results = run("127.0.0.1:50051", rules=["G"])
+    print(format_matrix(results))  # a markdown table (rule, section, check, status, message), then a summary
 """
 
 from refengine.conformance.registry import Check, Status, all_checks, check, select
