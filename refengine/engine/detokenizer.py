@@ -18,7 +18,7 @@ at a whole character. For byte-level BPE that is judged from the tokens' bytes
 (``held_bytes.ByteStream``: a literal U+FFFD is whole, a piece of a character is not),
 before any decoding; for other tokenizers from the decoded text not ending in U+FFFD.
 Held tokens are not decoded again per token: a byte-level piece is at most 3 bytes of a
-character, and a held byte-fallback run's text is kept as it grows (``ByteRun``).
+character, and a held byte-fallback run's text is kept as it grows, in pieces (``HeldText``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from refengine.engine.held_bytes import ByteRun, ByteStream, run_ends, stream_ends
+from refengine.engine.held_bytes import ByteRun, ByteStream, HeldText, run_ends, stream_ends
 from refengine.engine.token_texts import REPLACEMENT_CHAR, decode, token_text, tokenizer_info
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class IncrementalDetokenizer:
     - Cost per token: two decodes of a short window (ids since the last stable
       boundary but one; three when held tokens are released), never of the whole output.
       A byte-level piece or byte-fallback token costs none while it is held: the run is
-      decoded once when released, and ``peek_final`` reads the text kept as it grew.
+      decoded once when released, and ``peek_final`` is the text kept as it grew, in pieces.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int]) -> None:
@@ -154,28 +154,34 @@ class IncrementalDetokenizer:
         string. (``peek_final`` leaves a byte-level piece's incomplete character out.)"""
         return self._ended
 
-    def peek(self) -> str:
-        """What ``flush`` would return now, without changing anything."""
+    def peek(self, limit: int | None = None) -> str:
+        """What ``flush`` would return now, without changing anything; ``limit``: at least its first
+        ``limit`` characters (where the held text is kept, only those are joined)."""
         if len(self._ids) == self._read_offset:
             return ""
         if self._token_bytes is not None:  # the held tokens' text, as their bytes read
-            return self._stream.held_text(incomplete=True)
-        run = self._byte_run
-        if run is not None and run.num_bytes == len(self._ids) - self._read_offset and self._prefix_text:
-            # only the run is held, after a prefix of its own text: the run reads by itself
-            return run.text()
-        return decode(self._tokenizer, self._ids)[len(self._prefix_text) :]
+            return self._stream.held_text(limit)
+        run = self._lone_run()
+        return decode(self._tokenizer, self._ids)[len(self._prefix_text) :] if run is None else run.text(limit)
 
-    def peek_final(self) -> str:
+    def _lone_run(self) -> ByteRun | None:
+        """The byte-fallback run, when it is all that is held, after a prefix: it reads by itself."""
+        run = self._byte_run
+        return run if run and run.num_bytes == len(self._ids) - self._read_offset and self._prefix_text else None
+
+    def peek_final(self) -> HeldText:
         """``peek`` less what a later token may still change: a trailing U+FFFD of a byte-level
         BPE piece (the next piece may complete its character; found by review: a stop string
         "\ufffd" matched every emoji split across tokens). Byte-level BPE: the held characters
         as its bytes read, kept as they came. After a byte-fallback piece that ended its
-        character (``ended_character``) the held text is final as it reads."""
+        character (``ended_character``) the held text is final as it reads. While it only grows, the
+        same object (a stop-string check reads on in it)."""
         if self._token_bytes is not None:
-            return self._stream.held_text()
+            return self._stream.held
+        if (run := self._lone_run()) is not None:  # its last token is a byte: final as it reads
+            return run.held()
         held = self.peek()
-        return held if self._ids and self._ids[-1] in self._byte_values else held.rstrip(REPLACEMENT_CHAR)
+        return HeldText([held if self._ids and self._ids[-1] in self._byte_values else held.rstrip(REPLACEMENT_CHAR)])
 
     def token_ends(self) -> tuple[int, ...] | None:
         """For the last text that several tokens made together (the held ones, then the one that
@@ -204,22 +210,22 @@ class IncrementalDetokenizer:
             return None
         if inside <= 0 or window is None:
             return 0
-        whole = self._prefix_text + self.peek() if held else None  # held: a byte run's kept text
-        ends = self._readable_ends(*window, window[1] + inside, whole_characters=True, whole=whole)
+        ends = self._readable_ends(*window, window[1] + inside, whole_characters=True, held=held)
         return max((end for end in ends if end is not None), default=0)
 
     def _readable_ends(self, ids: list[int], start: int, prefix: str, upto: int,
-                       whole_characters: bool = False, whole: str | None = None) -> list[int | None]:
+                       whole_characters: bool = False, held: bool = False) -> list[int | None]:
         """For each token of ``ids[start:upto]``: where the text of the tokens up to it ends in the
         window's text (after ``prefix``), when that text reads as the start of the window's; None
         for a piece of a character. ``whole_characters``: a byte-level piece ending in part of a
         character ends after its whole ones (they are its own: found by review, min_tokens let a
-        stop string its space made end the output, as if the next token had made it). ``whole``:
-        the window's text, when known without decoding it."""
-        whole = decode(self._tokenizer, ids) if whole is None else whole
+        stop string its space made end the output, as if the next token had made it). ``held``:
+        the window is the held one, whose text is ``peek``'s (a byte run's kept text)."""
+        whole = None if held else decode(self._tokenizer, ids)
         ends = self._ends_from_bytes(ids, start, prefix, upto, whole, whole_characters)
         if ends is not None:
             return ends
+        whole = self._prefix_text + self.peek() if whole is None else whole
         ends = []
         for end in range(start + 1, upto + 1):
             partial = whole if end == len(ids) else decode(self._tokenizer, ids[:end])
@@ -230,23 +236,29 @@ class IncrementalDetokenizer:
             ends.append(len(partial) - len(prefix) if reads else None)
         return ends
 
-    def _ends_from_bytes(self, ids: list[int], start: int, prefix: str, upto: int, whole: str,
+    def _ends_from_bytes(self, ids: list[int], start: int, prefix: str, upto: int, whole: str | None,
                          whole_characters: bool) -> list[int | None] | None:
         """``_readable_ends`` in one pass over the tokens' bytes, without a decode per token, where
         they tell it: byte-level BPE, or a byte-fallback run after a prefix of its own text. The
-        window's last token ends with it (it may be the one ending a run)."""
-        if not whole.startswith(prefix):
+        window's last token ends with it (it may be the one ending a run). ``whole``: the window's
+        text; None for the held one's, read only as far as the tokens up to ``upto`` reach (not a
+        long held run's per token): a byte reads as one character at most, an added token as its
+        text after a U+FFFD."""
+        inner = ids[start : min(upto, len(ids) - 1)]
+        if self._token_bytes is not None:
+            chunks = [token_text(self._tokenizer, t) if (d := self._token_bytes.get(t)) is None else d for t in inner]
+            reach = sum(len(chunk) + 1 for chunk in chunks) + 1
+        elif prefix and start and ids[start - 1] not in self._byte_values and set(inner) <= self._byte_values.keys():
+            reach = len(inner) + 1
+        else:
             return None
-        tail, inner = whole[len(prefix) :], ids[start : min(upto, len(ids) - 1)]
+        if whole is not None and not whole.startswith(prefix):
+            return None
+        tail = whole[len(prefix) :] if whole is not None else self.peek(None if upto == len(ids) else reach)
         last = [len(tail)] * (upto == len(ids))
         if self._token_bytes is not None:
-            data = [self._token_bytes.get(token_id) for token_id in inner]
-            chunks = [token_text(self._tokenizer, t) if d is None else d for t, d in zip(inner, data, strict=True)]
             return stream_ends(chunks, tail, whole_characters, prefix.endswith(REPLACEMENT_CHAR)) + last
-        run = [self._byte_values.get(token_id, -1) for token_id in inner]
-        if prefix and start and ids[start - 1] not in self._byte_values and all(byte >= 0 for byte in run):
-            return run_ends(bytes(run), tail) + last
-        return None
+        return run_ends(bytes(self._byte_values[t] for t in inner), tail) + last
 
     def flush(self) -> str:
         """At finish: release whatever was held back (U+FFFD where bytes never completed)."""
@@ -255,9 +267,7 @@ class IncrementalDetokenizer:
         if len(self._ids) > self._read_offset:  # it releases text: its tokens are the last run
             self._run = (self._ids, self._read_offset, self._prefix_text) if len(self._ids) - self._read_offset > 1 \
                 else None
-        self._ids = []
-        self._read_offset = 0
-        self._prefix_text = ""
+        self._ids, self._read_offset, self._prefix_text = [], 0, ""
         self._stream, self._byte_run, self._ended = ByteStream(), None, True  # its bytes were read too
         return delta
 
@@ -273,11 +283,11 @@ class NoTextDetokenizer:
     def add_token(self, token_id: int) -> str:
         return ""
 
-    def peek(self) -> str:
+    def peek(self, limit: int | None = None) -> str:
         return ""
 
-    def peek_final(self) -> str:
-        return ""
+    def peek_final(self) -> HeldText:
+        return HeldText()
 
     def token_ends(self) -> tuple[int, ...] | None:
         return None

@@ -9,6 +9,9 @@ every token (which made a long held run cost O(n²) on the engine's step thread)
 - ``ByteRun``: a run of SentencePiece byte-fallback tokens (``<0xNN>``). The ByteFallback decoder
   reads a run as its UTF-8 text, or as one U+FFFD per byte when any byte of it is invalid or it
   ends mid-character, so the whole run stays held; this keeps what it reads as so far.
+- ``HeldText``: the text either keeps, as the pieces it grew by: the stop-string check reads on
+  from the pieces it read, and a bounded check reads only the first pieces, instead of the whole
+  held text being joined (and compared) again per token, O(n²) over a run that never ends.
 
 Python's UTF-8 codec is the judge: like ``decode`` (Rust's ``from_utf8_lossy``) it replaces each
 maximal invalid subpart by one U+FFFD. Its incremental decoder waits on one kind of invalid
@@ -26,31 +29,58 @@ from collections.abc import Sequence
 from refengine.engine.token_texts import REPLACEMENT_CHAR
 
 
+class HeldText(list[str]):
+    """Held text that only grows while it is this object: the pieces it grew by (one or two a
+    token), only ever appended, so whoever read some of them has read a prefix of it for good.
+    Text that changes other than by growing (a byte run turning invalid, text released) is a new
+    object. (A list: one is made per released token, on the step thread.)"""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return "".join(self)
+
+    def head(self, limit: int) -> str:
+        """At least the first ``limit`` characters (all, when it has fewer), joining only the pieces
+        they are in."""
+        size = 0
+        for count, piece in enumerate(self, start=1):
+            size += len(piece)
+            if size >= limit:
+                return "".join(self[:count])
+        return str(self)
+
+
 class ByteStream:
     """The bytes of a byte-level BPE output: where they end a character, and the whole
     characters of the held tokens (those since ``release``), for an early stop-string check."""
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._held: list[str] = []
+        #: The held tokens' whole characters: final, so they only grow until ``release``.
+        self.held = HeldText()
 
     def add(self, data: bytes | None, text: str) -> bool:
         """Append one token's bytes (None: an added token, ``text``, which ``decode`` writes as
         it is and which ends the bytes before it); return whether the bytes now end a character."""
         if data is None:
-            self._held += [self._decoder.decode(b"", final=True), text]
+            self.held.extend((self._decoder.decode(b"", final=True), text))
             return True
-        self._held.append(_read(self._decoder, data))
+        self.held.append(_read(self._decoder, data))
         return not self._decoder.getstate()[0]  # no bytes buffered: nothing can still change
 
-    def held_text(self, incomplete: bool = False) -> str:
-        """The held tokens' text, less the bytes of a character still incomplete (they may change);
-        ``incomplete``: with them, as the one U+FFFD that ``decode`` makes of them now."""
-        return "".join(self._held) + (REPLACEMENT_CHAR if incomplete and self._decoder.getstate()[0] else "")
+    def held_text(self, limit: int | None = None) -> str:
+        """The held tokens' text with the bytes of a character still incomplete as the one U+FFFD
+        that ``decode`` makes of them now; ``limit``: at least its first ``limit`` characters."""
+        held = str(self.held) if limit is None else self.held.head(limit)
+        if limit is not None and len(held) >= limit:
+            return held
+        return held + (REPLACEMENT_CHAR if self._decoder.getstate()[0] else "")
 
     def release(self) -> None:
-        """The held tokens' text was returned: what follows is held anew."""
-        self._held.clear()
+        """The held tokens' text was returned: what follows is held anew (a new object: a reader
+        of the old one must not read on in it)."""
+        self.held = HeldText()
 
 
 class ByteRun:
@@ -60,26 +90,33 @@ class ByteRun:
         self._decoder = codecs.getincrementaldecoder("utf-8")("strict")
         self.num_bytes = 0
         self._valid = True  # no invalid byte so far (the run may still end mid-character)
-        self._chars: list[str] = []  # while valid: its characters so far, joined only when read
+        #: Its characters so far while valid (less one still incomplete), then one U+FFFD per byte.
+        self._text = HeldText()
 
     def add(self, byte: int) -> None:
         self.num_bytes += 1
-        if self._valid:
-            try:
-                self._chars.append(_read(self._decoder, bytes((byte,))))
-            except UnicodeDecodeError:  # never valid again: every byte reads U+FFFD
-                self._valid, self._chars = False, []
+        if not self._valid:
+            self._text.append(REPLACEMENT_CHAR)
+            return
+        try:
+            self._text.append(_read(self._decoder, bytes((byte,))))
+        except UnicodeDecodeError:  # never valid again: every byte reads U+FFFD
+            self._valid, self._text = False, HeldText([REPLACEMENT_CHAR] * self.num_bytes)
 
     @property
     def ended_character(self) -> bool:
         """Whether the last byte ended a character (after an invalid byte, every byte does)."""
         return not self._valid or not self._decoder.getstate()[0]
 
-    def text(self) -> str:
-        """What the run reads as if it ended here."""
-        if self._valid and not self._decoder.getstate()[0]:
-            return "".join(self._chars)
-        return REPLACEMENT_CHAR * self.num_bytes
+    def held(self) -> HeldText:
+        """What the run reads as if it ended here (mid-character: one U+FFFD per byte, a new object)."""
+        return self._text if self.ended_character else HeldText([REPLACEMENT_CHAR * self.num_bytes])
+
+    def text(self, limit: int | None = None) -> str:
+        """``str(held())``; ``limit``: at least its first ``limit`` characters."""
+        if not self.ended_character:
+            return REPLACEMENT_CHAR * (self.num_bytes if limit is None else min(limit, self.num_bytes))
+        return str(self._text) if limit is None else self._text.head(limit)
 
 
 def run_ends(data: bytes, tail: str) -> list[int | None]:
@@ -120,8 +157,8 @@ def stream_ends(chunks: Sequence[bytes | str], tail: str, whole_characters: bool
     for chunk in chunks:
         new = decoder.decode(b"", final=True) + chunk if isinstance(chunk, str) else _read(decoder, chunk)
         if common == chars:
-            common += next((i for i, (a, b) in enumerate(zip(new, tail[chars:], strict=False)) if a != b),
-                           min(len(new), len(tail) - chars))
+            ahead = tail[chars : chars + len(new)]  # not tail[chars:], a copy of the rest of a long tail
+            common += next((i for i, (a, b) in enumerate(zip(new, ahead, strict=False)) if a != b), len(ahead))
         chars += len(new)
         kept = len(new.rstrip(REPLACEMENT_CHAR))
         trailing = trailing + len(new) if kept == 0 else len(new) - kept

@@ -39,6 +39,7 @@ from refengine.types import FinishInfo, FinishReason, StoppingParams
 
 if TYPE_CHECKING:
     from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+    from refengine.engine.held_bytes import HeldText
 
 
 class _StopAutomaton:
@@ -118,9 +119,9 @@ class StopChecker:
         self._held = ""  # == the text the state spells
         self._matched = False
         self._drop_token = False
-        #: ``would_match``'s last text, protection and the state after it: a held run's text
-        #: grows, so the next call reads only what it added (not the whole run per token)
-        self._peeked: tuple[str, int, int] | None = None
+        #: ``would_match``'s last held text, the pieces of it read, the protection, the state and the
+        #: characters read: a held run's text grows, so the next call reads only the pieces it added
+        self._peeked: tuple[HeldText, int, int, int, int] | None = None
 
     def check_token(self, token_id: int, num_output_tokens: int) -> FinishInfo | None:
         """Called after each sampled token (``num_output_tokens`` includes it)."""
@@ -191,19 +192,22 @@ class StopChecker:
         """Whether the output has stop strings to match (a held byte run is decoded early only then)."""
         return self._automaton is not None
 
-    def would_match(self, new_text: str, protected: int | None = 0) -> bool:
-        """Whether ``feed_text(new_text, protected)`` would complete a stop string (no state changes
-        but a memo: a text that starts with the last one, which matched nothing, reads on from it)."""
+    def would_match(self, held: HeldText, protected: int | None = 0) -> bool:
+        """Whether ``feed_text(str(held), protected)`` would complete a stop string (no state changes
+        but a memo: the same held text, which matched nothing, grown since, reads on from where it
+        ended, so a long held run costs each of its pieces once, not the whole text per token)."""
         if self._matched or self._automaton is None or protected is None:
             return False
-        automaton, state, start = self._automaton, self._state, 0
-        if self._peeked is not None and self._peeked[1] == protected and new_text.startswith(self._peeked[0]):
-            start, state = len(self._peeked[0]), self._peeked[2]
-        for i in range(start, len(new_text)):
-            state = automaton.step(state, new_text[i])
-            if automaton.match[state] is not None and i >= protected:
-                return True
-        self._peeked = (new_text, protected, state)
+        automaton, state, start, i = self._automaton, self._state, 0, 0
+        if self._peeked is not None and self._peeked[0] is held and self._peeked[2] == protected:
+            _, start, _, state, i = self._peeked
+        for piece in held[start:]:
+            for ch in piece:
+                state = automaton.step(state, ch)
+                if automaton.match[state] is not None and i >= protected:
+                    return True
+                i += 1
+        self._peeked = (held, len(held), protected, state, i)
         return False
 
     def finish_text(self) -> str:
@@ -245,10 +249,11 @@ def process_token(
     text = detokenizer.add_token(token_id) if keep_token else ""
     before = detokenizer.num_chars_before_last if keep_token else 0
     # A held byte run that already completes a stop string: stop now. Ending the output here
-    # makes the run's text final, so the match is exact (no later byte can change it).
+    # makes the run's text final, so the match is exact (no later byte can change it). (``text``
+    # is "" then: a token whose text came leaves none held.)
     string_stop = (finish is None and keep_token and stop.has_strings and detokenizer.holds_text
                    and detokenizer.ended_character
-                   and stop.would_match(text + detokenizer.peek_final(), _protected(stop, detokenizer, held=True)))
+                   and stop.would_match(detokenizer.peek_final(), _protected(stop, detokenizer, held=True)))
     if (finish is not None or string_stop) and (flushed := detokenizer.flush()):
         text += flushed
         before = len(text)  # the run may reach into the flushed text: it ends with the output

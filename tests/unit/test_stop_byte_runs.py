@@ -6,6 +6,7 @@ space. Oracle: the tokenizer's own ``decode`` of the tokens."""
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Iterator
 
 import pytest
@@ -106,6 +107,47 @@ def test_a_long_held_run_costs_linear_decoding(monkeypatch: pytest.MonkeyPatch, 
     assert first_text == first_text_at
     assert len(decoded) <= 3 * len(out) and sum(decoded) <= 16 * len(out), (len(decoded), sum(decoded))
     assert len(steps) <= 3 * len(text), len(steps)
+
+
+def _bytes_allocated_per_token(tokenizer: object, unit: list[int], num_tokens: int, min_tokens: int) -> float:
+    """``unit`` repeated to ``num_tokens`` tokens through ``process_token`` with a stop string that
+    never matches: per token, the memory its step allocated at its peak above what was live before
+    it (tracemalloc counts each allocation: a copy of the held text is one as long as that text)."""
+    from refengine.engine.stop_checker import StopChecker, process_token
+
+    stopping = StoppingParams(stop_strings=("never",), min_tokens=min_tokens)
+    stop = StopChecker(stopping, [tokenizer.eos_token_id], num_tokens + 1)
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("the cat", add_special_tokens=False))
+    total = 0
+    tracemalloc.start()
+    try:
+        for count, token_id in enumerate((unit * num_tokens)[:num_tokens], 1):
+            live = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            step = process_token(stop, detokenizer, token_id, count)
+            total += tracemalloc.get_traced_memory()[1] - live
+    finally:
+        tracemalloc.stop()
+    assert step.text_pending  # the whole run is held: its text never came
+    return total / num_tokens
+
+
+@pytest.mark.parametrize("case", ["SmolLM2 pieces", "byte-fallback emoji", "byte-fallback invalid bytes"])
+@pytest.mark.parametrize("min_tokens", [0, 4])
+def test_a_long_held_run_copies_its_text_linearly(case: str, min_tokens: int) -> None:
+    """Found by review: the held text was joined again for every token (the stop-string check read
+    it whole, and with min_tokens so did the check of which characters the first tokens made), a
+    copy as long as the run per token, O(n²) on the step thread (8,000 pieces: 0.34 s; 0.8 s with
+    min_tokens). Counted in bytes allocated, not timed: per token, as many at 4,000 tokens as at
+    1,000 (it was 2 to 3.6 times as many)."""
+    smollm2 = smollm2_tokenizer()
+    tokenizer, unit = {
+        "SmolLM2 pieces": (smollm2, [smollm2.convert_tokens_to_ids("ĠðŁĺ")]),  # a space, 3 of the 4 bytes of 😀
+        "byte-fallback emoji": (TOKENIZER, _byte_ids("😀")),
+        "byte-fallback invalid bytes": (TOKENIZER, _byte_ids("😀")[1:2]),  # a continuation byte: U+FFFD each
+    }[case]
+    short, long = (_bytes_allocated_per_token(tokenizer, unit, n, min_tokens) for n in (1000, 4000))
+    assert long <= 1.25 * short + 64, (short, long)
 
 
 @pytest.mark.parametrize("stop_string", [" ", "Hi "])
