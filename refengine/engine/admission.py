@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+from refengine.engine.detokenizer import IncrementalDetokenizer
+from refengine.engine.no_text_detokenizer import NoTextDetokenizer
 from refengine.engine.request import OutputState, OutputStatus, Request, output_generator
 from refengine.engine.stop_checker import StopChecker
 from refengine.engine.token_hold_back import TokenHoldBack

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+from refengine.engine.detokenizer import IncrementalDetokenizer
 from refengine.engine.media import MediaRun
+from refengine.engine.no_text_detokenizer import NoTextDetokenizer
 from refengine.engine.stop_checker import StopChecker
 from refengine.engine.token_hold_back import TokenHoldBack
 from refengine.lora.registry import LoadedLora

@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING
 from refengine.types import FinishInfo, FinishReason, StoppingParams
 
 if TYPE_CHECKING:
-    from refengine.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+    from refengine.engine.detokenizer import IncrementalDetokenizer
     from refengine.engine.held_bytes import HeldText
+    from refengine.engine.no_text_detokenizer import NoTextDetokenizer
 
 
 class _StopAutomaton:
