@@ -84,6 +84,8 @@ class IncrementalDetokenizer:
         #: prefix text), for ``token_ends``; None when the last text came from one token.
         self._run: tuple[list[int], int, str] | None = None
         self._num_added = 0  # tokens added: the output's number of the last one
+        #: ``_ends_from_bytes`` of the held window: (its kept text, upto, the ends), once final
+        self._held_ends: tuple[HeldText | None, int, tuple[int | None, ...]] = (None, 0, ())
 
     def add_token(self, token_id: int) -> str:
         """Append one output token; return the text that became stable (maybe "")."""
@@ -164,6 +166,14 @@ class IncrementalDetokenizer:
         run = self._lone_run()
         return decode(self._tokenizer, self._ids)[len(self._prefix_text) :] if run is None else run.text(limit)
 
+    def _kept(self) -> HeldText | None:
+        """``peek_final`` where it is kept as it grows: byte-level BPE, a lone byte-fallback run (its
+        last token is a byte: final as it reads)."""
+        if self._token_bytes is not None:
+            return self._stream.held
+        run = self._lone_run()
+        return run.held() if run is not None else None
+
     def _lone_run(self) -> ByteRun | None:
         """The byte-fallback run, when it is all that is held, after a prefix: it reads by itself."""
         run = self._byte_run
@@ -176,10 +186,9 @@ class IncrementalDetokenizer:
         as its bytes read, kept as they came. After a byte-fallback piece that ended its
         character (``ended_character``) the held text is final as it reads. While it only grows, the
         same object (a stop-string check reads on in it)."""
-        if self._token_bytes is not None:
-            return self._stream.held
-        if (run := self._lone_run()) is not None:  # its last token is a byte: final as it reads
-            return run.held()
+        kept = self._kept()
+        if kept is not None:
+            return kept
         held = self.peek()
         return HeldText([held if self._ids and self._ids[-1] in self._byte_values else held.rstrip(REPLACEMENT_CHAR)])
 
@@ -243,7 +252,11 @@ class IncrementalDetokenizer:
         window's last token ends with it (it may be the one ending a run). ``whole``: the window's
         text; None for the held one's, read only as far as the tokens up to ``upto`` reach (not a
         long held run's per token): a byte reads as one character at most, an added token as its
-        text after a U+FFFD."""
+        text after a U+FFFD. Once the kept held text has those (it only grows), they and the ends
+        are final: kept too, not worked out again per token."""
+        kept = self._kept() if whole is None and upto < len(ids) else None
+        if kept is not None and self._held_ends[0] is kept and self._held_ends[1] == upto:
+            return list(self._held_ends[2])
         inner = ids[start : min(upto, len(ids) - 1)]
         if self._token_bytes is not None:
             chunks = [token_text(self._tokenizer, t) if (d := self._token_bytes.get(t)) is None else d for t in inner]
@@ -254,11 +267,16 @@ class IncrementalDetokenizer:
             return None
         if whole is not None and not whole.startswith(prefix):
             return None
-        tail = whole[len(prefix) :] if whole is not None else self.peek(None if upto == len(ids) else reach)
-        last = [len(tail)] * (upto == len(ids))
-        if self._token_bytes is not None:
-            return stream_ends(chunks, tail, whole_characters, prefix.endswith(REPLACEMENT_CHAR)) + last
-        return run_ends(bytes(self._byte_values[t] for t in inner), tail) + last
+        head = kept.head(reach) if kept is not None else ""  # final, when this long
+        if whole is not None:
+            tail = whole[len(prefix) :]
+        else:
+            tail = head if len(head) >= reach else self.peek(None if upto == len(ids) else reach)
+        ends = stream_ends(chunks, tail, whole_characters, prefix.endswith(REPLACEMENT_CHAR)) \
+            if self._token_bytes is not None else run_ends(bytes(self._byte_values[t] for t in inner), tail)
+        if len(head) >= reach:
+            self._held_ends = (kept, upto, tuple(ends))
+        return ends + [len(tail)] * (upto == len(ids))
 
     def flush(self) -> str:
         """At finish: release whatever was held back (U+FFFD where bytes never completed)."""

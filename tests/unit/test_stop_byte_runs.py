@@ -109,19 +109,37 @@ def test_a_long_held_run_costs_linear_decoding(monkeypatch: pytest.MonkeyPatch, 
     assert len(steps) <= 3 * len(text), len(steps)
 
 
-def _bytes_allocated_per_token(tokenizer: object, unit: list[int], num_tokens: int, min_tokens: int) -> float:
-    """``unit`` repeated to ``num_tokens`` tokens through ``process_token`` with a stop string that
-    never matches: per token, the memory its step allocated at its peak above what was live before
-    it (tracemalloc counts each allocation: a copy of the held text is one as long as that text)."""
-    from refengine.engine.stop_checker import StopChecker, process_token
+_LONG_RUNS = ["SmolLM2 pieces", "byte-fallback emoji", "byte-fallback invalid bytes"]  # held to their end
 
+
+def _long_run(case: str, num_tokens: int, min_tokens: int) -> tuple[object, object, list[int]]:
+    """``case`` to ``num_tokens`` tokens: the stop checker (a stop string that never matches), the
+    detokenizer and the tokens, for ``process_token``."""
+    from refengine.engine.stop_checker import StopChecker
+
+    tokenizer, unit = TOKENIZER, _byte_ids("😀")
+    if case == "SmolLM2 pieces":
+        tokenizer = smollm2_tokenizer()
+        unit = [tokenizer.convert_tokens_to_ids("ĠðŁĺ")]  # a space, then 3 of the 4 bytes of 😀
+    elif case == "byte-fallback invalid bytes":
+        unit = unit[1:2]  # a continuation byte alone: U+FFFD each
     stopping = StoppingParams(stop_strings=("never",), min_tokens=min_tokens)
     stop = StopChecker(stopping, [tokenizer.eos_token_id], num_tokens + 1)
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("the cat", add_special_tokens=False))
+    return stop, detokenizer, (unit * num_tokens)[:num_tokens]
+
+
+def _bytes_allocated_per_token(case: str, num_tokens: int, min_tokens: int) -> float:
+    """Streamed through ``process_token``, per token: the memory its step allocated at its peak above
+    what was live before it (tracemalloc counts each allocation: a copy of the held text is one as
+    long as that text)."""
+    from refengine.engine.stop_checker import process_token
+
+    stop, detokenizer, out = _long_run(case, num_tokens, min_tokens)
     total = 0
     tracemalloc.start()
     try:
-        for count, token_id in enumerate((unit * num_tokens)[:num_tokens], 1):
+        for count, token_id in enumerate(out, 1):
             live = tracemalloc.get_traced_memory()[0]
             tracemalloc.reset_peak()
             step = process_token(stop, detokenizer, token_id, count)
@@ -132,7 +150,7 @@ def _bytes_allocated_per_token(tokenizer: object, unit: list[int], num_tokens: i
     return total / num_tokens
 
 
-@pytest.mark.parametrize("case", ["SmolLM2 pieces", "byte-fallback emoji", "byte-fallback invalid bytes"])
+@pytest.mark.parametrize("case", _LONG_RUNS)
 @pytest.mark.parametrize("min_tokens", [0, 4])
 def test_a_long_held_run_copies_its_text_linearly(case: str, min_tokens: int) -> None:
     """Found by review: the held text was joined again for every token (the stop-string check read
@@ -140,14 +158,28 @@ def test_a_long_held_run_copies_its_text_linearly(case: str, min_tokens: int) ->
     copy as long as the run per token, O(n²) on the step thread (8,000 pieces: 0.34 s; 0.8 s with
     min_tokens). Counted in bytes allocated, not timed: per token, as many at 4,000 tokens as at
     1,000 (it was 2 to 3.6 times as many)."""
-    smollm2 = smollm2_tokenizer()
-    tokenizer, unit = {
-        "SmolLM2 pieces": (smollm2, [smollm2.convert_tokens_to_ids("ĠðŁĺ")]),  # a space, 3 of the 4 bytes of 😀
-        "byte-fallback emoji": (TOKENIZER, _byte_ids("😀")),
-        "byte-fallback invalid bytes": (TOKENIZER, _byte_ids("😀")[1:2]),  # a continuation byte: U+FFFD each
-    }[case]
-    short, long = (_bytes_allocated_per_token(tokenizer, unit, n, min_tokens) for n in (1000, 4000))
+    short, long = (_bytes_allocated_per_token(case, n, min_tokens) for n in (1000, 4000))
     assert long <= 1.25 * short + 64, (short, long)
+
+
+@pytest.mark.parametrize("case", _LONG_RUNS)
+def test_the_first_tokens_characters_in_a_long_held_run_are_placed_once_final(monkeypatch: pytest.MonkeyPatch,
+                                                                             case: str) -> None:
+    """With min_tokens, which characters of a held run the first tokens made was worked out again for
+    every token, in a pass over their bytes: O(min_tokens) a token (229 µs at min_tokens 128 for 4,000
+    pieces). The held text only grows, so once it has all the characters they may reach, the answer is
+    kept: a pass per token only until then (here 1 to 97 passes in 4,000 tokens; it was up to 3,936)."""
+    from refengine.engine import detokenizer as detokenizer_module
+    from refengine.engine.stop_checker import process_token
+
+    passes = []
+    for name in ("stream_ends", "run_ends"):
+        real = getattr(detokenizer_module, name)
+        monkeypatch.setattr(detokenizer_module, name, lambda *args, real=real: passes.append(1) or real(*args))
+    stop, detokenizer, out = _long_run(case, 4000, min_tokens=64)
+    for count, token_id in enumerate(out, 1):
+        assert not process_token(stop, detokenizer, token_id, count).text
+    assert 0 < len(passes) <= 400, len(passes)
 
 
 @pytest.mark.parametrize("stop_string", [" ", "Hi "])
