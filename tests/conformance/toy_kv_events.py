@@ -30,7 +30,14 @@ from tests.conformance.toy_media import requested
 
 @dataclass(frozen=True)
 class KvFaults:
-    """Deliberate violations of section E (all off = a conforming server)."""
+    """Deliberate violations of section E (all off = a conforming server).
+
+    ``lagging`` and ``staggered`` are not faults (RULES set no latency bound). With ``staggered``
+    the gap between a step's first batch and the rest is longer than the 0.3 s that E3 and E4
+    once waited after a request's first batch, so a check judging such a window fails that
+    stream without CPU load too (with every batch 0.5 s late, E3 failed only in CI, under load);
+    E1's retained replay, which sent more requests than it needed, replayed a batch the negative
+    controls' 8-batch window no longer held. The lagging-event-stream control uses it."""
 
     retained: int = 1000  # batches kept for replay
     repeat_numbers: bool = False  # E1: every batch carries the previous batch's number
@@ -54,14 +61,7 @@ class KvFaults:
     no_source_for_a_rank: bool = False  # E6: the source is listed for all ranks, none when rank 0 is asked for
     lagging: bool = False  # not a fault: stored blocks published 16 a batch, each delivered 0.5 s after
     staggered: bool = False  # not a fault: as ``lagging``, and a step's later batches 0.5 s after its first
-
-
-#: KvFaults.lagging. With ``staggered`` the gap between a step's first batch and the rest is longer
-#: than the 0.3 s that E3 and E4 once waited after a request's first batch, so a check judging such
-#: a window fails that stream without CPU load too (with every batch 0.5 s late, E3 failed only in
-#: CI, under load); E1's retained replay, which sent more requests than it needed, replayed a batch
-#: the negative controls' 8-batch window no longer held. The lagging-event-stream control uses it.
-LAG_SECONDS = 0.5
+    lag_seconds: float = 0.5  # how late ``lagging`` delivers a batch (``staggered``'s later batches: twice that)
 
 
 def _batches(removed: list, stored: list, per_batch: int) -> list[list]:
@@ -210,7 +210,7 @@ class KvControl(Control):
                 for batch in batches:
                     if (faults.lagging or faults.staggered) and not batch.snapshot:  # RULES set no latency bound
                         later = faults.staggered and batch.sequence_number in cache.later_batches
-                        lag = LAG_SECONDS * (2 if later else 1)
+                        lag = faults.lag_seconds * (2 if later else 1)
                         time.sleep(max(0.0, batch.timestamp_unix_nanos / 1e9 + lag - time.time()))
                     yield batch_response(batch, oe.STORAGE_MEDIUM_UNSPECIFIED)
                 if failure:
