@@ -18,7 +18,8 @@ import grpc
 from google.protobuf import json_format
 
 from refengine.protocol import oe
-from tests.conformance.toy_engine import Faults, ToyEngine
+from tests.conformance.toy_engine import ToyEngine
+from tests.conformance.toy_faults import Faults
 from tests.conformance.toy_requests import (
     BLOCK,
     CTX,

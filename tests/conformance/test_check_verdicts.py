@@ -186,7 +186,8 @@ def test_g14_the_stop_tokens_text_follows_the_token(mutate: Any, verdict: str) -
     a stop token's text after dropping the token, or the reverse, passed (found by review)."""
     from refengine.conformance import run
     from tests.conformance import fake_server
-    from tests.conformance.toy_engine import Faults, ToyEngine
+    from tests.conformance.toy_engine import ToyEngine
+    from tests.conformance.toy_faults import Faults
 
     engine = ToyEngine(Faults())
     inner = fake_server.Inference(engine)

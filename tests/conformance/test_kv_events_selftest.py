@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from refengine.conformance import Options, Status, run, run_report, select
-from tests.conformance.toy_engine import Faults
+from tests.conformance.toy_faults import Faults
 from tests.conformance.toy_kv_events import KvFaults, serve_kv
 from tests.conformance.toy_media import PLACEHOLDER
 

@@ -35,7 +35,7 @@ from refengine.conformance.registry import all_checks
 from tests.conformance import encoder_controls
 from tests.conformance.rule_ids import PROFILE_PAGES, profile_rules_in, rules_in
 from tests.conformance.test_conformance import COVERED_SECTIONS, REPO, rules_markdown
-from tests.conformance.toy_engine import Faults
+from tests.conformance.toy_faults import Faults
 from tests.conformance.toy_kv_events import KvFaults, serve_kv
 from tests.conformance.toy_media import PLACEHOLDER
 from tests.conformance.toy_roles import serve_pair

@@ -10,7 +10,7 @@ import pytest
 from refengine.conformance import Options, Status, run
 from tests.conformance import fake_server
 from tests.conformance import toy_kv_events as toy
-from tests.conformance.toy_engine import Faults
+from tests.conformance.toy_faults import Faults
 
 
 def _no_get_load(self, request, context):  # noqa: ANN001, ANN202 - a servicer method

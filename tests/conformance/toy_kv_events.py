@@ -24,7 +24,8 @@ from refengine.protocol import oe
 from refengine.server.kv_events_wire import batch_response
 from refengine.types import BlockRemoved, BlockStored
 from tests.conformance.fake_server import TOTAL_BLOCKS, Control, Inference, start
-from tests.conformance.toy_engine import BLOCK, Faults, ToyEngine
+from tests.conformance.toy_engine import BLOCK, ToyEngine
+from tests.conformance.toy_faults import Faults
 from tests.conformance.toy_media import requested
 
 

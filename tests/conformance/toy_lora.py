@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from refengine.protocol import oe
+from tests.conformance.toy_faults import Faults
 from tests.conformance.toy_requests import INVALID, NOT_FOUND, Refused, require
-
-if TYPE_CHECKING:  # pragma: no cover
-    from tests.conformance.toy_engine import Faults
 
 MAX_LORAS = 4
 

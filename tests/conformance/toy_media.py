@@ -16,14 +16,12 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from refengine.kv.prefix_hash import MediaSpan
 from refengine.protocol import oe
+from tests.conformance.toy_faults import Faults
 from tests.conformance.toy_requests import require
-
-if TYPE_CHECKING:  # pragma: no cover
-    from tests.conformance.toy_engine import Faults
 
 #: An ASCII control character: no greedy output of the toy and no prompt of the suite holds it,
 #: so the suite's image prompts (known token ids around it) are the only ones that do.

@@ -7,14 +7,12 @@ import bisect
 import functools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from refengine.kv.prefix_hash import MediaSpan
 from refengine.protocol import oe
+from tests.conformance.toy_faults import Faults
 from tests.conformance.toy_requests import EOS, VOCAB
-
-if TYPE_CHECKING:  # pragma: no cover
-    from tests.conformance.toy_engine import Faults
 
 TEXT = "the quick brown fox jumps over the lazy dog, and then it sleeps under a tree. "
 CACHE_BLOCK = 32  # prefix-cache granularity: longer than the suite's "[oeconf-<run>-<tag>-<n>]" prompt prefixes

@@ -8,16 +8,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import llguidance
 from google.protobuf import json_format
 
 from refengine.protocol import oe
-
-if TYPE_CHECKING:  # pragma: no cover
-    from tests.conformance.toy_engine import Faults
+from tests.conformance.toy_faults import Faults
 
 EOS, VOCAB, CTX, BLOCK, MAX_RUNNING, MAX_N, MAX_TOP_N = 128, 129, 1024, 4, 4, 4, 20
 MODELS = ("toy", "toy-alias")

@@ -19,7 +19,8 @@ from google.protobuf import json_format
 
 from refengine.protocol import oe
 from tests.conformance.fake_server import Control, Inference, start
-from tests.conformance.toy_engine import Faults, ToyEngine
+from tests.conformance.toy_engine import ToyEngine
+from tests.conformance.toy_faults import Faults
 from tests.conformance.toy_model import distribution, token_info
 from tests.conformance.toy_requests import BLOCK, INVALID, VOCAB, Refused, parse_metadata, validate
 

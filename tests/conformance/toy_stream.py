@@ -8,15 +8,13 @@ import queue
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llguidance
 
 from refengine.protocol import oe
+from tests.conformance.toy_faults import Faults
 from tests.conformance.toy_model import distribution, token_info
-
-if TYPE_CHECKING:  # pragma: no cover
-    from tests.conformance.toy_engine import Faults
 
 
 @dataclass

@@ -31,7 +31,8 @@ from refengine.cli import main
 from refengine.client import OpenEngineClient
 from refengine.protocol import oe
 from tests.conformance.fake_server import Control, Inference
-from tests.conformance.toy_engine import VOCAB, Faults, ToyEngine
+from tests.conformance.toy_engine import VOCAB, ToyEngine
+from tests.conformance.toy_faults import Faults
 from tests.conformance.toy_requests import CTX
 
 REPO = Path(__file__).resolve().parents[2]
