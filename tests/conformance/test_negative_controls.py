@@ -184,6 +184,7 @@ CONTROLS = [
     # Not a fault: a multimodal toy serving images at its placeholder (the suite is told it, as for a real model).
     Control("images-served", "", broken(images=True)),
     Control("media-not-in-block-hash", "E4", broken(images=True, media_not_in_hash=True)),
+    Control("images-ignored", "D9", broken(images=True, images_ignored=True)),
     Control("replay-failure-as-status", "E5", kv=events(status_on_failure=True)),
     Control("expired-replay-as-status", "E5", kv=events(status_on_expired=True)),
     Control("wildcard-event-host", "E6", kv=events(wildcard_host=True)),
@@ -346,6 +347,18 @@ def test_the_toy_serving_images_passes_the_image_checks(outcomes: dict[str, list
     by_name = {name: (status, message) for name, _, status, message in outcomes["images-served"]}
     not_passed = {name: by_name[name] for name in IMAGE_CHECKS if by_name[name][0] != Status.PASS.value}
     assert not not_passed, not_passed
+
+
+#: The image controls and the one check each must fail: D9, G19 and E4 have other checks, and the
+#: exact-rule test judges rules only, so this shows the image checks themselves can fail.
+IMAGE_FAULT_CHECKS = {"images-ignored": "D9:multimodal_image_used", "media-not-in-block-hash": "E4:media_in_block_hash"}
+
+
+@pytest.mark.parametrize(("control_id", "check_name"), IMAGE_FAULT_CHECKS.items())
+def test_each_image_control_fails_its_own_image_check(control_id: str, check_name: str,
+                                                      outcomes: dict[str, list[Outcome]]) -> None:
+    failed = {name for name, _, status, _ in outcomes[control_id] if status == Status.FAIL.value}
+    assert failed == {check_name}, failed
 
 
 def test_a_missing_output_index_is_blamed_on_g10_alone(outcomes: dict[str, list[Outcome]]) -> None:

@@ -30,6 +30,7 @@ class Faults:
     late_fetch_failure: bool = False  # not a fault (D9): media URLs accepted, their fetch fails after acceptance
     images: bool = False  # not a fault: supports_multimodal, PNG images at toy_media.PLACEHOLDER served
     media_not_in_hash: bool = False  # E4: the image is in neither cache's block key (a new image hits the old's blocks)
+    images_ignored: bool = False  # D9: images accepted and validated, without effect on the output
     strict_routing_key: bool = False  # M1: a routing key with "/" refused
     lenient_metadata: bool = False  # M2: "1.5" and "1e3" accepted as numbers
     header_rank_over_session: bool = False  # M3: with a target-dp-rank header, kv.session is dropped

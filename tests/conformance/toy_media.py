@@ -5,10 +5,10 @@ a URL or data URI is refused before acceptance, as D9 allows), read as IMAGE_POS
 positions of that token, as a vision model's embeddings take a run of positions. Items that do
 not match the placeholders, and bytes that are not a PNG, are refused before acceptance (G19).
 An image moves the model's preferred character by a shift taken from its bytes, so two images
-give different outputs (D9), and, as refengine adds ``media:<identity>`` to the keys of the
-blocks holding an image's positions (refengine/kv/keys.py), the toy adds the image's digest to
-the key of those blocks, in the prefix cache and in the KV events' block hashes (E4), unless
-``Faults.media_not_in_hash``.
+give different outputs (D9), unless ``Faults.images_ignored``; and, as refengine adds
+``media:<identity>`` to the keys of the blocks holding an image's positions (refengine/kv/keys.py),
+the toy adds the image's digest to the key of those blocks, in the prefix cache and in the KV
+events' block hashes (E4), unless ``Faults.media_not_in_hash``.
 """
 
 from __future__ import annotations
@@ -87,4 +87,6 @@ def place(req: Any, prompt: list[int], faults: Faults) -> tuple[list[int], list[
         return prompt, [], 0
     images = _images(req, prompt)
     positions, spans = expand(prompt, images)
+    if faults.images_ignored:  # the spans still key the blocks: only the output ignores the images
+        return positions, spans, 0
     return positions, spans, sum(1 + hashlib.sha256(data).digest()[0] % 7 for data in images)
