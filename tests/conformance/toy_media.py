@@ -3,7 +3,8 @@
 A token-id prompt holds PLACEHOLDER once per image; each image is an inline PNG (``raw_bytes``;
 a URL or data URI is refused before acceptance, as D9 allows), read as IMAGE_POSITIONS
 positions of that token, as a vision model's embeddings take a run of positions. Items that do
-not match the placeholders, and bytes that are not a PNG, are refused before acceptance (G19).
+not match the placeholders (unless ``Faults.unplaced_images_dropped``), and bytes that are not a
+PNG, are refused before acceptance (G19).
 An image moves the model's preferred character by a shift taken from its bytes, so two images
 give different outputs (D9), unless ``Faults.images_ignored``; and, as refengine adds
 ``media:<identity>`` to the keys of the blocks holding an image's positions (refengine/kv/keys.py),
@@ -47,13 +48,16 @@ def _decodable(data: bytes) -> bool:
     return kind == b"IHDR" and length == 13 and crc == zlib.crc32(data[12:29])
 
 
-def _images(req: Any, prompt: list[int]) -> list[bytes]:
+def _images(req: Any, prompt: list[int], faults: Faults) -> list[bytes]:
     """G19: one inline PNG per placeholder, in order; anything else refused before acceptance."""
     items = list(req.media)
     require(all(m.modality == oe.MODALITY_IMAGE and m.WhichOneof("source") == "raw_bytes" for m in items),
             "toy: only images as raw_bytes are supported")
     placeholders = prompt.count(PLACEHOLDER)
-    require(placeholders == len(items), f"toy: {placeholders} image placeholders, {len(items)} media items")
+    if faults.unplaced_images_dropped:  # a placeholder past the items stays a token (``expand``)
+        items = items[:placeholders]
+    else:
+        require(placeholders == len(items), f"toy: {placeholders} image placeholders, {len(items)} media items")
     require(all(_decodable(m.raw_bytes) for m in items), "toy: a media item is not a PNG image")
     return [m.raw_bytes for m in items]
 
@@ -85,7 +89,7 @@ def place(req: Any, prompt: list[int], faults: Faults) -> tuple[list[int], list[
     the prompt unchanged without ``Faults.images`` or images."""
     if not faults.images or (not req.media and PLACEHOLDER not in prompt):
         return prompt, [], 0
-    images = _images(req, prompt)
+    images = _images(req, prompt, faults)
     positions, spans = expand(prompt, images)
     if faults.images_ignored:  # the spans still key the blocks: only the output ignores the images
         return positions, spans, 0
