@@ -186,6 +186,7 @@ CONTROLS = [
     Control("media-not-in-block-hash", "E4", broken(images=True, media_not_in_hash=True)),
     Control("images-ignored", "D9", broken(images=True, images_ignored=True)),
     Control("unplaced-images-dropped", "G19", broken(images=True, unplaced_images_dropped=True)),
+    Control("image-bytes-unchecked", "G19", broken(images=True, image_bytes_unchecked=True)),
     Control("replay-failure-as-status", "E5", kv=events(status_on_failure=True)),
     Control("expired-replay-as-status", "E5", kv=events(status_on_expired=True)),
     Control("wildcard-event-host", "E6", kv=events(wildcard_host=True)),
@@ -353,7 +354,8 @@ def test_the_toy_serving_images_passes_the_image_checks(outcomes: dict[str, list
 #: The image controls and the one check each must fail: D9, G19 and E4 have other checks, and the
 #: exact-rule test judges rules only, so this shows the image checks themselves can fail.
 IMAGE_FAULT_CHECKS = {"images-ignored": "D9:multimodal_image_used", "media-not-in-block-hash": "E4:media_in_block_hash",
-                      "unplaced-images-dropped": "G19:media_placeholder_mismatch_refused"}
+                      "unplaced-images-dropped": "G19:media_placeholder_mismatch_refused",
+                      "image-bytes-unchecked": "G19:media_malformed_image_refused"}
 
 
 @pytest.mark.parametrize(("control_id", "check_name"), IMAGE_FAULT_CHECKS.items())

@@ -32,6 +32,7 @@ class Faults:
     media_not_in_hash: bool = False  # E4: the image is in neither cache's block key (a new image hits the old's blocks)
     images_ignored: bool = False  # D9: images accepted and validated, without effect on the output
     unplaced_images_dropped: bool = False  # G19: items past the placeholders dropped, placeholders past them kept
+    image_bytes_unchecked: bool = False  # G19: any bytes accepted as an image (never decoded)
     strict_routing_key: bool = False  # M1: a routing key with "/" refused
     lenient_metadata: bool = False  # M2: "1.5" and "1e3" accepted as numbers
     header_rank_over_session: bool = False  # M3: with a target-dp-rank header, kv.session is dropped

@@ -3,8 +3,8 @@
 A token-id prompt holds PLACEHOLDER once per image; each image is an inline PNG (``raw_bytes``;
 a URL or data URI is refused before acceptance, as D9 allows), read as IMAGE_POSITIONS
 positions of that token, as a vision model's embeddings take a run of positions. Items that do
-not match the placeholders (unless ``Faults.unplaced_images_dropped``), and bytes that are not a
-PNG, are refused before acceptance (G19).
+not match the placeholders, and bytes that are not a PNG, are refused before acceptance (G19;
+unless ``Faults.unplaced_images_dropped`` or ``image_bytes_unchecked``).
 An image moves the model's preferred character by a shift taken from its bytes, so two images
 give different outputs (D9), unless ``Faults.images_ignored``; and, as refengine adds
 ``media:<identity>`` to the keys of the blocks holding an image's positions (refengine/kv/keys.py),
@@ -58,7 +58,8 @@ def _images(req: Any, prompt: list[int], faults: Faults) -> list[bytes]:
         items = items[:placeholders]
     else:
         require(placeholders == len(items), f"toy: {placeholders} image placeholders, {len(items)} media items")
-    require(all(_decodable(m.raw_bytes) for m in items), "toy: a media item is not a PNG image")
+    require(faults.image_bytes_unchecked or all(_decodable(m.raw_bytes) for m in items),
+            "toy: a media item is not a PNG image")
     return [m.raw_bytes for m in items]
 
 
