@@ -17,13 +17,11 @@ holds more than ``Options.eviction_budget_tokens``.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from refengine.conformance.kv_announced import Tracker, announced, chain_depths
+from refengine.conformance.kv_announced import Tracker, announced, caught_up, chain_depths
 from refengine.conformance.kv_subscriber import (
     EVENT_WAIT_S,
-    SETTLE_S,
     HashKey,
     _block_size,
     _key,
@@ -102,30 +100,29 @@ def stored_full_blocks(t: Target) -> str:
             f"the repeat reused {cached} tokens")
 
 
-def _fill(t: Target, tracker: Tracker, capacity_tokens: int) -> tuple[list[HashKey], str, int]:
-    """Fresh prompts until a block of the first one is removed (any block, when it stored none)
-    or twice the cache's tokens went in: the first prompt's stored hashes, that prompt, and the
-    prompt tokens sent."""
+def _fill(t: Target, tracker: Tracker, capacity_tokens: int) -> tuple[list[HashKey], str, int, int]:
+    """Fresh prompts until a block of the first one is seen removed (any block, when it stored
+    none) or twice the cache's tokens went in, then until the stream has caught up with the
+    server: the first prompt's stored hashes, that prompt, its prompt tokens, and the prompt
+    tokens sent.
+
+    It waits for the stream to catch up, not for a time window: the first prompt's hashes are
+    every batch it caused (0.3 s after its first batch, a stream whose step's later batches come
+    late gave 16 of its 49 blocks), and the fill prompts go out without waiting for their own
+    batches (up to 2 s each, a stream 2.5 s late made every prompt cost 2 s; now it may cost
+    more prompt tokens, never more than twice the cache's)."""
     limit = min(t.max_context_length or 2048, 2048) * 3 // 4
-    sent, repeats, first_hashes, first_prompt = 0, 2, [], ""
+    first_prompt, before = tagged_prompt(t, "e3x", 2), len(tracker.sub.batches)
+    first_tokens = sent = _usage(t, first_prompt, "a fresh prompt").prompt_tokens
+    tracker.sub.wait(lambda s: len(s.batches) > before, EVENT_WAIT_S)  # a server publishing late still counts
+    caught_up(t, tracker)
+    first_hashes = [_key(h) for e in tracker.stored_since(before) for h in e.block_hashes]
+    repeats = max(2, min(limit, capacity_tokens // 4) // max(1, sent // 3))
     while sent < 2 * capacity_tokens and not tracker.evicted_any(first_hashes):
-        prompt = tagged_prompt(t, "e3x", repeats)
-        before = len(tracker.sub.batches)
-        usage = _usage(t, prompt, f"a fresh prompt after {sent} tokens")
-        sent += usage.prompt_tokens
-        if not first_prompt:  # its own hashes: the batches it caused, before the next prompt
-            first_prompt = prompt
-            tracker.sub.wait(lambda s, n=before: len(s.batches) > n, EVENT_WAIT_S)
-            time.sleep(SETTLE_S)  # a window: a late stream's later batches are missed, but only hashes seen are judged
-            first_hashes = [_key(h) for e in tracker.stored_since(before) for h in e.block_hashes]
-            per_repeat = max(1, usage.prompt_tokens // (repeats + 1))
-            repeats = max(2, min(limit, capacity_tokens // 4) // per_repeat)
-        else:
-            tracker.sub.wait(lambda s, n=before: len(s.batches) > n, 2.0)
+        sent += _usage(t, tagged_prompt(t, "e3x", repeats), f"a fresh prompt after {sent} tokens").prompt_tokens
         tracker.catch_up()
-    time.sleep(SETTLE_S)
-    tracker.catch_up()
-    return first_hashes, first_prompt, sent
+    caught_up(t, tracker)
+    return first_hashes, first_prompt, first_tokens, sent
 
 
 @check("E3", "BlockRemoved when a cached block is evicted; a block computed again is stored again")
@@ -145,7 +142,7 @@ def removed_on_eviction(t: Target) -> str:
     try:
         if not tracker.sub.batches:
             skip(f"include_snapshot sent nothing: {tracker.sub.describe()}")
-        first_hashes, first_prompt, sent = _fill(t, tracker, total * block_size)
+        first_hashes, first_prompt, first_tokens, sent = _fill(t, tracker, total * block_size)
         expect(bool(tracker.removed),
                f"{sent} tokens of fresh prompts went into a cache of {total} blocks of {block_size}, and no "
                "BlockRemoved arrived: evicted blocks must be announced")
@@ -156,8 +153,8 @@ def removed_on_eviction(t: Target) -> str:
                "were evicted without a BlockRemoved")
         evicted = [h for h in first_hashes if h not in tracker.view.blocks]
         if not evicted:
-            return (f"{len(tracker.removed)} blocks removed after {sent} prompt tokens; none of the first "
-                    "prompt's, so no recomputation to observe")
+            return (f"{len(tracker.removed)} blocks removed after {sent} prompt tokens; none of the "
+                    f"{len(first_hashes)} blocks the first prompt stored, so no recomputation to observe")
         _usage(t, first_prompt, "the first prompt again, after its blocks were evicted")
 
         def stored_again(_: Any) -> bool:  # wait for what is judged, not for a time window (found by
@@ -172,4 +169,5 @@ def removed_on_eviction(t: Target) -> str:
     expect(not missing, f"{len(missing)} of the first prompt's {len(evicted)} evicted blocks were computed again "
                         "by its repeat but not stored again by a BlockStored")
     return (f"{len(tracker.removed)} blocks removed after {sent} prompt tokens (cache {total} blocks); "
-            f"{len(evicted)} evicted blocks of the first prompt stored again by its repeat")
+            f"{len(evicted)} of the {len(first_hashes)} blocks the first prompt stored ({first_tokens // block_size} "
+            "full blocks of prompt) evicted, and stored again by its repeat")

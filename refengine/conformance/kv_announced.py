@@ -8,7 +8,9 @@ delivering 16-block batches 0.5 s late failed E3 under load). So the checks poll
 view until what they judge has arrived: the chain of blocks a request stored covers what a repeat
 of it reuses from cache (E3: a block a request can hit was announced), or a violation is already
 visible (the caller's ``seen_violation``), or ``EVENT_WAIT_S`` passed. Then they judge every event
-seen, so a violation still fails, within that bound.
+seen, so a violation still fails, within that bound. Where what is judged has no such condition
+(E3's eviction check: every batch a prompt caused, every removal prompts caused), ``caught_up``
+waits until the stream reached the newest batch the server had published, as a snapshot numbers it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from refengine.conformance.kv_subscriber import EVENT_WAIT_S, HashKey, KvSubscriber, KvView, _block_size, _key
+from refengine.conformance.kv_subscriber import (
+    EVENT_WAIT_S,
+    HashKey,
+    KvSubscriber,
+    KvView,
+    _block_size,
+    _key,
+    latest_number,
+)
 from refengine.conformance.target import Target
 
 
@@ -53,6 +63,16 @@ class Tracker:
         if not batches or not batches[0].events:
             return []
         return [p for p in self.view.problems if "BlockRemoved" in p]
+
+
+def caught_up(t: Target, tracker: Tracker) -> bool:
+    """Wait until ``tracker`` has seen every batch the server had published when this was
+    called: up to the number a new snapshot carries (E2: the last batch it includes), at most
+    EVENT_WAIT_S. Whether it has (the view is then applied up to there)."""
+    newest = latest_number(t)
+    done = tracker.sub.wait_sequence(newest)
+    tracker.catch_up()
+    return done
 
 
 def depth(view: KvView, block: HashKey) -> int | None:

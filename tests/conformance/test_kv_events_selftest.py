@@ -13,6 +13,7 @@ the slowest (each toy server has its own port and faults; nothing is shared betw
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -97,6 +98,22 @@ def test_a_lagging_stream_passes_e3_and_e4(staggered: bool, outcomes: dict[str, 
 for _staggered in (False, True):
     runs(f"lagging-e3-e4-{_staggered}",
          lambda _, staggered=_staggered: run_e(KvFaults(lagging=not staggered, staggered=staggered), ["E3", "E4"]))
+
+
+EVICTION_STAGGERED = runs("eviction-staggered-1.5s", lambda _: run_one(
+    KvFaults(staggered=True, lag_seconds=1.5), "E3:removed_on_eviction"))
+
+
+def test_the_eviction_check_judges_every_block_of_its_first_prompt_on_a_staggered_stream(
+        outcomes: dict[str, Future[Any]]) -> None:
+    """E3's eviction check took the first prompt's blocks from the batches seen 0.3 s after its
+    first one: when a step's later batches come 1.5 s after it, 16 of its 49 (one batch), so it
+    judged the recomputation of those only. It now waits until the stream caught up with the
+    server. The toy stores every full block of a fresh prompt."""
+    result = outcomes[EVICTION_STAGGERED].result()
+    found = re.search(r"of the (\d+) blocks the first prompt stored \((\d+) full blocks of prompt\)", result.message)
+    assert result.status is Status.PASS and found and found[1] == found[2], (result.status, result.message)
+
 
 SHORT_WINDOW = runs("short-window", lambda _: run_e(KvFaults(retained=1), ["E1"])["E1:replay_expired"])
 
