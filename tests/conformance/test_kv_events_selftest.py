@@ -141,6 +141,33 @@ def test_a_retained_replay_passes_a_short_window_and_a_lagging_stream(
     assert result.status is Status.PASS, result.message
 
 
+#: id -> (faults, the outcome E1's retained replay must have, what its message says). On the
+#: lagging toy a fresh prompt of 49 blocks is published as 4 batches of 16 blocks.
+FEWER_THAN_A_REQUEST = {
+    "newest_of_four_retained": (KvFaults(retained=1, lagging=True), Status.PASS, "was refused as no longer retained"),
+    "refused_by_status": (KvFaults(retained=1, lagging=True, status_on_failure=True), Status.PASS,
+                          "was refused as no longer retained"),
+    "none_retained": (KvFaults(retained=0), Status.SKIP, "retains fewer batches than one request causes, or none"),
+    "served_silently_from_the_newest": (KvFaults(retained=1, lagging=True, silent_expired=True), Status.FAIL,
+                                        "a replay repeats the same batches"),
+}
+for _key, (_faults, _, _) in FEWER_THAN_A_REQUEST.items():
+    runs(f"fewer-{_key}", lambda _, faults=_faults: run_one(faults, "E1:replay_retained"))
+
+
+@pytest.mark.parametrize("key", FEWER_THAN_A_REQUEST)
+def test_a_server_retaining_fewer_batches_than_a_request_causes(key: str, outcomes: dict[str, Future[Any]]) -> None:
+    """RULES set no retention minimum: a server may retain fewer batches than one request
+    causes. Retaining one of the four, the toy refused the replay of the request's first batch
+    (an EngineError, as E1 requires of a batch no longer retained; or a bare status, E5's
+    finding) and E1 failed it ("replay from 3, opened once batch 3 arrived live, failed"). The
+    check now replays from the newest batch instead, and skips when that is refused too (a
+    server retaining none); a replay served silently from a later batch still fails."""
+    _, status, says = FEWER_THAN_A_REQUEST[key]
+    result = outcomes[f"fewer-{key}"].result()
+    assert result.status is status and says in result.message, (result.status, result.message)
+
+
 SILENT_LATE = runs("silent-expired-late", lambda _: run_one(
     KvFaults(retained=16, lagging=True, lag_seconds=2.5, silent_expired=True), "E1:replay_expired"))
 
