@@ -249,12 +249,12 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 def _grey_to_8_bits(image: Image.Image) -> Image.Image:
     """Wide greyscale as ``L`` (``LA`` where a transparent grey value is named), each value
     scaled from 0..65535 to 0..255, rounded; a 32-bit ``I`` value is first held to that range."""
-    values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
-    grey = Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), "L")
+    values = np.clip(np.asarray(image), 0, 65535).astype(np.uint32)  # 65535 * 255 + 32767 fits
+    grey = Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8))  # 2-D uint8: mode L
     key = image.info.get("transparency")
     if not isinstance(key, int):
         return grey
-    alpha = Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8), "L")
+    alpha = Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8))
     return Image.merge("LA", (grey, alpha))
 
 

@@ -26,7 +26,7 @@ def _png(image: Image.Image, **params: object) -> MediaInput:
 
 
 def _grey8(values: np.ndarray) -> Image.Image:
-    return Image.fromarray(values.astype(np.uint8), "L")
+    return Image.fromarray(values.astype(np.uint8))
 
 
 def _grey16(values: np.ndarray) -> Image.Image:
@@ -70,7 +70,7 @@ def test_32_bit_greyscale_is_held_to_16_bits_first() -> None:
     """A TIFF (where accepted) can hold mode ``I``: values outside 0..65535 are held to it."""
     values = np.array([[-5, 0, 257 * 100, 65535, 70000, 2**31 - 1]], dtype=np.int32)
     out = io.BytesIO()
-    Image.fromarray(values, "I").save(out, format="TIFF")
+    Image.fromarray(values).save(out, format="TIFF")
     config = MediaConfig(image_formats=("TIFF",), max_aspect_ratio=10)
     loaded = load_image(MediaInput(modality="image", raw_bytes=out.getvalue()), config)
     assert np.asarray(loaded.image)[0, :, 0].tolist() == [0, 0, 100, 255, 255, 255]
@@ -81,5 +81,5 @@ def test_eight_bit_pictures_are_untouched(seed: int) -> None:
     """The 8-bit modes keep Pillow's conversion (only the wide greyscale modes are scaled)."""
     values = _noise(seed, 255)
     colour = np.stack([values, np.roll(values, 1), values[::-1]], axis=-1)
-    image = Image.fromarray(colour.astype(np.uint8), "RGB")
+    image = Image.fromarray(colour.astype(np.uint8))
     assert np.array_equal(np.asarray(load_image(_png(image), DEFAULT).image), colour)
