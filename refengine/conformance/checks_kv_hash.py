@@ -42,11 +42,15 @@ def _roots(stored: list[Any]) -> list[Any]:
     return [e for e in stored if not e.HasField("parent_block_hash")]
 
 
-def _own_blocks(stored: list[Any]) -> int:
-    """The blocks ``stored`` names from its first chain root on: a request's own chain (the
-    BlockStored before that root are an earlier request's, delivered late)."""
+def _chain(stored: list[Any]) -> list[HashKey]:
+    """The blocks ``stored`` names from its first chain root on, in order: a request's own chain
+    (the BlockStored before that root are an earlier request's, delivered late)."""
     first_root = next((i for i, e in enumerate(stored) if not e.HasField("parent_block_hash")), len(stored))
-    return sum(len(e.block_hashes) for e in stored[first_root:])
+    return [_key(h) for e in stored[first_root:] for h in e.block_hashes]
+
+
+def _own_blocks(stored: list[Any]) -> int:
+    return len(_chain(stored))
 
 
 @check("E4", "every BlockStored's parent is known; a salted copy of a prompt stores blocks of its own")
@@ -159,25 +163,52 @@ def _children(view: KvView, block: HashKey) -> set[HashKey]:
     return {key for key, parent in view.blocks.items() if parent == block}
 
 
+def _image_block(t: Target, view: KvView, chain: list[HashKey], stored: list[Any], position: int,
+                 token: int) -> int | None:
+    """Where in ``chain`` (the first image prompt's blocks) the image starts: the first block
+    whose ``token_ids`` hold the placeholder, where the server sends them; else the block holding
+    ``position`` by the blocks' size (the events' ``block_size``, else the advertised
+    ``kv_block_size``, which is optional: found by review, a toy of 4-token blocks that left it
+    out was judged as if its blocks held 16). ``len(chain)``: no block of it holds the image;
+    None: neither tells."""
+    tokens = [view.tokens.get(key, ()) for key in chain]
+    if chain and all(tokens):
+        return next((i for i, held in enumerate(tokens) if token in held), len(chain))
+    capacity = t.server_info.capacity
+    size = next((e.block_size for e in stored if e.block_size), 0) or \
+        (capacity.kv_block_size if capacity.HasField("kv_block_size") else 0)
+    return min(position // size, len(chain)) if size else None
+
+
+def _forked(view: KvView, chain: list[HashKey], image_block: int, since: list[Any]) -> bool:
+    """Whether a later prompt stored a block of its own where the image starts: a second child of
+    the block before the image's, or (the image in the first block) a chain root not ``chain``'s."""
+    if image_block:
+        return len(_children(view, chain[image_block - 1])) > 1
+    return any(_key(e.block_hashes[0]) not in chain for e in _roots(since))
+
+
 @check("E4", "the same prompt with a different image stores blocks of its own")
 def media_in_block_hash(t: Target) -> str:
     """E4 (media; found by review: the media part was unchecked): one token prompt, a block of
     text then the image's placeholder, sent with a fresh image, then with another fresh image.
-    The text block is the same under both, so the second image's blocks chain onto the cached
-    one (no chain root, unlike the salted or adapted copies): the block holding the image's
-    first position depends on the image, so each image stores a child of the text block of its
-    own. Served the first image's blocks, the second would answer about the wrong picture.
+    The blocks before the image are the same under both, so a conforming server reuses them and
+    stores, where the image starts, a block of its own for each image: a second child of the
+    block before the image's, or a second chain root when the image starts in the first block.
+    Served the first image's blocks, the second would answer about the wrong picture. Which
+    block holds the image is read from the first prompt's events (``_image_block``).
 
     It waits for what it judges, not for a time window: the first image prompt's blocks until
-    announced (``kv_announced``), then a second child of its text block (either image's may
-    come late; up to EVENT_WAIT_S), unless the second request's Usage reports more cached
-    prompt tokens than the text before the image: a position from the image on then reused KV
-    computed with the first image, the violation visible (the text block itself is a
-    legitimate hit, unlike any hit under an adapter). Counting the blocks stored 0.3 s after
-    each request passed a server leaving the image out of its block hash on a stream whose
-    step's later batches come 1 s late: the first prompt's late batches counted as the
-    second's. Skips without the placeholder (D9's option) or when no block after the text
-    block was stored (a server not caching blocks that hold an image)."""
+    announced (``kv_announced``), then the second image's block of its own (either image's may
+    come late; up to EVENT_WAIT_S), whatever the second request's Usage says: a server that
+    adds a BOS token may count it as cached too (K3), so no count of cached tokens proves the
+    violation (found by review: "more cached tokens than the text before the image" ended the
+    wait before the block arrived, and failed such a server). Counting the blocks stored 0.3 s
+    after each request passed a server leaving the image out of its block hash on a stream
+    whose step's later batches come 1 s late: the first prompt's late batches counted as the
+    second's. Skips without the placeholder (D9's option), when the first prompt stored no
+    chain, when no stored block holds the image (a server not caching such blocks), or when
+    neither the events nor ServerInfo tell the blocks' size."""
     token = _placeholder(t)
     ids = _image_prompt(t, token)
     tracker = Tracker(subscribe(t))
@@ -190,31 +221,32 @@ def media_in_block_hash(t: Target) -> str:
     try:
         image = unique_png(t, "e4imga")
         _, _, first = announced(t, tracker, lambda: send("e4imga", image), lambda _: False)
-        text = next((_key(e.block_hashes[0]) for e in _roots(first)), None)
+        chain = _chain(first)
+        where = _image_block(t, tracker.view, chain, first, ids.index(token), token)
+        before = len(tracker.sub.batches)
         usage = send("e4imgb", unique_png(t, "e4imgb"))
         cached = usage.cached_prompt_tokens if usage is not None else 0
-        if text is not None and cached <= ids.index(token):  # else the violation is visible already
+        if where is not None and where < len(chain):
 
             def forked(_: Any) -> bool:
                 tracker.catch_up()
-                return len(_children(tracker.view, text)) > 1
+                return _forked(tracker.view, chain, where, tracker.stored_since(before))
 
             tracker.sub.wait(forked, EVENT_WAIT_S)
         tracker.catch_up()
         expect(not tracker.sub.errors, f"the subscription failed: {tracker.sub.describe()}")
     finally:
         tracker.sub.close()
-    if not first:
-        skip("the first image prompt stored no block (E3 judges that): nothing to compare")
-    if text is None:
-        skip("the first image prompt stored no chain root (E4's chain check judges that): its text block is unknown")
-    children = _children(tracker.view, text)
-    if len(children) > 1:
-        return (f"the prompt's text block has a child block under each image: the second image's blocks hash apart "
-                f"from the image on ({sum(len(e.block_hashes) for e in first)} blocks of the first image prompt "
-                "announced before the second was sent)")
-    if not children:
-        skip("neither image prompt stored a block after its text block: this server does not cache blocks holding "
-             "an image, so there is no hash to judge")
+    if not chain:
+        skip("the first image prompt stored no chain root (E3 and E4's chain check judge that): nothing to compare")
+    if where is None:
+        skip("which block holds the image is unknown: BlockStored carries neither token_ids nor block_size, and "
+             "the server reports no kv_block_size")
+    if where == len(chain):
+        skip(f"the first image prompt's {len(chain)} stored blocks all precede the image: this server does not "
+             "cache blocks holding an image, so there is no hash to judge")
+    if _forked(tracker.view, chain, where, tracker.stored_since(before)):
+        return (f"the second image stored a block of its own where the image starts (block {where} of the first "
+                f"image prompt's {len(chain)}): its blocks hash apart from the image on")
     fail(f"the same token prompt with another image stored no block of its own from the image on ({cached} cached "
          "prompt tokens): its blocks hash as the first image's, so the image is not in the block hash")

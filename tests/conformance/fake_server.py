@@ -87,6 +87,8 @@ class Control(oe.ControlServicer):
             info.engine_role = oe.ENGINE_ROLE_UNSPECIFIED
         if f.zero_pipeline_size:
             info.parallelism.pipeline_parallel_size = 0
+        if f.block_size_unreported:
+            info.capacity.ClearField("kv_block_size")
         if f.capacity_shrinks:  # D6's fault: the free blocks reported as capacity
             info.capacity.total_kv_blocks = TOTAL_BLOCKS - len(self.engine.cache.blocks)
         if f.lora:

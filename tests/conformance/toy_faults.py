@@ -83,6 +83,7 @@ class Faults:
     prefix_salt_ignored: bool = False  # K2: cache_salt not part of the prefix-cache key
     salt_falls_back_to_unsalted: bool = False  # K2: a salted prompt is served from the unsalted cache too
     token_cache: bool = False  # not a fault: a token-granular prefix cache (pages of one token, as a radix tree)
+    block_size_unreported: bool = False  # not a fault: ServerInfo leaves out kv_block_size (it is optional)
     lora_not_in_hash: bool = False  # E4: the adapter is in neither cache's block key (LoRA requests hit base blocks)
     count_own_blocks: bool = False  # K3: a request's freshly stored blocks counted as cached
     cached_blocks_not_tokens: bool = False  # K3: cached_prompt_tokens counts the cached blocks, not their tokens

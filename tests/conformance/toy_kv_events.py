@@ -63,6 +63,7 @@ class KvFaults:
     lagging: bool = False  # not a fault: stored blocks published 16 a batch, each delivered 0.5 s after
     staggered: bool = False  # not a fault: as ``lagging``, and a step's later batches 0.5 s after its first
     lag_seconds: float = 0.5  # how late ``lagging`` delivers a batch (``staggered``'s later batches: twice that)
+    bare_blocks: bool = False  # not a fault: BlockStored without token_ids and block_size (both optional)
 
 
 def _batches(removed: list, stored: list, per_batch: int) -> list[list]:
@@ -91,7 +92,8 @@ class ToyKvCache:
             for i, key in enumerate(keys):
                 if key not in self.published and not (self.faults.orphans and i == 0):
                     named = None if self.faults.parent_in_batch_only and not stored else parent
-                    stored.append(BlockStored(key, named, tuple(token_ids[i * BLOCK:(i + 1) * BLOCK]), BLOCK,
+                    block = () if self.faults.bare_blocks else tuple(token_ids[i * BLOCK:(i + 1) * BLOCK])
+                    stored.append(BlockStored(key, named, block, 0 if self.faults.bare_blocks else BLOCK,
                                               block_extra_keys(i, BLOCK, extra, images)))
                 parent = key
             if self.faults.partial_blocks and len(token_ids) % BLOCK:
