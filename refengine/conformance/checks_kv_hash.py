@@ -169,15 +169,18 @@ def _image_block(t: Target, view: KvView, chain: list[HashKey], stored: list[Any
     whose ``token_ids`` hold the placeholder, where the server sends them; else the block holding
     ``position`` by the blocks' size (the events' ``block_size``, else the advertised
     ``kv_block_size``, which is optional: found by review, a toy of 4-token blocks that left it
-    out was judged as if its blocks held 16). ``len(chain)``: no block of it holds the image;
-    None: neither tells."""
+    out was judged as if its blocks held 16), also where the image's positions carry other ids.
+    ``len(chain)``: no block of it holds the image; None: nothing tells."""
     tokens = [view.tokens.get(key, ()) for key in chain]
-    if chain and all(tokens):
-        return next((i for i, held in enumerate(tokens) if token in held), len(chain))
+    with_tokens = bool(chain) and all(tokens)
+    if with_tokens and (found := next((i for i, held in enumerate(tokens) if token in held), None)) is not None:
+        return found
     capacity = t.server_info.capacity
     size = next((e.block_size for e in stored if e.block_size), 0) or \
         (capacity.kv_block_size if capacity.HasField("kv_block_size") else 0)
-    return min(position // size, len(chain)) if size else None
+    if size:
+        return min(position // size, len(chain))
+    return len(chain) if with_tokens else None
 
 
 def _forked(view: KvView, chain: list[HashKey], image_block: int, since: list[Any]) -> bool:
