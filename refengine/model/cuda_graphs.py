@@ -216,14 +216,10 @@ class DecodeGraphs:
     def _forward_fn(self, size: int) -> ForwardFn:
         assert self._input_ids is not None and self._positions is not None
         input_ids, positions = self._input_ids[:size], self._positions[:size]
-        # The context's metadata is a placeholder of the right batch: in graph mode the
-        # backend reads its own buffers, never ``ctx.attn_metadata``.
-        placeholder = padded_decode(None, size, 1, self.block_size, self.scratch_block).meta
 
         def forward() -> torch.Tensor:
-            self.attention.prepare_for_capture(size)
-            return self.model.forward(input_ids, positions, ForwardContext(self.attention, placeholder,
-                                                                           self.kv_caches))
+            self.attention.prepare_for_capture(size)  # in graph mode the backend reads its own buffers
+            return self.model.forward(input_ids, positions, ForwardContext(self.attention, self.kv_caches))
         return forward
 
     def _load(self, step: PaddedDecode) -> None:

@@ -176,7 +176,7 @@ class ModelRunner:
         )
         self.attention.prepare(meta)
         slots = model_input.adapter_slots
-        ctx = ForwardContext(self.attention, meta, self.kv_caches,
+        ctx = ForwardContext(self.attention, self.kv_caches,
                              lora=None if slots is None else LoraBatch.build(slots.to(device)))
         embeds = model_input.input_embeds
         if embeds is not None:
