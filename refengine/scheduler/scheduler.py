@@ -241,7 +241,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
-        seq.num_preemptions += 1
         if seq.recomputable:
             self.add(seq)
         else:

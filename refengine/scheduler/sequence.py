@@ -54,7 +54,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache (-1 = not yet scheduled)
-    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
