@@ -80,7 +80,6 @@ def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_na
         guided_backends=tuple(sorted(backend_modes().items(), key=lambda kv: kv[0] != config.guided.default_backend)),
         role=config.role,
         kv_transfer_backends=kv_transfer_backends,
-        kv_session_ttl_seconds=config.kv_transfer.session_ttl_seconds,
         max_loras=config.lora.max_loras if config.lora.enabled else 0,
         supports_multimodal=multimodal,
         attention_backend=kernels[0],

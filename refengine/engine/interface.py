@@ -40,7 +40,6 @@ class EngineInfo:
     role: str = "aggregated"  # aggregated, prefill or decode (EngineConfig.role)
     # KV transfer backends: a prefill engine's offered one first; a decode engine pulls with any.
     kv_transfer_backends: tuple[str, ...] = ()
-    kv_session_ttl_seconds: float = 0.0
     max_loras: int = 0  # LoRA adapter slots (DeploymentCapacity.max_loras); 0: LoRA disabled
     supports_multimodal: bool = False  # D9: image media accepted (a vision model)
     attention_backend: str = ""  # the registry name of the backend that runs, and why (info.kernel_paths)
