@@ -26,7 +26,7 @@ from refengine.types import BlockRemoved, BlockStored
 from tests.conformance.fake_server import TOTAL_BLOCKS, Control, Inference, start
 from tests.conformance.toy_engine import BLOCK, ToyEngine
 from tests.conformance.toy_faults import Faults
-from tests.conformance.toy_media import requested
+from tests.conformance.toy_media import PLACEHOLDER, requested
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ class KvFaults:
     staggered: bool = False  # not a fault: as ``lagging``, and a step's later batches 0.5 s after its first
     lag_seconds: float = 0.5  # how late ``lagging`` delivers a batch (``staggered``'s later batches: twice that)
     bare_blocks: bool = False  # not a fault: BlockStored without token_ids and block_size (both optional)
+    image_ids_hidden: bool = False  # not a fault: BlockStored's token_ids carry 0 at an image's positions
 
 
 def _batches(removed: list, stored: list, per_batch: int) -> list[list]:
@@ -92,7 +93,9 @@ class ToyKvCache:
             for i, key in enumerate(keys):
                 if key not in self.published and not (self.faults.orphans and i == 0):
                     named = None if self.faults.parent_in_batch_only and not stored else parent
-                    block = () if self.faults.bare_blocks else tuple(token_ids[i * BLOCK:(i + 1) * BLOCK])
+                    block = () if self.faults.bare_blocks else tuple(
+                        0 if self.faults.image_ids_hidden and t == PLACEHOLDER else t
+                        for t in token_ids[i * BLOCK:(i + 1) * BLOCK])
                     stored.append(BlockStored(key, named, block, 0 if self.faults.bare_blocks else BLOCK,
                                               block_extra_keys(i, BLOCK, extra, images)))
                 parent = key
