@@ -49,9 +49,6 @@ def _chain(stored: list[Any]) -> list[HashKey]:
     return [_key(h) for e in stored[first_root:] for h in e.block_hashes]
 
 
-def _own_blocks(stored: list[Any]) -> int:
-    return len(_chain(stored))
-
 
 @check("E4", "every BlockStored's parent is known; a salted copy of a prompt stores blocks of its own")
 def stored_events_chain(t: Target) -> str:
@@ -95,7 +92,7 @@ def stored_events_chain(t: Target) -> str:
                             "blocks stored before (a chain root)")
     if not salted:
         return f"{len(batches)} batches chain; cache_salt not advertised"
-    stored = _own_blocks(tracker.stored_since(before))
+    stored = len(_chain(tracker.stored_since(before)))
     expect(stored > 0, "the same prompt under a new cache_salt stored no block: its blocks hash as the unsalted "
                        "ones, so the salt is not in the block hash (E4, K2)")
     return (f"{len(batches)} batches chain ({len(ext)} BlockStored of the extension, parented); a salted copy "
@@ -138,7 +135,7 @@ def lora_in_block_hash(t: Target) -> str:
             tracker.sub.close()
     if not base:
         skip("the prompt without an adapter stored no block (E3 judges that): nothing to compare")
-    if adapted := _own_blocks(since):
+    if adapted := len(_chain(since)):
         return (f"the base prompt stored {sum(len(e.block_hashes) for e in base)} blocks, the same prompt under "
                 f"an adapter {adapted} of its own")
     expect(not cached, f"the same prompt under LoRA adapter {adapter.lora_name!r} stored no block and reported "

@@ -65,14 +65,12 @@ class Tracker:
         return [p for p in self.view.problems if "BlockRemoved" in p]
 
 
-def caught_up(t: Target, tracker: Tracker) -> bool:
+def caught_up(t: Target, tracker: Tracker) -> None:
     """Wait until ``tracker`` has seen every batch the server had published when this was
     called: up to the number a new snapshot carries (E2: the last batch it includes), at most
-    EVENT_WAIT_S. Whether it has (the view is then applied up to there)."""
-    newest = latest_number(t)
-    done = tracker.sub.wait_sequence(newest)
+    EVENT_WAIT_S; then apply the view as far as it got (what arrived is judged either way)."""
+    tracker.sub.wait_sequence(latest_number(t))
     tracker.catch_up()
-    return done
 
 
 def depth(view: KvView, block: HashKey) -> int | None:
