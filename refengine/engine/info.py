@@ -48,10 +48,13 @@ def bf16_attention_path(backend: str) -> str:
     """What computes bf16 attention on the CPU under ``backend``, for ``bf16_path``."""
     if backend != "cpu":
         return f"the {backend} attention backend"
-    from refengine.kernels.attention.cpu_paged import bf16_query_form
+    from refengine.kernels.attention.cpu_paged import amx_form_available, bf16_query_form
 
     form = bf16_query_form()
     dots = f"dot products by {form.name}: {form.why}" if form else "queries widened to float32"
+    if amx_form_available():
+        dots = (f"dot products on AMX tiles on a bf16 cache where head_dim is a multiple of 32, "
+                f"else {dots}")
     return f"the native attention kernel (fp32 accumulation; {dots})"
 
 

@@ -384,7 +384,7 @@ def test_registration_order_is_auto_preference(monkeypatch: pytest.MonkeyPatch) 
     made: list[str] = []
 
     def factory(name: str) -> Callable[..., TorchReferenceBackend]:
-        return lambda dtype, device, kernels: made.append(name) or TorchReferenceBackend()
+        return lambda dtype, kv_dtype, device, kernels: made.append(name) or TorchReferenceBackend()
 
     registry.register_backend("fast", factory("fast"), lambda dtype, kv_dtype, device, kernels: "no fast path here")
     registry.register_backend("slow", factory("slow"), lambda dtype, kv_dtype, device, kernels: "")

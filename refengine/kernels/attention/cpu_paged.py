@@ -10,9 +10,11 @@ prompt was chunked, nor on whether it was a prompt row or a decode row. On SmolL
 ran prefill attention 1.6-2.8x (float32) and 2.0-3.4x (bfloat16) as fast as SDPA's CPU flash
 kernel on AVX512-BF16 machines without AMX, and decode attention at 1.05-1.48x (float32 cache)
 and 1.17-1.66x (bfloat16 cache) the speed of the row kernel it replaced for decode rows
-(``benchmarks/cpu_attention.py``). With AMX, SDPA's bf16 flash kernel is 1.1-2.6x faster than
-it on fresh prompts of 128-2,048 tokens; the chunk kernel keeps them for its invariants (why it
-has no AMX form: ``kernels/cpu/paged_attention.c``).
+(``benchmarks/cpu_attention.py``). With AMX, a bfloat16 model on a bfloat16 cache takes the chunk
+kernel's AMX form (``chunk_attention_bf16amx``, ``kernels/cpu/paged_attention_amx.h``) for every
+row where head_dim is a multiple of 32: 1.3-2.6x the vector form's speed on prompts, about the
+same on decode rows, with its own cache layout (keys row-major, values transposed: the vector
+forms' swapped), which ``kv_cache_shapes`` gives a backend made for those dtypes.
 
 Other shapes (a block size under 16, a head_dim not a multiple of 16) take the row kernel
 (``paged_attention`` in ``kernels/cpu/paged_attention.c``) for every row: one query vector at a
@@ -117,8 +119,31 @@ def bf16_query_form() -> Bf16QueryForm | None:
         return _measured_bf16_query_form()
 
 
+@functools.cache
+def _amx_kernel() -> Callable[..., int] | None:
+    library = cpu.load("paged_attention").library
+    if library is None or not library.chunk_attention_bf16amx_available():
+        return None
+    kernel = library.chunk_attention_bf16amx
+    kernel.restype = ctypes.c_int
+    kernel.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int64]
+    return kernel
+
+
+def amx_form_available() -> bool:
+    """Whether bf16 attention can run on AMX tiles here (``chunk_attention_bf16amx``): the library
+    was built with AMX-BF16 and Linux granted this process the AMX state."""
+    with _probe_lock:
+        return _amx_kernel() is not None
+
+
 class CpuPagedBackend(AttentionBackend):
-    def __init__(self) -> None:
+    """``dtype`` and ``kv_dtype`` (None = ``dtype``): the queries and the cache it will be given.
+    Both bfloat16 on a CPU with AMX: the AMX form (``kernels/cpu/paged_attention_amx.h``) takes
+    the shapes it can (head_dim a multiple of 32), with its own cache layout, which
+    ``kv_cache_shapes`` gives: keys row-major and values transposed, the vector forms' swapped."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None) -> None:
         library = cpu.load("paged_attention").library
         if library is None:
             raise RuntimeError(f"native CPU attention unavailable: {native_kernel_unavailable_reason()}")
@@ -140,14 +165,25 @@ class CpuPagedBackend(AttentionBackend):
         # (head_dim, block_size) -> whether the chunk kernel takes it: asked once per shape, not per layer.
         self._chunk_kernel_takes = functools.cache(lambda head_dim, block_size: bool(
             chunk_attention_supported(head_dim, block_size)))
+        amx = dtype == (kv_dtype or dtype) == torch.bfloat16 and amx_form_available()
+        self._amx_kernel = _amx_kernel() if amx else None
+        amx_supported = library.chunk_attention_bf16amx_supported
+        amx_supported.restype = ctypes.c_int
+        amx_supported.argtypes = [ctypes.c_int, ctypes.c_int]
+        # (head_dim, block_size) -> whether the AMX form runs it (and the cache has its layout).
+        self._amx_takes = functools.cache(lambda head_dim, block_size: self._amx_kernel is not None and bool(
+            amx_supported(head_dim, block_size)))
         self._meta: AttentionMetadata | None = None
 
     def kv_cache_shapes(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Keys transposed within a block (``[num_kv_heads, head_dim, block_size]``), so the
-        kernel scores a whole block as one vector; values row-major. See the C source."""
-        return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, block_size, num_kv_heads, head_dim)
+        kernel scores a whole block as one vector; values row-major. See the C source. The AMX
+        form's layout is the other way round (``paged_attention_amx.h``)."""
+        transposed, row_major = (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, block_size,
+                                                                                   num_kv_heads, head_dim)
+        return (row_major, transposed) if self._amx_takes(head_dim, block_size) else (transposed, row_major)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
@@ -166,10 +202,12 @@ class CpuPagedBackend(AttentionBackend):
         kv_dtype = k_cache.dtype
         assert kv_dtype in self._row_kernels and q.dtype in self._row_kernels and q.is_cpu, \
             "the native kernel takes float32 or bfloat16 queries and caches on CPU"
-        num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
+        # The cache's layout follows from the queries' head_dim, as kv_cache_shapes chose it.
+        _, num_heads, q_head_dim = q.shape
+        amx = self._amx_takes(q_head_dim, meta.block_size)
+        num_kv_heads, head_dim = (k_cache if amx else v_cache).shape[2:]  # the row-major one
         # The kernels take these from the cache and trust q to fit: a head count not a multiple of the
         # KV heads left rows unwritten (chunk kernel) or read past the cache's KV heads (row kernel).
-        _, num_heads, q_head_dim = q.shape
         if num_heads % num_kv_heads or q_head_dim != head_dim:
             raise ValueError(f"paged attention: {num_heads} query heads of size {q_head_dim} do not fit a cache of "
                              f"{num_kv_heads} KV heads of size {head_dim} (query heads must be a multiple of KV heads)")
@@ -179,21 +217,31 @@ class CpuPagedBackend(AttentionBackend):
             k, v = k.to(kv_dtype), v.to(kv_dtype)
         # Rows may be strided (views into the fused QKV output); each row must be contiguous.
         q, k, v = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (q, k, v))
-        self._stores[kv_dtype](k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
-                            meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim, meta.block_size,
-                            k.stride(0), v.stride(0))
+        if amx:
+            assert q.dtype == kv_dtype == torch.bfloat16, "this backend was made for bf16 queries on a bf16 cache"
+            # The store writes its first cache transposed and its second row-major: the AMX layout
+            # is the same store with keys and values swapped.
+            self._stores[kv_dtype](v_cache.data_ptr(), k_cache.data_ptr(), v.data_ptr(), k.data_ptr(),
+                                   meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim,
+                                   meta.block_size, v.stride(0), k.stride(0))
+        else:
+            self._stores[kv_dtype](k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                   meta.slot_mapping.data_ptr(), k.shape[0], num_kv_heads, head_dim,
+                                   meta.block_size, k.stride(0), v.stride(0))
         # The kernels' queries and outputs are float32 whatever the cache holds: a bf16 step
         # collects every row in float32 and rounds once at the end.
         out = torch.empty(q.shape, dtype=torch.float32)
         kernel_q = q
-        if self._chunk_kernel_takes(head_dim, meta.block_size):
+        if amx:
+            kernel = self._amx_kernel
+        elif self._chunk_kernel_takes(head_dim, meta.block_size):
             kernel = self._chunk_kernels[kv_dtype]
             if q.dtype == kv_dtype == torch.bfloat16 and self._bf16_query_kernel is not None:
                 kernel = self._bf16_query_kernel  # reads the bf16 queries as they are: no float32 copy
         else:
             kernel = self._row_kernels[kv_dtype]
         if meta.num_seqs:
-            if kernel is not self._bf16_query_kernel and q.dtype != torch.float32:
+            if kernel not in (self._bf16_query_kernel, self._amx_kernel) and q.dtype != torch.float32:
                 kernel_q = q.float()
             status = kernel(out.data_ptr(), kernel_q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             self._block_tables.data_ptr(), self._query_start_loc.data_ptr(),

@@ -27,9 +27,9 @@ from refengine.kernels.cpu_features import native_bf16
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
-# The factory takes (dtype, device, kernels) and runs only when the check, given (dtype, kv_dtype,
-# device, kernels), returned "".
-BackendFactory = Callable[[torch.dtype, str, KernelConfig], AttentionBackend]
+# The factory and the check both take (dtype, kv_dtype, device, kernels); the factory runs only when
+# the check returned "".
+BackendFactory = Callable[[torch.dtype, torch.dtype, str, KernelConfig], AttentionBackend]
 UnavailableReason = Callable[[torch.dtype, torch.dtype, str, KernelConfig], str]
 
 
@@ -90,7 +90,7 @@ def make_attention_backend(
     chosen, why = choose_backend(name, dtype, device, kernels, kv_dtype)
     if name == AUTO:
         logger.info("attention backend %s (%s)", chosen, why)
-    return _BACKENDS[chosen].factory(dtype, device, kernels)
+    return _BACKENDS[chosen].factory(dtype, kv_dtype or dtype, device, kernels)
 
 
 def _entry(name: str) -> _Entry:
@@ -114,7 +114,7 @@ def _flashinfer_unavailable(dtype: torch.dtype, kv_dtype: torch.dtype, device: s
     return ""
 
 
-def _make_flashinfer(dtype: torch.dtype, device: str, kernels: KernelConfig) -> AttentionBackend:
+def _make_flashinfer(dtype: torch.dtype, kv_dtype: torch.dtype, device: str, kernels: KernelConfig) -> AttentionBackend:
     from refengine.kernels.attention.flashinfer_backend import FlashInferBackend
 
     return FlashInferBackend(device)
@@ -128,7 +128,7 @@ def _triton_unavailable(dtype: torch.dtype, kv_dtype: torch.dtype, device: str, 
     return triton_unavailable_reason(dtype, device) or triton_unavailable_reason(kv_dtype, device)
 
 
-def _make_triton(dtype: torch.dtype, device: str, kernels: KernelConfig) -> AttentionBackend:
+def _make_triton(dtype: torch.dtype, kv_dtype: torch.dtype, device: str, kernels: KernelConfig) -> AttentionBackend:
     from refengine.kernels.attention.triton_paged import TritonPagedBackend
 
     return TritonPagedBackend()
@@ -151,5 +151,5 @@ def _always_available(dtype: torch.dtype, kv_dtype: torch.dtype, device: str, ke
 # CUDA only, fastest first: FlashInfer where it is installed (fp16/bf16), else the Triton kernels.
 register_backend("flashinfer", _make_flashinfer, _flashinfer_unavailable)
 register_backend("triton", _make_triton, _triton_unavailable)
-register_backend("cpu", lambda dtype, device, kernels: CpuPagedBackend(), _cpu_unavailable)
-register_backend("torch", lambda dtype, device, kernels: TorchReferenceBackend(), _always_available)
+register_backend("cpu", lambda dtype, kv_dtype, device, kernels: CpuPagedBackend(dtype, kv_dtype), _cpu_unavailable)
+register_backend("torch", lambda dtype, kv_dtype, device, kernels: TorchReferenceBackend(), _always_available)

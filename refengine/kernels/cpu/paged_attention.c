@@ -35,20 +35,21 @@
  * One work item is one query row (all heads), so a row's result never depends on
  * what else is in the batch (batch invariance), and its arithmetic order is fixed.
  *
- * Why no AMX path, where the projections have one (gemm_amx.c): a prompt row and a decode row
- * must get the same bits (the chunk kernel's invariant, paged_attention_chunk.h), and a decode
- * row (one query per head) would waste a 16-row AMX tile. But TDPBF16PS does not round like a
+ * The AMX form (paged_attention_amx.h, chunk_attention_bf16amx). TDPBF16PS does not round like a
  * chain of VDPBF16PS: over 512,000 random 16-pair dot products on this project's AMX Xeon,
  * VDPBF16PS equalled float32 FMAs in Intel's documented order (odd element first) every time,
- * while TDPBF16PS differed from that in 38 % of them (it keeps more precision inside: it is
- * nearer the exactly rounded sum). An AMX prompt path would change a row's bits with how it was
- * scheduled. (So bf16 prefill here runs at 100-180 GFLOP/s, against 115-460 for SDPA, which the
- * backend keeps for shapes the chunk kernel refuses; benchmarks/cpu_attention.py.)
+ * while TDPBF16PS differed from that in 38 % of them (it keeps more precision inside). So an AMX
+ * path only for prompt rows, with decode rows on vdpbf16ps, would change a row's bits with how it
+ * was scheduled; the AMX form runs every row, decode rows too, and a TDPBF16PS element depends on
+ * its own row and column alone. Its products are transposed (the item's vectors are the tiles'
+ * columns, positions or dimensions the rows) so that a decode row still fills the tiles' rows, and
+ * its cache layout is the vector forms' swapped, so that tiles load straight from the cache.
  *
  * Built with -ffast-math so the loops and exp vectorize; that is safe here because
  * only valid positions reach the softmax (no -inf masking) and every softmax
  * subtracts its row maximum first.
  */
+#define _GNU_SOURCE /* syscall() under -std=c11, for the AMX form's permission request */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -181,5 +182,26 @@ int chunk_attention_bf16qf_available(void) { return 1; }
 #else
 int chunk_attention_bf16qf_available(void) { return 0; }
 #endif
+
+#undef KV_NAME
+#undef QUERY_PAIRS
+
+/* chunk_attention_bf16amx: bfloat16 queries on a bfloat16 cache on AMX tiles
+ * (paged_attention_amx.h). Not the bits of the two forms above: TDPBF16PS rounds its sums its
+ * own way. The backend runs one form for every row, so a row's bits still depend on the row
+ * alone. _available asks Linux for the AMX state (once per process suffices); _supported adds
+ * the form's own condition, head_dim a whole number of 32-dimension steps. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KV_NAME(n) n##_bf16amx
+#define QUERY_PAIRS 3
+#include "paged_attention_chunk.h"
+int chunk_attention_bf16amx_available(void) { return amx_permitted(); }
+#else
+int chunk_attention_bf16amx_available(void) { return 0; }
+#endif
+int chunk_attention_bf16amx_supported(int head_dim, int block_size)
+{
+    return chunk_attention_supported(head_dim, block_size) && head_dim % 32 == 0;
+}
 
 #include "dot_product_speed.h" /* bf16_dot_product_speed: which of the two is faster here */

@@ -85,7 +85,12 @@ static inline void KV_NAME(prefetch_blocks)(const KV_T *k_cache, const KV_T *v_c
     }
 }
 
+#if QUERY_PAIRS == 3
+#define ITEM_VECTORS 16 /* AMX_ROWS: paged_attention_amx.h, below */
+#else
 #include "paged_attention_scores.h" /* pack_queries and tile_scores, per QUERY_PAIRS */
+#define ITEM_VECTORS TILE
+#endif
 
 #include "paged_attention_values.h" /* value_weight16 and tile_values, per QUERY_PAIRS */
 
@@ -124,6 +129,26 @@ static inline vec16 softmax_exp16(vec16 x)
 }
 #endif
 
+#ifndef CHUNK_SOFTMAX_UPDATE
+#define CHUNK_SOFTMAX_UPDATE
+/* The end of a key tile for one vector: its new maximum, and its weights' sums by lane (lane i
+ * holds positions i, i + 16, ...: tile_weights), added across the lanes in a fixed order. Returns
+ * the factor its output is rescaled by. Not inlined, so that every caller (tile_weights, and the
+ * AMX form's softmax by lanes) runs this same code and gets the same bits. */
+static __attribute__((noinline)) float softmax_update(VectorState *state, float new_max, vec16 sums)
+{
+    float sum = 0.0f;
+    for (int i = 0; i < 16; i++)
+        sum += sums[i];
+    /* libm's expf, once per key tile: expf(0) is exactly 1, so an unchanged maximum leaves the
+     * vector's state bit-identical, as the kernel's invariants need. */
+    const float rescale = expf(state->max - new_max);
+    state->sum = state->sum * rescale + sum;
+    state->max = new_max;
+    return rescale;
+}
+#endif
+
 /* Turns one vector's scores into weights (exp(score - new max); 0 past its position, up to
  * num_keys rounded up to 16), updates its max and sum, and returns the factor its output is
  * rescaled by. The loops run over the vector's own positions rounded up to 16, a count that
@@ -156,17 +181,10 @@ static float KV_NAME(tile_weights)(float *row, int start, int num_keys, VectorSt
         store16(row + j, weights);
         sums += weights;
     }
-    float sum = 0.0f;
-    for (int i = 0; i < 16; i++)
-        sum += sums[i];
-    /* libm's expf, once per key tile: expf(0) is exactly 1, so an unchanged maximum leaves the
-     * vector's state bit-identical, as the kernel's invariants need. */
-    const float rescale = expf(state->max - new_max);
-    state->sum = state->sum * rescale + sum;
-    state->max = new_max;
-    return rescale;
+    return softmax_update(state, new_max, sums);
 }
 
+#if QUERY_PAIRS != 3
 /* One work item: width (1, 2, 3, 4 or 8) (row, head) vectors of one sequence and KV head. queries[v]
  * and outputs[v] are padded with copies of vector 0 (position -1: computed, never stored). Each
  * vector's arithmetic is the same for every width: the width only sets how many run side by side
@@ -222,6 +240,9 @@ static void KV_NAME(attend_tile_any)(float *const *outputs, const Q_T *const *qu
     else
         KV_NAME(attend_tile)(outputs, queries, states, k_cache, v_cache, block_table, kv_head, s, scores, acc, TILE);
 }
+#else
+#include "paged_attention_amx.h" /* attend_tile_any on AMX tiles */
+#endif
 
 /* Work item `index` of sequence seq (which has tiles_per_head items per KV head): finds its
  * vectors, their rows, heads and positions, and attends them. */
@@ -232,12 +253,12 @@ static void KV_NAME(run_item)(int64_t index, int64_t tiles_per_head, int seq, fl
 {
     const int group = s->num_heads / s->num_kv_heads, head_dim = s->head_dim;
     const int kv_head = (int)(index / tiles_per_head);
-    const int64_t first_vector = index % tiles_per_head * TILE;
+    const int64_t first_vector = index % tiles_per_head * ITEM_VECTORS;
     const int query_len = query_start_loc[seq + 1] - query_start_loc[seq];
-    const Q_T *queries[TILE];
-    float *outputs[TILE];
-    VectorState states[TILE];
-    for (int v = 0; v < TILE; v++) {
+    const Q_T *queries[ITEM_VECTORS];
+    float *outputs[ITEM_VECTORS];
+    VectorState states[ITEM_VECTORS];
+    for (int v = 0; v < ITEM_VECTORS; v++) {
         const int in_range = first_vector + v < (int64_t)query_len * group;
         const int64_t vector = in_range ? first_vector + v : first_vector; /* padding: vector 0 again */
         const int64_t row_in_seq = vector / group;
@@ -251,8 +272,8 @@ static void KV_NAME(run_item)(int64_t index, int64_t tiles_per_head, int seq, fl
     Shape item = *s;
     item.whole_blocks_ahead = query_len == 1 && kv_head == 0 ? s->whole_blocks_ahead : 0; /* see prefetch_blocks */
     KV_NAME(attend_tile_any)(outputs, queries, states, k_cache, v_cache, block_tables + (int64_t)seq * max_blocks,
-                             kv_head, &item, scratch, scratch + TILE * KEY_TILE,
-                             remaining < TILE ? (int)remaining : TILE);
+                             kv_head, &item, scratch, scratch + ITEM_VECTORS * KEY_TILE,
+                             remaining < ITEM_VECTORS ? (int)remaining : ITEM_VECTORS);
 }
 
 /* Returns 0 on success, -1 if scratch memory could not be allocated, -2 for a shape that
@@ -264,13 +285,17 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
 {
     if (!chunk_attention_supported(head_dim, block_size))
         return -2;
+#if QUERY_PAIRS == 3
+    if (head_dim % AMX_STEP)
+        return -2;
+#endif
     /* Whole blocks ahead for decode rows when there are several sequences (prefetch_blocks): a
      * lone row's three items have no later mate to find the blocks on chip (0.96x at 1 x 1,024). */
     const Shape shape = {num_heads, num_kv_heads, head_dim, block_size, scale,
                          num_selected > 1 ? WHOLE_BLOCKS_AHEAD : 0};
     const int group = num_heads / num_kv_heads;
     /* Items are numbered sequence after sequence, KV head after KV head within one; item_starts[i]
-     * is the first of selected sequence i. A sequence has ceil(rows * group / TILE) per KV head,
+     * is the first of selected sequence i. A sequence has ceil(rows * group / ITEM_VECTORS) per KV head,
      * except a decode row in a call of at least ROW_ITEMS_PER_THREAD rows per thread: one item
      * runs all its KV heads, one after another on one thread. Its first KV head's pass requests
      * whole blocks ahead (prefetch_blocks), so the others read them from this core's L2 instead of
@@ -287,7 +312,7 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
         const int seq = seq_ids[i];
         const int64_t vectors = (int64_t)(query_start_loc[seq + 1] - query_start_loc[seq]) * group;
         const int whole_row = row_items && vectors == group; /* one query row: a decode row */
-        item_starts[i + 1] = item_starts[i] + (whole_row ? 1 : (vectors + TILE - 1) / TILE * num_kv_heads);
+        item_starts[i + 1] = item_starts[i] + (whole_row ? 1 : (vectors + ITEM_VECTORS - 1) / ITEM_VECTORS * num_kv_heads);
     }
     const int64_t num_items = item_starts[num_selected];
     int failed = 0;
@@ -299,7 +324,10 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
         const unsigned int caller_csr = _mm_getcsr();
         _mm_setcsr(caller_csr | 0x8040u);
 #endif
-        float *scratch = malloc(sizeof(float) * TILE * (KEY_TILE + head_dim));
+#if QUERY_PAIRS == 3
+        amx_configure(block_size < AMX_STEP ? block_size : AMX_STEP);
+#endif
+        float *scratch = malloc(sizeof(float) * ITEM_VECTORS * (KEY_TILE + head_dim));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -311,7 +339,7 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
             const int lo = owner_of(item_starts, num_selected, item), seq = seq_ids[lo];
             const int whole_row = row_items && query_start_loc[seq + 1] - query_start_loc[seq] == 1;
             const int64_t per_head =
-                whole_row ? (group + TILE - 1) / TILE : (item_starts[lo + 1] - item_starts[lo]) / num_kv_heads;
+                whole_row ? (group + ITEM_VECTORS - 1) / ITEM_VECTORS : (item_starts[lo + 1] - item_starts[lo]) / num_kv_heads;
             const int64_t first = whole_row ? 0 : item - item_starts[lo];
             const int64_t last = whole_row ? per_head * num_kv_heads : first + 1;
             for (int64_t sub = first; sub < last; sub++) /* the sequence's own item numbers */
@@ -319,6 +347,9 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
                                   seq_lens, max_blocks, q_row_stride, &shape, scratch);
         }
         free(scratch);
+#if QUERY_PAIRS == 3
+        _tile_release();
+#endif
 #if QUERY_PAIRS
         _mm_setcsr(caller_csr);
 #endif
@@ -326,3 +357,5 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
     free(item_starts);
     return failed ? -1 : 0;
 }
+
+#undef ITEM_VECTORS

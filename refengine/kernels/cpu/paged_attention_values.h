@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void KV_NAME(tile_values)(
         KV_NAME(tile_values_part)(acc, weights, v_cache, block_table, start, num_keys, kv_head, s, lo, width, 1);
 }
 
-#else
+#elif QUERY_PAIRS == 2
 
 /* acc[v][lo .. lo + 16 * chunks) += the tile's weighted values, as pair_values_part of
  * QUERY_PAIRS 1 sums them with vdpbf16ps: for each pair of positions (j, j + 1), weight(j + 1) *
