@@ -16,15 +16,17 @@
  *   k_cache  [num_blocks, block_size, num_kv_heads, head_dim]   keys row-major
  *   v_cache  [num_blocks, num_kv_heads, head_dim, block_size]   values transposed
  * Nothing is repacked from the cache, and a 16-row tile is full even for a decode row: its 16 rows
- * are positions or dimensions, the item's vectors are the columns. The softmax runs on S^T's rows,
- * one vector per lane: its maximum, exponentials and sum are lane-wise, over positions in order.
+ * are positions or dimensions, the item's vectors are the columns. The softmax has the vector
+ * forms' arithmetic (tile_weights), run lane by lane on S^T's rows for wide items and row by row
+ * for narrow ones (amx_weights).
  *
  * Why the bits do not depend on scheduling, though a TDPBF16PS sum is not a chain of vdpbf16ps
  * (it keeps more precision inside; paged_attention.c): element (i, j) of a TDPBF16PS result
  * depends on row i of A, column j of B and C[i][j] alone (the AMX GEMM rests on the same fact,
  * gemm_amx.c; test_amx_gemm.py checks it bit for bit). Every row, a prompt's and a decode row's
  * alike, takes this path: a vector's scores are the same keys against its own query column, in
- * the same 32-dimension steps; its softmax lane adds exactly 0 for a position past its own; its
+ * the same 32-dimension steps; its softmax adds exactly 0 for a position past its own, in either
+ * way amx_weights takes; its
  * value sums take K-position steps at absolute positions (key tiles start at multiples of
  * KEY_TILE), and a step past its own position multiplies weights of exactly 0, which leaves the
  * sum as it is (a C tile starts at +0, and +0 plus a zero sum stays +0). Values past the item's
@@ -106,7 +108,7 @@ static inline void KV_NAME(amx_prefetch)(const KV_T *k_cache, const KV_T *v_cach
 }
 
 /* scores[j * 16 + v] = scale * q_v . key(start + j) for the key tile's positions, 16 at a time
- * (num_keys rounded up to 16; rows past it are masked by amx_softmax). */
+ * (num_keys rounded up to 16; rows past it are masked by amx_weights). */
 static void KV_NAME(amx_scores)(float *scores, const uint32_t *query_pairs, const KV_T *k_cache,
                                 const KV_T *v_cache, const int32_t *block_table, int start, int num_keys, int end,
                                 int kv_head, const Shape *s)
