@@ -45,9 +45,9 @@ def count_amx_calls(backend: CpuPagedBackend) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 96, 32])
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 32, 256])  # 256: the most 32-dimension steps
 @pytest.mark.parametrize("group", [1, 3, 8])
-@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("block_size", [16, 32, 64, 256])  # 256: a key tile is one block
 def test_matches_the_oracle(head_dim, group, block_size) -> None:
     """Within bf16's rounding of the float64 oracle and of the torch reference in bf16, on MIXED
     (decode rows, chunks after a context, prompts over two key tiles); unwritten slots hold garbage."""
@@ -83,13 +83,27 @@ def test_only_bf16_on_bf16_takes_it() -> None:
     assert made.kv_cache_shapes(4, 16, 2, 64) == ((4, 16, 2, 64), (4, 2, 64, 16))
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
 def test_never_reads_unwritten_slots(block_size) -> None:
     """Unwritten slots full of NaN never reach an output: the value pass copies the item's last
     positions with zeros past them (0 x NaN is NaN), and scores past them are masked."""
     seqs = make_seqs(MIXED, NUM_KV_HEADS * 3, 64, seed=5)
     results = run_steps(amx_backend(), seqs, block_size, seed=2, fill=float("nan"), dtype=BF16)
     assert max_error_vs_oracle(seqs, results) <= 0.05
+
+
+def test_the_layout_has_its_own_name() -> None:
+    """Engines compare KV layout strings before moving blocks (disaggregation). Where num_kv_heads
+    == head_dim == block_size the two CPU layouts have the same shapes: the names tell them apart."""
+    from refengine.model.kv_io import KvBlockIO
+
+    layouts = []
+    for backend in (amx_backend(), CpuPagedBackend()):
+        k_shape, v_shape = backend.kv_cache_shapes(4, 32, 32, 32)
+        layouts.append(KvBlockIO([(torch.zeros(k_shape, dtype=BF16), torch.zeros(v_shape, dtype=BF16))],
+                                 backend.kv_layout_name(32, 32)).layout)
+    assert layouts[0] != layouts[1]
+    assert amx_backend().kv_layout_name(80, 16) == CpuPagedBackend().kv_layout_name(64, 16)  # both the vector layout
 
 
 def test_cache_layout() -> None:

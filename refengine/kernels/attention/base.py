@@ -59,6 +59,12 @@ class AttentionBackend(ABC):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return shape, shape
 
+    def kv_layout_name(self, head_dim: int, block_size: int) -> str:
+        """Names the layout ``kv_cache_shapes`` gives, for the KV layout string engines compare
+        before moving blocks between them (``KvBlockIO.layout``): a backend with more than one
+        layout names each, since their shapes can coincide."""
+        return type(self).__name__
+
     @property
     def supports_cuda_graphs(self) -> bool:
         """Whether decode steps through this backend may be captured in CUDA graphs and

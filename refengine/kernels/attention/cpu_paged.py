@@ -23,14 +23,15 @@ flash kernel instead, whose result depended on the chunk's length: a prompt pref
 chunks gave logits 1 ulp apart (found by review; G18 promises bit-identical greedy output), so
 they no longer do, at the row kernel's speed.
 
-Keys are stored transposed within each block. float32 or bfloat16 queries (bfloat16 on CPUs
-with native bf16, ``cpu_features``) on a float32 or bfloat16 cache (``--kv-cache-dtype``, any
-pairing): the kernels read 16-bit keys and values and accumulate in float32. float32 queries are
-read as they are; bfloat16 queries on a bfloat16 cache go, where the library was built with
-AVX-512, to ``chunk_attention_bf16q`` or ``chunk_attention_bf16qf``, which read their bits and
-score them as ``vdpbf16ps`` does (exact products of two bfloat16, float32 sums), and sum the
-values that way too, by pairs of positions under the softmax weights rounded to bfloat16 (as GPU
-flash attention rounds P; the softmax sum adds the rounded weights: ``paged_attention_values.h``).
+Keys are stored transposed within each block (values so in the AMX form's layout). float32 or
+bfloat16 queries (bfloat16 on CPUs with native bf16, ``cpu_features``) on a float32 or bfloat16
+cache (``--kv-cache-dtype``, any pairing): the kernels read 16-bit keys and values and accumulate
+in float32. float32 queries are read as they are; bfloat16 queries on a bfloat16 cache that the
+AMX form does not take go, where the library was built with AVX-512, to ``chunk_attention_bf16q``
+or ``chunk_attention_bf16qf``, which read their bits and score them as ``vdpbf16ps`` does (exact
+products of two bfloat16, float32 sums), and sum the values that way too, by pairs of positions
+under the softmax weights rounded to bfloat16 (as GPU flash attention rounds P; the softmax sum
+adds the rounded weights: ``paged_attention_values.h``).
 The first uses ``vdpbf16ps`` (AVX512-BF16), the second float32 multiply-adds in its order, with the
 same bits; ``bf16_query_form`` takes the faster on this core, measured once. Elsewhere bf16
 queries are widened to float32 per step. The step's keys and values are rounded to the cache
@@ -185,6 +186,11 @@ class CpuPagedBackend(AttentionBackend):
                                                                                    num_kv_heads, head_dim)
         return (row_major, transposed) if self._amx_takes(head_dim, block_size) else (transposed, row_major)
 
+    def kv_layout_name(self, head_dim: int, block_size: int) -> str:
+        """The AMX layout's shapes equal the vector forms' where num_kv_heads == head_dim ==
+        block_size: the name tells them apart (an engine on one must not read the other's blocks)."""
+        return f"{type(self).__name__}/amx" if self._amx_takes(head_dim, block_size) else type(self).__name__
+
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
         # int32 copies the kernels read; kept alive on self until the next prepare().
@@ -218,7 +224,9 @@ class CpuPagedBackend(AttentionBackend):
         # Rows may be strided (views into the fused QKV output); each row must be contiguous.
         q, k, v = (t if t.stride(2) == 1 and t.stride(1) == head_dim else t.contiguous() for t in (q, k, v))
         if amx:
-            assert q.dtype == kv_dtype == torch.bfloat16, "this backend was made for bf16 queries on a bf16 cache"
+            if not q.dtype == kv_dtype == torch.bfloat16:  # the AMX kernel would read float32 as bf16
+                raise TypeError(f"paged attention: this backend's cache layout is the AMX form's, for bf16 queries "
+                                f"on a bf16 cache, not {q.dtype} on {kv_dtype}")
             # The store writes its first cache transposed and its second row-major: the AMX layout
             # is the same store with keys and values swapped.
             self._stores[kv_dtype](v_cache.data_ptr(), k_cache.data_ptr(), v.data_ptr(), k.data_ptr(),

@@ -95,6 +95,7 @@ static void configure(int rows0, int rows1)
         config.rows[t] = (uint8_t)(rows[t] > 0 ? rows[t] : 1);
         config.colsb[t] = 64;
     }
+    __asm__ volatile("" ::: "memory"); /* GCC 12's _tile_loadconfig says it reads 8 of the 64 bytes */
     _tile_loadconfig(&config);
 }
 

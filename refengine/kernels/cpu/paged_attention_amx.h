@@ -54,7 +54,8 @@ typedef struct __attribute__((packed)) {
 
 /* A tile load from memory this code has just written. GCC's _tile_loadd is an asm statement that
  * does not say it reads memory, so without the barrier the compiler may sink or drop the stores
- * that filled it (it did: scores came out as zeros or NaN). */
+ * that filled it (it did, in a first version that packed key tiles on the stack: the scores came
+ * out as zeros or NaN). */
 #define AMX_LOAD(tile, base, stride)                                                                   \
     do {                                                                                               \
         __asm__ volatile("" ::: "memory");                                                             \
@@ -73,6 +74,7 @@ static void amx_configure(int value_step)
     }
     config.colsb[5] = config.colsb[7] = (uint16_t)(value_step * 2);
     config.rows[6] = (uint8_t)(value_step / 2);
+    __asm__ volatile("" ::: "memory"); /* GCC 12's _tile_loadconfig says it reads 8 of the 64 bytes */
     _tile_loadconfig(&config);
 }
 
@@ -134,6 +136,25 @@ static void KV_NAME(amx_scores)(float *scores, const uint32_t *query_pairs, cons
         store16(scores + j * 16, load16(scores + j * 16) * scale);
 }
 
+/* amx_weights for narrow items: each vector's scores gathered into its row of `rows` and weighed
+ * there by tile_weights itself. */
+static vec16 KV_NAME(amx_row_weights)(uint32_t *pairs, float *rows, const float *scores, int start, int num_keys,
+                                      int padded, VectorState *states, int width)
+{
+    vec16 rescale = (vec16){0} + 1.0f;
+    memset(pairs, 0, sizeof(uint32_t) * padded / 2 * 16);
+    for (int v = 0; v < width; v++) {
+        float *row = rows + v * KEY_TILE;
+        for (int j = 0; j < (num_keys + 15) / 16 * 16; j++)
+            row[j] = scores[j * 16 + v];
+        rescale[v] = KV_NAME(tile_weights)(row, start, num_keys, &states[v]);
+        const uint32_t *bits = (const uint32_t *)row;
+        for (int p = 0; p < (num_keys + 1) / 2; p++) /* tile_weights zeroed the row to a multiple of 16 */
+            pairs[p * 16 + v] = bits[2 * p] >> 16 | (bits[2 * p + 1] & 0xFFFF0000u);
+    }
+    return rescale;
+}
+
 /* The key tile's scores (transposed, scores[j * 16 + v]) into softmax weights with the vector
  * forms' arithmetic (tile_weights: rounded to bfloat16, 0 past a vector's position; its sums by
  * lane and softmax_update), packed as the value pass's B operand: pairs[p * 16 + v] = the bfloat16
@@ -147,20 +168,9 @@ static void KV_NAME(amx_scores)(float *scores, const uint32_t *query_pairs, cons
 static vec16 KV_NAME(amx_weights)(uint32_t *pairs, float *rows, float *scores, int start, int num_keys,
                                   int padded, VectorState *states, int width)
 {
+    if (width <= 4)
+        return KV_NAME(amx_row_weights)(pairs, rows, scores, start, num_keys, padded, states, width);
     vec16 rescale = (vec16){0} + 1.0f;
-    if (width <= 4) {
-        memset(pairs, 0, sizeof(uint32_t) * padded / 2 * 16);
-        for (int v = 0; v < width; v++) {
-            float *row = rows + v * KEY_TILE;
-            for (int j = 0; j < (num_keys + 15) / 16 * 16; j++)
-                row[j] = scores[j * 16 + v];
-            rescale[v] = KV_NAME(tile_weights)(row, start, num_keys, &states[v]);
-            const uint32_t *bits = (const uint32_t *)row;
-            for (int p = 0; p < (num_keys + 1) / 2; p++) /* tile_weights zeroed the row to a multiple of 16 */
-                pairs[p * 16 + v] = bits[2 * p] >> 16 | (bits[2 * p + 1] & 0xFFFF0000u);
-        }
-        return rescale;
-    }
     ivec16 position = (ivec16){0} - 1;
     vec16 old_max = (vec16){0} + MASKED_SCORE, tile_max = old_max, partial[16];
     for (int v = 0; v < width; v++) {
@@ -237,7 +247,8 @@ static void KV_NAME(amx_values)(float *sums, const uint32_t *pairs, const KV_T *
 
 /* The AMX form of attend_tile (paged_attention_chunk.h): the same arguments, the item's vectors as
  * the tiles' 16 columns (padded with copies of vector 0, position -1), width of them real.
- * `scores` holds the weights' rows; the transposed scores, acc [head_dim][16] and the rest are here. */
+ * `scores` holds the narrow path's weight rows, acc the output transposed ([head_dim][16]); the
+ * transposed scores and the packed operands are on the stack. */
 static void KV_NAME(attend_tile_any)(float *const *outputs, const Q_T *const *queries, VectorState *states,
                                      const KV_T *k_cache, const KV_T *v_cache, const int32_t *block_table,
                                      int kv_head, const Shape *s, float *scores, float *acc, int width)
@@ -254,9 +265,7 @@ static void KV_NAME(attend_tile_any)(float *const *outputs, const Q_T *const *qu
         states[v].sum = 0.0f;
         last = states[v].position > last ? states[v].position : last;
     }
-    (void)acc;
-    float out_t[MAX_HEAD_DIM * 16] __attribute__((aligned(64)));
-    memset(out_t, 0, sizeof(float) * head_dim * 16);
+    memset(acc, 0, sizeof(float) * head_dim * 16);
     for (int start = 0; start <= last; start += KEY_TILE) {
         const int num_keys = last + 1 - start < KEY_TILE ? last + 1 - start : KEY_TILE;
         const int padded = (num_keys + value_step - 1) / value_step * value_step;
@@ -265,13 +274,13 @@ static void KV_NAME(attend_tile_any)(float *const *outputs, const Q_T *const *qu
         const vec16 rescale = KV_NAME(amx_weights)(pairs, scores, transposed, start, num_keys, padded, states, width);
         KV_NAME(amx_values)(sums, pairs, v_cache, block_table, start, num_keys, last + 1, kv_head, s, value_step);
         for (int d = 0; d < head_dim; d++)
-            store16(out_t + d * 16, load16(out_t + d * 16) * rescale + load16(sums + d * 16));
+            store16(acc + d * 16, load16(acc + d * 16) * rescale + load16(sums + d * 16));
     }
     for (int v = 0; v < width; v++) {
         if (states[v].position < 0)
             continue;
         const float inverse = 1.0f / states[v].sum;
         for (int d = 0; d < head_dim; d++)
-            outputs[v][d] = out_t[d * 16 + v] * inverse;
+            outputs[v][d] = acc[d * 16 + v] * inverse;
     }
 }

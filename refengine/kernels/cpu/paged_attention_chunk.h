@@ -21,6 +21,11 @@
  *
  * Requires head_dim a multiple of 16 up to 256 and block_size a power of two from 16 to 256
  * (chunk_attention_supported); the Python side sends other shapes to the row kernel.
+ *
+ * With QUERY_PAIRS 3 (the AMX form) an item holds ITEM_VECTORS = 16 vectors, its work is
+ * paged_attention_amx.h's attend_tile_any, and of this file it keeps the driver (items, decode
+ * rows as one item, threads) and the softmax's arithmetic (tile_weights, softmax_update); the
+ * prefetching described below (prefetch_blocks, whole blocks ahead) is the vector forms'.
  */
 
 #ifndef CHUNK_TILE_CONSTANTS
