@@ -32,7 +32,6 @@ from refengine.protocol import oe
 BACKENDS_KEY = "refengine.guided_backends"
 UNKNOWN_BACKEND = "oeconf-no-such-backend"
 TOKEN_IDS = oe.CANDIDATE_TOKEN_SELECTION_MODE_TOKEN_IDS
-TOP_N = oe.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N
 MAX_WIDTH = 8  # most requests a check keeps in flight at once
 
 
