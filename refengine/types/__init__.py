@@ -40,7 +40,6 @@ from refengine.types.outputs import (
     Usage,
 )
 from refengine.types.requests import (
-    GUIDED_MODES,
     CandidateSpec,
     EmbeddingHandleSpec,
     EmbeddingTransferSpec,
@@ -70,7 +69,6 @@ __all__ = [
     "EngineStats",
     "FinishInfo",
     "FinishReason",
-    "GUIDED_MODES",
     "GenerationRequest",
     "GuidedMode",
     "GuidedSpec",

@@ -145,7 +145,6 @@ class EmbeddingHandleSpec:
         return f"{'uuid' if self.mm_hash_algorithm == 'uuid' else 'sha256'}:{self.mm_hash}"
 
 
-GUIDED_MODES = ("json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag", "choice")
 GuidedMode = Literal["json_schema", "json_object", "regex", "ebnf_grammar", "structural_tag", "choice"]
 
 

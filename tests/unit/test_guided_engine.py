@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 import weakref
+from typing import get_args
 
 import llguidance
 import llguidance.hf
@@ -30,10 +31,10 @@ from refengine.engine.engine import Engine
 from refengine.sampling.guided import GuideCompiler, GuidedSpecError, backend_modes
 from refengine.sampling.guided.compiler import MAX_SCHEMA_DEPTH
 from refengine.types import (
-    GUIDED_MODES,
     CandidateSpec,
     FinishReason,
     GenerationRequest,
+    GuidedMode,
     GuidedSpec,
     InvalidRequestError,
     LogprobParams,
@@ -49,6 +50,7 @@ TOKENIZER = byte_fallback_tokenizer()
 VOCAB = len(TOKENIZER)
 EOS = 2
 MODES = backend_modes()
+GUIDED_MODES = get_args(GuidedMode)  # every mode a request may name
 BACKENDS = sorted(MODES)
 
 # The tiny vocabulary spells a-e, h, i, l, n, o, r, s, t, w as whole tokens, the rest as bytes.
