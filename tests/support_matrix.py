@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from functools import cache
 from pathlib import Path
 
 from refengine.conformance import Result
-from refengine.conformance.matrix import parse
+from refengine.conformance.matrix import NOT_RUN, Cells
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "support-matrix.md"
 OUT_ENV = "REFENGINE_SUPPORT_MATRIX_OUT"
+_ROW = re.compile(r"^\| (?P<rule>[A-Z]+\d+) \| `(?P<check>[^`]+)` \|(?P<cells>.*)\|$")
 #: The runs, in page order: column name -> what the run is (the page's "Runs" table).
 COLUMNS = {
     "aggregated": "`serve` (aggregated, the embedded default model, LoRA enabled, a 1024-token context) as "
@@ -34,6 +36,25 @@ COLUMNS = {
                         "profile (tests/integration/test_encoder_conformance.py)",
     "encoder": "the `--role encoder` server itself as target: the encoder profile",
 }
+
+
+def parse(text: str) -> tuple[list[str], Cells]:
+    """(the column names, every cell) of a page ``refengine.conformance.matrix.render`` wrote; ``·`` cells are
+    left out."""
+    columns: list[str] = []
+    cells: Cells = {}
+    for line in text.splitlines():
+        if line.startswith("| rule | check | "):
+            columns = [c.strip() for c in line.split("|")[3:-1]]
+            continue
+        match = _ROW.match(line)
+        if not match:
+            continue
+        values = [v.strip() for v in match.group("cells").split("|")]
+        for column, value in zip(columns, values, strict=True):
+            if value != NOT_RUN:
+                cells[(column, match.group("check"))] = value
+    return columns, cells
 
 
 @cache

@@ -3,21 +3,18 @@
 A column is one configuration the suite ran against (a target, the named targets and
 options it was given); a cell is a check's status in that run, or ``·`` when that run did not
 include the check. :func:`render` writes the profile table (from :data:`PROFILES`) and then,
-profile by profile, a table of checks × columns; :func:`parse` reads the cells back, so a test
-can hold a live run to the published page. Statuses only, never messages or timings: the page
+profile by profile, a table of checks × columns; tests/support_matrix.py reads the cells back, so
+a test can hold a live run to the published page. Statuses only, never messages or timings: the page
 is the same for every run of the same engine build.
 """
 
 from __future__ import annotations
-
-import re
 
 from refengine.conformance.profiles import PROFILES, profile_of
 from refengine.conformance.registry import Check, all_checks
 
 NOT_RUN = "·"
 Cells = dict[tuple[str, str], str]  # (column, check name) -> status value
-_ROW = re.compile(r"^\| (?P<rule>[A-Z]+\d+) \| `(?P<check>[^`]+)` \|(?P<cells>.*)\|$")
 
 
 def profile_table() -> str:
@@ -54,21 +51,3 @@ def column_table(columns: dict[str, str]) -> str:
 def render(title: str, preamble: str, columns: dict[str, str], cells: Cells) -> str:
     return "\n\n".join([f"# {title}", preamble.strip(), "## Profiles", profile_table(), "## Runs",
                         column_table(columns), "## Checks", check_tables(columns, cells)]).rstrip() + "\n"
-
-
-def parse(text: str) -> tuple[list[str], Cells]:
-    """(the column names, every cell) of a page :func:`render` wrote; ``·`` cells are left out."""
-    columns: list[str] = []
-    cells: Cells = {}
-    for line in text.splitlines():
-        if line.startswith("| rule | check | "):
-            columns = [c.strip() for c in line.split("|")[3:-1]]
-            continue
-        match = _ROW.match(line)
-        if not match:
-            continue
-        values = [v.strip() for v in match.group("cells").split("|")]
-        for column, value in zip(columns, values, strict=True):
-            if value != NOT_RUN:
-                cells[(column, match.group("check"))] = value
-    return columns, cells

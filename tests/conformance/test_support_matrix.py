@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 
 from refengine.conformance import all_checks
-from refengine.conformance.matrix import NOT_RUN, parse, render
+from refengine.conformance.matrix import NOT_RUN, render
 from refengine.conformance.profiles import BY_NAME, PROFILES, profile_of
-from tests.support_matrix import COLUMNS, PAGE, PREAMBLE, TITLE
+from tests.support_matrix import COLUMNS, PAGE, PREAMBLE, TITLE, parse
 
 
 def listed_checks(text: str) -> list[str]:
