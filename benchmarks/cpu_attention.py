@@ -12,6 +12,10 @@ queries on a bfloat16 cache), with the peers measured in the same run on the sam
   allocated as an aggregated engine's is, on 4 KiB pages):
   the chunk kernel against the row kernel.
 
+The bfloat16 rows time the vector forms (``CpuPagedBackend()``, the standard cache layout); on
+a CPU with AMX the engine runs bf16 attention in the AMX form instead, which
+``benchmarks/cpu_amx_attention.py`` times against them.
+
 Prints time, attention GFLOP/s (4 x heads x head_dim per query-key pair attended), the ratio
 peer / chunk kernel (above 1 = the chunk kernel is faster) and the largest difference of their
 outputs.
