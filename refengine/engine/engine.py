@@ -84,8 +84,7 @@ class Engine(EngineAcceptMixin, EngineKvMixin, EngineLoraMixin, EngineLoopMixin)
         max_model_len = context_bounded_by_pool(max_model_len, runner.num_blocks * config.cache.block_size)
         self.loras = LoraRegistry(config.lora, model_config)
         self.kv_events = KvEventHub(config.kv_events.retained_batches, config.kv_events.subscriber_buffer)
-        self.block_io = KvBlockIO(runner.kv_caches,
-                                  runner.attention.kv_layout_name(model_config.head_dim, config.cache.block_size))
+        self.block_io = KvBlockIO(runner.kv_caches, runner.kv_layout_name)
         self.kv_sessions = KvSessionStore(on_change=self._wake)
         self._bind_backends(backends)
         disagg = None if config.role == "aggregated" else partial(

@@ -17,12 +17,12 @@ from refengine.kv.transfer.base import KvRegion
 
 
 class KvBlockIO:
-    def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], backend_name: str) -> None:
+    def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], layout_name: str) -> None:
         self._tensors = [t for pair in kv_caches for t in pair]
         for t in self._tensors:
             assert t.is_contiguous(), "KV tensors are allocated contiguous, block dimension first"
         k, v = kv_caches[0]
-        self.layout = f"{backend_name}:k{list(k.shape[1:])}:v{list(v.shape[1:])}:layers{len(kv_caches)}"
+        self.layout = f"{layout_name}:k{list(k.shape[1:])}:v{list(v.shape[1:])}:layers{len(kv_caches)}"
         self.dtype = str(k.dtype).removeprefix("torch.")
         self.regions = tuple(
             KvRegion(t.data_ptr(), t.shape[0], t[0].numel() * t.element_size()) for t in self._tensors)

@@ -107,6 +107,8 @@ class ModelRunner:
         scratch = 0 if self.graphs_unavailable else 1  # the graphs' padding block, past the pool
         k_shape, v_shape = self.attention.kv_cache_shapes(
             self.num_blocks + scratch, cache.block_size, config.num_key_value_heads, config.head_dim)
+        # The layout those shapes are in, named for the KV layout string engines compare (KvBlockIO).
+        self.kv_layout_name = self.attention.kv_layout_name(config.head_dim, cache.block_size)
         check_kv_cache_fits((self.num_blocks + scratch) * kv_bytes_per_block(config, cache.block_size, kv_dtype),
                             self.num_blocks, device)
         full_caches = _kv_cache_tensors(k_shape, v_shape, config.num_hidden_layers, kv_dtype, device,

@@ -22,7 +22,7 @@ import transformers
 
 from refengine.config import CacheConfig, EngineConfig, SchedulerConfig
 from refengine.engine.engine import Engine
-from refengine.kernels.attention.cpu_paged import CpuPagedBackend
+from refengine.kernels.attention.cpu_paged import CpuPagedBackend, amx_form_available
 from refengine.kernels.cpu_features import native_bf16
 from refengine.types import GenerationRequest, LogprobParams, SamplingParams, StoppingParams
 from tests.golden.conftest import NUM_TOKENS, PROMPTS, first_disagreement
@@ -57,6 +57,8 @@ def prompt_ids(model_parts) -> list[list[int]]:
 def alone(bf16_parts, prompt_ids) -> list[list[int]]:
     engine = make_engine(bf16_parts)
     assert isinstance(engine.core.runner.attention, CpuPagedBackend)
+    # On AMX the cache is in the AMX form's layout, and the layout string engines compare says so.
+    assert engine.kv_layout().startswith("CpuPagedBackend/amx:" if amx_form_available() else "CpuPagedBackend:")
     return [engine.run_until_done([greedy_request(i, ids)])[0].outputs[0].token_ids for i, ids in enumerate(prompt_ids)]
 
 

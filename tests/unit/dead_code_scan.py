@@ -35,7 +35,8 @@ its unnamed fields are exempt. NamedTuple fields are judged by name: unpacking r
 reached only so would need an entry too. A name in ``__all__`` is not a use: that is how test-only API hid
 before; a genuine public API is documented and allowlisted instead.
 
-Out of scope: methods and fields of a class nested in a function, names a class body assigns under
+Out of scope: a parameter or local named like a module-level name keeps it alive (every load of the name in
+its module counts); methods and fields of a class nested in a function, names a class body assigns under
 ``if``/``try``, attributes set on objects other than ``self``, names reached through ``globals()`` or a
 string naming a module path; an enum is known by a stdlib enum base (one deriving from a project enum is
 judged as a plain class).
@@ -301,7 +302,9 @@ def collect(path: Path, tree: ast.Module, uses: Uses, known: set[str]) -> None:
         if not isinstance(node, ast.Attribute):
             return None
         outer = module_of(node.value)
-        return f"{outer}.{node.attr}" if outer and f"{outer}.{node.attr}" in known else None
+        if outer is None or (outer in known and f"{outer}.{node.attr}" not in known):
+            return None
+        return f"{outer}.{node.attr}"  # a scanned module, or a chain through an outside one (torch.cuda, os.path)
 
     def add(tree: ast.AST, line: int | None = None) -> None:
         for node in ast.walk(tree):

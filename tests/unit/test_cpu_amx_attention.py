@@ -106,6 +106,16 @@ def test_the_layout_has_its_own_name() -> None:
     assert amx_backend().kv_layout_name(80, 16) == CpuPagedBackend().kv_layout_name(64, 16)  # both the vector layout
 
 
+def test_a_float32_call_on_its_layout_is_refused() -> None:
+    """The AMX kernel would read float32 as bf16: the layout was made for bf16 on bf16."""
+    backend = amx_backend()
+    k_shape, v_shape = backend.kv_cache_shapes(4, 16, NUM_KV_HEADS, 64)
+    backend.prepare(make_meta([[1]], [3], [3], 16))
+    q, k, v = torch.randn(3, NUM_KV_HEADS, 64), torch.randn(3, NUM_KV_HEADS, 64), torch.randn(3, NUM_KV_HEADS, 64)
+    with pytest.raises(TypeError, match="for bf16 queries on a bf16 cache"):
+        backend.forward(q, k, v, torch.zeros(k_shape, dtype=BF16), torch.zeros(v_shape, dtype=BF16), 0.125)
+
+
 def test_cache_layout() -> None:
     """Keys row-major [block, position, kv head, dim], values transposed [block, kv head, dim,
     position]: every written token reads back from where the layout says, nothing else changes."""

@@ -272,6 +272,10 @@ def reexported() -> None:
 
 def sep() -> str:
     return "/"
+
+
+def join() -> str:
+    return ""
 """
 SCOPED_API = "from _scoped import reexported\n"
 SCOPED_USER = """
@@ -282,15 +286,16 @@ from _scoped import table as renamed
 from _scoped_api import reexported
 
 count = 1
-print(count, renamed, _scoped.read_as_attribute, _scoped.locked, os.sep, getattr(_scoped, "read_by_getattr"),
-      reexported())
+print(count, renamed, _scoped.read_as_attribute, _scoped.locked, os.sep, os.path.join,
+      getattr(_scoped, "read_by_getattr"), reexported())
 """
 
 
 def test_the_scan_judges_module_level_names_by_their_module(tmp_path: Path) -> None:
     """A module-level name -- a lower-case global or type alias too -- is used by a load in its module, by what a
     from-import of it binds elsewhere (through a re-export), by ``module.name`` and ``getattr(module, "name")``;
-    not by another module's own ``count``, nor by ``os.sep`` for a ``sep`` of its own. So an unread lock, an
+    not by another module's own ``count``, nor by ``os.sep`` or ``os.path.join`` for a ``sep`` or ``join`` of its
+    own. So an unread lock, an
     unused alias, a ``count`` only its namesake elsewhere is read as and a ``sep`` only ``os`` has read are dead,
     and a global only tests name is test-only."""
     sources = {"_scoped": SCOPED_PROBE, "_scoped_api": SCOPED_API, "_scoped_user": SCOPED_USER}
@@ -300,5 +305,5 @@ def test_the_scan_judges_module_level_names_by_their_module(tmp_path: Path) -> N
     tests = tmp_path / "test_scoped.py"
     tests.write_text("from _scoped import only_tests\nassert only_tests\n")
     found = {key.partition(":")[2]: verdict for key, (_, verdict) in scan(paths, [], [tests], {}).items()}
-    assert found == {"_stale_lock": "dead", "Alias": "dead", "count": "dead", "sep": "dead",
+    assert found == {"_stale_lock": "dead", "Alias": "dead", "count": "dead", "sep": "dead", "join": "dead",
                      "only_tests": "test-only"}, found

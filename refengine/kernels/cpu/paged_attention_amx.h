@@ -148,9 +148,11 @@ static vec16 KV_NAME(amx_row_weights)(uint32_t *pairs, float *rows, const float 
         for (int j = 0; j < (num_keys + 15) / 16 * 16; j++)
             row[j] = scores[j * 16 + v];
         rescale[v] = KV_NAME(tile_weights)(row, start, num_keys, &states[v]);
-        const uint32_t *bits = (const uint32_t *)row;
-        for (int p = 0; p < (num_keys + 1) / 2; p++) /* tile_weights zeroed the row to a multiple of 16 */
-            pairs[p * 16 + v] = bits[2 * p] >> 16 | (bits[2 * p + 1] & 0xFFFF0000u);
+        for (int p = 0; p < (num_keys + 1) / 2; p++) { /* tile_weights zeroed the row to a multiple of 16 */
+            uint32_t bits[2];
+            memcpy(bits, row + 2 * p, sizeof bits);
+            pairs[p * 16 + v] = bits[0] >> 16 | (bits[1] & 0xFFFF0000u);
+        }
     }
     return rescale;
 }

@@ -9,7 +9,7 @@ as decimal strings, and non-finite logprobs as the strings "Infinity"/"-Infinity
 Keys (schema ``refengine.kv-session/2``; 2 added ``first_token_options``):
 
 - ``schema``; ``model_fingerprint``: the weights that computed the KV;
-- ``block_size``, ``kv_dtype``, ``kv_layout`` (attention backend and per-block shapes),
+- ``block_size``, ``kv_dtype``, ``kv_layout`` (the attention backend's layout name and per-block shapes),
   ``block_nbytes``: the bytes of one block over all layers (``BlockStore``);
 - ``num_prompt_tokens``, ``prompt_hash`` (u64 of the prompt's token ids, media and LoRA
   adapter, decimal string), ``num_blocks``: the session holds the prompt's KV, ``num_blocks`` blocks;

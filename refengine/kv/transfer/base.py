@@ -41,7 +41,7 @@ class BlockStore(Protocol):
     blocks nobody else writes: a session's blocks are immutable while it is held, and a
     decode engine's destination blocks are not scheduled until their pull has ended."""
 
-    layout: str  # attention backend and per-block shapes: equal strings = compatible bytes
+    layout: str  # the attention backend's layout name and per-block shapes: equal strings = compatible bytes
     dtype: str
     regions: tuple[KvRegion, ...]
     block_nbytes: int  # over all regions
