@@ -300,8 +300,8 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
                          num_selected > 1 ? WHOLE_BLOCKS_AHEAD : 0};
     const int group = num_heads / num_kv_heads;
     /* Items are numbered sequence after sequence, KV head after KV head within one; item_starts[i]
-     * is the first of selected sequence i. A sequence has ceil(rows * group / ITEM_VECTORS) per KV head,
-     * except a decode row in a call of at least ROW_ITEMS_PER_THREAD rows per thread: one item
+     * is the first of selected sequence i. A sequence has ceil(rows * group / ITEM_VECTORS) per KV
+     * head, except a decode row in a call of at least ROW_ITEMS_PER_THREAD rows per thread: one item
      * runs all its KV heads, one after another on one thread. Its first KV head's pass requests
      * whole blocks ahead (prefetch_blocks), so the others read them from this core's L2 instead of
      * another core's requests landing late or twice. bf16 decode attention over 30 cold layers
@@ -317,7 +317,8 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
         const int seq = seq_ids[i];
         const int64_t vectors = (int64_t)(query_start_loc[seq + 1] - query_start_loc[seq]) * group;
         const int whole_row = row_items && vectors == group; /* one query row: a decode row */
-        item_starts[i + 1] = item_starts[i] + (whole_row ? 1 : (vectors + ITEM_VECTORS - 1) / ITEM_VECTORS * num_kv_heads);
+        const int64_t items = whole_row ? 1 : (vectors + ITEM_VECTORS - 1) / ITEM_VECTORS * num_kv_heads;
+        item_starts[i + 1] = item_starts[i] + items;
     }
     const int64_t num_items = item_starts[num_selected];
     int failed = 0;
@@ -343,8 +344,8 @@ int KV_NAME(chunk_attention)(float *out, const Q_T *q, const KV_T *k_cache, cons
                 continue;
             const int lo = owner_of(item_starts, num_selected, item), seq = seq_ids[lo];
             const int whole_row = row_items && query_start_loc[seq + 1] - query_start_loc[seq] == 1;
-            const int64_t per_head =
-                whole_row ? (group + ITEM_VECTORS - 1) / ITEM_VECTORS : (item_starts[lo + 1] - item_starts[lo]) / num_kv_heads;
+            const int64_t per_head = whole_row ? (group + ITEM_VECTORS - 1) / ITEM_VECTORS
+                                               : (item_starts[lo + 1] - item_starts[lo]) / num_kv_heads;
             const int64_t first = whole_row ? 0 : item - item_starts[lo];
             const int64_t last = whole_row ? per_head * num_kv_heads : first + 1;
             for (int64_t sub = first; sub < last; sub++) /* the sequence's own item numbers */
