@@ -40,20 +40,17 @@
 #define HAVE_AMX 1
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 #include "silu_store.h"
 #endif
 
 enum { TILE_ROWS = 16, TILE_COLUMNS = 16, K_STEP = 32, ROW_CHUNK = 256 };
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
 int gemm_amx_supported(void)
 {
 #ifdef HAVE_AMX
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_permitted();
 #else
     return 0;
 #endif
@@ -75,28 +72,15 @@ void gemm_amx_pack(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k)
 }
 
 #ifdef HAVE_AMX
-/* The tile configuration (palette 1): tiles 0-3 are C, 4-5 A, 6-7 B; rows0 for the first row
- * tile's C and A tiles, rows1 for the second's. */
-typedef struct __attribute__((packed)) {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
+/* The tile configuration: tiles 0-3 are C, 4-5 A, 6-7 B; rows0 for the first row tile's C and A
+ * tiles, rows1 for the second's. */
 static void configure(int rows0, int rows1)
 {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
+    AmxConfig config = amx_full_tiles();
     const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, K_STEP / 2, K_STEP / 2};
-    for (int t = 0; t < 8; t++) {
+    for (int t = 0; t < 8; t++)
         config.rows[t] = (uint8_t)(rows[t] > 0 ? rows[t] : 1);
-        config.colsb[t] = 64;
-    }
-    __asm__ volatile("" ::: "memory"); /* GCC 12's _tile_loadconfig says it reads 8 of the 64 bytes */
-    _tile_loadconfig(&config);
+    amx_load_config(&config);
 }
 
 /* rows[r] of the 32 x 32 block in `sums` (fp32, row stride 32) + bias, rounded to bf16, into c;

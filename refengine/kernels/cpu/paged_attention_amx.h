@@ -39,18 +39,9 @@
 
 #ifndef CHUNK_AMX_CONSTANTS
 #define CHUNK_AMX_CONSTANTS
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 enum { AMX_ROWS = 16, AMX_STEP = 32, AMX_MAX_STEPS = MAX_HEAD_DIM / AMX_STEP };
-
-typedef struct __attribute__((packed)) {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} AmxConfig;
 
 /* A tile load from memory this code has just written. GCC's _tile_loadd is an asm statement that
  * does not say it reads memory, so without the barrier the compiler may sink or drop the stores
@@ -62,24 +53,14 @@ typedef struct __attribute__((packed)) {
         _tile_loadd(tile, base, stride);                                                               \
     } while (0)
 
-/* The tiles of the header comment, for value steps of `value_step` positions (palette 1). */
+/* The tiles of the header comment, for value steps of `value_step` positions. */
 static void amx_configure(int value_step)
 {
-    AmxConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = AMX_ROWS;
-        config.colsb[t] = 64;
-    }
+    AmxConfig config = amx_full_tiles();
     config.colsb[5] = config.colsb[7] = (uint16_t)(value_step * 2);
     config.rows[6] = (uint8_t)(value_step / 2);
-    __asm__ volatile("" ::: "memory"); /* GCC 12's _tile_loadconfig says it reads 8 of the 64 bytes */
-    _tile_loadconfig(&config);
+    amx_load_config(&config);
 }
-
-/* Linux grants the AMX register state on request, once per process (as gemm_amx_supported). */
-static int amx_permitted(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0; }
 
 #endif
 
@@ -225,12 +206,7 @@ static void KV_NAME(attend_tile_any)(float *const *outputs, const Q_T *const *qu
     uint32_t pairs[KEY_TILE / 2 * 16] __attribute__((aligned(64)));
     float sums[MAX_HEAD_DIM * 16] __attribute__((aligned(64)));
     KV_NAME(amx_pack_queries)(query_pairs, queries, head_dim, width);
-    int last = 0;
-    for (int v = 0; v < width; v++) {
-        states[v].max = MASKED_SCORE;
-        states[v].sum = 0.0f;
-        last = states[v].position > last ? states[v].position : last;
-    }
+    const int last = start_states(states, width);
     memset(acc, 0, sizeof(float) * head_dim * 16);
     for (int start = 0; start <= last; start += KEY_TILE) {
         const int num_keys = last + 1 - start < KEY_TILE ? last + 1 - start : KEY_TILE;

@@ -152,6 +152,18 @@ static __attribute__((noinline)) float softmax_update(VectorState *state, float 
     state->max = new_max;
     return rescale;
 }
+
+/* An item's width vectors before their first key tile; returns the last position any attends to. */
+static inline int start_states(VectorState *states, int width)
+{
+    int last = 0;
+    for (int v = 0; v < width; v++) {
+        states[v].max = MASKED_SCORE;
+        states[v].sum = 0.0f;
+        last = states[v].position > last ? states[v].position : last;
+    }
+    return last;
+}
 #endif
 
 /* Turns one vector's scores into weights (exp(score - new max); 0 past its position, up to
@@ -202,12 +214,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_tile)(
     const int head_dim = s->head_dim;
     QueryWord packed[MAX_HEAD_DIM * TILE];
     KV_NAME(pack_queries)(packed, queries, head_dim, width);
-    int last = 0;
-    for (int v = 0; v < width; v++) {
-        states[v].max = MASKED_SCORE;
-        states[v].sum = 0.0f;
-        last = states[v].position > last ? states[v].position : last;
-    }
+    const int last = start_states(states, width);
     memset(acc, 0, sizeof(float) * width * head_dim);
     for (int start = 0; start <= last; start += KEY_TILE) {
         const int num_keys = last + 1 - start < KEY_TILE ? last + 1 - start : KEY_TILE;
