@@ -26,11 +26,11 @@
  * gemm_amx.c; test_amx_gemm.py checks it bit for bit). Every row, a prompt's and a decode row's
  * alike, takes this path: a vector's scores are the same keys against its own query column, in
  * the same 32-dimension steps; its softmax adds exactly 0 for a position past its own, in either
- * way amx_weights takes; its
- * value sums take K-position steps at absolute positions (key tiles start at multiples of
- * KEY_TILE), and a step past its own position multiplies weights of exactly 0, which leaves the
- * sum as it is (a C tile starts at +0, and +0 plus a zero sum stays +0). Values past the item's
- * last position are copied as zeros, never read: a freed slot may hold a NaN, and 0 x NaN is NaN.
+ * way amx_weights takes; its value sums take K-position steps at absolute positions (key tiles
+ * start at multiples of KEY_TILE), and a step past its own position multiplies weights of exactly
+ * 0, which leaves the sum as it is (a C tile starts at +0, and +0 plus a zero sum stays +0).
+ * Values past the item's last position are copied as zeros, never read: a freed slot may hold a
+ * NaN, and 0 x NaN is NaN. Which positions a narrow item requests ahead into L1 changes no bits.
  *
  * Tiles (amx_configure): 0 scores (C), 1 keys (A), 2 query pairs (B); 3 and 4 the output (C, 16
  * dimensions each), 5 and 7 values^T (A, K positions wide), 6 weight pairs (B, K / 2 rows). K is
