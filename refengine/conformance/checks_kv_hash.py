@@ -49,7 +49,6 @@ def _chain(stored: list[Any]) -> list[HashKey]:
     return [_key(h) for e in stored[first_root:] for h in e.block_hashes]
 
 
-
 @check("E4", "every BlockStored's parent is known; a salted copy of a prompt stores blocks of its own")
 def stored_events_chain(t: Target) -> str:
     """E3/E4: a view built from a snapshot and the live batches never meets a child before

@@ -20,6 +20,7 @@ from tests.unit.test_cpu_paged_attention import (
     MIXED,
     NUM_KV_HEADS,
     SeqData,
+    assert_thread_count_invariant,
     float32_outputs,
     make_meta,
     make_seq,
@@ -177,13 +178,4 @@ def test_rows_do_not_depend_on_the_chunking(group, block_size) -> None:
 
 
 def test_thread_count_invariance() -> None:
-    seqs = make_seqs(MIXED, NUM_KV_HEADS * 4, 128, seed=12)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = run_steps(amx_backend(), seqs, 16, seed=3, dtype=BF16)
-    finally:
-        torch.set_num_threads(threads)
-    multi = run_steps(amx_backend(), seqs, 16, seed=3, dtype=BF16)
-    for i, (a, b) in enumerate(zip(single.new_out, multi.new_out, strict=True)):
-        assert torch.equal(a, b), f"sequence {i} {MIXED[i]}"
+    assert_thread_count_invariant(amx_backend, BF16)

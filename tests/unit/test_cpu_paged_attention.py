@@ -461,14 +461,19 @@ def test_thread_count_invariance(dtype) -> None:
     computed whole by one thread, so the thread count cannot change any row's arithmetic."""
     if dtype == torch.bfloat16 and not native_bf16():
         pytest.skip("this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
+    assert_thread_count_invariant(CpuPagedBackend, dtype)
+
+
+def assert_thread_count_invariant(make_backend, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """MIXED on 1 thread and on the test's threads, through fresh backends: every row bitwise equal."""
     seqs = make_seqs(MIXED, NUM_KV_HEADS * 4, 128, seed=12)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = run_steps(CpuPagedBackend(), seqs, 16, seed=3, dtype=dtype)
+        single = run_steps(make_backend(), seqs, 16, seed=3, dtype=dtype)
     finally:
         torch.set_num_threads(threads)
-    multi = run_steps(CpuPagedBackend(), seqs, 16, seed=3, dtype=dtype)
+    multi = run_steps(make_backend(), seqs, 16, seed=3, dtype=dtype)
     for i, (a, b) in enumerate(zip(single.new_out, multi.new_out, strict=True)):
         assert torch.equal(a, b), f"sequence {i} {MIXED[i]}"
 
