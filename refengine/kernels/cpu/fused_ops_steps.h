@@ -4,14 +4,12 @@
  *   FROM_F(f)     a float rounded to one element,
  *   ROUND(f)      a float rounded to the element type and back (where the torch form rounds
  *                 an intermediate; the identity for float),
- *   STEP_NAME(n)  the name of function n for this type (n itself for float),
- * and WIDE_VECTORS_BEGIN / WIDE_VECTORS_END around the steps compiled for 512-bit vectors.
+ *   STEP_NAME(n)  the name of function n for this type (n itself for float).
  * Arithmetic is float32 for both. */
 
 /* residual += delta (when delta is not NULL); out = residual / rms(residual) * weight.
  * The residual stream is updated in place, as in vLLM's fused_add_rms_norm. torch form:
  * the add rounded, the normalization in float32, rounded, then the product with weight. */
-WIDE_VECTORS_BEGIN
 void STEP_NAME(add_rms_norm)(ELEM_T *residual, const ELEM_T *delta, ELEM_T *out, const ELEM_T *weight,
                              int64_t rows, int dim, float eps)
 {
@@ -37,8 +35,6 @@ void STEP_NAME(add_rms_norm)(ELEM_T *residual, const ELEM_T *delta, ELEM_T *out,
             y[i] = FROM_F(TO_F(weight[i]) * ROUND(TO_F(x[i]) * inv_rms));
     }
 }
-
-WIDE_VECTORS_END
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu(g) = g / (1 + e^-g);
  * torch form: silu rounded, then the product (silu_of: silu.h). */
@@ -67,7 +63,6 @@ void STEP_NAME(silu_and_mul)(const ELEM_T *gate_up, ELEM_T *out, int64_t rows, i
  * tables' num_positions rows (the caller then runs the torch form, whose indexing raises IndexError
  * past the tables and wraps a negative position); 0 when done. Checked here, one integer compare a
  * row, as a max over the positions in torch would cost a reduction's dispatch on every call. */
-WIDE_VECTORS_BEGIN
 int STEP_NAME(rotary)(ELEM_T *x, const int64_t *positions, const ELEM_T *cos_table,
                       const ELEM_T *signed_sin_table, int64_t rows, int heads, int head_dim, int64_t row_stride,
                       int64_t num_positions)
@@ -94,4 +89,3 @@ int STEP_NAME(rotary)(ELEM_T *x, const int64_t *positions, const ELEM_T *cos_tab
     }
     return 0;
 }
-WIDE_VECTORS_END
