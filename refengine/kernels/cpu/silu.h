@@ -1,5 +1,8 @@
-/* silu(g) = g / (1 + e^-g) in float32, shared by fused_ops.c's SiLU step and gemm_bf16.c's SiLU
- * epilogue, so that the two give the same bits.
+/* silu(g) = g / (1 + e^-g) in float32, shared by fused_ops.c's SiLU step and the GEMMs' SiLU
+ * epilogue (silu_store.h), so that the two compute one formula. Their bits may still differ by one
+ * bf16 step, rarely: GCC may vectorize the step's division as a reciprocal estimate plus a Newton
+ * step, and each call site gets the vector math library's expf for its own vector width
+ * (test_gemm_silu_epilogue.py allows that step).
  *
  * Under -ffast-math GCC may divide by a reciprocal estimate refined by one Newton step, which
  * turns 1 / inf into NaN: with e^-g overflowing (g below -88.72) the plain formula gave NaN where
