@@ -41,9 +41,6 @@ class EngineAcceptMixin:
         with self._lock:
             self._check_room(params)
             self._accepting[request_id] = (params.health_probe, False)
-            # A namesake that finished earlier no longer answers for this id (found by review: an
-            # Abort during acceptance answered ALREADY_FINISHED from it, yet cancelled this one).
-            self._finished_ids.pop(request_id, None)
         try:
             request = self.input_processor.process(params)
         except BaseException:
@@ -56,6 +53,7 @@ class EngineAcceptMixin:
             if self._stopping:
                 raise EngineStoppedError("the engine is shut down")
             self._active_ids.add(request_id)
+            self._finished_ids.pop(request_id, None)  # accepted: a finished namesake no longer answers
             if params.health_probe:
                 self._probe_ids.add(request_id)
             if aborted:

@@ -115,3 +115,19 @@ def test_abort_of_a_request_refused_during_acceptance_does_not_wait_out_the_conf
     assert refused, "the add was refused: nothing was ever accepted under r2"
     assert elapsed < 1.5, f"Abort waited the whole confirm timeout ({elapsed:.2f} s) and answered {outcome}"
     assert outcome[0] == grpc.StatusCode.NOT_FOUND, outcome
+
+
+def test_a_refused_reuse_of_a_finished_id_keeps_it_finished(tiny) -> None:  # noqa: F811
+    """A2: a request refused before acceptance never existed; the finished namesake still answers."""
+    engine = make_engine(tiny)
+    engine.start()
+    try:
+        assert engine.add_request(greedy("r1", prompt(0, 8), max_tokens=2)).result(timeout=30).error is None
+        bad = greedy("r1", prompt(1, 8), max_tokens=2)
+        bad.sampling = type(bad.sampling)(temperature=-1.0)
+        with pytest.raises(InvalidRequestError):
+            engine.add_request(bad)
+        answer = abort_rpc(engine, "r1")
+    finally:
+        engine.shutdown()
+    assert answer.status == oe.ABORT_STATUS_ALREADY_FINISHED, (answer.status, answer.message)
