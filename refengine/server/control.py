@@ -203,13 +203,17 @@ class ControlServicer(oe.ControlServicer):
                 return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED, message="KV session released")
             if target == "all_requests":  # A3
                 aborted = engine.abort_all()
-                if not aborted:
+                waiting = self.state.flag_reusing(None)  # calls waiting to reuse an id abort once accepted
+                if not aborted and not waiting:
                     return oe.AbortResponse(status=oe.ABORT_STATUS_ALREADY_FINISHED,
                                             message="nothing was running")
                 return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED,
                                         message=f"aborted {len(aborted)} requests")
             if not request.request_id:
                 raise invalid("request_id must be non-empty")
+            if self.state.flag_reusing(request.request_id):  # a new request waits to reuse the id: the target
+                engine.abort(request.request_id)  # its namesake, ending already
+                return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED, message="aborted")
             if engine.abort(request.request_id) and await _cancelled_by(engine, request.request_id):  # A2
                 return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED, message="aborted")
             if engine.was_finished(request.request_id):

@@ -28,7 +28,7 @@ from refengine.server.convert import StreamSettings, stream_settings, to_engine_
 from refengine.server.errors import STALLED_CONSUMER, Rejection, abort_call, rejection_from_engine
 from refengine.server.metadata import read_inference_metadata
 from refengine.server.responses import ResponseBuilder
-from refengine.server.state import ServerState
+from refengine.server.state import ReuseWait, ServerState
 from refengine.server.stream_bridge import OutputBridge
 from refengine.server.validation import ServerFacts, prompt_positions_limit, validate_generate
 from refengine.types import GenerationRequest, RequestError
@@ -80,25 +80,41 @@ class InferenceServicer(oe.InferenceServicer):
         bridge = OutputBridge(asyncio.get_running_loop(), request.request_id, settings.stream_buffer,
                               settings.stall_timeout_seconds, self._on_stall, engine.abort_kv_session)
         try:
-            await self._wait_retired(params.request_id, context.time_remaining())
+            aborted_while_waiting = await self._wait_retired(params.request_id, context.time_remaining())
             if _cheap_to_add(params):
                 engine.add_request(params, bridge.sink)
             else:
                 await self._add_on_worker(engine, params, bridge)
         except RequestError as exc:
             raise rejection_from_engine(exc) from None
+        if aborted_while_waiting:
+            engine.abort(params.request_id)
         return bridge
 
-    async def _wait_retired(self, request_id: str, time_remaining: float | None) -> None:
+    async def _wait_retired(self, request_id: str, time_remaining: float | None) -> bool:
         """G2: an id is reusable once its stream ended. A stream the client cancelled ended at
         once, but the engine retires its id after the step in flight, which can take seconds (a
         long prefill on CPU): a request reusing the id waits for that, within its own deadline
-        (after it, ALREADY_EXISTS as for any active id). A fixed 5 s bound refused it."""
+        (after it, ALREADY_EXISTS as for any active id). A fixed 5 s bound refused it. Returns
+        whether an Abort of the id came meanwhile: it was meant for this request, which the caller
+        aborts once accepted (found by review: it answered ABORTED, and the new request ran in full).
+        A reuse sent before the server has seen the client's cancel of the old stream still meets
+        an active id (ALREADY_EXISTS): the order the two reach the server decides."""
         ended = self.state.retiring.get(request_id)
-        if ended is not None:
+        if ended is None:
+            return False
+        reuse = ReuseWait()
+        waits = self.state.reusing.setdefault(request_id, [])
+        waits.append(reuse)
+        try:
             wait = RETIRE_WAIT_SECONDS if time_remaining is None else min(time_remaining, RETIRE_WAIT_SECONDS)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ended.engine_done.wait(), wait)
+        finally:
+            waits.remove(reuse)
+            if not waits:
+                del self.state.reusing[request_id]
+        return reuse.aborted
 
     async def _add_on_worker(self, engine: EngineClient, params: GenerationRequest, bridge: OutputBridge) -> None:
         """``add_request`` on a worker thread, so the event loop keeps serving every other stream

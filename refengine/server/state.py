@@ -16,6 +16,7 @@ import enum
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -35,6 +36,15 @@ from refengine.types import KvEndpointSpec, KvSessionSpec
 class Drainable(Protocol):
     def drain(self) -> None:
         """End the stream with a terminal, retryable EngineError: the server is going away."""
+
+
+@dataclass
+class ReuseWait:
+    """A Generate call waiting for its id's cancelled namesake to retire (G2). An Abort of the id
+    meanwhile is meant for it, the namesake being ended already: ``aborted`` says to abort the
+    new request as soon as it is accepted (A2, A4)."""
+
+    aborted: bool = False
 
 
 class Lifecycle(enum.Enum):
@@ -63,6 +73,8 @@ class ServerState:
         # Streams that ended (client cancel, disconnect) before their engine request did, by
         # request id, until the engine confirms the abort: a new request reusing the id waits (G2).
         self.retiring: dict[str, OutputBridge] = {}
+        # Generate calls waiting for a retiring id to reuse it, by id (G2): see flag_reusing.
+        self.reusing: dict[str, list[ReuseWait]] = {}
         # Live SubscribeKvEvents streams: each one's drain() ends it with a retryable error (X3).
         self.kv_subscribers: set[Drainable] = set()
         # The compatibility KV event source (--kv-events-zmq) as GetKvEventSources reports it.
@@ -131,6 +143,14 @@ class ServerState:
             return False
         self.engine.abort(bridge.request_id)
         return True
+
+    def flag_reusing(self, request_id: str | None) -> bool:
+        """Marks the calls waiting to reuse ``request_id`` (every id: None) as aborted; whether
+        there were any."""
+        waits = [w for rid, ws in self.reusing.items() if request_id in (None, rid) for w in ws]
+        for wait in waits:
+            wait.aborted = True
+        return bool(waits)
 
     def session_ref(self, spec: KvSessionSpec) -> oe.KvSessionRef:
         """A prefill engine's session as the wire's ``KvSessionRef``, with this server's endpoints."""

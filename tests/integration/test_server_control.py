@@ -8,6 +8,8 @@ Lifecycle states that need their own server (STARTING, DRAINING, split listeners
 from __future__ import annotations
 
 import threading
+import time
+import uuid
 
 import grpc
 import pytest
@@ -165,6 +167,33 @@ def test_abort_all_requests(client: OpenEngineClient) -> None:
     session = oe.KvSessionRef(session_id="nope")
     assert _code(client.abort, kv_session=session) == grpc.StatusCode.NOT_FOUND
     assert _code(client.abort, kv_session=oe.KvSessionRef()) == grpc.StatusCode.INVALID_ARGUMENT  # no id: malformed
+
+
+@pytest.mark.parametrize("all_requests", [False, True], ids=["by-id", "all"])
+def test_an_abort_while_a_reused_id_waits_ends_the_new_request(client: OpenEngineClient, all_requests: bool) -> None:
+    """A2/A4 with G2: the client cancels during a long cold prefill and sends the id again, which
+    waits for the engine to retire its namesake; an Abort meanwhile (by id, or of all requests) is
+    meant for the new request: it answers ABORTED and the new stream ends CANCELLED (found by
+    review: the new request ran all its tokens)."""
+    wait_idle(client)
+    request_id = f"abort-reuse-{all_requests}"
+    first = oe.GenerateRequest(request_id=request_id, token_ids=oe.TokenIds(ids=[(7 * i) % 4000 + 100
+                                                                                for i in range(1200)]))
+    first.kv.cache_salt = uuid.uuid4().hex  # a cold prefill: a step long enough to abort within
+    first.stopping.max_tokens = 4
+    call = client.inference.Generate(first, timeout=120)
+    time.sleep(0.3)
+    call.cancel()
+    time.sleep(0.05)  # the server saw the cancel; the engine is still inside the prefill step
+    second = greedy_request(request_id, "Count from one to one hundred.", max_tokens=60, ignore_eos=True)
+    events = client.inference.Generate(second, timeout=120)  # waits for the namesake to retire (G2)
+    time.sleep(0.1)
+    answer = client.abort(all_requests=True) if all_requests else client.abort(request_id)
+    assert answer.status == oe.ABORT_STATUS_ABORTED, answer
+    stream = Stream(events=list(events))
+    check_stream(stream, second)
+    assert stream.finished(0).reason == oe.FINISH_REASON_CANCELLED  # A4: the abort reached the live stream
+    wait_idle(client)
 
 
 @pytest.mark.parametrize("rpc,request_,code", [
