@@ -171,17 +171,18 @@ class GrpcKvTransfer(KvTransferBackend):
         return TransferFailure("failed", where, retryable=True)
 
     def start_pin(self, session: KvSessionSpec, seconds: float, trace: tuple[tuple[str, str], ...] = (),
-                  content: str = "", cancelled: Cancellation | None = None) -> Callable[[], None]:
+                  content: str = "", cancelled: Cancellation | None = None) -> Callable[[], float]:
         pin = pb.PinRequest(session_id=session.session_id, seconds=seconds,
                             expected_content=content_digest(content) if content else "")
+        sent = time.monotonic()  # the source makes the pin later: its window ends after sent + its seconds
         call = self._stub(session).Pin.future(pin, timeout=self.pull_timeout_seconds, metadata=trace)
         if cancelled is not None:  # as for a pull: a cancelled request frees its thread now (found by review:
             cancelled.on_cancel(call.cancel)  # a NIXL pull waited its whole pin timeout on a hung source)
         order = PullOrder("", session, 0, (), content=content)
 
-        def outcome() -> None:
+        def outcome() -> float:
             try:
-                call.result()
+                reply = call.result()
             except grpc.FutureCancelledError:
                 raise TransferFailure("failed", f"pinning session {session.session_id!r}: cancelled") from None
             except grpc.RpcError as err:
@@ -192,6 +193,7 @@ class GrpcKvTransfer(KvTransferBackend):
                 except TransferFailure as failure:
                     failure.pin_held = True
                     raise
+            return sent + (reply.pinned_seconds or seconds)  # 0: a source that does not say
         return outcome
 
     def close(self) -> None:

@@ -95,7 +95,7 @@ class KvPullServicer(pb_grpc.KvPullServicer):
             # names itself (from attributes a client forwards).
             digest = content_digest(pinned_content(content, block_ids, engine.kv_read_identity()))
             await context.send_initial_metadata(((SESSION_CONTENT_KEY, digest),))
-            return pb.SessionReply(num_blocks=len(block_ids))
+            return pb.SessionReply(num_blocks=len(block_ids), pinned_seconds=seconds)
         except KvSessionNotFound as exc:
             await abort_call(context, grpc.StatusCode.NOT_FOUND, str(exc))
         except KvSessionMismatch as exc:

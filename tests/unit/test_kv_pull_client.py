@@ -259,3 +259,33 @@ def test_a_cancel_ends_a_pin_waiting_on_a_silent_source() -> None:
         transfer.close()
         server.stop(0)
     assert took < 5.0, f"the pin held its thread {took:.1f} s after the cancel (timeout {PULL_TIMEOUT_S:g} s)"
+
+
+class _ShortPin(_Source):
+    """Pin grants less than asked, as a source with a shorter --kv-pull-timeout does; or says nothing."""
+
+    def __init__(self, granted: float) -> None:
+        super().__init__()
+        self.granted = granted
+
+    def Pin(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        return pb.SessionReply(num_blocks=2, pinned_seconds=self.granted)
+
+
+@pytest.mark.parametrize("granted,expected", [(0.5, 0.5), (0.0, 5.0)], ids=["granted", "unsaid"])
+def test_a_pin_says_until_when_it_holds(granted: float, expected: float) -> None:
+    """K10: the outcome is the time the source's pin surely holds until: from the sending, the seconds
+    the source granted (a READ ending later fails, test_nixl_backend.py), or those asked where the
+    source does not say (0)."""
+    server, port = _serve(_ShortPin(granted))
+    transfer = GrpcKvTransfer(PULL_TIMEOUT_S)
+    transfer.bind(_Store(), lambda *_: None)
+    try:
+        before = time.monotonic()
+        outcome = transfer.start_pin(_order(port).session, 5.0)
+        held_until = outcome()
+        after = time.monotonic()
+    finally:
+        transfer.close()
+        server.stop(0)
+    assert before + expected <= held_until <= after + expected

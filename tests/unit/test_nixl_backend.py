@@ -15,6 +15,7 @@ import multiprocessing
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -90,15 +91,18 @@ class FakePinner:
         self.calls: list[tuple[str, float]] = []
         self.traces: list[tuple[tuple[str, str], ...]] = []  # each pin's metadata (M5)
         self.error: TransferFailure | None = None
+        self.granted_seconds: float | None = None  # what the source grants (None: what was asked)
 
     def start_pin(self, session: KvSessionSpec, seconds: float, trace: tuple[tuple[str, str], ...] = (),
-                  content: str = "", cancelled: object = None) -> Callable[[], None]:
+                  content: str = "", cancelled: object = None) -> Callable[[], float]:
         self.calls.append((session.session_id, seconds))
         self.traces.append(trace)
+        sent = time.monotonic()
 
-        def outcome() -> None:
+        def outcome() -> float:
             if self.error is not None:
                 raise self.error
+            return sent + (seconds if self.granted_seconds is None else self.granted_seconds)
         return outcome
 
 
@@ -136,6 +140,7 @@ def side(decode: tuple[NixlKvTransfer, KvBlockIO, FakePinner]) -> tuple[NixlKvTr
     store.write(range(NUM_BLOCKS), bytes(NUM_BLOCKS * store.block_nbytes))
     pinner.calls.clear()
     pinner.error = None
+    pinner.granted_seconds = None
     return decode
 
 
@@ -230,6 +235,22 @@ def test_a_pinner_failure_propagates(source: Source, side: Any) -> None:
     assert failure.value is pinner.error  # what the overlapping READ copied is not to be used
     assert not source.confirmed("s-gone", 0.2)  # and the source is not told it was pulled
     assert not source.confirmed("unpin:s-gone", 0.2)  # nor to end a pin it never made
+
+
+def test_a_read_that_outlasts_the_pin_the_source_granted_fails(source: Source, side: Any) -> None:
+    """K10 (found by review): the source grants at most its own --kv-pull-timeout, whatever this
+    side asked. A READ that ended after that window may have read blocks freed and reused by then:
+    it fails (retryable: the session may still be held), and the source is not told it was pulled."""
+    backend, _, pinner = side
+    attributes, _ = source.offer("s-short", [1, 2])
+    pinner.granted_seconds = 0.0  # the window ends as the pin is sent: any READ ends after it
+    with pytest.raises(TransferFailure) as failure:
+        backend.pull(_order("s-short", attributes, 0, (0, 1)), threading.Event())
+    assert failure.value.retryable and "after the source's pin" in str(failure.value), failure.value
+    assert not source.confirmed("s-short", 0.2)
+    pinner.granted_seconds = 30.0  # a window the READ fits in: the same session pulls
+    backend.pull(_order("s-short", attributes, 0, (0, 1)), threading.Event())
+    assert source.confirmed("s-short", 5.0)
 
 
 def test_a_pin_whose_content_check_failed_is_ended_and_the_session_kept(source: Source, side: Any) -> None:

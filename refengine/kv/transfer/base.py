@@ -193,8 +193,10 @@ class SessionPinner(Protocol):
     is good once the pin succeeds (and discarded when it fails)."""
 
     def start_pin(self, session: KvSessionSpec, seconds: float, trace: tuple[tuple[str, str], ...] = (),
-                  content: str = "", cancelled: Cancellation | None = None) -> Callable[[], None]:
+                  content: str = "", cancelled: Cancellation | None = None) -> Callable[[], float]:
         """Send the pin (with ``trace`` as its metadata); returns a function that waits for its
-        outcome and raises ``TransferFailure`` ("not_found" when the source no longer holds the
-        session; "failed" when it does not hold ``content``, ``PullOrder.content``: then
-        ``pin_held``, as the source made the pin; "failed" when ``cancelled`` was set first)."""
+        outcome: the ``time.monotonic()`` until which the pin surely holds (the source may grant
+        less than ``seconds``; counted from the sending, as the source made it later), or raises
+        ``TransferFailure`` ("not_found" when the source no longer holds the session; "failed"
+        when it does not hold ``content``, ``PullOrder.content``: then ``pin_held``, as the source
+        made the pin; "failed" when ``cancelled`` was set first)."""

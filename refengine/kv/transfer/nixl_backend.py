@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import functools
 import logging
+import math
 import os
 import secrets
 import threading
@@ -72,7 +73,7 @@ def nixl_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _pin_held(pin_outcome: Callable[[], None], failure: TransferFailure) -> bool:
+def _pin_held(pin_outcome: Callable[[], float], failure: TransferFailure) -> bool:
     """Whether the source holds this failed pull's pin: its content check failed after it was
     made, or the READ failed and the pin (waited for now) was made."""
     if failure.pin_held:
@@ -84,6 +85,16 @@ def _pin_held(pin_outcome: Callable[[], None], failure: TransferFailure) -> bool
     except Exception:  # the pin's RPC broke: no pin to end as far as we know
         return False
     return True
+
+
+def _check_read_within_pin(read_ended: float, held_until: float) -> None:
+    """A READ that ended after the pin's window (the source grants at most its own
+    --kv-pull-timeout, whatever this side asked) may have read blocks the source had freed and
+    reused by then: its data is not trusted (K10; found by review: a prefill with a shorter
+    timeout than the decode's let a late READ count). Both times are ``time.monotonic()``."""
+    late = read_ended - held_until
+    if late > 0:
+        raise fail(f"the READ ended {late:.3f} s after the source's pin of its blocks did", retryable=True)
 
 
 class NixlKvTransfer(KvTransferBackend):
@@ -216,17 +227,18 @@ class NixlKvTransfer(KvTransferBackend):
         # handle naming a made-up agent had this side connect to it and READ before the pin
         # refused it): a source's first pull waits the pin's round trip, later ones overlap it.
         pin_first = pin_outcome is not None and bool(content) and not self._remotes.vouched(read_from)
-        peer = None
+        peer, held_until = None, math.inf  # until when the pin surely holds the source's blocks
         try:
             try:
                 if pin_first:
-                    pin_outcome()
+                    held_until = pin_outcome()
                 peer = self._remotes.use(source)
                 if order.dest_block_ids:
-                    self._read(order, source, peer, cancelled, deadline)
-                read = time.perf_counter()
+                    self._read(order, source, peer, cancelled, min(deadline, held_until))
+                read, read_ended = time.perf_counter(), time.monotonic()
                 if pin_outcome is not None and not pin_first:
-                    pin_outcome()
+                    held_until = pin_outcome()
+                _check_read_within_pin(read_ended, held_until)
             except TransferFailure as failure:
                 # A held pin of an agent never loaded (its first pin said the source holds other
                 # content) is not ended here: that would dial the agent the pin just disowned. Only a

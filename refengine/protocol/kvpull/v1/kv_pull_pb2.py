@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!refengine/kvpull/v1/kv_pull.proto\x12\x13refengine.kvpull.v1\"c\n\x0bPullRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x19\n\x11\x66irst_block_index\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x11\n\tkv_layout\x18\x04 \x01(\t\"U\n\x07KvChunk\x12\x19\n\x11\x66irst_block_index\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\"$\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"K\n\nPinRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x18\n\x10\x65xpected_content\x18\x03 \x01(\t\"\"\n\x0cSessionReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\r2\xf0\x01\n\x06KvPull\x12H\n\x04Pull\x12 .refengine.kvpull.v1.PullRequest\x1a\x1c.refengine.kvpull.v1.KvChunk0\x01\x12Q\n\x07Release\x12#.refengine.kvpull.v1.SessionRequest\x1a!.refengine.kvpull.v1.SessionReply\x12I\n\x03Pin\x12\x1f.refengine.kvpull.v1.PinRequest\x1a!.refengine.kvpull.v1.SessionReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!refengine/kvpull/v1/kv_pull.proto\x12\x13refengine.kvpull.v1\"c\n\x0bPullRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x19\n\x11\x66irst_block_index\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x11\n\tkv_layout\x18\x04 \x01(\t\"U\n\x07KvChunk\x12\x19\n\x11\x66irst_block_index\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\"$\n\x0eSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"K\n\nPinRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x18\n\x10\x65xpected_content\x18\x03 \x01(\t\":\n\x0cSessionReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x16\n\x0epinned_seconds\x18\x02 \x01(\x01\x32\xf0\x01\n\x06KvPull\x12H\n\x04Pull\x12 .refengine.kvpull.v1.PullRequest\x1a\x1c.refengine.kvpull.v1.KvChunk0\x01\x12Q\n\x07Release\x12#.refengine.kvpull.v1.SessionRequest\x1a!.refengine.kvpull.v1.SessionReply\x12I\n\x03Pin\x12\x1f.refengine.kvpull.v1.PinRequest\x1a!.refengine.kvpull.v1.SessionReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,7 +41,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PINREQUEST']._serialized_start=284
   _globals['_PINREQUEST']._serialized_end=359
   _globals['_SESSIONREPLY']._serialized_start=361
-  _globals['_SESSIONREPLY']._serialized_end=395
-  _globals['_KVPULL']._serialized_start=398
-  _globals['_KVPULL']._serialized_end=638
+  _globals['_SESSIONREPLY']._serialized_end=419
+  _globals['_KVPULL']._serialized_start=422
+  _globals['_KVPULL']._serialized_end=662
 # @@protoc_insertion_point(module_scope)

@@ -46,7 +46,9 @@ class PinRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., seconds: _Optional[float] = ..., expected_content: _Optional[str] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("num_blocks",)
+    __slots__ = ("num_blocks", "pinned_seconds")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    pinned_seconds: float
+    def __init__(self, num_blocks: _Optional[int] = ..., pinned_seconds: _Optional[float] = ...) -> None: ...
