@@ -155,7 +155,7 @@ class Engine(EngineAcceptMixin, EngineKvMixin, EngineLoraMixin, EngineLoopMixin)
         weights = loader.load_weights(resolved.path, dtype)
         return cls(
             config, model_config, weights, loader.load_tokenizer(resolved.path),
-            model_fingerprint=loader.model_fingerprint(resolved.path, config.dtype),
+            model_fingerprint=loader.model_fingerprint(resolved.path, config.dtype, config.kv_dtype),
             served_model_name=config.served_model_name or resolved.name,
             kv_event_sink=kv_event_sink, transfer_backends=transfer_backends,
             media=MediaInputs.from_model(resolved.path, model_config, weights, dtype, config.device, config.media),

@@ -254,10 +254,13 @@ def load_tokenizer(hf_dir: Path) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def model_fingerprint(hf_dir: Path, compute_dtype: str = "") -> str:
+def model_fingerprint(hf_dir: Path, compute_dtype: str = "", kv_dtype: str = "") -> str:
     """A stable identity of the weights as run, for prefix-cache keys and for a decode engine's check
     of a prefill's KV: equal fingerprints => equal KV. ``compute_dtype`` (the engine's ``--dtype``)
-    counts: the same weights run in bfloat16 and in float32 compute different KV.
+    counts: the same weights run in bfloat16 and in float32 compute different KV. So does a KV
+    cache stored in another dtype (``kv_dtype``, ``--kv-cache-dtype``), where it differs from
+    ``compute_dtype`` (found by review: two engines differing only in it had equal block keys for
+    different KV); the same dtype adds nothing, so those fingerprints did not change.
 
     Hashes the canonical config and each weight file's name, size and contents: the whole file when
     it is small (<= 64 MiB), else its safetensors header (every tensor's name, dtype, shape and
@@ -271,6 +274,8 @@ def model_fingerprint(hf_dir: Path, compute_dtype: str = "") -> str:
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     if compute_dtype:
         digest.update(f"\0dtype {compute_dtype}".encode())
+    if kv_dtype and kv_dtype != compute_dtype:
+        digest.update(f"\0kv dtype {kv_dtype}".encode())
     for path in weight_files(hf_dir):
         try:
             _hash_weight_file(digest, path)

@@ -212,3 +212,20 @@ def test_the_fingerprint_covers_the_weights_not_only_their_shapes(tmp_path: Path
     # The same weights run in another dtype compute other KV (a prefill in bfloat16 and a decode in
     # float32 with float32 caches passed the KV check before).
     assert model_fingerprint(a, "bfloat16") != model_fingerprint(a, "float32") != model_fingerprint(a)
+    # And in a KV cache of another dtype (found by review); the compute dtype's own adds nothing.
+    assert model_fingerprint(a, "float32", "bfloat16") != model_fingerprint(a, "float32")
+    assert model_fingerprint(a, "float32", "float32") == model_fingerprint(a, "float32")
+
+
+def test_an_engine_keys_its_blocks_by_its_kv_cache_dtype_too() -> None:
+    """The engine passes its KV cache's dtype to the fingerprint (its prefix-cache keys, its KV
+    events' hashes, a decode engine's check of a prefill's KV): float32 compute on a bfloat16
+    cache keys other blocks than on a float32 one (found by review)."""
+    from refengine.config import CacheConfig, EngineConfig
+    from refengine.engine.engine import Engine
+
+    def fingerprint(kv_cache_dtype: str) -> str:
+        engine = Engine.from_config(EngineConfig(kv_cache_dtype=kv_cache_dtype, cache=CacheConfig(num_blocks=16)))
+        return engine.core.model_fingerprint
+
+    assert fingerprint("bfloat16") != fingerprint("float32") == fingerprint("auto")
