@@ -54,7 +54,7 @@ def make_outputs(request: Request, tokenizer: PreTrainedTokenizerBase, eos_token
             seq=seq,
             detokenizer=(IncrementalDetokenizer(tokenizer, request.prompt_token_ids) if needs_text
                          else NoTextDetokenizer()),
-            stop=StopChecker(p.stopping, eos_token_ids, request.max_tokens),
+            stop=StopChecker(p.stopping, eos_token_ids, request.max_tokens, guided=request.guide is not None),
             generator=output_generator(p.sampling.seed, index),
             held_tokens=TokenHoldBack(p.stopping.include_stop_in_output),
             status=OutputStatus.ACTIVE if index == 0 else OutputStatus.WAITING_FOR_PROMPT,

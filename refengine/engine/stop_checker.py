@@ -108,8 +108,14 @@ class StopChecker:
     - After a stop string matched, nothing more is emitted.
     """
 
-    def __init__(self, stopping: StoppingParams, eos_token_ids: Collection[int], max_tokens: int) -> None:
+    def __init__(self, stopping: StoppingParams, eos_token_ids: Collection[int], max_tokens: int,
+                 guided: bool = False) -> None:
         self._min_tokens = stopping.min_tokens
+        # A guided output that samples EOS ends (its matcher terminates), so ``ignore_eos`` keeps
+        # EOS out of its sampling instead (G15), unless the request names it as a stop token; the
+        # grammar still wins where EOS is all it allows (``Sampler._suppress``).
+        self._masked_eos = (frozenset(eos_token_ids) - frozenset(stopping.stop_token_ids)
+                            if guided and stopping.ignore_eos else frozenset())
         self._max_tokens = max_tokens  # resolved by the engine (context limit applied)
         self._include_stop = stopping.include_stop_in_output
         self._stop_token_ids = frozenset(stopping.stop_token_ids)
@@ -142,10 +148,10 @@ class StopChecker:
     def suppressed_token_ids(self, num_output_tokens: int) -> frozenset[int]:
         """Token ids the sampler must mask for the next token (G15): while fewer than
         ``min_tokens`` tokens exist (``num_output_tokens`` = tokens so far), the ids
-        that would stop the output; afterwards none."""
+        that would stop the output; afterwards none, but a guided output's ignored EOS."""
         if num_output_tokens < self._min_tokens:
-            return self._stop_token_ids | self._eos_token_ids
-        return frozenset()
+            return self._stop_token_ids | self._eos_token_ids | self._masked_eos
+        return self._masked_eos
 
     @property
     def include_stop_in_output(self) -> bool:

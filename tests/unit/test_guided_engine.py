@@ -692,3 +692,22 @@ def test_matcher_rejecting_a_token_ends_only_that_request(tiny, backend) -> None
     assert other.error_message is None and other.outputs[0].finish.reason is FinishReason.LENGTH
     assert len(other.outputs[0].token_ids) == 12
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("backend", backends_for("regex"))
+def test_ignore_eos_keeps_eos_out_while_the_grammar_can_go_on(tiny, backend) -> None:
+    """G15: ``ignore_eos`` never stops at EOS. A guided output that sampled EOS would end (its
+    matcher terminates), so EOS is masked wherever the grammar allows another token: the EOS
+    candidate reports -inf at every step and the output runs to ``max_tokens``."""
+    engine = make_engine(tiny)
+    spec = GuidedSpec("regex", "[a-e]+", backend=backend)
+    r = GenerationRequest("ignore-eos", prompt_token_ids=prompt(7, 6),
+                          sampling=SamplingParams(temperature=1.0, seed=3),
+                          stopping=StoppingParams(max_tokens=12, ignore_eos=True), guided=spec,
+                          logprobs=LogprobParams(output_candidates=CandidateSpec("token_ids", token_ids=(EOS,))))
+    (result,) = engine.run_until_done([r])
+    output = result.outputs[0]
+    assert output.finish.reason is FinishReason.LENGTH, output.finish
+    assert len(output.token_ids) == 12 and EOS not in output.token_ids
+    assert all(t.candidates[0].logprob == float("-inf") for t in output.tokens)
+    assert_idle(engine)
