@@ -51,6 +51,7 @@ def eos_reference(t: Target) -> tuple[Any, StreamResult] | None:
                 req = t.request("eos", prompt=prompt, max_tokens=48)
                 res = expect_valid(t.generate(req), what="EOS probe")
                 fin = res.finished()
+                expect(fin is not None, f"the EOS probe's stream has no GenerationFinished ({res.describe()})")
                 if fin.reason == oe.FINISH_REASON_STOP:
                     t.cache["eos"] = (req, res)
                     break

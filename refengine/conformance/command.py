@@ -19,7 +19,7 @@ from typing import Any
 
 from refengine.conformance.load import LoadOptions, run_load
 from refengine.conformance.options import MAX_DEADLINE_SECONDS
-from refengine.conformance.profiles import BY_NAME, checks_of
+from refengine.conformance.profiles import BY_NAME, checks_of, profile_of
 from refengine.conformance.registry import Check, select
 from refengine.conformance.release import RELEASE
 from refengine.conformance.report import FORMATS, render
@@ -31,7 +31,8 @@ DESCRIPTION = (f"Check an {RELEASE} server against the contract's numbered rules
                "draft profiles of docs/profiles/; "
                "print a support matrix per profile and per rule.")
 EPILOG = ("exit status: 0 when nothing failed, 1 when a check (or the load run) failed, 2 on a bad command line "
-          "or when the target cannot be tested (unreachable, or its discovery fails)")
+          "or when the target cannot be tested (unreachable, its discovery fails, or it does not generate and the "
+          "core profile is selected without --rules)")
 
 
 def add_arguments(parser: argparse.ArgumentParser, positional: bool = False) -> None:
@@ -73,7 +74,7 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
                        help="profiles multimodal/encoder: the model's image placeholder token id")
     named.add_argument("--slow-reader-seconds", type=float, default=0.0,
                        help="X1/X3: stall one stream this long (above the server's stall timeout) to provoke a "
-                       "failure after acceptance (default 0: not tried)")
+                       "failure after acceptance (default %(default)s: not tried)")
     named.add_argument("--slow-reader-extra", default="{}", metavar="JSON",
                        help="GenerateRequest.extra (a JSON object) of the stalled stream")
     named.add_argument("--eviction-budget-tokens", type=int, default=16384, metavar="N",
@@ -152,6 +153,9 @@ def _check_arguments(args: argparse.Namespace) -> tuple[str, list[Check], Option
         raise ValueError("--prefill and --decode name a disaggregated pair: give both, or neither")
     if not 0 <= args.slow_reader_seconds < math.inf:
         raise ValueError(f"--slow-reader-seconds must be a number >= 0, got {args.slow_reader_seconds}")
+    token = args.media_placeholder_token_id
+    if token is not None and not 0 <= token < 1 << 32:  # a token id (uint32): else every media check "fails"
+        raise ValueError(f"--media-placeholder-token-id must be a token id in 0..{(1 << 32) - 1}, got {token}")
     for flag, value in (("--eviction-budget-tokens", args.eviction_budget_tokens),
                         ("--replay-budget-batches", args.replay_budget_batches)):
         if value < 0:
@@ -177,7 +181,8 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"{r.status.value:11} {r.name:45} {r.seconds:6.2f}s  {r.message[:90]}", file=sys.stderr, flush=True)
 
     try:
-        report = run_report(address, checks, options, on_result=progress)
+        core_run = not args.rules.strip() and any(profile_of(c).name == "core" for c in checks)
+        report = run_report(address, checks, options, on_result=progress, core_run=core_run)
         if load is not None:
             report = run_load(report, address, options, load)
     except ConnectError as err:
@@ -193,4 +198,8 @@ def run_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m refengine.conformance", description=DESCRIPTION, epilog=EPILOG)
     add_arguments(parser, positional=True)
-    return run_command(parser.parse_args(argv))
+    try:
+        return run_command(parser.parse_args(argv))
+    except KeyboardInterrupt:  # as `refengine conformance` does (cli.py): no traceback
+        print("conformance: interrupted", file=sys.stderr)
+        return 130

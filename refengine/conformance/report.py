@@ -15,7 +15,8 @@ The JSON form is stable (docs/conformance.md)::
 of its checks passed, else ``skipped`` (none ran, or all skipped); a rule's is the worst
 of its checks' (fail, then pass, then skipped, then not_claimed). ``evidence`` is empty unless
 the check failed: then the last exchanges it had with the server (request, status, events).
-Nothing in it depends on timing, so two runs against the same server compare equal.
+No status depends on timing, so two runs against the same server give equal statuses; a
+message may quote a time it measured (A5's), and differ.
 """
 
 from __future__ import annotations

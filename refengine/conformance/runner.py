@@ -120,12 +120,19 @@ def _role_name(role: int) -> str:
 
 
 def run_report(address: str, checks: Iterable[Check], options: Options | None = None,
-               on_result: Callable[[Result], None] | None = None) -> Report:
+               on_result: Callable[[Result], None] | None = None, core_run: bool = False) -> Report:
     """Connect to ``address`` and to every other server the options name (one that cannot be
     tested is a ConnectError naming its flag, before any check: found by review, a mistyped
     --decode failed every K check and K11 of the core profile), discover its claims, run
-    ``checks`` in order."""
+    ``checks`` in order. ``core_run``: the checks include the core profile's, not picked by rule:
+    a target that does not generate (PREFILL, DECODE, an encoder) is a ConnectError then (found by
+    review: a PREFILL target failed 38 checks of the core profile, which assumes AGGREGATED)."""
     with Target(address, options) as target:
+        role = target.server_info.engine_role
+        if core_run and role != oe.ENGINE_ROLE_AGGREGATED:
+            raise ConnectError(f"the target's engine_role is {_role_name(role)}, and the core profile checks a "
+                               "server that generates (AGGREGATED): point --target at one and name this server "
+                               "with --prefill/--decode (or --encoder), or pick its checks with --rules")
         for flag, named in (("--prefill", target.options.prefill_address), ("--decode", target.options.decode_address),
                             ("--encoder", target.options.encoder_address)):
             if named:

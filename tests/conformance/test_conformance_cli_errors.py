@@ -16,6 +16,7 @@ from refengine.conformance.report import to_dict
 from refengine.conformance.target import ConnectError
 from tests.conformance.fake_server import Control, Faults, Inference, start
 from tests.conformance.toy_engine import ToyEngine
+from tests.conformance.toy_roles import serve_pair
 
 #: Nothing listens there: a command line checked only after connecting would say "cannot connect".
 NOWHERE = "127.0.0.1:1"
@@ -39,6 +40,7 @@ def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     (["--timeout", "nan"], "--timeout must be in"),  # passed "> 0" and failed G1 with DEADLINE_EXCEEDED
     (["--rpc-timeout", "inf"], "--rpc-timeout must be in"),  # OverflowError: timestamp out of range
     (["--load", "1", "--duration", "nan"], "--load needs N >= 1 and --duration > 0"),
+    (["--media-placeholder-token-id", "-3"], "--media-placeholder-token-id must be a token id"),  # failed D9/G19
 ])
 def test_a_bad_command_line_is_refused_before_connecting(capsys: pytest.CaptureFixture[str], args: list[str],
                                                          says: str) -> None:
@@ -184,3 +186,19 @@ def test_an_unknown_role_is_named_not_a_crash(toy_address: str) -> None:
         _stop(server, engine)
     assert "ValueError" not in results["D7:engine_role"].message, results["D7:engine_role"]
     assert results["X4:release_enum_values"].status is Status.FAIL
+
+
+def test_a_target_that_does_not_generate_is_refused_for_the_core_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: a PREFILL target failed 38 checks of the core profile (which assumes an
+    AGGREGATED target; two crashed inside the suite) while the prefill profile checked nothing. Now
+    exit 2, saying where to point the run; checks picked by rule still run against it."""
+    servers, prefill, _, _ = serve_pair(Faults())
+    try:
+        code, err = _main(capsys, prefill, "--rpc-timeout", "30")
+        picked = [r.rule for r in run_report(prefill, select(["D7"]), Options(rpc_timeout_s=30.0)).results]
+    finally:
+        for server in servers:
+            server.stop(0)
+    assert code == 2 and "engine_role is ENGINE_ROLE_PREFILL" in err and "--prefill/--decode" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert picked == ["D7"]
