@@ -202,3 +202,21 @@ def test_a_target_that_does_not_generate_is_refused_for_the_core_profile(capsys:
     assert code == 2 and "engine_role is ENGINE_ROLE_PREFILL" in err and "--prefill/--decode" in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert picked == ["D7"]
+
+
+def test_a_target_that_goes_away_mid_run_exits_2_naming_the_check(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: a server stopped during a run had every later check fail with UNAVAILABLE,
+    blamed on a dozen rules (exit 1). The run stops at the first check failed against a target that
+    no longer answers, and names it (exit 2)."""
+    server, address, engine = _toy_with(Control)
+    checks = select(["D1", "D3", "G1"])  # D3 and G1 call the target (D2 may judge what discovery saw)
+
+    def stop_after_the_first(result: Any) -> None:
+        if result.name == checks[0].name:
+            _stop(server, engine)
+
+    try:
+        with pytest.raises(ConnectError, match=f"UNAVAILABLE. during check {checks[1].name} .check 2 of the run"):
+            run_report(address, checks, Options(rpc_timeout_s=5.0), on_result=stop_after_the_first)
+    finally:
+        _stop(server, engine)
