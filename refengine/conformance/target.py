@@ -38,9 +38,10 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_mess
 
 
 class ConnectError(Exception):
-    """The server cannot be tested at all: it does not answer, or its discovery (GetServerInfo,
+    """The server cannot be tested: it does not answer, or its discovery (GetServerInfo,
     GetModelInfo: D1) fails, or it is not the kind of server the selected checks test (run_report's
-    ``core_run``). The command line reports it and exits 2; no check runs."""
+    ``core_run``): then no check runs; or it stopped answering during a run (the checks after it
+    do not run). The command line reports it and exits 2."""
 
 
 class Target(LoadWaits):

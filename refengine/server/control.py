@@ -207,8 +207,9 @@ class ControlServicer(oe.ControlServicer):
                 if not aborted and not waiting:
                     return oe.AbortResponse(status=oe.ABORT_STATUS_ALREADY_FINISHED,
                                             message="nothing was running")
+                waits = " and the requests waiting to reuse an id" if waiting else ""
                 return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED,
-                                        message=f"aborted {len(aborted)} requests")
+                                        message=f"aborted {len(aborted)} requests{waits}")
             if not request.request_id:
                 raise invalid("request_id must be non-empty")
             if self.state.flag_reusing(request.request_id):  # a new request waits to reuse the id: the target

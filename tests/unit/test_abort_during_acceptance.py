@@ -47,7 +47,9 @@ def gate_processing(engine, fail: bool = False) -> threading.Event:
 
 
 def abort_rpc(engine, request_id: str):  # noqa: ANN001, ANN201
-    servicer = ControlServicer(SimpleNamespace(engine_for_control=lambda: engine))
+    # The server's state as Abort reads it: the engine, and no Generate call waiting to reuse an id.
+    state = SimpleNamespace(engine_for_control=lambda: engine, flag_reusing=lambda request_id: False)
+    servicer = ControlServicer(state)
     return asyncio.run(servicer.Abort(oe.AbortRequest(request_id=request_id), FakeContext()))
 
 
