@@ -68,9 +68,11 @@ class StreamResult:
 
 
 class Background:
-    """A function running on a daemon thread; ``join`` re-raises its exception."""
+    """A function running on a daemon thread; ``join`` re-raises its exception, and fails the
+    check when the function has not ended within ``join_timeout`` seconds."""
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any], join_timeout: float = 120.0) -> None:
+        self.join_timeout = join_timeout
         self._result: Any = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
@@ -85,10 +87,10 @@ class Background:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def join(self, timeout: float = 120.0) -> Any:
-        self._thread.join(timeout)
+    def join(self) -> Any:
+        self._thread.join(self.join_timeout)
         if self._thread.is_alive():
-            raise CheckFailed(f"a background call did not end within {timeout:.0f} s")
+            raise CheckFailed(f"a background call did not end within {self.join_timeout:.0f} s")
         if self._error is not None:
             raise self._error
         return self._result

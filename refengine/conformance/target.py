@@ -37,6 +37,11 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_mess
                    ("grpc.use_local_subchannel_pool", 1)]
 
 
+#: How long past its stream's deadline a background Generate may take to end (on_event callbacks,
+#: the stream's last RPCs): with the default --timeout, the 120 s a join waited before.
+BACKGROUND_JOIN_MARGIN_S = 60.0
+
+
 class ConnectError(Exception):
     """The server cannot be tested: it does not answer, or its discovery (GetServerInfo,
     GetModelInfo: D1) fails, or it is not the kind of server the selected checks test (run_report's
@@ -237,8 +242,12 @@ class Target(LoadWaits):
 
     def generate_async(self, req: Any, metadata: Metadata | None = None, timeout: float | None = None,
                        on_event: Callable[[StreamResult, Any, Any], bool] | None = None) -> Background:
-        """Run :meth:`generate` on a thread; ``.join()`` returns the StreamResult."""
-        return Background(lambda: self.generate(req, metadata, timeout, on_event))
+        """Run :meth:`generate` on a thread; ``.join()`` returns the StreamResult, waiting for the
+        stream's own deadline and a margin (a fixed 120 s once cut off streams a longer --timeout
+        allowed: found by review)."""
+        deadline = timeout or self.options.stream_timeout_s
+        return Background(lambda: self.generate(req, metadata, timeout, on_event),
+                          join_timeout=deadline + BACKGROUND_JOIN_MARGIN_S)
 
     def observe(self, event: Any) -> None:
         """Record what a received Generate event says for the run-wide checks (X3, X4);

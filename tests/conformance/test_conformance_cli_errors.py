@@ -4,6 +4,7 @@ exit 2, before any check runs; and the statuses a run reports when it could obse
 
 from __future__ import annotations
 
+import time
 from concurrent import futures
 from typing import Any
 
@@ -12,8 +13,10 @@ import pytest
 
 from refengine.conformance import Options, Status, run_report, select
 from refengine.conformance.command import main
+from refengine.conformance.registry import CheckFailed
 from refengine.conformance.report import to_dict
-from refengine.conformance.target import ConnectError
+from refengine.conformance.streams import Background
+from refengine.conformance.target import BACKGROUND_JOIN_MARGIN_S, ConnectError, Target
 from tests.conformance.fake_server import Control, Faults, Inference, start
 from tests.conformance.toy_engine import ToyEngine
 from tests.conformance.toy_roles import serve_pair
@@ -220,3 +223,19 @@ def test_a_target_that_goes_away_mid_run_exits_2_naming_the_check(capsys: pytest
             run_report(address, checks, Options(rpc_timeout_s=5.0), on_result=stop_after_the_first)
     finally:
         _stop(server, engine)
+
+
+def test_a_background_stream_waits_its_own_deadline(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: a background Generate was joined for a fixed 120 s, which cut off a stream
+    a longer --timeout allowed. The join now waits the stream's deadline and a margin; a call still
+    running after its join timeout fails the check, saying so."""
+    server, address, engine = _toy_with(Control)
+    try:
+        with Target(address, Options(stream_timeout_s=500.0, rpc_timeout_s=5.0)) as target:
+            request = target.request("bg", max_tokens=2)
+            assert target.generate_async(request).join_timeout == 500.0 + BACKGROUND_JOIN_MARGIN_S
+            assert target.generate_async(request, timeout=7.0).join_timeout == 7.0 + BACKGROUND_JOIN_MARGIN_S
+    finally:
+        _stop(server, engine)
+    with pytest.raises(CheckFailed, match="did not end within 0 s"):
+        Background(lambda: time.sleep(0.5), join_timeout=0.05).join()
