@@ -212,8 +212,8 @@ class ControlServicer(oe.ControlServicer):
                                         message=f"aborted {len(aborted)} requests{waits}")
             if not request.request_id:
                 raise invalid("request_id must be non-empty")
-            if self.state.flag_reusing(request.request_id):  # a new request waits to reuse the id: the target
-                engine.abort(request.request_id)  # its namesake, ending already
+            # A new request waits to reuse the id: it is the target (its namesake was aborted as it retired).
+            if self.state.flag_reusing(request.request_id):
                 return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED, message="aborted")
             if engine.abort(request.request_id) and await _cancelled_by(engine, request.request_id):  # A2
                 return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED, message="aborted")

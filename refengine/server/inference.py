@@ -28,7 +28,7 @@ from refengine.server.convert import StreamSettings, stream_settings, to_engine_
 from refengine.server.errors import STALLED_CONSUMER, Rejection, abort_call, rejection_from_engine
 from refengine.server.metadata import read_inference_metadata
 from refengine.server.responses import ResponseBuilder
-from refengine.server.state import ReuseWait, ServerState
+from refengine.server.state import ServerState
 from refengine.server.stream_bridge import OutputBridge
 from refengine.server.validation import ServerFacts, prompt_positions_limit, validate_generate
 from refengine.types import GenerationRequest, RequestError
@@ -103,17 +103,10 @@ class InferenceServicer(oe.InferenceServicer):
         ended = self.state.retiring.get(request_id)
         if ended is None:
             return False
-        reuse = ReuseWait()
-        waits = self.state.reusing.setdefault(request_id, [])
-        waits.append(reuse)
-        try:
+        with self.state.reuse_wait(request_id) as reuse:
             wait = RETIRE_WAIT_SECONDS if time_remaining is None else min(time_remaining, RETIRE_WAIT_SECONDS)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ended.engine_done.wait(), wait)
-        finally:
-            waits.remove(reuse)
-            if not waits:
-                del self.state.reusing[request_id]
         return reuse.aborted
 
     async def _add_on_worker(self, engine: EngineClient, params: GenerationRequest, bridge: OutputBridge) -> None:

@@ -12,10 +12,11 @@ thread-safe API (``add_request``, ``abort``, ``stats``, ...).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,7 +74,7 @@ class ServerState:
         # Streams that ended (client cancel, disconnect) before their engine request did, by
         # request id, until the engine confirms the abort: a new request reusing the id waits (G2).
         self.retiring: dict[str, OutputBridge] = {}
-        # Generate calls waiting for a retiring id to reuse it, by id (G2): see flag_reusing.
+        # Generate calls waiting for a retiring id to reuse it, by id (G2): reuse_wait, flag_reusing.
         self.reusing: dict[str, list[ReuseWait]] = {}
         # Live SubscribeKvEvents streams: each one's drain() ends it with a retryable error (X3).
         self.kv_subscribers: set[Drainable] = set()
@@ -143,6 +144,19 @@ class ServerState:
             return False
         self.engine.abort(bridge.request_id)
         return True
+
+    @contextlib.contextmanager
+    def reuse_wait(self, request_id: str) -> Iterator[ReuseWait]:
+        """A Generate call's wait to reuse ``request_id``, registered while it lasts."""
+        wait = ReuseWait()
+        waits = self.reusing.setdefault(request_id, [])
+        waits.append(wait)
+        try:
+            yield wait
+        finally:
+            waits.remove(wait)
+            if not waits:
+                del self.reusing[request_id]
 
     def flag_reusing(self, request_id: str | None) -> bool:
         """Marks the calls waiting to reuse ``request_id`` (every id: None) as aborted; whether
