@@ -108,7 +108,7 @@ class EncoderEngine(HandleSessions, NoGenerate):
         ordered = dict(sorted(backends.items(), key=lambda item: item[0] != offered))
         for backend in ordered.values():
             backend.bind(self.arena, lambda handle_id, pulled: self.confirm_kv_session(handle_id, pinned=True)
-                         if pulled else self.handles.unpin(handle_id))  # NIXL's
+                         if pulled else self.unpin_kv_session(handle_id))  # NIXL's
         return ordered
 
     # -- the Media service -------------------------------------------------------

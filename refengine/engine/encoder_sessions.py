@@ -49,6 +49,9 @@ class HandleSessions:
     def pin_kv_session(self, session_id: str, seconds: float, expected_content: str = "") -> tuple[int, ...]:
         return self.handles.pin(session_id, seconds, expecting(expected_content, self.kv_read_identity()))
 
+    def unpin_kv_session(self, session_id: str) -> None:
+        self.handles.unpin(session_id)
+
     def kv_read_identity(self) -> str:
         return read_identity(self.backends.values())
 

@@ -75,7 +75,7 @@ class EngineKvMixin:
         """Bind ``choose_transfer_backends``' choice to this engine's KV cache."""
         for backend in backends.values():  # a backend's own confirmation follows a pinned READ (NIXL's)
             backend.bind(self.block_io, lambda session_id, pulled: self.confirm_kv_session(session_id, pinned=True)
-                         if pulled else self.kv_sessions.unpin(session_id))
+                         if pulled else self.unpin_kv_session(session_id))
         self._kv_read_identity = read_identity(backends.values())
 
     # -- KV events and the prefix cache (any thread; each waits for the current step) --
@@ -128,6 +128,9 @@ class EngineKvMixin:
 
     def pin_kv_session(self, session_id: str, seconds: float, expected_content: str = "") -> tuple[int, ...]:
         return self.kv_sessions.pin(session_id, seconds, expecting(expected_content, self._kv_read_identity))
+
+    def unpin_kv_session(self, session_id: str) -> None:
+        self.kv_sessions.unpin(session_id)
 
     def kv_read_identity(self) -> str:
         return self._kv_read_identity

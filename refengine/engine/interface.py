@@ -100,6 +100,10 @@ class EngineClient(Protocol):
         returns their ids. ``expected_content``: the digest of what the reader will READ
         (``pinned_content``); another one raises ``KvSessionMismatch`` and pins nothing."""
 
+    def unpin_kv_session(self, session_id: str) -> None:
+        """End one pin whose reader will not end it (its READ failed, or it gave up on its Pin
+        call before hearing of the pin): the session stays offered. Nothing when none is counted."""
+
     def kv_read_identity(self) -> str:
         """What a one-sided reader of this engine's sessions reads from (its NIXL agent and
         regions, ``nixl_source.source_identity``); a pin says it, "" when none is offered."""

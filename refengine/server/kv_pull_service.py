@@ -94,7 +94,14 @@ class KvPullServicer(pb_grpc.KvPullServicer):
             # What the puller's READ reads (ENC8, K10): the content, in the blocks and the memory it
             # names itself (from attributes a client forwards).
             digest = content_digest(pinned_content(content, block_ids, engine.kv_read_identity()))
-            await context.send_initial_metadata(((SESSION_CONTENT_KEY, digest),))
+            try:
+                await context.send_initial_metadata(((SESSION_CONTENT_KEY, digest),))
+            except asyncio.CancelledError:
+                # The reader gave up on this call (cancelled, or past its deadline) before hearing of
+                # the pin, so it will never end it: end it here rather than hold the blocks for the
+                # whole window (found by review). A reply lost after this point is left to the window.
+                engine.unpin_kv_session(request.session_id)
+                raise
             return pb.SessionReply(num_blocks=len(block_ids), pinned_seconds=seconds)
         except KvSessionNotFound as exc:
             await abort_call(context, grpc.StatusCode.NOT_FOUND, str(exc))
