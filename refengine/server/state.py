@@ -132,10 +132,14 @@ class ServerState:
         """After the drain deadline: nothing left to wait for (no stream, acceptance, subscription
         or engine request; every KV block free or cached). Blocks withheld for good after a transfer
         that could not stop writing never come back: waiting for them only held the exit for the
-        whole flush bound (found by review)."""
+        whole flush bound (found by review). Nor do the blocks of an engine that stopped itself after a
+        fault (``engine_error``): its loop is gone, and they stay counted as used (found by review:
+        SIGTERM then took the whole 16 s bound to exit, whatever the grace period)."""
         engine = self.engine
         if self.streams or self.accepting or self.kv_subscribers or engine.has_unfinished_requests:
             return False
+        if self.engine_error is not None:
+            return True
         stats = engine.stats()
         return stats.used_kv_blocks <= stats.withheld_kv_blocks
 

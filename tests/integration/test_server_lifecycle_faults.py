@@ -81,7 +81,7 @@ def faulty_step(self, abort_ids, on_scheduled):
     if any(rid.startswith("boom") for rid in self.requests):
         raise RuntimeError("injected step fault")
     return step(self, abort_ids, on_scheduled)
-def faulty_fail_all(self, message):
+def faulty_fail_all(self, message, code="internal", retryable=False):
     raise RuntimeError("injected fail_all fault")
 core.EngineCore._step, core.EngineCore.fail_all = faulty_step, faulty_fail_all
 """
@@ -90,13 +90,17 @@ core.EngineCore._step, core.EngineCore.fail_all = faulty_step, faulty_fail_all
 def test_an_engine_that_stopped_itself_makes_the_server_not_ready(tmp_path: Path) -> None:
     """H3: once the engine stops after a fault it serves nothing: Health NOT_READY naming it,
     grpc.health.v1 NOT_SERVING, new Generate UNAVAILABLE (retry elsewhere). Before: READY,
-    SERVING, and RESOURCE_EXHAUSTED for every request."""
+    SERVING, and RESOURCE_EXHAUSTED for every request. SIGTERM then exits 0 at once: the drain's
+    flush waited for the blocks the stopped engine never frees, its whole 16 s bound (found by review)."""
     server = start_server(tmp_path / "server.log", "--max-model-len", "512", "--num-kv-blocks", "64",
-                          patch=FAULTY_ENGINE)
+                          "--shutdown-grace-seconds", "1", patch=FAULTY_ENGINE)
     try:
         with server.client() as client:
+            running = client.generate(request_id="running", prompt="Tell me a story.", max_tokens=400)
+            next(running)  # it holds KV blocks when the engine stops
             events = list(client.generate(request_id="boom-1", prompt="Hi", max_tokens=2))
             assert events[-1].WhichOneof("event") == "error" and "engine stopped" in events[-1].error.message
+            assert list(running)[-1].WhichOneof("event") == "error"
             deadline = time.monotonic() + 10
             while client.health().state != oe.HEALTH_STATE_NOT_READY and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -105,6 +109,12 @@ def test_an_engine_that_stopped_itself_makes_the_server_not_ready(tmp_path: Path
                 list(client.generate(request_id="after", prompt="Hi", max_tokens=2))
             with grpc.insecure_channel(server.address) as channel:
                 serving = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+        server.signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = server.proc.wait(60)
+        exit_seconds = time.monotonic() - signalled
+        assert code == 0, server.log_tail()
+        assert exit_seconds < 8, f"exit took {exit_seconds:.1f} s with a 1 s grace period"
         assert health.state == oe.HEALTH_STATE_NOT_READY, health
         assert any("engine stopped" in check.message for check in health.checks), health
         assert serving == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -61,7 +61,8 @@ def test_a_cancelled_pull_that_cannot_stop_withholds_its_blocks(tiny) -> None:  
         assert kv.owners == ("load:stuck",)
         assert kv.num_withheld_blocks == 4 and kv.num_usable_blocks == 6, "the 4 pulled blocks, not the head"
         assert decode.stats().used_kv_blocks == decode.stats().withheld_kv_blocks == 4
-        assert ServerState.flushed(SimpleNamespace(streams=set(), accepting=0, kv_subscribers=set(), engine=decode)), \
+        assert ServerState.flushed(SimpleNamespace(streams=set(), accepting=0, kv_subscribers=set(), engine=decode,
+                                                   engine_error=None)), \
             "a drain does not wait for blocks that never come back"
         too_long = disaggregated("long", [rng.randrange(3, VOCAB) for _ in range(30)], 8)  # 10 blocks > 6
         behind = disaggregated("behind", [rng.randrange(3, VOCAB) for _ in range(8)], 4)
