@@ -11,7 +11,7 @@ Shutdown on SIGTERM/SIGINT (a second signal skips the grace period and the flush
 1. draining: new Generate → UNAVAILABLE; Health answers NOT_READY with a check naming the
    drain (the release has no DRAINING state), grpc.health.v1 NOT_SERVING; the other Control
    RPCs keep answering;
-2. running streams, and requests still being accepted, get ``--shutdown-grace-seconds`` to finish;
+2. running streams, requests still being accepted and Encode calls get ``--shutdown-grace-seconds`` to finish;
 3. the rest end with one ``EngineError(CANCELLED, retryable=true)`` naming the drain (also one
    accepted after the deadline), and their engine requests are aborted (KV freed); the flush waits
    for the engine to confirm the aborts and for those events to be written;

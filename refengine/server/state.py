@@ -67,8 +67,8 @@ class ServerState:
         self.engine_error: str | None = None  # why a loaded engine stopped serving (set_engine_stopped)
         self.started_at = time.monotonic()
         self.streams: set[OutputBridge] = set()  # accepted Generate streams not yet ended
-        # Generate calls inside acceptance (validation, a grammar compiled on a worker thread):
-        # the drain waits for them as for streams, since each may yet become one (X3).
+        # Generate calls inside acceptance (validation, a grammar compiled on a worker thread),
+        # and Encode calls under way: the drain waits for them as for streams (X3).
         self.accepting = 0
         self.drain_deadline_passed = False  # from then on, a stream is cut off as soon as it is accepted
         # Streams that ended (client cancel, disconnect) before their engine request did, by

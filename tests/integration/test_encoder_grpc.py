@@ -376,3 +376,43 @@ def test_killed_encoder_fails_the_consumer_after_acceptance(tmp_path, llava: Tin
     error, = stream.of("error")
     assert error.code == oe.ERROR_CODE_KV_TRANSFER_FAILED and not error.retryable
     wait_idle(clients["aggregated"])
+
+
+#: Every Encode takes 3 s longer, as a large image on a busy CPU does.
+SLOW_ENCODE = """
+import time
+from refengine.engine import encoder
+_encode = encoder.EncoderEngine.encode
+def slow_encode(self, *args, **kwargs):
+    time.sleep(3.0)
+    return _encode(self, *args, **kwargs)
+encoder.EncoderEngine.encode = slow_encode
+"""
+
+
+def test_an_encode_under_way_gets_the_drain_grace_period(tmp_path, llava: TinyLlava) -> None:
+    """ENC3, X3: SIGTERM during an Encode: it finishes within the grace period and returns its
+    handles, then the server exits 0. Found by review: the drain waited only for Generate, so the
+    listeners' stop cancelled the Encode 0.5 s after the signal (UNAVAILABLE "Cancelling all calls")."""
+    server = start_server(tmp_path / "encoder.log", "--model", str(llava.directory), *COMMON, "--role", "encoder",
+                          "--shutdown-grace-seconds", "20", patch=SLOW_ENCODE)
+    outcome: list[object] = []
+    try:
+        with OpenEngineClient(server.address) as client:
+            def encode() -> None:
+                try:
+                    outcome.append(MediaClient(client).encode([image_item(IMAGES[0])]))
+                except grpc.RpcError as exc:
+                    outcome.append(exc)
+
+            thread = threading.Thread(target=encode)
+            thread.start()
+            time.sleep(1.0)  # the Encode is on the server, encoding
+            server.signal(signal.SIGTERM)
+            thread.join(60)
+            code = server.proc.wait(60)
+    finally:
+        server.stop()
+    assert outcome and not isinstance(outcome[0], grpc.RpcError), outcome[:1]
+    assert len(outcome[0]) == 1, outcome[0]
+    assert code == 0, server.log_tail()

@@ -44,7 +44,7 @@ class SlowEncoder:
 
 def servicer(engine: SlowEncoder) -> MediaServicer:
     state = SimpleNamespace(engine_for_generate=lambda: engine, engine_for_control=lambda: engine, caps=None,
-                            kv_endpoints=(), slow_work=SlowWork())
+                            kv_endpoints=(), slow_work=SlowWork(), accepting=0)
     return MediaServicer(state)  # type: ignore[arg-type]
 
 
@@ -112,3 +112,30 @@ def test_an_encode_with_time_to_spare_keeps_its_handles() -> None:
     engine.finish.set()
     reply = asyncio.run(servicer(engine).Encode(encode_request(2), context=Deadline(seconds_left=5.0)))
     assert [h.handle_id for h in reply.handles] == ["h0", "h1"] and engine.released == []
+
+
+def test_a_drain_waits_for_an_encode_under_way() -> None:
+    """X3: an Encode counts as work the drain waits for (``ServerState.accepting``) while it runs,
+    also when cancelled. Found by review: the listeners' stop cut it off 0.5 s after SIGTERM."""
+    engine = SlowEncoder()
+    media_servicer = servicer(engine)
+    counted: list[int] = []
+
+    async def scenario() -> None:
+        rpc = asyncio.ensure_future(media_servicer.Encode(encode_request(1), context=None))
+        assert await asyncio.to_thread(engine.started.wait, WAIT)
+        counted.append(media_servicer.state.accepting)
+        engine.finish.set()
+        await rpc
+        counted.append(media_servicer.state.accepting)
+        engine.started.clear()
+        engine.finish.clear()
+        cancelled = asyncio.ensure_future(media_servicer.Encode(encode_request(1), context=None))
+        assert await asyncio.to_thread(engine.started.wait, WAIT)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        counted.append(media_servicer.state.accepting)
+        engine.finish.set()
+
+    asyncio.run(scenario())
+    assert counted == [1, 0, 0]
