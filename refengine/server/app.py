@@ -11,7 +11,8 @@ Shutdown on SIGTERM/SIGINT (a second signal skips the grace period and the flush
 1. draining: new Generate → UNAVAILABLE; Health answers NOT_READY with a check naming the
    drain (the release has no DRAINING state), grpc.health.v1 NOT_SERVING; the other Control
    RPCs keep answering;
-2. running streams, requests still being accepted and Encode calls get ``--shutdown-grace-seconds`` to finish;
+2. running streams, requests still being accepted and Encode calls get ``--shutdown-grace-seconds`` to
+   finish, and a prefill server's KV sessions to be pulled (the KV pull service keeps answering);
 3. the rest end with one ``EngineError(CANCELLED, retryable=true)`` naming the drain (also one
    accepted after the deadline), and their engine requests are aborted (KV freed); the flush waits
    for the engine to confirm the aborts and for those events to be written;
@@ -227,7 +228,7 @@ class Server:
         self.state.set_draining()
         deadline = loop.time() + self.options.shutdown_grace_seconds
         # A request still inside acceptance counts as running: it becomes a stream (or is refused).
-        while (self.state.streams or self.state.accepting) and loop.time() < deadline and self._signals < 2:
+        while self._draining_work() and loop.time() < deadline and self._signals < 2:
             await asyncio.sleep(0.05)
         cut_off = self.state.cut_off_streams()  # also those accepted from now on
         released = self.state.engine.release_all_kv_sessions()  # K7: a drained prefill server keeps none
@@ -242,6 +243,17 @@ class Server:
         flush_deadline = loop.time() + FLUSH_SECONDS
         while not self.state.flushed() and loop.time() < flush_deadline and self._signals < 2:
             await asyncio.sleep(0.02)
+
+    def _draining_work(self) -> bool:
+        """What the grace period waits for: streams, acceptances, Encode calls, and a prefill
+        server's KV sessions not yet pulled. A session dropped at once would fail its decode
+        server's request for good (KV_SESSION_NOT_FOUND, not retryable) while its pull could
+        still run, on every rolling restart (found by review); a pull or the lease ends it."""
+        if self.state.streams or self.state.accepting:
+            return True
+        engine = self.state.engine  # one that stopped itself expires no lease any more
+        return (engine.info.role == "prefill" and self.state.engine_error is None
+                and engine.stats().active_kv_sessions > 0)
 
     async def _shutdown(self) -> None:
         self.state.set_draining()

@@ -33,7 +33,9 @@ def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Open
     tmp = tmp_path_factory.mktemp("disagg_bf16")
     procs: dict[str, ServerProcess] = {
         "aggregated": start_server(tmp / "aggregated.log", *COMMON, wait_ready=False),
-        "prefill": start_server(tmp / "prefill.log", "--role", "prefill", *COMMON, wait_ready=False),
+        # its grace period waits for sessions left unpulled: short, so that the teardown ends soon
+        "prefill": start_server(tmp / "prefill.log", "--role", "prefill", "--shutdown-grace-seconds", "2", *COMMON,
+                                wait_ready=False),
         "decode": start_server(tmp / "decode.log", "--role", "decode", *COMMON, wait_ready=False),
     }
     made: dict[str, OpenEngineClient] = {}

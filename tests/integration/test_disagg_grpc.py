@@ -42,6 +42,10 @@ from tests.support_matrix import observe
 pytestmark = pytest.mark.timeout(900)
 SESSION_TTL_S = 6.0
 COMMON = ("--max-model-len", "2048", "--num-kv-blocks", "128", "--max-num-seqs", "16")
+# A prefill server's grace period waits for its sessions to be pulled: kept short, so that a stop
+# with sessions left (the drain test's, the teardown's) ends soon.
+GRACE_S = 4.0
+PREFILL = ("--role", "prefill", "--shutdown-grace-seconds", str(GRACE_S))
 WORDS = "the a river mountain quiet light over under city small bright stone old new green song".split()
 
 
@@ -56,13 +60,13 @@ def servers(tmp_path_factory: pytest.TempPathFactory, server_address: str) -> It
     procs = {
         # Chunks of 8 MiB under a 2 MiB message limit: every pull longer than the limit failed
         # with RESOURCE_EXHAUSTED until chunks kept within it.
-        "prefill": start_server(tmp / "prefill.log", "--role", "prefill", "--kv-session-ttl", str(SESSION_TTL_S),
+        "prefill": start_server(tmp / "prefill.log", *PREFILL, "--kv-session-ttl", str(SESSION_TTL_S),
                                 "--kv-pull-chunk-kib", "8192", "--max-send-message-mib", "2", *COMMON,
                                 wait_ready=False),
         "decode": start_server(tmp / "decode.log", "--role", "decode", *COMMON, wait_ready=False),
     }
     if nixl_available()[0]:
-        procs["prefill_nixl"] = start_server(tmp / "prefill_nixl.log", "--role", "prefill",
+        procs["prefill_nixl"] = start_server(tmp / "prefill_nixl.log", *PREFILL,
                                              "--kv-transfer-backend", "nixl", *COMMON, wait_ready=False)
     try:
         for proc in procs.values():
@@ -641,7 +645,7 @@ def test_a_prompt_output_too_large_for_a_message_leaves_no_session(clients) -> N
 def test_a_prefill_server_whose_block_exceeds_its_message_limit_does_not_start(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """No chunk of whole blocks could carry its KV to a puller: every pull would fail."""
-    server = start_server(tmp_path_factory.mktemp("big-block") / "prefill.log", "--role", "prefill",
+    server = start_server(tmp_path_factory.mktemp("big-block") / "prefill.log", *PREFILL,
                           "--block-size", "64", "--max-send-message-mib", "1", *COMMON, wait_ready=False)
     try:
         assert server.proc.wait(timeout=240) == 1
@@ -650,15 +654,28 @@ def test_a_prefill_server_whose_block_exceeds_its_message_limit_does_not_start(
     assert "more than a 1 MiB message (--max-send-message-mib)" in server.log_tail(20_000)
 
 
-def test_drain_releases_sessions_and_a_dead_prefill_fails_the_decode(clients, servers) -> None:
-    """K7 on drain (the NIXL prefill server, or the grpc one when NIXL is missing, goes last),
-    then K8: its held session cannot be pulled any more."""
+def test_a_drain_waits_for_pulls_then_releases_sessions_and_a_dead_prefill_fails_the_decode(
+        clients, servers) -> None:
+    """K7 on drain (the NIXL prefill server, or the grpc one when NIXL is missing, goes last): the
+    grace period waits for its sessions to be pulled, and one pulled then decodes as aggregated
+    (found by review: every session was dropped at once, failing its decode for good); the one
+    left at the grace period's end is freed, then K8: it cannot be pulled any more."""
     name = "prefill_nixl" if "prefill_nixl" in servers else "prefill"
-    ready = prefill(clients[name], request("drain", prompt_text(11)))
+    pulled_req, left_req = request("drain-pulled", prompt_text(11)), request("drain-left", prompt_text(10))
+    pulled, left = prefill(clients[name], pulled_req), prefill(clients[name], left_req)
+    want = collect(clients["aggregated"].generate(request("drain-agg", prompt_text(11)), timeout=120)).tokens()
     servers[name].signal(signal.SIGTERM)
+    time.sleep(0.5)  # draining: Health NOT_READY, the KV pull service still answering
+    assert clients[name].health().state != oe.HEALTH_STATE_READY
+    pulled_stream = decode_with(clients, request("drain-pulled-d", prompt_text(11)), pulled.prefill_ready.kv_session)
+    assert pulled_stream.code == grpc.StatusCode.OK and not pulled_stream.of("error"), pulled_stream.events
+    assert pulled_stream.tokens() == want
+    started = time.monotonic()
     assert servers[name].proc.wait(timeout=60) == 0
-    assert "KV pool at exit: 0 used" in servers[name].log_tail(20_000)
-    stream = decode_with(clients, request("drain-d", prompt_text(11)), ready.prefill_ready.kv_session)
+    assert time.monotonic() - started < GRACE_S + 3  # the grace period, not the session's lease
+    log = servers[name].log_tail(20_000)
+    assert "KV pool at exit: 0 used" in log and "drain: released 1 KV sessions" in log, log[-2000:]
+    stream = decode_with(clients, request("drain-d", prompt_text(10)), left.prefill_ready.kv_session)
     errors = stream.of("error")
     assert len(errors) == 1 and errors[0].code in (oe.ERROR_CODE_KV_TRANSFER_FAILED,
                                                    oe.ERROR_CODE_KV_SESSION_NOT_FOUND), stream.events

@@ -47,7 +47,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory, llava: TinyLlava) -> Itera
         "encoder": start_server(tmp / "encoder.log", *model, "--role", "encoder", *encoder_backend,
                                 "--encoder-cache-entries", "2", wait_ready=False),
         "aggregated": start_server(tmp / "aggregated.log", *model, wait_ready=False),
-        "prefill": start_server(tmp / "prefill.log", *model, "--role", "prefill", wait_ready=False),
+        # its grace period waits for sessions left unpulled: short, so that the teardown ends soon
+        "prefill": start_server(tmp / "prefill.log", *model, "--role", "prefill", "--shutdown-grace-seconds", "2",
+                                wait_ready=False),
         "decode": start_server(tmp / "decode.log", *model, "--role", "decode", wait_ready=False),
     }
     try:
