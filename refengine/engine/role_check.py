@@ -74,12 +74,14 @@ class RoleCheck:
             attrs = SessionAttributes.from_json(session.attributes)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        # The layout facts first: the fingerprint also covers --dtype and --kv-cache-dtype
+        # (loader.model_fingerprint), so checked first it would name itself for a KV dtype mismatch.
         expected = {
-            "model_fingerprint": self.fingerprint,
             "block_size": self.block_size,
             "kv_dtype": self.store.dtype,
             "kv_layout": self.store.layout,
             "block_nbytes": self.store.block_nbytes,
+            "model_fingerprint": self.fingerprint,
             "num_prompt_tokens": len(prompt_ids),
             "prompt_hash": prompt_hash(prompt_ids, media, adapter),
             "num_blocks": -(-len(prompt_ids) // self.block_size),
@@ -88,8 +90,8 @@ class RoleCheck:
             got = getattr(attrs, key)
             if got != want:
                 raise InvalidRequestError(f"kv.session.attributes_struct.{key} is {got!r}, this engine and prompt "
-                                          f"need {want!r}: the session was prefilled for another model, layout, "
-                                          "prompt or LoRA adapter")
+                                          f"need {want!r}: the session was prefilled for another model, dtype, "
+                                          "layout, prompt or LoRA adapter")
         if key := first_option_differing(dict(attrs.first_token_options), options):
             recorded = attrs.first_token_options.get(key)
             raise InvalidRequestError(f"kv.session.attributes_struct.first_token_options.{key} is {recorded!r}, "

@@ -283,6 +283,18 @@ def test_an_incompatible_session_is_refused_before_acceptance(trio, change: str)
     prefill.abort_kv_session(session.session_id)
 
 
+def test_a_kv_dtype_mismatch_is_named_as_such(trio) -> None:
+    """A prefill engine with another KV dtype also has another fingerprint (loader.model_fingerprint
+    covers --kv-cache-dtype): the refusal names kv_dtype, the difference the operator can fix."""
+    _, prefill, decode, _ = trio
+    params = request("dtype", PROMPTS[2], None, 0.0)
+    session = run(prefill, params).prefill
+    attrs = {**session.attributes, "kv_dtype": "bfloat16", "model_fingerprint": "tiny-bf16-kv"}
+    with pytest.raises(InvalidRequestError, match=r"attributes_struct\.kv_dtype is 'bfloat16'"):
+        decode.add_request(replace(params, kv=KvParams(session=replace(session, attributes=attrs))))
+    prefill.abort_kv_session(session.session_id)
+
+
 def test_role_mismatch_is_refused(trio) -> None:
     aggregated, prefill, _, _ = trio
     session = run(prefill, request("s", PROMPTS[1], None, 0.0)).prefill
