@@ -57,10 +57,8 @@ def run_remote(args: argparse.Namespace, options: GenerateOptions) -> int:
             with closing(_events(client, prefill_client, encoder_client, request, wire_metadata(options))) as events:
                 for event in events:
                     printer.wire(event)
-                    kind = event.WhichOneof("event")
-                    if kind == "error":
-                        raise GenerationError(event.error)
-                    if kind == "finished":
+                    _raise_if_failed(event, client, args.remote)
+                    if event.WhichOneof("event") == "finished":
                         unfinished.discard(event.finished.output_index)
             if unfinished:
                 print(f"\nrefengine generate: the stream ended before output(s) {sorted(unfinished)} finished",
@@ -80,6 +78,26 @@ def run_remote(args: argparse.Namespace, options: GenerateOptions) -> int:
             if hop is not None:
                 hop.close()
     return 0
+
+
+def _raise_if_failed(event: oe.GenerateResponse, client: OpenEngineClient, remote: str | None) -> None:
+    """An ``EngineError`` ends the run; so does a ``PrefillReady``, which only a prefill server named
+    by ``--remote`` sends here (``generate_disaggregated`` consumes the ``--prefill`` hop's). Its
+    session is released at once: left alone it held its KV blocks until its lease ended."""
+    import grpc
+
+    from refengine.client import GenerationError, PrefillFailed
+
+    kind = event.WhichOneof("event")
+    if kind == "error":
+        raise GenerationError(event.error)
+    if kind == "prefill_ready":
+        try:
+            client.abort(kv_session=event.prefill_ready.kv_session)
+        except grpc.RpcError:
+            pass  # released or expired already: nothing is held
+        raise PrefillFailed(f"{remote} is a prefill server (it answered PrefillReady, K4): "
+                            f"use --prefill {remote} --decode HOST:PORT")
 
 
 def _chat(client: OpenEngineClient, options: GenerateOptions, prompt: str) -> str:

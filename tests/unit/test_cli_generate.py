@@ -62,6 +62,7 @@ class Recorder(oe.InferenceServicer, oe.ControlServicer):
         self.prefill = prefill
         self.requests: list[oe.GenerateRequest] = []
         self.metadata: list[dict[str, str]] = []
+        self.aborted_sessions: list[str] = []
 
     def Generate(self, request: oe.GenerateRequest, context: grpc.ServicerContext) -> Iterator[Any]:  # noqa: N802
         self.requests.append(request)
@@ -95,6 +96,10 @@ class Recorder(oe.InferenceServicer, oe.ControlServicer):
 
     def Health(self, request: Any, context: grpc.ServicerContext) -> oe.HealthResponse:  # noqa: N802
         return oe.HealthResponse(state=77)  # a state from a newer release (X4)
+
+    def Abort(self, request: oe.AbortRequest, context: grpc.ServicerContext) -> oe.AbortResponse:  # noqa: N802
+        self.aborted_sessions.append(request.kv_session.session_id)
+        return oe.AbortResponse(status=oe.ABORT_STATUS_ABORTED)
 
 
 def _tokens(request: oe.GenerateRequest) -> list[oe.TokenInfo]:
@@ -158,6 +163,7 @@ def servers(module_servers: Servers) -> Servers:
     for recorder in (module_servers.remote, module_servers.prefill):
         recorder.requests.clear()
         recorder.metadata.clear()
+        recorder.aborted_sessions.clear()
     module_servers.encoder.encoded.clear()
     module_servers.encoder.released.clear()
     return module_servers
@@ -390,6 +396,16 @@ def test_server_refusal_and_failure_exit_1(servers: Servers, capsys: pytest.Capt
     out = capsys.readouterr()
     assert "refengine generate: ERROR_CODE_INTERNAL: failed on purpose" in out.err
     assert json.loads(out.out.splitlines()[-1])["error"]["message"] == "failed on purpose"  # printed first
+
+
+def test_a_prefill_server_named_by_remote_exit_1_and_its_session_is_released(
+        servers: Servers, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: --remote naming a prefill server said only "the stream ended before
+    output(s) [0] finished", and its KV session stayed held until its lease ended."""
+    prefill = servers.addresses["@prefill"]
+    assert main(["generate", "hi", "--remote", prefill]) == 1
+    assert f"is a prefill server (it answered PrefillReady, K4): use --prefill {prefill}" in capsys.readouterr().err
+    assert servers.prefill.aborted_sessions == ["s1"]
 
 
 def test_an_unnamed_error_code_and_a_cut_stream_exit_1(servers: Servers, capsys: pytest.CaptureFixture[str]) -> None:
