@@ -1,7 +1,9 @@
 """What the benchmark asks the server before it builds the workload: which model to name,
 how large its vocabulary is (for random token ids) and whether it takes token ids at all.
 
-Only a server that cannot be reached (or, without ``--model``, cannot name a model) stops
+Only a server that cannot be reached, a prefill or decode server (a prefill server answers each
+request with a KV session that the run would leave held until its lease ends; a decode server
+refuses requests without one), or, without ``--model``, a server that cannot name a model stops
 the run. A failing ``GetModelInfo`` does not: the run goes on with defaults, so that a bad
 ``--model`` shows up as what the server answers Generate with (e.g. NOT_FOUND per request).
 """
@@ -14,10 +16,13 @@ import grpc
 from google.protobuf import json_format
 
 from refengine.client import OpenEngineClient
+from refengine.protocol import oe
 
 __all__ = ["DEFAULT_VOCAB_SIZE", "Target", "TargetError", "discover"]
 
 DEFAULT_VOCAB_SIZE = 1000  # when the server reports none: ids below it exist in every real vocabulary
+#: Roles whose servers take no whole request (prompt to finish), which is what the run sends.
+SPLIT_ROLES = {oe.ENGINE_ROLE_PREFILL: "prefill", oe.ENGINE_ROLE_DECODE: "decode"}
 
 
 class TargetError(RuntimeError):
@@ -43,11 +48,17 @@ def discover(client: OpenEngineClient, model: str = "", connect_timeout: float =
         grpc.channel_ready_future(client.channel).result(timeout=connect_timeout)
     except grpc.FutureTimeoutError:
         raise TargetError(f"{client.address}: not reachable within {connect_timeout:g} s") from None
-    if not model:
-        try:
-            models = list(client.server_info().supported_models)
-        except grpc.RpcError as exc:
+    try:
+        server = client.server_info()
+    except grpc.RpcError as exc:
+        if not model:
             raise TargetError(f"{client.address}: GetServerInfo failed ({_rpc_failure(exc)}); pass --model") from None
+        server = oe.ServerInfo()  # a role the run cannot check; --model names the model
+    if server.engine_role in SPLIT_ROLES:
+        raise TargetError(f"{client.address} is a {SPLIT_ROLES[server.engine_role]} server: bench sends whole "
+                          "requests; point it at an aggregated server")
+    if not model:
+        models = list(server.supported_models)
         if not models:
             raise TargetError(f"{client.address}: GetServerInfo lists no supported model; pass --model")
         model = models[0]

@@ -271,6 +271,30 @@ def test_an_unreachable_target_stops_the_run() -> None:
         target.discover(client, connect_timeout=0.2)
 
 
+class PrefillControl(ReportingControl):
+    def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        info = super().GetServerInfo(request, context)
+        info.engine_role = oe.ENGINE_ROLE_PREFILL
+        return info
+
+
+def test_a_prefill_server_is_refused_before_the_run(toy: Toy, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: each request ended "no_finish" and left its KV session held on the prefill
+    server until the lease ended; the run now stops before it sends anything (exit 1)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    oe.add_InferenceServicer_to_server(toy.inference, server)
+    oe.add_ControlServicer_to_server(PrefillControl(toy.engine), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        for model in ([], ["--model", "toy"]):
+            assert main(["bench", "--target", address, "--num-prompts", "2", "--no-progress", *model]) == 1
+            assert "is a prefill server: bench sends whole requests" in capsys.readouterr().err
+    finally:
+        server.stop(0)
+    assert toy.inference.ids == []
+
+
 def test_percentiles_and_latencies_on_known_inputs() -> None:
     assert report.percentile([5, 1, 4, 2, 3], 50) == 3
     assert report.percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)  # numpy's linear interpolation
