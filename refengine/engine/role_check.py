@@ -46,8 +46,9 @@ class RoleCheck:
         ``adapter``: the request's LoRA adapter's cache key ("" for the base model)."""
         session = params.kv.session
         if session is not None and self.role != "decode":
-            raise InvalidRequestError(f"role mismatch: this is a {self.role} engine; only a decode engine takes "
-                                      "kv.session")
+            article = "an" if self.role[0] in "aeiou" else "a"
+            raise InvalidRequestError(f"role mismatch: this is {article} {self.role} engine; only a decode engine "
+                                      "takes kv.session")
         if self.role == "aggregated":
             return
         if params.sampling.num_sequences != 1:

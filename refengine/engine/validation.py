@@ -85,6 +85,8 @@ def _validate_candidates(name: str, spec: CandidateSpec | None, limits: Limits) 
     if spec is None:
         return
     if spec.mode == "top_n":
+        # Not "must be in [1, 0]" (found by review): top_n 0 asks for none, which is accepted.
+        _require(limits.max_logprobs > 0, f"{name}.top_n: this server returns no candidates (--max-logprobs 0)")
         _require(
             1 <= spec.top_n <= limits.max_logprobs,
             f"{name}.top_n must be in [1, {limits.max_logprobs}], got {spec.top_n}",

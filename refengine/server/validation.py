@@ -100,7 +100,8 @@ def check_role(request: oe.GenerateRequest, role: str, meta: RequestMetadata,
                       f"kv.session.dp_rank {request.kv.session.dp_rank} (the session is authoritative)")
     if has_session and role != "decode":
         raise Rejection(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"role mismatch: this is a {role} server; only a decode server accepts kv.session")
+                        f"role mismatch: this is {'an' if role[0] in 'aeiou' else 'a'} {role} server; only a decode "
+                        "server accepts kv.session")
     if role == "decode":
         if not has_session:
             raise invalid("this is a decode server: the request must carry kv.session from a prefill "

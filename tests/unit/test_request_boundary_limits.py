@@ -170,6 +170,14 @@ def test_l4_candidate_boundaries(which: str) -> None:
         _refused(lp(spec), match=match)
 
 
+def test_l4_top_n_on_a_server_returning_no_candidates_says_so() -> None:
+    """--max-logprobs 0: a top_n request is refused saying the server returns none, not that
+    top_n must be in [1, 0] (found by review)."""
+    request = _req(logprobs=LogprobParams(output_candidates=CandidateSpec("top_n", top_n=1)))
+    with pytest.raises(InvalidRequestError, match=r"returns no candidates \(--max-logprobs 0\)"):
+        ev.validate_logprobs(request, Limits(VOCAB, CONTEXT, MAX_SEQS, max_logprobs=0))
+
+
 def test_prompt_logprob_start_bounds() -> None:
     prompt = [1, 2, 3, 4]
     _refused(_req(logprobs=LogprobParams(prompt_logprob_start=-1)), match="prompt_logprob_start")
@@ -297,6 +305,9 @@ def test_m3_k6_role_checks() -> None:
     assert _code(sv.check_role, request, "prefill", RequestMetadata(), ()) is PRECONDITION
     assert _code(sv.check_role, _gen(), "encoder", RequestMetadata(), ()) is PRECONDITION
     assert _code(sv.check_role, _gen(), "aggregated", RequestMetadata(), ()) is None
+    for role, said in (("aggregated", "an aggregated server"), ("prefill", "a prefill server")):
+        with pytest.raises(Rejection, match=f"this is {said};"):
+            sv.check_role(request, role, RequestMetadata(), ())
     with pytest.raises(Rejection, match="must carry kv.session") as info:  # K5: says what is missing
         sv.check_role(_gen(), "decode", RequestMetadata(), ("kvpull",))
     assert info.value.code is INVALID
