@@ -71,10 +71,6 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self.evictable)
 
-    @property
-    def record_events(self) -> bool:
-        return self._events is not None
-
     def lookup(self, block_hash: bytes) -> int | None:
         return self.hash_to_block.get(block_hash) if self.enable_caching else None
 

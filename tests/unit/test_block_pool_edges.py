@@ -26,13 +26,6 @@ def test_pool_rejects_zero_blocks_accepts_one() -> None:
     assert BlockPool(1).num_available == 1
 
 
-def test_record_events_property() -> None:
-    """``record_events`` is a real bool both ways: callers branch on it to decide whether to
-    drain the event queue."""
-    assert BlockPool(1, record_events=True).record_events is True
-    assert BlockPool(1).record_events is False
-
-
 def test_allocate_returns_ascending_ids() -> None:
     """Allocated ids come back in ascending order whatever the free list's order, so a KV
     transfer moves one contiguous range instead of one descriptor per block."""

@@ -220,7 +220,7 @@ def test_snapshot_and_replay_exclude_each_other_and_disabled_events_refuse(tiny)
     off = make_engine(tiny, enabled=False)
     with pytest.raises(InvalidRequestError, match="disabled"):
         off.subscribe_kv_events(lambda: None)
-    assert off.core.pool.record_events is False  # no subscriber can exist: nothing is recorded
+    assert off.core.pool._events is None  # no subscriber can exist: nothing is recorded
 
 
 def test_a_subscriber_that_never_takes_is_cut_off_and_the_engine_runs_on(tiny) -> None:
