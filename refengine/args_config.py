@@ -119,6 +119,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     scheduler = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                 max_active_requests=args.max_active_requests)
+    if scheduler.max_num_batched_tokens < scheduler.max_num_seqs:
+        # Each running sequence needs one token of a step's budget: with fewer tokens than sequences
+        # (a request's n outputs fork past it) the first in order take them all and the others'
+        # streams stall as long (found by review: an n = 3 request under a budget of 2 left its third
+        # output silent for 29 steps). Engines built in code may use tiny budgets (chunking tests).
+        raise ValueError(f"SchedulerConfig.max_num_batched_tokens ({scheduler.max_num_batched_tokens}) must be at "
+                         f"least --max-num-seqs ({scheduler.max_num_seqs}): every running sequence needs a token "
+                         "of each step")
     per_request = args.max_sequences_per_request
     if per_request is None:  # so that a small --max-num-seqs alone stays valid
         per_request = min(EngineConfig().max_sequences_per_request, scheduler.max_num_seqs)

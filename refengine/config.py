@@ -131,7 +131,9 @@ class SchedulerConfig:
     and decodes; ``max_num_seqs`` caps the running set (each of a request's
     ``num_sequences`` outputs counts as one); ``max_active_requests`` caps every
     accepted, unfinished request (waiting or running); one more is refused as
-    overloaded.
+    overloaded. A budget below ``max_num_seqs`` lets the running sequences first in order
+    take every token while the others wait (``refengine serve`` refuses it); tests use tiny
+    budgets to chunk prompts.
     """
 
     max_num_batched_tokens: int = 2048

@@ -264,6 +264,15 @@ def test_sequences_per_request_default_follows_a_smaller_max_num_seqs() -> None:
         parse("--max-num-seqs", "4", "--max-sequences-per-request", "8")
 
 
+def test_a_token_budget_below_max_num_seqs_is_refused() -> None:
+    """Every running sequence needs a token of each step: a smaller budget starved the outputs
+    last in order (found by review: an n = 3 request under a budget of 2 left its third output
+    silent for 29 steps), as vLLM refuses it too. Equal is fine."""
+    with pytest.raises(ValueError, match=r"^--max-num-batched-tokens: .*\(2\) must be at least --max-num-seqs \(4\)"):
+        parse("--max-num-batched-tokens", "2", "--max-num-seqs", "4")
+    assert parse("--max-num-batched-tokens", "4", "--max-num-seqs", "4").scheduler.max_num_batched_tokens == 4
+
+
 def test_deprecated_max_num_sequences_alias(capsys: pytest.CaptureFixture[str]) -> None:
     assert parse("--max-num-sequences", "3").max_sequences_per_request == 3
     assert "--max-num-sequences is deprecated; use --max-sequences-per-request" in capsys.readouterr().err
