@@ -272,8 +272,10 @@ class IncrementalDetokenizer:
             tail = whole[len(prefix) :]
         else:
             tail = head if len(head) >= reach else self.peek(None if upto == len(ids) else reach)
-        ends = stream_ends(chunks, tail, whole_characters, prefix.endswith(REPLACEMENT_CHAR)) \
-            if self._token_bytes is not None else run_ends(bytes(self._byte_values[t] for t in inner), tail)
+        if self._token_bytes is not None:
+            ends = stream_ends(chunks, tail, whole_characters, prefix.endswith(REPLACEMENT_CHAR))
+        else:
+            ends = run_ends(bytes(self._byte_values[t] for t in inner), tail, whole_characters)
         if len(head) >= reach:
             self._held_ends = (kept, upto, tuple(ends))
         return ends + [len(tail)] * (upto == len(ids))

@@ -119,12 +119,16 @@ class ByteRun:
         return str(self._text) if limit is None else self._text.head(limit)
 
 
-def run_ends(data: bytes, tail: str) -> list[int | None]:
+def run_ends(data: bytes, tail: str, per_byte: bool = False) -> list[int | None]:
     """For each byte of a byte-fallback run whose window reads ``tail`` (the run's text, then
     that of a token ending the run, if any), where the text of the run up to it ends in
     ``tail``, when that text is how ``tail`` starts; None otherwise. The run up to a byte reads
     as its characters when they are complete and valid, else as one U+FFFD per byte. Linear:
-    the characters only grow, and ``tail`` starts with U+FFFD * k for every k up to its count."""
+    the characters only grow, and ``tail`` starts with U+FFFD * k for every k up to its count.
+    ``per_byte``: a run whose whole characters no longer read (a later byte made it invalid: one
+    U+FFFD per byte) ends after its k-th U+FFFD at its k-th byte, as an incomplete one does (the
+    characters of the first ``min_tokens`` tokens: found by review, a valid character's bytes
+    were given none of them, so a stop string ending in its U+FFFD was not protected)."""
     leading = len(tail) - len(tail.lstrip(REPLACEMENT_CHAR))
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
     valid, chars, agrees = True, 0, True  # valid so far: its characters; tail starts with them
@@ -139,7 +143,7 @@ def run_ends(data: bytes, tail: str) -> list[int | None]:
                 agrees = agrees and tail.startswith(new, chars)
                 chars += len(new)
         if valid and not decoder.getstate()[0]:
-            ends.append(chars if agrees else None)
+            ends.append(chars if agrees else k if per_byte and k <= leading else None)
         else:
             ends.append(k if k <= leading else None)
     return ends

@@ -283,3 +283,17 @@ def test_min_tokens_protects_the_text_of_its_tokens_that_a_byte_run_releases_lat
     for min_tokens, stops in ((2, False), (1, True)):
         _, _, finish = sent(StoppingParams(stop_strings=("é",), min_tokens=min_tokens), accent, TOKENIZER)
         assert (finish.stop_text == "é") is stops, (min_tokens, finish)
+
+
+@pytest.mark.parametrize("min_tokens", [1, 2, 3])
+def test_min_tokens_protects_each_byte_of_a_whole_character_that_a_later_byte_turns_invalid(min_tokens: int) -> None:
+    """Found by review: the run 'é' + E4 B8 4D reads as one U+FFFD per byte once 4D makes it invalid.
+    The first min_tokens tokens' characters are their bytes' U+FFFDs, as for a run cut short; the
+    bytes of 'é' (complete before) had none but the first, so with min_tokens 2 the stop string
+    '\\ufffd\\ufffd' ended on the second byte's U+FFFD (text '\\ufffd\\ufffd', expected three)."""
+    out = _byte_ids("é") + [TOKENIZER.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xE4, 0xB8, 0x4D)]
+    out += TOKENIZER.encode("the end", add_special_tokens=False)
+    assert decode(TOKENIZER, out).startswith("\ufffd" * 5)
+    stopping = StoppingParams(stop_strings=("\ufffd\ufffd",), min_tokens=min_tokens, include_stop_in_output=True)
+    _, text, finish = sent(stopping, out, TOKENIZER)
+    assert finish.stop_text == "\ufffd\ufffd" and text == "\ufffd" * (min_tokens + 1)
