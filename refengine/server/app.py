@@ -12,7 +12,8 @@ Shutdown on SIGTERM/SIGINT (a second signal skips the grace period and the flush
    drain (the release has no DRAINING state), grpc.health.v1 NOT_SERVING; the other Control
    RPCs keep answering;
 2. running streams, requests still being accepted and Encode calls get ``--shutdown-grace-seconds`` to
-   finish, and a prefill server's KV sessions to be pulled (the KV pull service keeps answering);
+   finish, and a prefill server's KV sessions (an encoder's handles) to be pulled (the KV pull
+   service keeps answering);
 3. the rest end with one ``EngineError(CANCELLED, retryable=true)`` naming the drain (also one
    accepted after the deadline), and their engine requests are aborted (KV freed); the flush waits
    for the engine to confirm the aborts and for those events to be written;
@@ -246,14 +247,20 @@ class Server:
 
     def _draining_work(self) -> bool:
         """What the grace period waits for: streams, acceptances, Encode calls, and a prefill
-        server's KV sessions not yet pulled. A session dropped at once would fail its decode
-        server's request for good (KV_SESSION_NOT_FOUND, not retryable) while its pull could
-        still run, on every rolling restart (found by review); a pull or the lease ends it."""
+        server's KV sessions (an encoder's handles) not yet pulled. One dropped at once would fail
+        its consumer's request for good (KV_SESSION_NOT_FOUND, not retryable) while its pull could
+        still run, on every rolling restart (found by review); a pull, a release or the lease ends it."""
         if self.state.streams or self.state.accepting:
             return True
-        engine = self.state.engine  # one that stopped itself expires no lease any more
-        return (engine.info.role == "prefill" and self.state.engine_error is None
-                and engine.stats().active_kv_sessions > 0)
+        engine = self.state.engine
+        if self.state.engine_error is not None:  # a stopped engine expires no lease any more
+            return False
+        if engine.info.role == "prefill":
+            return engine.stats().active_kv_sessions > 0
+        if engine.info.role == "encoder":
+            media = engine.stats().media
+            return media is not None and media.held_handles > 0
+        return False
 
     async def _shutdown(self) -> None:
         self.state.set_draining()

@@ -37,7 +37,8 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> TinyLlava:
 def servers(tmp_path_factory: pytest.TempPathFactory, llava: TinyLlava) -> Iterator[dict[str, ServerProcess]]:
     tmp = tmp_path_factory.mktemp("enc-conformance")
     model = ("--model", str(llava.directory), *COMMON)
-    procs = {"encoder": start_server(tmp / "encoder.log", *model, "--role", "encoder", wait_ready=False),
+    procs = {"encoder": start_server(tmp / "encoder.log", *model, "--role", "encoder", "--shutdown-grace-seconds", "2",
+                                       wait_ready=False),
              "aggregated": start_server(tmp / "aggregated.log", *model, wait_ready=False)}
     try:
         for proc in procs.values():

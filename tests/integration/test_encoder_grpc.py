@@ -44,10 +44,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory, llava: TinyLlava) -> Itera
     model = ("--model", str(llava.directory), *COMMON)
     encoder_backend = ("--kv-transfer-backend", "nixl") if nixl_available()[0] else ()
     procs = {
+        # short grace periods: a drain waits for handles and sessions left unpulled (teardowns end soon)
         "encoder": start_server(tmp / "encoder.log", *model, "--role", "encoder", *encoder_backend,
+                                "--shutdown-grace-seconds", "2",
                                 "--encoder-cache-entries", "2", wait_ready=False),
         "aggregated": start_server(tmp / "aggregated.log", *model, wait_ready=False),
-        # its grace period waits for sessions left unpulled: short, so that the teardown ends soon
         "prefill": start_server(tmp / "prefill.log", *model, "--role", "prefill", "--shutdown-grace-seconds", "2",
                                 wait_ready=False),
         "decode": start_server(tmp / "decode.log", *model, "--role", "decode", wait_ready=False),
@@ -394,8 +395,10 @@ encoder.EncoderEngine.encode = slow_encode
 
 def test_an_encode_under_way_gets_the_drain_grace_period(tmp_path, llava: TinyLlava) -> None:
     """ENC3, X3: SIGTERM during an Encode: it finishes within the grace period and returns its
-    handles, then the server exits 0. Found by review: the drain waited only for Generate, so the
-    listeners' stop cancelled the Encode 0.5 s after the signal (UNAVAILABLE "Cancelling all calls")."""
+    handles; the drain waits for them to be consumed (here released), then the server exits 0.
+    Found by review: the drain waited only for Generate, so the listeners' stop cancelled the
+    Encode 0.5 s after the signal (UNAVAILABLE "Cancelling all calls"), and dropped every handle
+    at once (a consumer's pull under way then failed for good)."""
     server = start_server(tmp_path / "encoder.log", "--model", str(llava.directory), *COMMON, "--role", "encoder",
                           "--shutdown-grace-seconds", "20", patch=SLOW_ENCODE)
     outcome: list[object] = []
@@ -412,9 +415,14 @@ def test_an_encode_under_way_gets_the_drain_grace_period(tmp_path, llava: TinyLl
             time.sleep(1.0)  # the Encode is on the server, encoding
             server.signal(signal.SIGTERM)
             thread.join(60)
+            assert outcome and not isinstance(outcome[0], grpc.RpcError), outcome[:1]
+            assert len(outcome[0]) == 1, outcome[0]
+            time.sleep(1.0)
+            assert server.proc.poll() is None, "the drain dropped a handle not yet consumed"
+            assert MediaClient(client).release([outcome[0][0].handle_id]) == 1
+            released = time.monotonic()
             code = server.proc.wait(60)
     finally:
         server.stop()
-    assert outcome and not isinstance(outcome[0], grpc.RpcError), outcome[:1]
-    assert len(outcome[0]) == 1, outcome[0]
     assert code == 0, server.log_tail()
+    assert time.monotonic() - released < 10, "the drain waited on after the last handle was released"
