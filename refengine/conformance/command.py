@@ -23,7 +23,7 @@ from refengine.conformance.profiles import BY_NAME, checks_of, profile_of
 from refengine.conformance.registry import Check, select
 from refengine.conformance.release import RELEASE
 from refengine.conformance.report import FORMATS, render
-from refengine.conformance.runner import Result, run_report
+from refengine.conformance.runner import Report, Result, TargetLost, run_report
 from refengine.conformance.target import ConnectError, Options
 from refengine.protocol.addresses import check_address
 
@@ -185,14 +185,22 @@ def run_command(args: argparse.Namespace) -> int:
         report = run_report(address, checks, options, on_result=progress, core_run=core_run)
         if load is not None:
             report = run_load(report, address, options, load)
+    except TargetLost as err:  # the verdicts so far are still reported, "stopped" saying why they end
+        _emit(args, err.report)
+        print(f"conformance: error: {err}", file=sys.stderr)
+        return 2
     except ConnectError as err:
         print(f"conformance: error: {err}", file=sys.stderr)
         return 2
+    _emit(args, report)
+    return 1 if report.failed else 0
+
+
+def _emit(args: argparse.Namespace, report: Report) -> None:
     print(render(report, args.format))
     if args.json:
         with open(args.json, "w") as f:
             f.write(render(report, "json") + "\n")
-    return 1 if report.failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,12 +8,15 @@ The JSON form is stable (docs/conformance.md)::
      "profiles": [{"name", "title", "draft", "claimed", "why", "status"}],
      "rules": [{"rule", "status"}],
      "results": [{"rule", "check", "title", "profile", "status", "message", "evidence"}],
-     "load": null | {"streams", "duration_s", "seed", "requests", "outcomes": {kind: count}}}
+     "load": null | {"streams", "duration_s", "seed", "requests", "outcomes": {kind: count}},
+     "stopped": null | "why the run ended before its last check"}
 
 ``status`` is one of ``pass``, ``fail``, ``not_claimed``, ``skipped``; a profile's status is
 ``fail`` when any of its checks failed, else ``not_claimed`` (unclaimed), else ``pass`` when one
 of its checks passed, else ``skipped`` (none ran, or all skipped); a rule's is the worst
-of its checks' (fail, then pass, then skipped, then not_claimed). ``evidence`` is empty unless
+of its checks' (fail, then pass, then skipped, then not_claimed). A run whose target stopped
+answering ends there (exit 2): its report holds the checks before that one, and ``stopped`` says
+so. ``evidence`` is empty unless
 the check failed: then the last exchanges it had with the server (request, status, events).
 No status depends on timing, so two runs against the same server give equal statuses; a
 message may quote a time it measured (A5's), and differ.
@@ -68,6 +71,7 @@ def to_text(report: Report, width: int = 100) -> str:
         lines.append(f"\nload: {report.load['requests']} requests from {report.load['streams']} streams in "
                      f"{report.load['duration_s']:g} s; outcomes {json.dumps(report.load['outcomes'])}")
     lines.append("\n" + summary(report.results))
+    lines += [f"stopped early: {report.stopped}"] if report.stopped else []
     return "\n".join(lines)
 
 
@@ -91,6 +95,7 @@ def to_markdown(report: Report, width: int = 110, messages: bool = True) -> str:
         out += [f"| {r.rule} | {_cell(r.title, width)} | {r.status.value} |"
                 + (f" {_cell(r.message, width)} |" if messages else "") for r in mine]
     out += ["", summary(report.results)]
+    out += ["", f"**Stopped early:** {_cell(report.stopped, 4 * width)}"] if report.stopped else []
     return "\n".join(out)
 
 
@@ -105,6 +110,7 @@ def to_dict(report: Report) -> dict[str, Any]:
                      "status": r.status.value, "message": r.message, "evidence": r.evidence}
                     for r in report.results],
         "load": report.load,
+        "stopped": report.stopped or None,
     }
 
 

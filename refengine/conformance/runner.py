@@ -49,6 +49,7 @@ class Report:
     profiles: list[ProfileClaim]
     results: list[Result]
     load: dict[str, Any] | None = None  # the load mode's counts (outcomes by kind), when it ran
+    stopped: str = ""  # why the run ended before its last check ("" when it ran them all)
 
     def profile_status(self, name: str) -> Status:
         """fail if any of its checks failed, else not_claimed when unclaimed, else pass when one of
@@ -151,19 +152,29 @@ def run_report(address: str, checks: Iterable[Check], options: Options | None = 
             results.append(result)
             if on_result is not None:
                 on_result(result)
-            if result.status is Status.FAIL:
-                _still_answers(target, chk, len(results))
+            if result.status is Status.FAIL and (lost := _gone_during(target, chk, len(results))):
+                raise TargetLost(lost, Report(address, server_facts(target), profiles, results[:-1], stopped=lost))
         return Report(address, server_facts(target), profiles, results)
 
 
-def _still_answers(target: Target, check: Check, num_run: int) -> None:
+class TargetLost(ConnectError):
+    """The target stopped answering during a run. ``report`` holds the verdicts of the checks
+    before the one it went away in, its ``stopped`` saying why the run ended there."""
+
+    def __init__(self, message: str, report: Report) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def _gone_during(target: Target, check: Check, num_run: int) -> str:
     """After a failed check: a target that no longer answers went away during it, and every later
-    check would fail with UNAVAILABLE, blamed on its rule: a ConnectError naming the check instead
-    (found by review: a server stopped mid-run got 48 failures across a dozen rules, exit 1)."""
+    check would fail with UNAVAILABLE, blamed on its rule (found by review: a server stopped mid-run
+    got 48 failures across a dozen rules, exit 1). Says so, naming the check; "" while it answers."""
     code, _ = target.unary_code("GetServerInfo", oe.GetServerInfoRequest())
-    if code == grpc.StatusCode.UNAVAILABLE:
-        raise ConnectError(f"{target.address} stopped answering (UNAVAILABLE) during check {check.name} (check "
-                           f"{num_run} of the run): no verdict on it or on the checks after it")
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    return (f"{target.address} stopped answering (UNAVAILABLE) during check {check.name} (check {num_run} of the "
+            "run): no verdict on it or on the checks after it")
 
 
 def run(address: str, rules: Iterable[str] | None = None, options: Options | None = None,

@@ -56,7 +56,8 @@ def test_json_report_is_the_documented_shape(toy_address: str, tmp_path) -> None
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
     assert data == json.loads(out.read_text())
-    assert set(data) == {"target", "server", "profiles", "rules", "results", "load"} and data["load"] is None
+    assert set(data) == {"target", "server", "profiles", "rules", "results", "load", "stopped"}
+    assert data["load"] is None and data["stopped"] is None
     assert data["target"] == toy_address and data["server"]["engine_name"] == "toy"
     assert data["server"]["engine_role"] == "ENGINE_ROLE_AGGREGATED" and data["server"]["schema_revision"] == 1
     assert [p["name"] for p in data["profiles"]] == list(BY_NAME)

@@ -4,6 +4,7 @@ exit 2, before any check runs; and the statuses a run reports when it could obse
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent import futures
 from typing import Any
@@ -11,10 +12,11 @@ from typing import Any
 import grpc
 import pytest
 
-from refengine.conformance import Options, Status, run_report, select
+from refengine.conformance import Options, Status, command, run_report, select
 from refengine.conformance.command import main
 from refengine.conformance.registry import CheckFailed
 from refengine.conformance.report import to_dict
+from refengine.conformance.runner import TargetLost
 from refengine.conformance.streams import Background
 from refengine.conformance.target import BACKGROUND_JOIN_MARGIN_S, ConnectError, Target
 from tests.conformance.fake_server import Control, Faults, Inference, start
@@ -219,10 +221,42 @@ def test_a_target_that_goes_away_mid_run_exits_2_naming_the_check(capsys: pytest
             _stop(server, engine)
 
     try:
-        with pytest.raises(ConnectError, match=f"UNAVAILABLE. during check {checks[1].name} .check 2 of the run"):
+        with pytest.raises(ConnectError, match=f"UNAVAILABLE. during check {checks[1].name} .check 2 of the run"
+                           ) as lost:
             run_report(address, checks, Options(rpc_timeout_s=5.0), on_result=stop_after_the_first)
     finally:
         _stop(server, engine)
+    # The verdicts before it are kept: the first check's, not the one the target went away in.
+    assert isinstance(lost.value, TargetLost) and lost.value.report.stopped == str(lost.value)
+    assert [(r.name, r.status) for r in lost.value.report.results] == [(checks[0].name, Status.PASS)]
+
+
+def test_a_run_whose_target_goes_away_still_reports_the_checks_before(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The command line prints and writes (--json) the report of the checks before the one the
+    target went away in, its "stopped" naming that check, and exits 2. Before, it printed nothing
+    but the error, and wrote no report."""
+    server, address, engine = _toy_with(Control)
+    first = select(["D1"])[0].name
+
+    def stopping_after_the_first(*args: Any, on_result: Any = None, **kwargs: Any) -> Any:
+        def hook(result: Any) -> None:
+            on_result(result)
+            if result.name == first:
+                _stop(server, engine)
+        return run_report(*args, on_result=hook, **kwargs)
+
+    monkeypatch.setattr(command, "run_report", stopping_after_the_first)
+    out = tmp_path / "report.json"
+    try:
+        code, err = _main(capsys, "--target", address, "--rules", "D1,D3,G1", "--rpc-timeout", "5",
+                          "--json", str(out))
+    finally:
+        _stop(server, engine)
+    data = json.loads(out.read_text())
+    assert code == 2 and "stopped answering (UNAVAILABLE) during check" in err, err
+    assert [r["check"] for r in data["results"]] == [first] and data["results"][0]["status"] == "pass"
+    assert "stopped answering" in data["stopped"] and data["stopped"] in err
 
 
 def test_a_background_stream_waits_its_own_deadline(capsys: pytest.CaptureFixture[str]) -> None:
