@@ -54,6 +54,10 @@ def check_lm_weights(weights: dict[str, torch.Tensor], config: ModelConfig, hf_d
     Language-model tensors the decoder does not read (e.g. biases a Llama config does not
     declare, layers beyond ``num_hidden_layers``) are ignored with a warning, as transformers does.
     """
+    last_layer = f"model.layers.{config.num_hidden_layers - 1}.input_layernorm.weight"
+    if last_layer not in weights:  # before naming every layer's tensors: for 10**9 layers they fill the memory
+        raise UnsupportedModelError(f"{hf_dir}: the weights lack {last_layer} "
+                                    f"(config.json says num_hidden_layers={config.num_hidden_layers})")
     expected = lm_weight_shapes(config, "lm_head.weight" in weights)
     if missing := sorted(expected.keys() - weights.keys()):
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""

@@ -229,3 +229,13 @@ def test_an_engine_keys_its_blocks_by_its_kv_cache_dtype_too() -> None:
         return engine.core.model_fingerprint
 
     assert fingerprint("bfloat16") != fingerprint("float32") == fingerprint("auto")
+
+
+def test_a_hostile_layer_count_is_refused_before_naming_every_layer(model_dir: Path) -> None:
+    """Found by review: the check named every tensor of every declared layer first, so
+    num_hidden_layers 10**9 exhausted the memory instead of being refused. Now the last layer
+    is looked up first (10**5 here: without the fix it costs seconds and names layer 10)."""
+    edit_config(model_dir, num_hidden_layers=10**5)
+    with pytest.raises(UnsupportedModelError, match=r"lack model\.layers\.99999\.input_layernorm\.weight "
+                                                    r"\(config\.json says num_hidden_layers=100000\)"):
+        load_weights(model_dir)
