@@ -102,10 +102,12 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ResolvedM
         _warn_on_architecture_mismatch(manifest, path)
         return ResolvedModel(name=manifest.name, path=path, manifest=manifest)
 
-    path = Path(name_or_path).expanduser().resolve()
-    if path.is_file() and path.suffix == ".gguf":
-        target = models_cache / f"{path.stem}-{source_fingerprint(path)[:12]}"
-        return ResolvedModel(name=path.stem, path=_converted(path, target))
+    given = Path(name_or_path).expanduser()
+    path = given.resolve()
+    # The name as given decides: in the Hugging Face hub cache ``x.gguf`` links to a nameless blob.
+    if path.is_file() and given.suffix == ".gguf":
+        target = models_cache / f"{given.stem}-{source_fingerprint(path)[:12]}"
+        return ResolvedModel(name=given.stem, path=_converted(path, target))
     if path.is_dir():
         refuse_pickle_only(path)
         missing = hf_dir_missing(path)

@@ -83,3 +83,18 @@ def test_an_unreadable_gguf_is_named(tmp_path: Path) -> None:
     gguf_path.write_bytes(gguf_path.read_bytes()[: gguf_path.stat().st_size // 2])
     with pytest.raises(UnsupportedModelError, match=f"{gguf_path} is not a readable GGUF file"):
         resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
+
+
+def test_a_gguf_linked_to_a_blob_without_the_suffix_is_served(tmp_path: Path) -> None:
+    """The Hugging Face hub cache layout: ``snapshots/<rev>/tiny.gguf`` links to ``blobs/<sha256>``.
+    Found by review: the suffix was checked on the link's target, so the file was refused as
+    'neither a Hugging Face model directory nor a .gguf file', naming the blob."""
+    blob = tmp_path / "blobs" / "3f5a9c0d1e2b"
+    blob.parent.mkdir()
+    write_tiny_gguf(tiny_model(), blob)
+    link = tmp_path / "snapshots" / "tiny.gguf"
+    link.parent.mkdir()
+    link.symlink_to(Path("..") / "blobs" / blob.name)
+    resolved = resolve_model(str(link), cache_dir=tmp_path / "cache")
+    assert resolved.name == "tiny"
+    assert load_tokenizer(resolved.path).eos_token_id == 2
