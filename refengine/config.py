@@ -97,7 +97,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim must be even, got {self.head_dim}")
         check_positive_float(self, "rms_norm_eps")
         check_positive_float(self, "rope_theta")
-        check_int(self, "bos_token_id", 0, optional=True)
+        check_int(self, "bos_token_id", 0, self.vocab_size - 1, optional=True)
         if any(not is_int(t) or not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ValueError(f"ModelConfig.eos_token_ids must be integers in [0, vocab_size={self.vocab_size}), "
                              f"got {self.eos_token_ids!r}")

@@ -159,7 +159,10 @@ def _parse_model_config(hf_dir: Path) -> ModelConfig:
         logger.warning("%s: EOS token ids %s are outside the vocabulary (%d); ignored", hf_dir, outside,
                        config["vocab_size"])
         eos = [t for t in eos if t not in outside]
-    bos = config.get("bos_token_id")
+    bos = config.get("bos_token_id") if config.get("bos_token_id") is not None else generation.get("bos_token_id")
+    if isinstance(bos, int) and bos >= config["vocab_size"]:  # the health probe's prompt: refused as a request
+        logger.warning("%s: BOS token id %d is outside the vocabulary (%d); ignored", hf_dir, bos, config["vocab_size"])
+        bos = None
     return ModelConfig(
         architecture=architecture,
         vocab_size=config["vocab_size"],
@@ -175,7 +178,7 @@ def _parse_model_config(hf_dir: Path) -> ModelConfig:
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2",
-        bos_token_id=bos if bos is not None else generation.get("bos_token_id"),
+        bos_token_id=bos,
         eos_token_ids=tuple(dict.fromkeys(eos)),
     )
 

@@ -105,3 +105,12 @@ def test_rope_tables_stop_at_what_the_kv_pool_serves(tmp_path: Path) -> None:
     runner = ModelRunner(config, load_weights(directory), CacheConfig(block_size=16, num_blocks=4),
                          config.max_position_embeddings)
     assert runner.model.rope.cos.shape[0] == runner.model.rope.signed_sin.shape[0] == 64
+
+
+def test_a_bos_outside_the_vocabulary_is_ignored(tmp_path: Path) -> None:
+    """Found by review: transformers only warns on it, refengine kept it, and the health probe
+    (whose prompt is the BOS) was refused as a request every time, leaving the server DEGRADED."""
+    model_dir = save_model(tiny_model(), tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"bos_token_id": config["vocab_size"]}))
+    assert load_model_config(model_dir).bos_token_id is None
