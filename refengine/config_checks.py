@@ -5,6 +5,7 @@ allowed range. No torch (the server imports the configs)."""
 from __future__ import annotations
 
 import ipaddress
+import math
 import numbers
 import re
 
@@ -27,8 +28,8 @@ def is_int(value: object) -> bool:
 
 def check_positive_float(owner: object, name: str) -> None:
     value = getattr(owner, name)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise ValueError(f"{type(owner).__name__}.{name} must be a number > 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise ValueError(f"{type(owner).__name__}.{name} must be a finite number > 0, got {value!r}")
 
 
 #: The longest time a ``*_seconds`` setting may hold (~116 days): threads wait at most

@@ -75,7 +75,7 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
     """
     # transformers: ``rope_parameters = rope_scaling or rope_parameters`` (convert_rope_params_to_dict)
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
-    theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+    theta = next((t for t in (params.pop("rope_theta", None), config.get("rope_theta")) if t is not None), 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type == "default":
         return float(theta), None

@@ -76,7 +76,8 @@ BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
     ("heads", lambda: ModelConfig(**MODEL | dict(num_key_value_heads=3)), r"multiple of num_key_value_heads \(3\)"),
     ("head_dim_odd", lambda: ModelConfig(**MODEL | dict(head_dim=15)), r"ModelConfig\.head_dim must be even"),
     ("vocab", lambda: ModelConfig(**MODEL | dict(vocab_size=0)), r"ModelConfig\.vocab_size .*>= 1, got 0"),
-    ("eps", lambda: ModelConfig(**MODEL | dict(rms_norm_eps=0.0)), r"ModelConfig\.rms_norm_eps must be a number > 0"),
+    ("eps", lambda: ModelConfig(**MODEL | dict(rms_norm_eps=0.0)),
+     r"ModelConfig\.rms_norm_eps must be a finite number > 0"),
     ("theta", lambda: ModelConfig(**MODEL | dict(rope_theta=float("nan"))), r"ModelConfig\.rope_theta"),
     ("eos", lambda: ModelConfig(**MODEL | dict(eos_token_ids=(2, -1))), r"ModelConfig\.eos_token_ids"),
     # past the vocabulary: min_tokens suppressed it with an index_put that failed the whole step

@@ -114,3 +114,16 @@ def test_a_bos_outside_the_vocabulary_is_ignored(tmp_path: Path) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps(config | {"bos_token_id": config["vocab_size"]}))
     assert load_model_config(model_dir).bos_token_id is None
+
+
+@pytest.mark.parametrize(("field", "text"), [("rope_theta", "0"), ("rope_theta", "Infinity"),
+                                             ("rms_norm_eps", "Infinity")])
+def test_a_zero_or_infinite_rope_theta_or_norm_eps_is_refused(tmp_path: Path, field: str, text: str) -> None:
+    """Found by review: Python's JSON reads Infinity; an infinite eps loaded and then every request
+    failed ('logits are not finite'), and a rope_theta of 0 was served as 10000 (``or`` fell through)."""
+    model_dir = save_model(tiny_model(), tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (model_dir / "config.json").write_text(json.dumps(config | {field: "VALUE"}).replace('"VALUE"', text))
+    with pytest.raises(UnsupportedModelError, match=rf"{field} must be a finite number > 0"):
+        load_model_config(model_dir)
