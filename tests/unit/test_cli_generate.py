@@ -464,7 +464,8 @@ def test_engine_flags_that_cannot_build_an_engine_exit_2(flags: list[str], says:
 
 
 
-@pytest.mark.parametrize("template", [None, "{% for m in messages %}{{ m['content'] }"], ids=["none", "syntax-error"])
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}{{ m['content'] }", "{{ 1 / 0 }}"],
+                         ids=["none", "syntax-error", "raises"])  # raises: not a TemplateError (found by review)
 def test_a_missing_or_broken_chat_template_is_a_usage_error(template: str | None, tmp_path: Path, servers: Servers,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """--chat with a model that has no chat template, or one that does not render, is a one-line
