@@ -203,7 +203,7 @@ def _hf_config(reader: Any, gguf_path: Path, arch: str, tied: bool, vocab_size: 
         "rope_theta": _meta(reader, f"{arch}.rope.freq_base", 10000.0),
         "tie_word_embeddings": tied,
         "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos or None,  # None: the GGUF names no EOS
         "torch_dtype": "float32",
     }
 

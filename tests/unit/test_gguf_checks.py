@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import gguf
 import pytest
 
-from refengine.model import UnsupportedModelError, load_tokenizer, resolve_model
+from refengine.model import UnsupportedModelError, load_model_config, load_tokenizer, resolve_model
 from tests.unit.test_loader import CHAT_TEMPLATE, tiny_model, write_tiny_gguf
 
 
@@ -98,3 +98,15 @@ def test_a_gguf_linked_to_a_blob_without_the_suffix_is_served(tmp_path: Path) ->
     resolved = resolve_model(str(link), cache_dir=tmp_path / "cache")
     assert resolved.name == "tiny"
     assert load_tokenizer(resolved.path).eos_token_id == 2
+
+
+def test_a_gguf_naming_no_eos_is_served_without_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: the conversion's bos/eos check read the first of no EOS ids, an IndexError
+    (a traceback from serve and generate). transformers loads such a GGUF with no EOS; so does refengine."""
+    gguf_path = tmp_path / "no-eos.gguf"
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf.GGUFWriter, "add_eos_token_id", _without("add_eos_token_id"))
+        write_tiny_gguf(tiny_model(), gguf_path)
+    resolved = resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
+    assert load_model_config(resolved.path).eos_token_ids == ()
+    assert load_tokenizer(resolved.path).eos_token_id is None
