@@ -2,7 +2,7 @@
 
 A manifest says what a name means: the architecture, where the weights are looked
 for (a GGUF shipped inside a Python package, or a local Hugging Face directory),
-where the chat template comes from, and serving defaults. It never holds weights.
+and where the chat template comes from. It never holds weights.
 
 This module imports no torch or transformers, so listing and resolving names is cheap.
 
@@ -56,13 +56,6 @@ class ModelSource:
 
 
 @dataclass(frozen=True)
-class ManifestDefaults:
-    """Serving defaults a manifest may set; ``None`` = the model's own value."""
-
-    max_model_len: int | None = None
-
-
-@dataclass(frozen=True)
 class Manifest:
     """A parsed ``models/<name>.toml``.
 
@@ -75,7 +68,6 @@ class Manifest:
     description: str
     source: ModelSource
     chat_template: str = "tokenizer"
-    defaults: ManifestDefaults = ManifestDefaults()
 
 
 def _manifest_root() -> Traversable:
@@ -113,8 +105,7 @@ def parse_manifest(text: str, where: str = "<manifest>") -> Manifest:
     """Parse and validate one manifest's TOML text."""
     data = tomllib.loads(text)
     source = _build(ModelSource, data.pop("source", {}), f"{where} [source]")
-    defaults = _build(ManifestDefaults, data.pop("defaults", {}), f"{where} [defaults]")
-    manifest: Manifest = _build(Manifest, {**data, "source": source, "defaults": defaults}, where)
+    manifest: Manifest = _build(Manifest, {**data, "source": source}, where)
     if source.kind not in ("gguf_package", "local_dir"):
         raise ValueError(f"{where}: unknown source kind {source.kind!r}")
     if source.kind == "gguf_package" and not (source.package and source.filename_glob):

@@ -211,7 +211,7 @@ def test_llama_3_8b_env_var_points_at_a_dir(tmp_path: Path, monkeypatch) -> None
     monkeypatch.setenv("REFENGINE_LLAMA_3_8B_DIR", str(directory))
     resolved = resolve_model("llama-3-8b")
     assert (resolved.name, resolved.path) == ("llama-3-8b", directory)
-    assert resolved.manifest is not None and resolved.manifest.defaults.max_model_len == 8192
+    assert resolved.manifest is not None and resolved.manifest.architecture == "LlamaForCausalLM"
     tokenizer = load_tokenizer(resolved.path)
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
     assert tokenizer.chat_template == CHAT_TEMPLATE
