@@ -139,7 +139,9 @@ def weight_files(hf_dir: Path) -> list[Path]:
     else:
         names = sorted(p.name for p in hf_dir.glob("*.safetensors") if not p.name.startswith("consolidated"))
     if not names:
-        raise ModelNotFoundError(f"{hf_dir} has no *.safetensors weights")
+        only = "only Mistral's own consolidated*.safetensors, not the Hugging Face format's" \
+            if any(hf_dir.glob("consolidated*.safetensors")) else "no *.safetensors weights"
+        raise ModelNotFoundError(f"{hf_dir} has {only}")
     return [hf_dir / name for name in names]
 
 

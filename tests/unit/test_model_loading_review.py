@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config
 
-from refengine.model import UnsupportedModelError, load_model_config, load_weights
+from refengine.model import ModelNotFoundError, UnsupportedModelError, load_model_config, load_weights
 from tests.unit.test_loader import VOCAB, save_model, save_tiny_tokenizer, tiny_model
 
 
@@ -105,6 +105,15 @@ def test_model_safetensors_is_preferred_over_an_index_as_in_transformers(tmp_pat
     (d / "model.safetensors").write_bytes((new_dir / "model.safetensors").read_bytes())
     want = transformers.AutoModelForCausalLM.from_pretrained(d).model.norm.weight
     assert torch.equal(load_weights(d)["model.norm.weight"], want)
+
+
+def test_a_directory_of_mistral_consolidated_weights_only_says_so(tmp_path: Path) -> None:
+    """Its consolidated*.safetensors passed the directory check and then read as 'no *.safetensors
+    weights' (found by review): the error names the format it holds."""
+    d = save_model(tiny_model(), tmp_path / "m")
+    (d / "model.safetensors").rename(d / "consolidated.safetensors")
+    with pytest.raises(ModelNotFoundError, match="only Mistral's own consolidated"):
+        load_weights(d)
 
 
 @pytest.mark.parametrize("vision_config", [{"patch_size": 14}, {"image_size": 56}, {"image_size": 56, "patch_size": 0}])
