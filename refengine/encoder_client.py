@@ -10,13 +10,15 @@ handles instead (``extra["refengine.v1alpha1.media_handles"]``, the items remove
 ``over_backend`` keeps only one transfer backend in handles.
 ``generate_epd`` encodes a request's media, then runs it aggregated (``decode`` None) or
 through prefill and decode, and finally releases its handles (idempotent: a consumer that
-pulled them has released them already). ``supports_profile`` reads discovery (ENC1).
+pulled them has released them already; best effort: a failed Release is left to the lease).
+``supports_profile`` reads discovery (ENC1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import grpc
 from google.protobuf import json_format
 
 from refengine.client import Metadata, OpenEngineClient, generate_disaggregated
@@ -87,7 +89,8 @@ def generate_epd(encoder: MediaClient, prefill_client: OpenEngineClient, decode_
     """Encode ``request.media`` on the encoder, then generate with the handles: on
     ``prefill_client`` alone (an aggregated server) when ``decode_client`` is None, else prefill
     then decode. The decode request carries the handles too (it learns their identities; it
-    never pulls them). Handles are released at the end, whatever happened. A request with a
+    never pulls them). Handles are released at the end, whatever happened (best effort: a Release
+    that fails is left to the lease, ENC7). A request with a
     ``kv.cache_salt`` encodes under the same salt: its images share the encoder's cache only with
     requests of that salt, as its prompt shares the prefix cache."""
     handles = (encoder.encode(list(request.media), timeout=timeout, cache_salt=request.kv.cache_salt)
@@ -100,4 +103,13 @@ def generate_epd(encoder: MediaClient, prefill_client: OpenEngineClient, decode_
             yield from generate_disaggregated(prefill_client, decode_client, consumer_request, timeout, metadata)
     finally:
         if handles:
-            encoder.release([h.handle_id for h in handles])
+            _release(encoder, [h.handle_id for h in handles])
+
+
+def _release(encoder: MediaClient, handle_ids: list[str]) -> None:
+    """Best effort: a failed Release (the encoder gone once the rows were pulled) must not fail a
+    complete stream or replace the stream's own error; the lease frees the handles anyway (ENC7)."""
+    try:
+        encoder.release(handle_ids)
+    except grpc.RpcError:
+        pass
