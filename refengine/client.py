@@ -120,7 +120,13 @@ class OpenEngineClient:
         """Stream one request's events. Either pass a full ``request`` or the common
         fields. Cancelling: close the returned iterator (``.close()``, or iterate it inside
         ``contextlib.closing``); breaking out of a ``for`` loop cancels only once the iterator
-        is garbage-collected."""
+        is garbage-collected. A ``request`` with any of the fields too is a ``TypeError``: they
+        would be ignored."""
+        fields = {"prompt": prompt, "token_ids": token_ids, "model": model or None, "request_id": request_id,
+                  "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                  "num_sequences": num_sequences, "stop": stop or None}
+        if request is not None and (given := [name for name, value in fields.items() if value is not None]):
+            raise TypeError(f"pass a request or its fields, not both (given: {', '.join(given)})")
         if request is None:
             request = oe.GenerateRequest(request_id=request_id or f"client-{uuid.uuid4().hex}", model=model)
             if prompt is not None:

@@ -79,3 +79,11 @@ def test_a_server_listing_no_models_is_a_clear_error_where_a_model_is_defaulted(
             next(stream_text(address, "hi", chat=lambda model, prompt: prompt))
         control.models = ["tiny", "other"]
         assert client.default_model() == "tiny"
+
+
+def test_generate_refuses_a_request_with_fields_it_would_ignore() -> None:
+    """A full request and a field (found by review): the field was silently dropped, e.g. a
+    ``max_tokens=5`` that left the request unbounded."""
+    with OpenEngineClient("127.0.0.1:1") as client:
+        with pytest.raises(TypeError, match="max_tokens"):
+            next(client.generate(oe.GenerateRequest(prompt="hi"), max_tokens=5))
