@@ -90,8 +90,8 @@ def _add_media_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--media-url-allow", action="append", default=[], metavar="HOST",
                    help="a host url media may be fetched from, repeatable (default: none, so url fetching is off)")
     g.add_argument("--media-url-allow-private", action="store_true",
-                   help="also fetch from hosts resolving to loopback, private or link-local addresses "
-                   ", an SSRF risk (default: off)")
+                   help="also fetch from hosts resolving to loopback, private, link-local or other "
+                   "non-global addresses: an SSRF risk (default: off)")
     g.add_argument("--media-url-timeout", type=float, default=d.url_timeout_seconds, metavar="SECONDS",
                    help="the longest one url fetch may take, redirects included (default: %(default)s)")
     g.add_argument("--media-url-max-redirects", type=int, default=d.url_max_redirects,
