@@ -44,7 +44,7 @@ SESSION_TTL_S = 6.0
 COMMON = ("--max-model-len", "2048", "--num-kv-blocks", "128", "--max-num-seqs", "16")
 # A prefill server's grace period waits for its sessions to be pulled: kept short, so that a stop
 # with sessions left (the drain test's, the teardown's) ends soon.
-GRACE_S = 4.0
+GRACE_S = 8.0
 PREFILL = ("--role", "prefill", "--shutdown-grace-seconds", str(GRACE_S))
 WORDS = "the a river mountain quiet light over under city small bright stone old new green song".split()
 
@@ -670,6 +670,10 @@ def test_a_drain_waits_for_pulls_then_releases_sessions_and_a_dead_prefill_fails
     pulled_stream = decode_with(clients, request("drain-pulled-d", prompt_text(11)), pulled.prefill_ready.kv_session)
     assert pulled_stream.code == grpc.StatusCode.OK and not pulled_stream.of("error"), pulled_stream.events
     assert pulled_stream.tokens() == want
+    deadline = time.monotonic() + 3  # the pulled session is gone from the count the drain waits on
+    while clients[name].load().active_kv_sessions != 1:
+        assert time.monotonic() < deadline, clients[name].load()
+        time.sleep(0.05)
     started = time.monotonic()
     assert servers[name].proc.wait(timeout=60) == 0
     assert time.monotonic() - started < GRACE_S + 3  # the grace period, not the session's lease
