@@ -10,7 +10,7 @@ Choices where the contract is silent (ref):
 - ``ServerInfo.kv_connector`` (K11): disabled on an aggregated server; on a prefill or decode
   server, its transfer backend (a prefill server's offered one; a decode server's first),
   this server's endpoint (a prefill server's sessions are pulled from its port) and every
-  backend's protocol, ``schema_version`` 2 (``refengine.kv-session/2``);
+  backend's protocol, ``schema_version`` 3 (``refengine.kv-session/3``);
 - LoRA: the engine applies R1–R5 (``lora/registry.py``); loading reads files, so it runs
   off the event loop. LoRA disabled → FAILED_PRECONDITION for all three RPCs, ``ListLoras``
   included (R5). ``LoadLora`` without ``adapter`` → INVALID_ARGUMENT (R1);
@@ -121,7 +121,7 @@ class ControlServicer(oe.ControlServicer):
                              for e in self.state.kv_endpoints] if prefill else [],
             supported_protocols=list(info.kv_transfer_backends),
             supports_remote_prefill=prefill, supports_decode_pull=not prefill, supports_abort_cleanup=True,
-            schema_version=2)
+            schema_version=3)
 
     async def GetServerInfo(self, request, context):  # noqa: ANN001, ANN201, N802
         async def build() -> oe.ServerInfo:

@@ -81,3 +81,18 @@ def test_a_session_without_a_pullable_endpoint_is_refused_before_acceptance(prot
     req.kv.session.endpoints.add(host="127.0.0.1", port=5555, protocol=protocol)
     with pytest.raises(Rejection, match="none has a protocol this engine pulls with"):
         check_role(req, "decode", RequestMetadata(), ("grpc", "nixl"))
+
+
+
+def test_the_prompt_hash_tying_pulled_kv_to_its_prompt_is_256_bits() -> None:
+    """Found by review: a 64-bit hash let a client choosing both prompts find two with equal
+    hashes in about 2^32 tries (a birthday search), then have a decode server pull one prompt's KV
+    and cache it under the other's keys. A 256-bit hash is below 2^64 with probability 2^-192:
+    every one of 64 random prompts' hashes is above it; a 64-bit hash never is."""
+    import random
+
+    from refengine.kv.transfer.attributes import prompt_hash
+
+    rng = random.Random(0)
+    hashes = {prompt_hash([rng.randrange(50_000) for _ in range(rng.randrange(1, 40))]) for _ in range(64)}
+    assert len(hashes) == 64 and all(2**64 <= h < 2**256 for h in hashes)

@@ -6,12 +6,15 @@ JSON types are kept (K9): a protobuf ``Struct`` carries numbers as doubles, so i
 that may exceed 2^53 (the prompt hash, the lease expiry in ns, memory addresses) travel
 as decimal strings, and non-finite logprobs as the strings "Infinity"/"-Infinity"/"NaN".
 
-Keys (schema ``refengine.kv-session/2``; 2 added ``first_token_options``):
+Keys (schema ``refengine.kv-session/3``; 2 added ``first_token_options``; 3 widened
+``prompt_hash`` from 64 to 256 bits: with 64, a client choosing both prompts could find two with
+equal hashes in about 2^32 tries and have a decode server cache one prompt's KV under the other's
+keys, found by review):
 
 - ``schema``; ``model_fingerprint``: the weights that computed the KV;
 - ``block_size``, ``kv_dtype``, ``kv_layout`` (the attention backend's layout name and per-block shapes),
   ``block_nbytes``: the bytes of one block over all layers (``BlockStore``);
-- ``num_prompt_tokens``, ``prompt_hash`` (u64 of the prompt's token ids, media and LoRA
+- ``num_prompt_tokens``, ``prompt_hash`` (256 bits of the prompt's token ids, media and LoRA
   adapter, decimal string), ``num_blocks``: the session holds the prompt's KV, ``num_blocks`` blocks;
 - ``first_token``: ``{token_id, logprob, rank, candidates: [[token_id, logprob, rank], …]}``
   — the token the prefill engine sampled (the decode engine emits it first);
@@ -29,18 +32,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEMA = "refengine.kv-session/2"
+SCHEMA = "refengine.kv-session/3"
 
 
 def prompt_hash(token_ids: Sequence[int], media: Sequence[tuple[int, str]] = (), adapter: str = "") -> int:
-    """A u64 of the prompt's token ids (blake2b-8 over little-endian u32s) and, after them, of
+    """256 bits of the prompt's token ids (blake2b-32 over little-endian u32s) and, after them, of
     each media item's first position and identity (its placeholder ids say nothing of the image)
     and of the LoRA adapter's cache key (``adapter``, "" for the base model): both change the KV,
     and a decode engine caches what it pulls under its own request's keys."""
     data = b"".join(int(t).to_bytes(4, "little") for t in token_ids)
     data += b"".join(f"\0media:{start}:{identity}".encode() for start, identity in media)
     data += f"\0lora:{adapter}".encode() if adapter else b""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=32).digest(), "little")
 
 
 def json_int(value: Any) -> int | None:
