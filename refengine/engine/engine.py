@@ -153,13 +153,14 @@ class Engine(EngineAcceptMixin, EngineKvMixin, EngineLoraMixin, EngineLoopMixin)
         resolved = loader.resolve_model(config.model)
         model_config, dtype = loader.load_model_config(resolved.path), DTYPES[config.dtype]
         weights = loader.load_weights(resolved.path, dtype)
+        media = MediaInputs.from_model(resolved.path, model_config, weights, dtype, config.device, config.media)
+        vision = media.expectation.fingerprint if media is not None else ""
         return cls(
             config, model_config, weights, loader.load_tokenizer(resolved.path),
-            model_fingerprint=loader.model_fingerprint(resolved.path, config.dtype, config.kv_dtype),
+            model_fingerprint=loader.model_fingerprint(resolved.path, config.dtype, config.kv_dtype, vision),
             served_model_name=config.served_model_name or resolved.name,
             kv_event_sink=kv_event_sink, transfer_backends=transfer_backends,
-            media=MediaInputs.from_model(resolved.path, model_config, weights, dtype, config.device, config.media),
-            embedding_backends=embedding_backends,
+            media=media, embedding_backends=embedding_backends,
         )
 
     def was_finished(self, request_id: str) -> bool:

@@ -258,13 +258,17 @@ def load_tokenizer(hf_dir: Path) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def model_fingerprint(hf_dir: Path, compute_dtype: str = "", kv_dtype: str = "") -> str:
+def model_fingerprint(hf_dir: Path, compute_dtype: str = "", kv_dtype: str = "", vision: str = "") -> str:
     """A stable identity of the weights as run, for prefix-cache keys and for a decode engine's check
     of a prefill's KV: equal fingerprints => equal KV. ``compute_dtype`` (the engine's ``--dtype``)
     counts: the same weights run in bfloat16 and in float32 compute different KV. So does a KV
     cache stored in another dtype (``kv_dtype``, ``--kv-cache-dtype``), where it differs from
     ``compute_dtype`` (found by review: two engines differing only in it had equal block keys for
-    different KV); the same dtype adds nothing, so those fingerprints did not change.
+    different KV); the same dtype adds nothing, so those fingerprints did not change. So does a
+    vision model's image path (``vision``: its encoder's fingerprint, preprocessing included): an
+    image's rows, so its KV, depend on how it is resized and normalized, which the image
+    processor's own file says (found by review: two replicas differing only there keyed different
+    KV alike).
 
     Hashes the canonical config and each weight file's name, size and contents: the whole file when
     it is small (<= 64 MiB), else its safetensors header (every tensor's name, dtype, shape and
@@ -280,6 +284,8 @@ def model_fingerprint(hf_dir: Path, compute_dtype: str = "", kv_dtype: str = "")
         digest.update(f"\0dtype {compute_dtype}".encode())
     if kv_dtype and kv_dtype != compute_dtype:
         digest.update(f"\0kv dtype {kv_dtype}".encode())
+    if vision:
+        digest.update(f"\0vision {vision}".encode())
     for path in weight_files(hf_dir):
         try:
             _hash_weight_file(digest, path)

@@ -239,3 +239,27 @@ def test_a_hostile_layer_count_is_refused_before_naming_every_layer(model_dir: P
     with pytest.raises(UnsupportedModelError, match=r"lack model\.layers\.99999\.input_layernorm\.weight "
                                                     r"\(config\.json says num_hidden_layers=100000\)"):
         load_weights(model_dir)
+
+
+def test_a_vision_models_fingerprint_counts_its_image_preprocessing(tmp_path: Path) -> None:
+    """An image's rows, so its KV, depend on how the image processor resizes and normalizes it
+    (preprocessor_config.json), which the fingerprint (prefix-cache keys, KV event hashes, a decode
+    engine's check of a prefill's KV) did not count: two replicas differing only there keyed
+    different KV alike (found by review). A copy with equal files keeps an equal fingerprint."""
+    import shutil
+
+    from refengine.config import CacheConfig, EngineConfig
+    from refengine.engine.engine import Engine
+    from tests.tiny_llava import build_tiny_llava
+
+    def fingerprint(directory: Path) -> str:
+        engine = Engine.from_config(EngineConfig(model=str(directory), max_model_len=256,
+                                                 cache=CacheConfig(block_size=4, num_blocks=64)))
+        return engine.core.model_fingerprint
+
+    original = build_tiny_llava(tmp_path / "a").directory
+    same, other = (Path(shutil.copytree(original, tmp_path / name)) for name in ("same", "other"))
+    processor = json.loads((other / "preprocessor_config.json").read_text())
+    processor["image_mean"] = [0.5, 0.5, 0.5]
+    (other / "preprocessor_config.json").write_text(json.dumps(processor))
+    assert fingerprint(original) == fingerprint(same) != fingerprint(other)
