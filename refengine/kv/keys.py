@@ -8,10 +8,12 @@ A full block's key is ``sha256`` over, in order:
    integer, then its UTF-8 bytes.
 
 The engine's extra keys (``engine_extra_keys``) are the model fingerprint (a digest of the
-weights and config, the same in every process serving those files), then
+weights and config as run, ``loader.model_fingerprint``, the same in every process serving those
+files alike; a consumer reads it as ``extra_keys[0]`` of any stored block), then
 ``"salt:<cache_salt>"`` when the request has a salt, then ``"lora:<digest>"`` when it runs
-with a LoRA adapter (a digest of the adapter's files: the same files give the same key
-whatever id or name they were loaded under). A block that holds positions of a media
+with a LoRA adapter (the first 32 hex digits of the SHA-256 of ``adapter_config.json``'s bytes
+followed by ``adapter_model.safetensors``'s: the same files give the same key whatever id or
+name they were loaded under). A block that holds positions of a media
 item (an image's run of embedding positions) then adds ``"media:<identity>"`` for each such
 item (``uuid:<uuid>`` or ``sha256:<digest>``, see ``multimodal/sources.py``); the blocks
 after it differ through the parent chain. Nothing is process-random, so keys are
