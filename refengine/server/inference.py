@@ -19,17 +19,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import NoReturn
 
 import grpc
 
 from refengine.engine.interface import EngineClient
 from refengine.protocol import oe
 from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
-from refengine.server.errors import STALLED_CONSUMER, Rejection, abort_call, rejection_from_engine
+from refengine.server.errors import STALLED_CONSUMER, Rejection, abort_call, bounded_message, rejection_from_engine
 from refengine.server.metadata import read_inference_metadata
 from refengine.server.responses import ResponseBuilder
 from refengine.server.state import ServerState
-from refengine.server.stream_bridge import OutputBridge
+from refengine.server.stream_bridge import ABORT_CONFIRM_SECONDS, OutputBridge
 from refengine.server.validation import ServerFacts, prompt_positions_limit, validate_generate
 from refengine.types import GenerationRequest, RequestError
 
@@ -50,6 +51,40 @@ def _cheap_to_add(params: GenerationRequest) -> bool:
     prompt_length = len(params.prompt) if params.prompt is not None else len(params.prompt_token_ids or ())
     return (params.guided is None and not params.media and not params.media_handles
             and prompt_length <= INLINE_PROMPT_LENGTH)
+
+
+async def _write(context: grpc.aio.ServicerContext, event: oe.GenerateResponse, bridge: OutputBridge) -> None:
+    """One event. A client that takes none of it while nothing more comes from the engine (its
+    request finished, or failed: stalled, drained) is disconnected once that end is
+    ``stall_timeout`` + ``ABORT_CONFIRM_SECONDS`` old (room to resume reading and get the terminal
+    event). Found by review: such a stream, its client holding the connection but never reading
+    again, stayed open for good, and every drain waited the grace period and the flush for it."""
+    write = asyncio.ensure_future(context.write(event))
+    patience = bridge.stall_timeout + ABORT_CONFIRM_SECONDS
+    while not write.done():
+        try:
+            await asyncio.wait({write}, timeout=bridge.stall_timeout)
+        except asyncio.CancelledError:  # the call ended (a client cancel): the write goes with it
+            write.cancel()
+            raise
+        ended_at = bridge.ended_at
+        if not write.done() and ended_at is not None and asyncio.get_running_loop().time() - ended_at >= patience:
+            logger.warning("request %s: client read nothing for %.1f s after its stream ended; disconnecting it",
+                           bridge.request_id, patience)
+            _disconnect(context, write, f"the client read nothing for over {patience:.0f} s after the stream's "
+                        f"end (stall timeout {bridge.stall_timeout:g} s); disconnected")
+    write.result()
+
+
+def _disconnect(context: grpc.aio.ServicerContext, write: asyncio.Future, message: str) -> NoReturn:
+    """End the handler of a call whose ``write`` the client never takes. ``context.abort`` would
+    wait for that write (the status goes out behind it), so it runs on its own: the client that
+    reads again gets what was in flight, then RESOURCE_EXHAUSTED. The write is not cancelled:
+    gRPC cannot end a call whose send was abandoned. The handler ends now, as a cancelled one."""
+    for pending in (write, asyncio.ensure_future(context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                               bounded_message(message)))):
+        pending.add_done_callback(lambda task: task.cancelled() or task.exception())  # the call's end settles it
+    raise asyncio.CancelledError
 
 
 class InferenceServicer(oe.InferenceServicer):
@@ -164,7 +199,7 @@ class InferenceServicer(oe.InferenceServicer):
                     # its PrefillReady gave way to an EngineError (an event too large): never sent (K7)
                     self.state.engine.abort_kv_session(out.prefill.session_id)
                 for event in events:
-                    await context.write(event)
+                    await _write(context, event, bridge)
                 if oversized is None and builder.oversized is not None:  # its final output ends the stream
                     self.state.engine.abort(request.request_id)
         finally:

@@ -53,7 +53,9 @@ class ServerOptions:
       starts. The engine thread never blocks: outputs past the buffer still queue, but only
       for ``stall_timeout_seconds``.
     - ``stall_timeout_seconds``: a full buffer with no write completing for this long aborts
-      the request and ends the stream with ``EngineError(OVERLOADED, retryable)``.
+      the request and ends the stream with ``EngineError(OVERLOADED, retryable)``. A client that
+      takes nothing for this long + 15 s (``ABORT_CONFIRM_SECONDS``) after its stream's end (a stall,
+      the drain, or the engine finished) is disconnected (status RESOURCE_EXHAUSTED).
     - ``health_probe_timeout_seconds``: bound of ``Health(include_inference_probe)``.
     - ``kv_events_zmq``: ``tcp://HOST:PORT`` to publish KV events in vLLM's ZMQ format (a PUB
       socket, bound); ``kv_events_zmq_replay`` the ROUTER replay socket; ``kv_events_zmq_topic``

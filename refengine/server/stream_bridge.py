@@ -9,7 +9,8 @@ the consumer takes nothing for ``stall_timeout`` seconds (its gRPC writes are st
 a client that does not read), ``on_stall`` runs once: the server aborts the engine request
 and the stream ends with a terminal ``EngineError(OVERLOADED, retryable)``. Outputs beyond
 ``capacity`` still queue meanwhile (the engine must not block), so the overflow is bounded
-by what the engine produces in one stall timeout.
+by what the engine produces in one stall timeout. A client that reads nothing even then is
+disconnected by the servicer (``inference._write``), which ``ended_at`` times.
 
 Invariants:
 - :meth:`next` returns each engine output once, in order; after a failure (:meth:`fail`)
@@ -56,6 +57,7 @@ class OutputBridge:
         self.engine_done = asyncio.Event()  # the engine retired the id (see id_released)
         self.on_engine_done: Callable[[], None] | None = None  # called then, on the loop
         self.failure: EngineFault | None = None
+        self.ended_at: float | None = None  # loop time the engine side ended: finished, or failed
         self._loop = loop
         self._on_stall = on_stall
         self._pending: deque[RequestOutput] = deque()
@@ -79,6 +81,7 @@ class OutputBridge:
     def _push(self, out: RequestOutput) -> None:
         if out.finished:
             self.engine_finished = True
+            self.ended_at = self.ended_at or self._loop.time()
             self.id_released()
             self._final_usage = out.usage
             self._stop_stall_clock()
@@ -129,6 +132,7 @@ class OutputBridge:
         if self.engine_finished or self.failure is not None or self._terminal_returned:
             return False
         self.failure = fault
+        self.ended_at = self._loop.time()
         self._dropped_tokens += sum(_num_tokens(out) for out in self._pending)
         self._pending.clear()
         self._stop_stall_clock()

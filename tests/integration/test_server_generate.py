@@ -21,6 +21,7 @@ from refengine.config import CacheConfig, EngineConfig
 from refengine.engine.engine import Engine
 from refengine.model.chat import chat_prompt as chat_prompt_of
 from refengine.protocol import oe
+from refengine.server.stream_bridge import ABORT_CONFIRM_SECONDS
 from refengine.types import GenerationRequest, SamplingParams, StoppingParams
 from tests.integration.conftest import REPO, check_stream, collect, greedy_request, wait_idle
 
@@ -317,6 +318,27 @@ def test_stalled_consumer_gets_overloaded_and_kv_is_freed(client: OpenEngineClie
     assert final.HasField("usage") and final.usage.completion_tokens < LONG  # G16
     received = sum(len(e.token.tokens) for e in [first, *rest[:-1]])
     assert final.usage.completion_tokens >= received
+
+
+def test_a_stalled_client_that_never_reads_again_is_disconnected(client: OpenEngineClient) -> None:
+    """A stalled stream whose client keeps the connection but reads nothing more: its write is stuck,
+    so its terminal EngineError can never go out. It was held open forever (every drain then waited
+    the grace period and the flush for it); it is now disconnected with RESOURCE_EXHAUSTED, once the
+    stream's end is stall timeout + ABORT_CONFIRM_SECONDS old."""
+    wait_idle(client)
+    request = _long_request("stall-forever-1")
+    request.response.output_candidates.all.SetInParent()
+    request.extra.update({"refengine.stream_buffer": 1, "refengine.stall_timeout_seconds": 0.5})
+    with OpenEngineClient(client.address, channel_options=[("grpc.use_local_subchannel_pool", 1)]) as own:
+        events = own.generate(request, timeout=120)
+        assert next(events).WhichOneof("event") == "token"
+        wait_idle(client, timeout=60)  # stalled and aborted
+        time.sleep(ABORT_CONFIRM_SECONDS + 2.5)  # the server gives up on the write meanwhile
+        with pytest.raises(grpc.RpcError) as info:
+            for event in events:
+                assert event.WhichOneof("event") == "token"  # what was in flight; never the EngineError
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    assert "read nothing" in info.value.details()
 
 
 def test_deadline_exceeded_aborts_engine_work(client: OpenEngineClient) -> None:
