@@ -15,6 +15,7 @@ The release has no DRAINING error code: a drain cut-off is ``CANCELLED`` with
 
 from __future__ import annotations
 
+import asyncio
 from typing import NoReturn
 
 import grpc
@@ -67,6 +68,19 @@ async def abort_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, m
     """End the call with a non-OK status: every servicer's way (``context.abort`` raises)."""
     await context.abort(code, bounded_message(message))
     raise AssertionError("context.abort always raises")
+
+
+def disconnect(context: grpc.aio.ServicerContext, write: asyncio.Future, message: str) -> NoReturn:
+    """End the handler of a stream whose ``write`` the client never takes (its receive window is
+    full). ``context.abort`` would wait for that write (the status goes out behind it: found by
+    review, a handler and its drain waited for good), so it runs on its own: a client that reads
+    again gets what was in flight, then RESOURCE_EXHAUSTED (X1: a transport failure is a status).
+    The write is not cancelled: gRPC cannot end a call whose send was abandoned mid-way. The
+    handler ends now, as a cancelled one (its cleanup runs as for a client cancel)."""
+    abort = asyncio.ensure_future(context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, bounded_message(message)))
+    for pending in (write, abort):
+        pending.add_done_callback(lambda task: task.cancelled() or task.exception())  # the call's end settles it
+    raise asyncio.CancelledError
 
 
 class Rejection(Exception):

@@ -19,14 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import NoReturn
 
 import grpc
 
 from refengine.engine.interface import EngineClient
 from refengine.protocol import oe
 from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
-from refengine.server.errors import STALLED_CONSUMER, Rejection, abort_call, bounded_message, rejection_from_engine
+from refengine.server.errors import STALLED_CONSUMER, Rejection, abort_call, disconnect, rejection_from_engine
 from refengine.server.metadata import read_inference_metadata
 from refengine.server.responses import ResponseBuilder
 from refengine.server.state import ServerState
@@ -71,20 +70,9 @@ async def _write(context: grpc.aio.ServicerContext, event: oe.GenerateResponse, 
         if not write.done() and ended_at is not None and asyncio.get_running_loop().time() - ended_at >= patience:
             logger.warning("request %s: client read nothing for %.1f s after its stream ended; disconnecting it",
                            bridge.request_id, patience)
-            _disconnect(context, write, f"the client read nothing for over {patience:.0f} s after the stream's "
-                        f"end (stall timeout {bridge.stall_timeout:g} s); disconnected")
+            disconnect(context, write, f"the client read nothing for over {patience:.0f} s after the stream's "
+                       f"end (stall timeout {bridge.stall_timeout:g} s); disconnected")
     write.result()
-
-
-def _disconnect(context: grpc.aio.ServicerContext, write: asyncio.Future, message: str) -> NoReturn:
-    """End the handler of a call whose ``write`` the client never takes. ``context.abort`` would
-    wait for that write (the status goes out behind it), so it runs on its own: the client that
-    reads again gets what was in flight, then RESOURCE_EXHAUSTED. The write is not cancelled:
-    gRPC cannot end a call whose send was abandoned. The handler ends now, as a cancelled one."""
-    for pending in (write, asyncio.ensure_future(context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                               bounded_message(message)))):
-        pending.add_done_callback(lambda task: task.cancelled() or task.exception())  # the call's end settles it
-    raise asyncio.CancelledError
 
 
 class InferenceServicer(oe.InferenceServicer):

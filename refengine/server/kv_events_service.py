@@ -28,7 +28,7 @@ import grpc
 from refengine.engine.interface import EngineClient
 from refengine.engine.kv_events import KvEventSubscription
 from refengine.protocol import oe
-from refengine.server.errors import Rejection, abort_call, invalid
+from refengine.server.errors import Rejection, abort_call, disconnect, invalid
 from refengine.server.kv_events_wire import batch_response, storage_medium
 from refengine.server.metadata import DATA_PARALLEL_RANKS
 from refengine.server.options import ServerOptions, is_wildcard_host
@@ -160,20 +160,17 @@ async def _write_or_disconnect(context: grpc.aio.ServicerContext, response: oe.S
     """One write; a client that takes none of it for ``write_timeout`` is disconnected.
 
     Such a client has filled its HTTP/2 receive window, so no further event can reach it:
-    the stream ends with status RESOURCE_EXHAUSTED (X1: a transport failure is a status,
-    not an ``EngineError``), which the client sees right after the responses already in
-    flight. The write must not be cancelled first: gRPC cannot end a call whose send was
-    abandoned mid-way (the client would then hang until its own deadline)."""
+    the stream ends with status RESOURCE_EXHAUSTED (``errors.disconnect``), which the client sees
+    right after the responses already in flight; the handler ends at once (it waited behind the
+    stuck write before, keeping the subscriber counted, which a drain's flush waits on)."""
     write = asyncio.ensure_future(context.write(response))
     done, _ = await asyncio.wait({write}, timeout=write_timeout)
     if done:
         write.result()
         return
-    write.add_done_callback(lambda task: task.cancelled() or task.exception())  # the call's end settles it
     logger.warning("KV event subscriber stopped reading for %.1f s; disconnecting it", write_timeout)
-    await abort_call(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"KV event subscriber read nothing for {write_timeout:.1f} s (--stall-timeout-seconds); "
-                        "disconnected: subscribe again, with start_sequence_number to resume")
+    disconnect(context, write, f"KV event subscriber read nothing for {write_timeout:.1f} s (--stall-timeout-seconds); "
+               "disconnected: subscribe again, with start_sequence_number to resume")
 
 
 def advertised_host(options: ServerOptions) -> str:
