@@ -329,3 +329,21 @@ def test_the_stuck_subscriber_sees_its_stream_end_with_a_failure() -> None:
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{code.name} after {waited:.1f} s, not disconnected"
     assert waited < STUCK_DEADLINE_S - 5, f"the end came only {waited:.1f} s after the stream opened"
     assert "error" not in received, received
+
+
+def test_a_drain_does_not_wait_for_a_subscriber_that_never_reads(tmp_path) -> None:  # noqa: ANN001
+    """SIGTERM with a subscriber whose receive window is full: the drain's end event cannot reach it,
+    and it is disconnected after the stall timeout. Its handler waited behind the stuck write in
+    context.abort, so the subscriber stayed counted and the exit waited the whole 16 s flush bound
+    (found by review of the Generate case: 16.7 s here, grace period 1 s)."""
+    with running_server(tmp_path / "server.log", *SERVER_ARGS, "--shutdown-grace-seconds", "1") as server:
+        with OpenEngineClient(server.address) as client, \
+                OpenEngineClient(server.address, channel_options=STUCK_CHANNEL) as stuck:
+            call = stuck.control.SubscribeKvEvents(oe.SubscribeKvEventsRequest(include_snapshot=True), timeout=60)
+            resets_until(server, client, snapshot_number(client)[0] + 40)  # its window fills
+            signalled = time.monotonic()
+            server.signal(signal.SIGTERM)
+            assert server.proc.wait(60) == 0
+            exited_s = time.monotonic() - signalled
+            call.cancel()
+    assert exited_s < 1 + STALL_S + 4, f"the drain took {exited_s:.1f} s"
