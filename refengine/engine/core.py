@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-KvEventSink = Callable[[list[KvEvent]], None]  # under the step lock, once per step with events
+KvEventSink = Callable[[list[KvEvent]], None]  # under the step lock: once per step, reset or fail_all with events
 
 
 @dataclass

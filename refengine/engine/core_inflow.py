@@ -40,6 +40,7 @@ class CoreInflowMixin:
         assert self.media_pulls is not None
         self._awaiting_media.discard(request.request_id)
         self.media_pulls.cancel(request.request_id)
+        # Never added to the scheduler, though born WAITING: ``Scheduler.finish`` must not look for it there.
         request.outputs[0].seq.status = SequenceStatus.FINISHED
 
     def _attach_received_kv(self: EngineCore, outcome: StepOutcome) -> None:
@@ -76,7 +77,7 @@ class CoreInflowMixin:
             self._awaiting_media.discard(request_id)
             if pulled is None:
                 assert fault is not None
-                request.outputs[0].seq.status = SequenceStatus.FINISHED
+                request.outputs[0].seq.status = SequenceStatus.FINISHED  # never scheduled (``_stop_media``)
                 self._cancel(request, FinishInfo(FinishReason.CANCELLED, message=fault.message))
                 outcome.faults[request_id] = fault
                 continue
@@ -108,7 +109,11 @@ class CoreInflowMixin:
 
     def _end_given_up(self: EngineCore, sched: SchedulerOutput, outcome: StepOutcome) -> None:
         """The sequences the scheduler gave up (``lost``, ``unfit``): their requests end, retryable
-        elsewhere (ENC14)."""
+        elsewhere (ENC14). This runs after ``schedule``, which is safe only because a request
+        with a given-up sequence has no other output in the batch: only a disaggregated engine
+        gives sequences up (a decode engine's media prompt, blocks withheld from a pull), and both
+        roles take ``num_sequences`` = 1 (``role_check.py``). A scheduled sequence finished here
+        would reach ``update_from_output`` with its blocks freed."""
         for given_up, message in ((sched.lost, LOST_MESSAGE), (sched.unfit, UNFIT_MESSAGE)):
             for request_id, _ in given_up:
                 request = self.requests.get(request_id)

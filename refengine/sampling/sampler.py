@@ -5,9 +5,10 @@ Pipeline, per row (each stage skipped for rows that do not use it):
 0. grammar mask (``guided/``): a guided row keeps only the tokens its grammar allows next;
 1. penalties (``penalties.py``): repetition over prompt + output, then frequency/presence
    over the output;
-2. suppression: ``suppressed_token_ids`` -> ``-inf`` (min_tokens keeps EOS/stop ids out);
+2. suppression: ``suppressed_token_ids`` -> ``-inf`` (min_tokens keeps EOS/stop ids out; a
+   guided row with ``ignore_eos`` keeps EOS out);
 3. temperature: ``logits / clamp(T, 1e-6, 1e30)`` (finite: penalties keep a logit within
-   ``penalties.LOGIT_LIMIT``). Greedy rows (``T == 0``) take the argmax of the logits after 1-2 (ties -> lowest id) and
+   ``penalties.LOGIT_LIMIT``). Greedy rows (``T == 0``) take the argmax of the logits after 0-2 (ties -> lowest id) and
    skip everything below;
 4. truncation (``truncation.py``), on the tempered distribution: top-k (0 or -1 = off; ties at the k-th value
    are kept, as HF), then top-p renormalized over the top-k set (the smallest prefix, in
@@ -28,9 +29,10 @@ suppressed token reports ``-inf`` and a sampled token's logprob is always finite
 Reproducibility (RULES G17, G18): a row's token depends only on its own logits, parameters
 and generator. No step mixes rows (no cross-row reduction); the only reductions inside a row
 are ones whose result does not depend on how the row is split across threads (max, argmax,
-topk, integer counts, and sequential cumsums instead of float sums). A row with its own
-``generator`` draws exactly one float64 uniform from it per step; rows without one draw,
-together, from the sampler's shared generator. All of this holds on CPU. On CUDA torch's scan
+topk, integer counts, and sequential cumsums instead of float sums). A sampled row with its
+own ``generator`` draws exactly one float64 uniform from it per step; sampled rows without one
+draw, together, from the sampler's shared generator; greedy rows draw nothing, even with a
+generator. All of this holds on CPU. On CUDA torch's scan
 splits a row into chunks sized by the batch's shape, so a cumsum may round differently with
 other rows present (summing in 32-element chunks instead moved 1 top-p decision in 20,000
 random rows), and cuBLAS GEMMs are not batch-invariant either: there G17 and G18 hold only
@@ -98,7 +100,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None  # the request's seeded generator; None -> the shared one
-    suppressed_token_ids: Sequence[int] = ()  # -inf before sampling (min_tokens: EOS / stop ids)
+    suppressed_token_ids: Sequence[int] = ()  # -inf before sampling (StopChecker.suppressed_token_ids)
     want_logprob: bool = False  # report the sampled token's logprob and rank
     candidates: CandidateSpec | None = None  # top_n / token_ids / all
 
@@ -157,8 +159,9 @@ class Sampler:
 
     @staticmethod
     def _suppress(logits: torch.Tensor, rows: Sequence[SamplingRow], masked_rows: Sequence[int]) -> torch.Tensor:
-        """Step 2 (min_tokens). A grammar-constrained row whose grammar allows only tokens that
-        are suppressed keeps them: the grammar wins (ref), so a row never has no token left."""
+        """Step 2 (min_tokens; a guided row's ignored EOS). A grammar-constrained row whose grammar
+        allows only tokens that are suppressed keeps them: the grammar wins (ref), so a row never
+        has no token left."""
         suppress = [(i, t) for i, r in enumerate(rows) for t in r.suppressed_token_ids]
         if not suppress:
             return logits
