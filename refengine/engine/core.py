@@ -130,17 +130,16 @@ class EngineCore(CoreInflowMixin):
         deltas = []
         for out in request.outputs:
             if out.status is not OutputStatus.FINISHED:
-                self._finish_output(out, finish)
+                self._finish_output(out)
                 deltas.append(SequenceDelta(index=out.index, finish=finish))
         return deltas
 
-    def _finish_output(self, out: OutputState, finish: FinishInfo) -> None:
+    def _finish_output(self, out: OutputState) -> None:
         if out.seq.status is SequenceStatus.RECEIVING:
             assert self.disagg is not None
             self.disagg.cancel_receiving(out)
         if out.status is OutputStatus.ACTIVE:
             self.scheduler.finish(out.seq)  # frees the sequence's blocks
-        out.finish = finish
         out.status = OutputStatus.FINISHED
 
     # -- the step ----------------------------------------------------------------
@@ -217,7 +216,7 @@ class EngineCore(CoreInflowMixin):
             if self.config.role == "prefill":  # K4: the first token goes with the session, not out
                 assert self.disagg is not None
                 outcome.prefills[request.request_id] = self.disagg.hand_over(request, out, token)
-                self._finish_output(out, FinishInfo(FinishReason.STOP, message="prefill ready"))
+                self._finish_output(out)  # its stream ends with the PrefillReady, no GenerationFinished
                 outcome.deltas.setdefault(request.request_id, [])
                 continue
             self._append(request, out, token, outcome)
@@ -239,7 +238,7 @@ class EngineCore(CoreInflowMixin):
         """One token onto one output (checked by :meth:`_refused`): stops, finish."""
         delta = self.outputs.append_token(request, out, token)
         if delta.finish is not None:
-            self._finish_output(out, delta.finish)
+            self._finish_output(out)
         outcome.deltas.setdefault(request.request_id, []).append(delta)
 
     # -- emission ----------------------------------------------------------------

@@ -119,5 +119,6 @@ class CoreInflowMixin:
                 request = self.requests.get(request_id)
                 if request is None or request_id in outcome.faults:  # another of its outputs ended it
                     continue
+                assert len(request.outputs) == 1, "a request giving a sequence up has no other output in the batch"
                 self._cancel(request, FinishInfo(FinishReason.CANCELLED, message="preempted"))
                 outcome.faults[request_id] = EngineFault("overloaded", message, retryable=True)

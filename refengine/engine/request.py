@@ -25,7 +25,7 @@ from refengine.engine.token_hold_back import TokenHoldBack
 from refengine.lora.registry import LoadedLora
 from refengine.sampling.guided import CompiledGuide, GuideMatcher
 from refengine.scheduler.sequence import Sequence
-from refengine.types import FinishInfo, GenerationRequest, TokenInfo
+from refengine.types import GenerationRequest, TokenInfo
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads per-output seeds of one request apart
 
@@ -58,7 +58,6 @@ class OutputState:
     status: OutputStatus
     matcher: GuideMatcher | None = None  # this output's own grammar state (guided requests)
     num_emitted_tokens: int = 0
-    finish: FinishInfo | None = None
 
     @property
     def index(self) -> int:
