@@ -243,13 +243,19 @@ class Sampler:
             for i, token_id in zip(subset, pick(part, [rows[i] for i in subset]), strict=True):
                 token_ids[i] = token_id
 
+        return self._report(logits_t, rows, token_ids)
+
+    def _report(self, logits_t: torch.Tensor, rows: Sequence[SamplingRow], token_ids: list[int]) -> list[SampledToken]:
+        """The chosen tokens, with the logprob, rank and candidates their rows asked for, from the
+        tempered logits (L6: the distribution the token was drawn from)."""
+        n = len(rows)
         infos = [(None, None, ())] * n
         # A row with non-finite logits got no token (``vocab_size``): nothing to report, and its
         # request fails alone, while the batch's other rows report as usual.
         reporting = [i for i, r in enumerate(rows)
                      if (r.want_logprob or r.candidates is not None) and token_ids[i] < self.vocab_size]
         if reporting:
-            part = logits_t if len(reporting) == n else logits_t[torch.tensor(reporting, device=device)]
+            part = logits_t if len(reporting) == n else logits_t[torch.tensor(reporting, device=logits_t.device)]
             found = batch_logprob_info(
                 torch.log_softmax(part, dim=-1),
                 [token_ids[i] for i in reporting],
