@@ -83,11 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     roles = {"aggregated": [], "prefill_grpc": ["--role", "prefill"],
              "prefill_nixl": ["--role", "prefill", "--kv-transfer-backend", "nixl"], "decode": ["--role", "decode"]}
-    procs = {name: start_server(SERVER_FLAGS + flags, args.threads) for name, flags in roles.items()}
-    clients = {name: OpenEngineClient(address, timeout=120) for name, (_, address, _) in procs.items()}
+    procs: dict = {}
     rng = random.Random(0)
     rows = []
     try:
+        for name, flags in roles.items():  # inside the try: a server that fails to start stops the others
+            procs[name] = start_server(SERVER_FLAGS + flags, args.threads)
+        clients = {name: OpenEngineClient(address, timeout=120) for name, (_, address, _) in procs.items()}
         for length in LENGTHS:
             best: dict[str, list[float]] = {}
             nbytes = 0.0
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc, _, _ in procs.values():
             proc.terminate()
+        for proc, _, _ in procs.values():
+            proc.wait(60)
     print("\n| prompt tokens | KV MiB | grpc MB/s | nixl MB/s | raw NIXL MB/s hot / cold | nixl / raw hot / cold "
           "| TTFT aggregated ms | TTFT grpc ms (×) | TTFT nixl ms (×) |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -87,8 +87,9 @@ def one_round(clients: dict[str, OpenEngineClient], encoder: MediaClient, ids: l
     times: dict[str, float] = {}
     rng = random.Random(seed)
     fresh = lambda: [png(rng.randrange(1 << 30)) for _ in range(count)]  # noqa: E731 - new pixels each route
+    req = request(f"agg-{seed}", ids, fresh())  # the PNGs made before the clock starts, as for the other routes
     started = time.perf_counter()
-    times["aggregated"] = first_token(clients["aggregated"].generate(request(f"agg-{seed}", ids, fresh())), started)
+    times["aggregated"] = first_token(clients["aggregated"].generate(req), started)
     for backend in BACKENDS:
         for route in ("e_agg", "epd"):
             req = request(f"{route}-{backend}-{seed}", ids, fresh())
@@ -118,12 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         serving.MODEL = str(model)
         roles = {"encoder": ["--role", "encoder", "--kv-transfer-backend", "nixl"], "aggregated": [],
                  "prefill": ["--role", "prefill"], "decode": ["--role", "decode"]}
-        procs = {name: serving.start_server(FLAGS + flags, args.threads) for name, flags in roles.items()}
-        clients = {name: OpenEngineClient(address, timeout=120) for name, (_, address, _) in procs.items()}
-        encoder = MediaClient(clients["encoder"])
-        tokenizer = load_tokenizer(model)
+        procs: dict = {}
         results = {}
         try:
+            for name, flags in roles.items():  # inside the try: a server that fails to start stops the others
+                procs[name] = serving.start_server(FLAGS + flags, args.threads)
+            clients = {name: OpenEngineClient(address, timeout=120) for name, (_, address, _) in procs.items()}
+            encoder = MediaClient(clients["encoder"])
+            tokenizer = load_tokenizer(model)
             for count in IMAGE_COUNTS:
                 ids = prompt_ids(tokenizer, count)
                 one_round(clients, encoder, ids, count, seed=-count)  # warm-up
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for proc, _, _ in procs.values():
                 proc.terminate()
+            for proc, _, _ in procs.values():  # before the model directory goes
+                proc.wait(60)
     print("\n| images | TTFT aggregated ms | E → agg grpc ms (×) | E → agg nixl ms (×) | E → P → D grpc ms (×) "
           "| E → P → D nixl ms (×) | embedding MB/s grpc | embedding MB/s nixl |")
     print("|---|---|---|---|---|---|---|---|")

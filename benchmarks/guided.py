@@ -55,6 +55,7 @@ from refengine.model.loader import (  # noqa: E402
     resolve_model,
 )
 from refengine.sampling.guided import GuideMatcher  # noqa: E402
+from refengine.sampling.guided.budget import BudgetedMatcher  # noqa: E402
 from refengine.types import GenerationRequest, GuidedSpec, SamplingParams, StoppingParams  # noqa: E402
 
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -135,7 +136,8 @@ def instrument(engine: Engine) -> MaskTimes:
         times._apply += dt
 
     for cls in GuideMatcher.__subclasses__():
-        cls.fill_bitmask = _timed(cls.fill_bitmask, on_fill)
+        if cls is not BudgetedMatcher:  # it wraps a backend's matcher: timing both counted every row twice
+            cls.fill_bitmask = _timed(cls.fill_bitmask, on_fill)
     sampler_module.apply_bitmask = _timed(sampler_module.apply_bitmask, on_apply)
     step = engine.step
 

@@ -55,18 +55,22 @@ def start_server() -> tuple[subprocess.Popen, str]:
            "--port", str(port), "--log-level", "WARNING", "--max-model-len", "1024"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     address = f"127.0.0.1:{port}"
-    with OpenEngineClient(address, timeout=2) as client:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"refengine serve exited with {proc.returncode}")
-            try:
-                client.wait_until_ready(timeout=2)
-                return proc, address
-            except TimeoutError:
-                pass
-    proc.kill()
-    raise TimeoutError("refengine serve not READY after 600 s")
+    try:
+        with OpenEngineClient(address, timeout=2) as client:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"refengine serve exited with {proc.returncode}")
+                try:
+                    client.wait_until_ready(timeout=2)
+                    return proc, address
+                except TimeoutError:
+                    pass
+        raise TimeoutError("refengine serve not READY after 600 s")
+    except BaseException:  # not READY, or Ctrl-C while it loads: no server left behind
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def request(mode: str, tokens: int, tag: str) -> Any:

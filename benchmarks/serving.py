@@ -53,18 +53,22 @@ def start_server(engine_flags: list[str], threads: int) -> tuple[subprocess.Pope
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
-    with OpenEngineClient(address, timeout=2) as client:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"refengine serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                client.wait_until_ready(timeout=2)
-                return proc, address, log
-            except TimeoutError:
-                pass
-    proc.kill()
-    raise TimeoutError("refengine serve not READY after 600 s")
+    try:
+        with OpenEngineClient(address, timeout=2) as client:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"refengine serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+                try:
+                    client.wait_until_ready(timeout=2)
+                    return proc, address, log
+                except TimeoutError:
+                    pass
+        raise TimeoutError("refengine serve not READY after 600 s")
+    except BaseException:  # not READY, or Ctrl-C while it loads: no server left behind
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def inprocess_sender(engine, prefix: str) -> runner.Sender:  # noqa: ANN001 - Engine
