@@ -213,8 +213,14 @@ class Timed:
 
 
 def timed_run(engine: Engine, encodes: EncodeTimer, reqs: list[GenerationRequest]) -> Timed:
-    """Reset the prefix cache, add every request, step until all finish."""
-    engine.reset_prefix_cache()
+    """Reset the prefix cache (not the encoder cache), add every request, step until all finish."""
+    assert engine.media is not None
+    encoder_cache = engine.media.cache
+    encoder_cache.clear = lambda: None  # reset_prefix_cache forgets encoded images too (since 72dfa2a)
+    try:
+        engine.reset_prefix_cache()
+    finally:
+        del encoder_cache.clear  # the class's own clear again
     encodes.take()
     start, cpu = time.perf_counter(), time.process_time()
     streams = [engine.add_request(r) for r in reqs]
