@@ -17,9 +17,11 @@ backends (and the oracles users check outputs with) agree:
 - a JSON schema using a keyword xgrammar compiles but ignores (``not``, ``if``, ``contains``,
   an ``allOf`` of several subschemas...) is refused (``schema_support``);
 - no output holds a UTF-16 surrogate's bytes, which xgrammar read as a code point (``utf8_guard``);
-- a JSON string bounded by ``minLength``/``maxLength`` holds JSON characters (an escape
-  counts as one): xgrammar's bounded repeat admitted raw control characters (a TAB: invalid
-  JSON) and no escapes (xgrammar issue #800).
+- a JSON string bounded by ``minLength``/``maxLength`` holds unescaped JSON characters:
+  xgrammar's bounded repeat admitted raw control characters (a TAB: invalid JSON, xgrammar
+  issue #800). It takes no escape there either (so no ``"`` or ``\\`` inside such a string):
+  allowing escapes made its masks inside the string ~600x slower (see ``_JSON_CHAR``); llguidance
+  takes them.
 The last two hold for the JSON-schema contents of structural tags as well.
 """
 
@@ -44,9 +46,12 @@ if TYPE_CHECKING:
 
 _LOG_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")
 # The rule xgrammar 0.2.9 writes for one character of a length-bounded JSON string, and the
-# JSON character (RFC 8259) it should be; a later xgrammar that writes another rule is left alone.
+# unescaped JSON character (RFC 8259) it becomes; a later xgrammar that writes another rule is
+# left alone. Not escapes too: any body but one character class made xgrammar's masks inside the
+# string ~600x slower (8 ms a token against 13 µs, benchmarks/guided.py), whatever the form
+# (inline, its own rule, nested rules instead of the bounded repeat, no \u escapes).
 _BOUNDED_STRING_CHAR = re.compile(r'^(\w+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
-_JSON_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+_JSON_CHAR = r'(([^\0-\x1f\"\\]))'
 #: The letter escapes xgrammar 0.2.9 reads as Python does (classes, control characters) or
 #: refuses itself (``\\b``, ``\\B``, ``\\p``, ``\\P``, ``\\k``, ``\\c``) or reads with arguments
 #: (``\\x``, ``\\u``); ``\\e`` is ESC, as in PCRE. Probed letter by letter.
