@@ -20,7 +20,7 @@ Prints time, attention GFLOP/s (4 x heads x head_dim per query-key pair attended
 peer / chunk kernel (above 1 = the chunk kernel is faster) and the largest difference of their
 outputs.
 
-    python benchmarks/cpu_attention.py [--threads 2] [--repeats 9]
+    python benchmarks/cpu_attention.py [--threads 2] [--repeats 15]
 """
 
 from __future__ import annotations
