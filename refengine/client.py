@@ -120,8 +120,8 @@ class OpenEngineClient:
         """Stream one request's events. Either pass a full ``request`` or the common
         fields. Cancelling: close the returned iterator (``.close()``, or iterate it inside
         ``contextlib.closing``); breaking out of a ``for`` loop cancels only once the iterator
-        is garbage-collected. A ``request`` with any of the fields too is a ``TypeError``: they
-        would be ignored."""
+        is garbage-collected. A ``request`` with any of the fields too is a ``TypeError`` (they
+        would be ignored), raised when iteration starts: this is a generator."""
         fields = {"prompt": prompt, "token_ids": token_ids, "model": model or None, "request_id": request_id,
                   "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
                   "num_sequences": num_sequences, "stop": stop or None}

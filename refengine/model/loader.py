@@ -104,10 +104,12 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ResolvedM
 
     given = Path(name_or_path).expanduser()
     path = given.resolve()
-    # The name as given decides: in the Hugging Face hub cache ``x.gguf`` links to a nameless blob.
-    if path.is_file() and given.suffix == ".gguf":
-        target = models_cache / f"{given.stem}-{source_fingerprint(path)[:12]}"
-        return ResolvedModel(name=given.stem, path=_converted(path, target))
+    # Either name may say .gguf: in the Hugging Face hub cache ``x.gguf`` links to a nameless blob;
+    # a link ``current`` may point at ``model.gguf``. The served name is the one that says it.
+    if path.is_file() and ".gguf" in (given.suffix, path.suffix):
+        name = given.stem if given.suffix == ".gguf" else path.stem
+        target = models_cache / f"{name}-{source_fingerprint(path)[:12]}"
+        return ResolvedModel(name=name, path=_converted(path, target))
     if path.is_dir():
         refuse_pickle_only(path)
         missing = hf_dir_missing(path)

@@ -98,6 +98,13 @@ def test_a_gguf_linked_to_a_blob_without_the_suffix_is_served(tmp_path: Path) ->
     resolved = resolve_model(str(link), cache_dir=tmp_path / "cache")
     assert resolved.name == "tiny"
     assert load_tokenizer(resolved.path).eos_token_id == 2
+    # And the other way round, which the first fix refused (found by its review): a link without the
+    # suffix (``current``) to a .gguf file, served under the file's name.
+    model = tmp_path / "model.gguf"
+    write_tiny_gguf(tiny_model(), model)
+    current = tmp_path / "current"
+    current.symlink_to(model)
+    assert resolve_model(str(current), cache_dir=tmp_path / "cache").name == "model"
 
 
 def test_a_gguf_naming_no_eos_is_served_without_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
