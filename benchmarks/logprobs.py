@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,39 +36,10 @@ sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
 
-from refengine.client import OpenEngineClient  # noqa: E402
+from benchmarks.serving import start_server  # noqa: E402
 from refengine.protocol import oe  # noqa: E402
 
-MODEL = "smollm2-135m-instruct"
 MODES = ("none", "logprob", "top 5", "top 20", "all")
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "refengine.cli", "serve", "--model", MODEL, "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "WARNING", "--max-model-len", "1024"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
-    address = f"127.0.0.1:{port}"
-    try:
-        with OpenEngineClient(address, timeout=2) as client:
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"refengine serve exited with {proc.returncode}")
-                try:
-                    client.wait_until_ready(timeout=2)
-                    return proc, address
-                except TimeoutError:
-                    pass
-        raise TimeoutError("refengine serve not READY after 600 s")
-    except BaseException:  # not READY, or Ctrl-C while it loads: no server left behind
-        proc.kill()
-        proc.wait()
-        raise
 
 
 def request(mode: str, tokens: int, tag: str) -> Any:
@@ -106,7 +75,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     tokens, rounds = (12, 1) if args.quick else (args.tokens, args.rounds)
-    proc, address = start_server()
+    proc, address, _ = start_server(["--max-model-len", "1024"], threads=1)  # serving.py's: no server left behind
     try:
         channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
         stub = oe.InferenceStub(channel)
