@@ -30,7 +30,11 @@ PROCESSES, THREADS = 8, 6
 #: dozens of runnable threads starved the other pytest worker: beside them, the real-engine G13,
 #: G14, G17 and G18 checks and the X1 stall test of test_conformance.py took 173-217 s against
 #: 114 s beside controls at niceness 10, which themselves took 204 s against 180-217 s (2026-12-07).
-NICE = 10
+#: At niceness 10 their 48 threads still outweighed the other worker's one thread (CFS weights 110
+#: each against 1024); at 19 (15 each) it keeps most of a core, and the controls take what it
+#: leaves idle: the whole suite took 847 s (controls 253 s) against 1,052 s (277 s) at 10, one
+#: run each on the same tree, 2026-12-07 (this machine's speed varies by about 10 %).
+NICE = 19
 #: The served model's config.json for the R checks' adapters: tiny shapes (the toy reads no weights).
 MODEL_CONFIG = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
                 "num_key_value_heads": 2, "head_dim": 4, "num_hidden_layers": 1}
