@@ -52,6 +52,20 @@ def _long_request(request_id: str) -> oe.GenerateRequest:
     return request
 
 
+def _stalling_request(request_id: str, stall_timeout: float) -> oe.GenerateRequest:
+    """A long request whose every TokenOutput is ~1.3 MB (all-vocabulary candidates), so the
+    transport windows fill after a few tokens, with a stream buffer of 1 and ``stall_timeout``."""
+    request = _long_request(request_id)
+    request.response.output_candidates.all.SetInParent()
+    request.extra.update({"refengine.stream_buffer": 1, "refengine.stall_timeout_seconds": stall_timeout})
+    return request
+
+
+def _own_connection(client: OpenEngineClient) -> OpenEngineClient:
+    """A client on a connection of its own: a stalled stream also holds the connection-level window."""
+    return OpenEngineClient(client.address, channel_options=[("grpc.use_local_subchannel_pool", 1)])
+
+
 def _read_tokens(events, count: int) -> None:  # noqa: ANN001 - an iterator of GenerateResponse
     seen = 0
     for event in events:
@@ -298,15 +312,11 @@ def test_refused_before_acceptance(client: OpenEngineClient, name: str, request_
 
 
 def test_stalled_consumer_gets_overloaded_and_kv_is_freed(client: OpenEngineClient) -> None:
-    """All-vocabulary candidates make every TokenOutput ~1.3 MB, so the transport windows
-    fill after a few tokens; the stream's buffer (1) then fills and its clock (1 s) runs out."""
+    """The transport windows fill after a few tokens (``_stalling_request``); the stream's buffer
+    (1) then fills and its clock (1 s) runs out."""
     wait_idle(client)
-    request = _long_request("stall-1")
-    request.response.output_candidates.all.SetInParent()
-    request.extra.update({"refengine.stream_buffer": 1, "refengine.stall_timeout_seconds": 1.0})
-    # A connection of its own: a stalled stream also holds the connection-level window.
-    with OpenEngineClient(client.address, channel_options=[("grpc.use_local_subchannel_pool", 1)]) as own:
-        events = own.generate(request, timeout=120)
+    with _own_connection(client) as own:
+        events = own.generate(_stalling_request("stall-1", 1.0), timeout=120)
         first = next(events)
         assert first.WhichOneof("event") == "token"
         wait_idle(client, timeout=60)  # aborted while we do not read: KV back to idle
@@ -326,11 +336,8 @@ def test_a_stalled_client_that_never_reads_again_is_disconnected(client: OpenEng
     the grace period and the flush for it); it is now disconnected with RESOURCE_EXHAUSTED, once the
     stream's end is stall timeout + ABORT_CONFIRM_SECONDS old."""
     wait_idle(client)
-    request = _long_request("stall-forever-1")
-    request.response.output_candidates.all.SetInParent()
-    request.extra.update({"refengine.stream_buffer": 1, "refengine.stall_timeout_seconds": 0.5})
-    with OpenEngineClient(client.address, channel_options=[("grpc.use_local_subchannel_pool", 1)]) as own:
-        events = own.generate(request, timeout=120)
+    with _own_connection(client) as own:
+        events = own.generate(_stalling_request("stall-forever-1", 0.5), timeout=120)
         assert next(events).WhichOneof("event") == "token"
         wait_idle(client, timeout=60)  # stalled and aborted
         time.sleep(ABORT_CONFIRM_SECONDS + 2.5)  # the server gives up on the write meanwhile
@@ -384,7 +391,7 @@ def test_a_huge_prompt_is_refused_in_bounded_time_beside_other_streams(client: O
     ``tests/unit/test_server_slow_work.py``'s.)"""
     wait_idle(client)
     huge = greedy_request("huge-prompt", "\U0001f600" * 600_000, max_tokens=1)
-    with OpenEngineClient(client.address, channel_options=[("grpc.use_local_subchannel_pool", 1)]) as own:
+    with _own_connection(client) as own:
         events = own.generate(_long_request("beside-huge"), timeout=120)
         _read_tokens(events, 3)
         started = time.monotonic()
