@@ -27,7 +27,7 @@ from tests.conformance.fake_server import Faults, serve
 from tests.conformance.rule_ids import PROFILE_PAGES, profile_rules_in
 from tests.conformance.test_conformance import REPO
 from tests.conformance.test_negative_controls import GUIDED_CHECKS
-from tests.integration.conftest import free_port
+from tests.integration.conftest import refused_address
 
 
 def test_guided_checks_skip_without_guided_decoding() -> None:
@@ -299,8 +299,8 @@ def test_a_run_closes_every_channel_it_opens(toy_address: str, monkeypatch: pyte
     other, other_address, other_engine = serve()
     try:
         run(toy_address, ["ENC1", "ENC4"], Options(encoder_address=other_address, rpc_timeout_s=2.0))
-        with pytest.raises(ConnectError, match="--encoder"):  # unreachable: refused before any check
-            run(toy_address, ["ENC1", "ENC4"], Options(encoder_address=f"127.0.0.1:{free_port()}", rpc_timeout_s=2.0))
+        with refused_address() as unreachable, pytest.raises(ConnectError, match="--encoder"):  # before any check
+            run(toy_address, ["ENC1", "ENC4"], Options(encoder_address=unreachable, rpc_timeout_s=2.0))
     finally:
         other.stop(0)
         other_engine.running = False
@@ -309,9 +309,8 @@ def test_a_run_closes_every_channel_it_opens(toy_address: str, monkeypatch: pyte
 
 
 def test_an_unreachable_encoder_is_a_connect_error_before_any_check(toy_address: str) -> None:
-    options = Options(encoder_address=f"127.0.0.1:{free_port()}", rpc_timeout_s=0.5)
-    with pytest.raises(ConnectError, match="--encoder: cannot connect"):
-        run(toy_address, ["ENC1", "ENC4"], options)
+    with refused_address() as unreachable, pytest.raises(ConnectError, match="--encoder: cannot connect"):
+        run(toy_address, ["ENC1", "ENC4"], Options(encoder_address=unreachable, rpc_timeout_s=0.5))
 
 
 def test_cli_encoder_flag(toy_address: str) -> None:

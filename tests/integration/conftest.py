@@ -52,6 +52,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def refused_address() -> Iterator[str]:
+    """``127.0.0.1:PORT`` that refuses connections while the block runs: the port is bound, not
+    listening, so no other server can take it. A ``free_port()`` address once answered: a
+    negative control's toy server, started meanwhile, had been given that port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
 @dataclass
 class ServerProcess:
     """A ``refengine serve`` subprocess. ``startup_states`` holds every Health state seen
