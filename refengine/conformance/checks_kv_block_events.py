@@ -21,7 +21,6 @@ from typing import Any
 
 from refengine.conformance.kv_announced import Tracker, announced, caught_up, chain_depths
 from refengine.conformance.kv_subscriber import (
-    EVENT_WAIT_S,
     HashKey,
     _block_size,
     _key,
@@ -61,7 +60,7 @@ def stored_full_blocks(t: Target) -> str:
     (with the cached prefix it shares with earlier prompts) is at most (prompt + output - 1) //
     block_size blocks, and at least the blocks its repeat reports as cached. Judged once the
     stream has caught up (``kv_announced.announced``): its chain covers the repeat's hit, or a
-    partial block is seen, or EVENT_WAIT_S passed."""
+    partial block is seen, or the event wait passed."""
     _need_text(t)
     block_size = _block_size(t)
     tracker = Tracker(subscribe(t, include_snapshot=True))
@@ -94,8 +93,8 @@ def stored_full_blocks(t: Target) -> str:
            "KV holds")
     expect(longest * block_size >= cached,
            f"the repeat reused {cached} cached prompt tokens, but the prompt's chain of stored blocks is "
-           f"{longest} blocks of {block_size} (after waiting up to {EVENT_WAIT_S:.0f} s for more): every block a "
-           "request can hit is announced by a BlockStored")
+           f"{longest} blocks of {block_size} (after waiting up to {t.options.event_wait_s:.0f} s for more): "
+           "every block a request can hit is announced by a BlockStored")
     return (f"{len(depths)} full blocks stored for {first.prompt_tokens} prompt tokens, a chain of {longest}; "
             f"the repeat reused {cached} tokens")
 
@@ -114,7 +113,7 @@ def _fill(t: Target, tracker: Tracker, capacity_tokens: int) -> tuple[list[HashK
     limit = min(t.max_context_length or 2048, 2048) * 3 // 4
     first_prompt, before = tagged_prompt(t, "e3x", 2), len(tracker.sub.batches)
     first_tokens = sent = _usage(t, first_prompt, "a fresh prompt").prompt_tokens
-    tracker.sub.wait(lambda s: len(s.batches) > before, EVENT_WAIT_S)  # a server publishing late still counts
+    tracker.sub.wait(lambda s: len(s.batches) > before)  # a server publishing late still counts
     caught_up(t, tracker)
     first_hashes = [_key(h) for e in tracker.stored_since(before) for h in e.block_hashes]
     repeats = max(2, min(limit, capacity_tokens // 4) // max(1, sent // 3))
@@ -161,7 +160,7 @@ def removed_on_eviction(t: Target) -> str:
             tracker.catch_up()  # review: a stream 0.5 s behind the engine, conforming, failed E3)
             return all(h in tracker.view.blocks for h in evicted)
 
-        tracker.sub.wait(stored_again, EVENT_WAIT_S)
+        tracker.sub.wait(stored_again)
         tracker.catch_up()
     finally:
         tracker.sub.close()

@@ -18,7 +18,6 @@ import grpc
 
 from refengine.conformance.enums import enum_name
 from refengine.conformance.kv_subscriber import (
-    EVENT_WAIT_S,
     KvSubscriber,
     KvView,
     _key,
@@ -103,7 +102,7 @@ def _replay(t: Target, live: KvSubscriber, start: int) -> tuple[list[Any] | None
             return None, []
         if sum(b.sequence_number >= start for b in live.batches) < 2:
             generate(t, fresh_prompt(t, "e1r"))
-            live.wait(lambda s: sum(b.sequence_number >= start for b in s.batches) >= 2, EVENT_WAIT_S)
+            live.wait(lambda s: sum(b.sequence_number >= start for b in s.batches) >= 2)
         seen = [b for b in live.batches if b.sequence_number >= start]
         end = seen[-1].sequence_number
         replay.wait_sequence(end)
@@ -131,7 +130,7 @@ def replay_expired(t: Target) -> str:
                                 "were skipped silently (expected a terminal EngineError)")
             skip(f"batch 1 is still retained (newest {newest}): the retention window covers this run "
                  "(--replay-budget-batches sets how many batches the check has published first)")
-        if sub.wait_end(EVENT_WAIT_S) and sub.code != grpc.StatusCode.OK and not sub.responses:
+        if sub.wait_end() and sub.code != grpc.StatusCode.OK and not sub.responses:
             return (f"replay from 1 (newest {newest}) refused with status {sub.code.name}: not served silently (a "
                     "failure after acceptance being one error event, then OK, is E5's)")
         error = terminal_error(sub, "replay from expired sequence number 1")
@@ -151,13 +150,13 @@ def snapshot_then_live(t: Target) -> str:
     watcher = subscribe(t)
     try:
         generate(t, fresh_prompt(t, "e2", blocks=4))
-        watcher.wait(lambda s: bool(s.batches), EVENT_WAIT_S)
+        watcher.wait(lambda s: bool(s.batches))
         sub = subscribe(t, include_snapshot=True)
         try:
             snap, view = _snapshot(sub)
             expect(watcher.wait_sequence(snap.sequence_number),
                    f"the snapshot includes batches up to {snap.sequence_number}; a live subscriber opened before "
-                   f"it has not received that batch within {EVENT_WAIT_S:.0f} s ({watcher.describe()})")
+                   f"it has not received that batch within {watcher.event_wait_s:.0f} s ({watcher.describe()})")
             _expect_same_blocks(watcher.batches, snap.sequence_number, set(view.blocks))
             generate(t, fresh_prompt(t, "e2live"))
             expect(sub.wait_responses(2), f"no live batch after the snapshot and a new request: {sub.describe()}")
@@ -174,7 +173,7 @@ def snapshot_then_live(t: Target) -> str:
 
 def _snapshot(sub: Any) -> tuple[Any, KvView]:
     """The snapshot batch (the first response): BlockStored only, not empty, parents first."""
-    expect(bool(sub.responses), f"include_snapshot sent nothing within {EVENT_WAIT_S:.0f} s: {sub.describe()}")
+    expect(bool(sub.responses), f"include_snapshot sent nothing within {sub.event_wait_s:.0f} s: {sub.describe()}")
     expect(sub.kinds()[0] == "batch", f"include_snapshot's first response is not a batch: {sub.describe()}")
     snap = sub.batches[0]
     kinds = {e.WhichOneof("event") for e in snap.events}

@@ -24,7 +24,6 @@ from refengine.conformance.checks_media import _image, _placeholder
 from refengine.conformance.encoder_support import unique_png
 from refengine.conformance.kv_announced import Tracker, announced
 from refengine.conformance.kv_subscriber import (
-    EVENT_WAIT_S,
     HashKey,
     KvView,
     _block_size,
@@ -77,7 +76,7 @@ def stored_events_chain(t: Target) -> str:
                 tracker.catch_up()
                 return bool(_roots(tracker.stored_since(before)) or tracker.view.problems)
 
-            tracker.sub.wait(judgeable, EVENT_WAIT_S)
+            tracker.sub.wait(judgeable)
         tracker.catch_up()
         expect(not tracker.sub.errors, f"the subscription failed: {tracker.sub.describe()}")
     finally:
@@ -127,7 +126,7 @@ def lora_in_block_hash(t: Target) -> str:
                 def rooted(_: Any) -> bool:
                     return bool(_roots(tracker.stored_since(before)))
 
-                tracker.sub.wait(rooted, EVENT_WAIT_S)
+                tracker.sub.wait(rooted)
             expect(not tracker.sub.errors, f"the subscription failed: {tracker.sub.describe()}")
             since = tracker.stored_since(before)
         finally:
@@ -199,7 +198,7 @@ def media_in_block_hash(t: Target) -> str:
 
     It waits for what it judges, not for a time window: the first image prompt's blocks until
     announced (``kv_announced``), then the second image's block of its own (either image's may
-    come late; up to EVENT_WAIT_S), whatever the second request's Usage says: a server that
+    come late; up to the event wait), whatever the second request's Usage says: a server that
     adds a BOS token may count it as cached too (K3), so no count of cached tokens proves the
     violation (found by review: "more cached tokens than the text before the image" ended the
     wait before the block arrived, and failed such a server). Counting the blocks stored 0.3 s
@@ -231,7 +230,7 @@ def media_in_block_hash(t: Target) -> str:
                 tracker.catch_up()
                 return _forked(tracker.view, chain, where, tracker.stored_since(before))
 
-            tracker.sub.wait(forked, EVENT_WAIT_S)
+            tracker.sub.wait(forked)
         tracker.catch_up()
         expect(not tracker.sub.errors, f"the subscription failed: {tracker.sub.describe()}")
     finally:

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from refengine.conformance.load import LoadOptions, run_load
-from refengine.conformance.options import MAX_DEADLINE_SECONDS
+from refengine.conformance.options import EVENT_WAIT_S, MAX_DEADLINE_SECONDS
 from refengine.conformance.profiles import BY_NAME, checks_of, profile_of
 from refengine.conformance.registry import Check, select
 from refengine.conformance.release import RELEASE
@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser, positional: bool = False) -> 
     parser.add_argument("--model", default="", help="model to test (default: the first supported model)")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of one Generate stream, s")
     parser.add_argument("--rpc-timeout", type=float, default=10.0, help="deadline of one unary RPC, s")
+    parser.add_argument("--event-wait", type=float, default=EVENT_WAIT_S,
+                        help="E: how long a wait for KV events lasts with nothing arriving, s (raise it for a "
+                        "loaded server)")
     _add_target_arguments(parser)
     load = parser.add_argument_group("load mode (off unless --load is given)")
     load.add_argument("--load", type=int, default=0, metavar="N",
@@ -101,6 +104,7 @@ def _json_object(option: str, text: str) -> dict[str, Any]:
 def options_from_args(args: argparse.Namespace) -> Options:
     """The run's options; ValueError names a bad one."""
     return Options(model=args.model, stream_timeout_s=args.timeout, rpc_timeout_s=args.rpc_timeout,
+                   event_wait_s=args.event_wait,
                    slow_reader_s=args.slow_reader_seconds,
                    slow_reader_extra=_json_object("--slow-reader-extra", args.slow_reader_extra),
                    known_extra_keys=_json_object("--known-extra-keys", args.known_extra_keys),
@@ -160,7 +164,8 @@ def _check_arguments(args: argparse.Namespace) -> tuple[str, list[Check], Option
                         ("--replay-budget-batches", args.replay_budget_batches)):
         if value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
-    for flag, seconds in (("--timeout", args.timeout), ("--rpc-timeout", args.rpc_timeout)):
+    for flag, seconds in (("--timeout", args.timeout), ("--rpc-timeout", args.rpc_timeout),
+                          ("--event-wait", args.event_wait)):
         if not 0 < seconds <= MAX_DEADLINE_SECONDS:  # also refuses nan and inf
             raise ValueError(f"{flag} must be in (0, {MAX_DEADLINE_SECONDS:g}] seconds, got {seconds:g}")
     load = LoadOptions(args.load, args.duration, args.seed) if args.load else None

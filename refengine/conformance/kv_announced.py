@@ -7,10 +7,11 @@ batches seen a fixed time after the first one misjudged such a stream (found in 
 delivering 16-block batches 0.5 s late failed E3 under load). So the checks poll a subscriber's
 view until what they judge has arrived: the chain of blocks a request stored covers what a repeat
 of it reuses from cache (E3: a block a request can hit was announced), or a violation is already
-visible (the caller's ``seen_violation``), or ``EVENT_WAIT_S`` passed. Then they judge every event
-seen, so a violation still fails, within that bound. Where what is judged has no such condition
-(E3's eviction check: every batch a prompt caused, every removal prompts caused), ``caught_up``
-waits until the stream reached the newest batch the server had published, as a snapshot numbers it.
+visible (the caller's ``seen_violation``), or the event wait (``Options.event_wait_s``)
+passed. Then they judge every event seen, so a violation still fails, within that bound. Where
+what is judged has no such condition (E3's eviction check: every batch a prompt caused, every
+removal prompts caused), ``caught_up`` waits until the stream reached the newest batch the server
+had published, as a snapshot numbers it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 from refengine.conformance.kv_subscriber import (
-    EVENT_WAIT_S,
     HashKey,
     KvSubscriber,
     KvView,
@@ -68,7 +68,7 @@ class Tracker:
 def caught_up(t: Target, tracker: Tracker) -> None:
     """Wait until ``tracker`` has seen every batch the server had published when this was
     called: up to the number a new snapshot carries (E2: the last batch it includes), at most
-    EVENT_WAIT_S; then apply the view as far as it got (what arrived is judged either way)."""
+    the event wait; then apply the view as far as it got (what arrived is judged either way)."""
     tracker.sub.wait_sequence(latest_number(t))
     tracker.catch_up()
 
@@ -93,13 +93,13 @@ def announced(t: Target, tracker: Tracker, send: Callable[[], Any],
     """Send a request that stores fresh blocks (``send`` returns its Usage or None), once its
     first batch arrived send it again, and wait until the BlockStored events since the first
     send end a chain of at least the blocks the repeat reused from cache, a chain reaches a
-    parent the view never saw, or ``seen_violation(those events)`` holds; at most EVENT_WAIT_S
+    parent the view never saw, or ``seen_violation(those events)`` holds; at most the event wait
     each. Returns the first Usage, the tokens the repeat reused and every BlockStored since the
     first send (the repeat's too: a late stream cannot tell them apart, and the repeat
     computes the same KV)."""
     block_size, before = _block_size(t), len(tracker.sub.batches)
     usage = send()
-    tracker.sub.wait(lambda s: len(s.batches) > before, EVENT_WAIT_S)  # committed, so the repeat can hit
+    tracker.sub.wait(lambda s: len(s.batches) > before)  # committed, so the repeat can hit
     again = send()
     cached = again.cached_prompt_tokens if again is not None and again.HasField("cached_prompt_tokens") else 0
 
@@ -109,6 +109,6 @@ def announced(t: Target, tracker: Tracker, send: Callable[[], Any],
         depths = chain_depths(tracker.view, stored)
         return (None in depths or max(depths, default=0) * block_size >= cached) or seen_violation(stored)
 
-    tracker.sub.wait(judgeable, EVENT_WAIT_S)
+    tracker.sub.wait(judgeable)
     tracker.catch_up()
     return usage, cached, tracker.stored_since(before)

@@ -10,13 +10,13 @@ from typing import Any
 
 import grpc
 
+from refengine.conformance.options import EVENT_WAIT_S
 from refengine.conformance.registry import expect, fail, not_claimed, skip
 from refengine.conformance.target import Target
 from refengine.protocol import oe
 
 HashKey = tuple[bytes, str]  # KvBlockHash (value, encoding)
 SETTLE_S = 0.3  # a live subscription sends nothing until an event: time for it to be set up (or refused)
-EVENT_WAIT_S = 10.0  # for a batch that a finished request caused
 STILL_ARRIVING = 4  # a wait lasts up to this many timeouts while responses keep arriving
 
 
@@ -25,11 +25,13 @@ class KvSubscriber:
 
     ``responses`` holds every ``SubscribeKvEventsResponse`` in order; ``code``/``details``
     the final status once the call ended (None while it runs). ``on_response`` sees each one
-    (the conformance target records enum values and EngineErrors through it)."""
+    (the conformance target records enum values and EngineErrors through it). A wait given no
+    timeout lasts ``event_wait_s`` (``Options.event_wait_s``)."""
 
     def __init__(self, control: Any, request: Any, timeout: float,
-                 on_response: Callable[[Any], None] | None = None) -> None:
+                 on_response: Callable[[Any], None] | None = None, event_wait_s: float = EVENT_WAIT_S) -> None:
         self.call = control.SubscribeKvEvents(request, timeout=timeout)
+        self.event_wait_s = event_wait_s
         self.responses: list[Any] = []
         self.code: grpc.StatusCode | None = None
         self.details = ""
@@ -81,12 +83,13 @@ class KvSubscriber:
         return f"status {status} ({self.details!r}), responses {self.kinds()}"
 
     # -- waiting -----------------------------------------------------------------
-    def wait(self, predicate: Callable[[KvSubscriber], bool], timeout: float) -> bool:
+    def wait(self, predicate: Callable[[KvSubscriber], bool], timeout: float | None = None) -> bool:
         """Wait until ``predicate(self)`` holds or the call ended; returns the predicate. The
         ``timeout`` counts from the last response that arrived (at most STILL_ARRIVING times
         ``timeout`` in all): a stream still delivering is behind, not missing what is awaited.
         Found in CI: under load, a conforming server whose events come 0.5-1 s late delivered a
         repeat's BlockStored more than 10 s after the request, and E3 failed it."""
+        timeout = self.event_wait_s if timeout is None else timeout
         start = time.monotonic()
         with self._cond:
             while not predicate(self) and not self.ended:
@@ -97,15 +100,15 @@ class KvSubscriber:
                 self._cond.wait(remaining)
             return predicate(self)
 
-    def wait_responses(self, n: int, timeout: float = EVENT_WAIT_S) -> bool:
+    def wait_responses(self, n: int, timeout: float | None = None) -> bool:
         return self.wait(lambda s: len(s.responses) >= n, timeout)
 
-    def wait_sequence(self, number: int, timeout: float = EVENT_WAIT_S) -> bool:
+    def wait_sequence(self, number: int, timeout: float | None = None) -> bool:
         """Until a batch numbered ``number`` or later arrived."""
         return self.wait(lambda s: any(r.batch.sequence_number >= number for r in s.responses
                                        if r.WhichOneof("event") == "batch"), timeout)
 
-    def wait_end(self, timeout: float) -> bool:
+    def wait_end(self, timeout: float | None = None) -> bool:
         return self.wait(lambda s: s.ended, timeout)
 
     def close(self) -> None:
@@ -160,7 +163,8 @@ def subscribe(t: Target, include_snapshot: bool = False, start: int = 0, ranks: 
     """Open a subscription through the target's channel; skip when the RPC is UNIMPLEMENTED."""
     request = oe.SubscribeKvEventsRequest(include_snapshot=include_snapshot, start_sequence_number=start,
                                           data_parallel_ranks=list(ranks))
-    sub = KvSubscriber(t.control, request, t.options.stream_timeout_s, on_response=t.observe)
+    sub = KvSubscriber(t.control, request, t.options.stream_timeout_s, on_response=t.observe,
+                       event_wait_s=t.options.event_wait_s)
     if include_snapshot or start:
         sub.wait_responses(1)
     else:
@@ -213,7 +217,7 @@ def _need_text(t: Target) -> None:
 def live_batches(t: Target, tag: str, wanted: int = 2) -> tuple[KvSubscriber, list[Any]]:
     """A live subscription and the batches that fresh requests caused: one request at a time,
     each once a batch arrived after the previous one, until ``wanted`` batches arrived or a
-    request caused none within EVENT_WAIT_S; skip when the server published none.
+    request caused none within the event wait; skip when the server published none.
 
     It waits for a batch, not for a time window: a stream may run behind its engine (RULES set
     no bound). Waiting 2 s, it sent the next request while the last one's batches were still in
@@ -226,21 +230,21 @@ def live_batches(t: Target, tag: str, wanted: int = 2) -> tuple[KvSubscriber, li
     while len(sub.batches) < wanted:  # invariant: every pass adds a batch, else it stops
         seen = len(sub.batches)
         generate(t, fresh_prompt(t, tag))
-        if not sub.wait(lambda s, seen=seen: len(s.batches) > seen, EVENT_WAIT_S):
+        if not sub.wait(lambda s, seen=seen: len(s.batches) > seen):
             break
     if sub.errors or (sub.ended and sub.code != grpc.StatusCode.OK):
         fail(f"a live subscription failed: {sub.describe()}")
     batches = sub.batches
     if not batches:
         sub.close()
-        skip(f"no KV event batch within {EVENT_WAIT_S:.0f} s of a request with a fresh multi-block prompt "
+        skip(f"no KV event batch within {sub.event_wait_s:.0f} s of a request with a fresh multi-block prompt "
              "(prefix caching off?)")
     return sub, batches
 
 
 def publish_up_to(t: Target, live: KvSubscriber, budget: int, tag: str) -> int:
     """Fresh requests, one at a time, until ``live`` has seen batch number ``budget`` (or a
-    request caused no batch within EVENT_WAIT_S, or ``budget`` requests were sent); the newest
+    request caused no batch within the event wait, or ``budget`` requests were sent); the newest
     number seen. So a check that needs batch 1 expired does not depend on how many checks ran
     before it. (Waiting 2 s, it stopped early on a stream 2.5 s late, and E1 skipped a replay
     from an expired batch served silently as "still retained".)"""
@@ -250,7 +254,7 @@ def publish_up_to(t: Target, live: KvSubscriber, budget: int, tag: str) -> int:
             break
         seen = len(live.batches)
         generate(t, fresh_prompt(t, f"{tag}{n}"))
-        if not live.wait(lambda s, seen=seen: len(s.batches) > seen, EVENT_WAIT_S):
+        if not live.wait(lambda s, seen=seen: len(s.batches) > seen):
             break
         newest = max(b.sequence_number for b in live.batches)
     return newest
@@ -285,9 +289,9 @@ def latest_number(t: Target) -> int:
 
 def terminal_error(sub: KvSubscriber, what: str) -> Any:
     """E1/E5: the call ends with exactly one EngineError, as its last response, then OK."""
-    if not sub.wait_end(EVENT_WAIT_S):
+    if not sub.wait_end():
         sub.close()
-        fail(f"{what}: the stream neither ended nor sent an error within {EVENT_WAIT_S:.0f} s "
+        fail(f"{what}: the stream neither ended nor sent an error within {sub.event_wait_s:.0f} s "
              f"({sub.describe()}); expected one terminal EngineError")
     if sub.code != grpc.StatusCode.OK and not sub.responses:
         fail(f"{what}: refused with status {sub.code.name} ({sub.details!r}); after acceptance a failure is "

@@ -11,6 +11,10 @@ from typing import Any
 #: suite checks any server, so it keeps its own copy of refengine.client's limit.
 MAX_DEADLINE_SECONDS = 1e7
 
+#: How long a KV-event wait lasts with nothing arriving: for the batch a finished request caused,
+#: a snapshot, a stream's end. RULES set no latency bound; this is the suite's patience.
+EVENT_WAIT_S = 10.0
+
 
 @dataclass(frozen=True)
 class Options:
@@ -20,6 +24,9 @@ class Options:
     rpc_timeout_s: float = 10.0  # unary RPCs
     stream_timeout_s: float = 60.0  # one whole Generate stream
     idle_timeout_s: float = 20.0  # waiting for GetLoad to return to idle
+    # E: a KV-event wait lasts this long with nothing arriving (counted from the last response,
+    # at most 4 times this in all: kv_subscriber.STILL_ARRIVING); raise it for a loaded server.
+    event_wait_s: float = EVENT_WAIT_S
     prompt: str = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village,"
     max_long_prompt: int = 4096  # longest prompt a check may send to reach the context limit
     # E3: the eviction check fills the prefix cache with fresh prompts; it skips when the cache

@@ -44,6 +44,7 @@ def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     (["--timeout", "0"], "--timeout must be in (0, 1e+07] seconds"),
     (["--timeout", "nan"], "--timeout must be in"),  # passed "> 0" and failed G1 with DEADLINE_EXCEEDED
     (["--rpc-timeout", "inf"], "--rpc-timeout must be in"),  # OverflowError: timestamp out of range
+    (["--event-wait", "0"], "--event-wait must be in"),  # every KV-event wait would end at once
     (["--load", "1", "--duration", "nan"], "--load needs N >= 1 and --duration > 0"),
     (["--media-placeholder-token-id", "-3"], "--media-placeholder-token-id must be a token id"),  # failed D9/G19
 ])

@@ -1,16 +1,21 @@
 """The conformance KV subscriber's waits: a timeout counts from the last response that arrived,
 so a stream still delivering (a conforming server whose events are late, on a loaded machine) is
 not judged as missing what is awaited; a silent one is, after the timeout; and a stream that keeps
-delivering without the awaited response is judged after STILL_ARRIVING timeouts."""
+delivering without the awaited response is judged after STILL_ARRIVING timeouts. A wait given no
+timeout lasts the run's ``Options.event_wait_s`` (``--event-wait``)."""
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
-from refengine.conformance.kv_subscriber import STILL_ARRIVING, KvSubscriber
+from refengine.conformance.command import add_arguments, options_from_args
+from refengine.conformance.kv_subscriber import STILL_ARRIVING, KvSubscriber, subscribe
+from refengine.conformance.options import EVENT_WAIT_S, Options
 from refengine.protocol import oe
 
 
@@ -77,3 +82,23 @@ def test_a_stream_delivering_other_batches_is_judged_after_still_arriving_timeou
         assert STILL_ARRIVING * 0.3 - 0.05 <= time.monotonic() - started < STILL_ARRIVING * 0.3 + 1.0
     finally:
         sub.close()
+
+
+def test_a_wait_without_a_timeout_lasts_the_runs_event_wait() -> None:
+    target = SimpleNamespace(control=PacedControl(count=1, pace=0.05), options=Options(event_wait_s=0.4),
+                             observe=lambda response: None)
+    sub = subscribe(target, include_snapshot=True)  # waits for its first response (the snapshot)
+    try:
+        assert sub.event_wait_s == 0.4 and len(sub.batches) == 1
+        started = time.monotonic()
+        assert not sub.wait_sequence(2)
+        assert 0.3 <= time.monotonic() - started < 1.5  # the default 10 s would run past this
+    finally:
+        sub.close()
+
+
+def test_the_event_wait_comes_from_the_command_line() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, positional=True)
+    assert options_from_args(parser.parse_args(["127.0.0.1:1", "--event-wait", "25"])).event_wait_s == 25.0
+    assert options_from_args(parser.parse_args(["127.0.0.1:1"])).event_wait_s == EVENT_WAIT_S == 10.0
