@@ -45,10 +45,12 @@ EVICTION_BUDGET = 16384
 SHED_AFTER = {"toy_fail_after": 3}
 
 Outcome = tuple[str, str, str, str]  # check name, rule, status (its value), message
-#: The controls' KV-event wait, 3 times the suite's default. Found in CI: at niceness 19 beside
-#: the other pytest worker, six controls' toys sent no snapshot within 10 s, and each failed E4
-#: besides its own rule. A KV control judged by a wait running out waits this long.
-EVENT_WAIT = 30.0
+#: The controls' patience: 3 times the suite's default KV-event wait and unary deadline, and its
+#: default idle timeout (it was 3 s). Found in CI: at niceness 19 beside the other pytest worker,
+#: six controls' toys sent no snapshot within 10 s, and each failed E4 besides its own rule; a
+#: unary RPC or a return to idle in such a stall fails a check the same way. A toy answers every
+#: RPC, so only a wait for what a fault withholds runs out: 190 s for all 131 alone, as before.
+EVENT_WAIT, RPC_TIMEOUT = 30.0, 30.0
 #: Controls that take longest (their fault makes later checks wait out the idle timeout or the
 #: event wait, or runs a long request to its end, or they fill the cache for E3): started first.
 SLOW = ("kv-block-leaked-after-cancel", "context-off-by-one", "unbroken", "partial-block-stored",
@@ -65,7 +67,7 @@ def run_control(control: Control) -> list[Outcome]:
             json.dump(MODEL_CONFIG, f)
         server, address, engine = serve_kv(control.kv, control.faults)
         pair, prefill, decode, pair_engines = serve_pair(control.faults)
-        options = Options(idle_timeout_s=3.0, event_wait_s=EVENT_WAIT, prefill_address=prefill,
+        options = Options(rpc_timeout_s=RPC_TIMEOUT, event_wait_s=EVENT_WAIT, prefill_address=prefill,
                           decode_address=decode, lora_dir=lora_dir, lora_model_config=config,
                           slow_reader_s=0.2, slow_reader_extra=SHED_AFTER,
                           media_placeholder_token_id=PLACEHOLDER if control.faults.images else None,
