@@ -70,13 +70,15 @@ def _source(port: int, host: str = "127.0.0.1", protocol: str = "tcp") -> oe.KvE
 
 def test_a_listening_source_is_connectable_and_a_closed_port_is_not() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-        assert _connectable([_source(port)], "127.0.0.1") == ([], [])
-    for target_host in ("127.0.0.1", "other.example"):  # a loopback source is judged wherever the target is
-        problems, notes = _connectable([_source(port)], target_host)  # closed now: nothing listens there
+        assert _connectable([_source(listener.getsockname()[1])], "127.0.0.1") == ([], [])
+    with socket.socket() as closed:  # bound, not listening: it refuses, and no server takes the port meanwhile
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        for target_host in ("127.0.0.1", "other.example"):  # a loopback source is judged wherever the target is
+            problems, notes = _connectable([_source(port)], target_host)
+            assert len(problems) == 1 and "connection refused" in problems[0] and not notes
+        problems, notes = _connectable([_source(port, host="localhost")], "127.0.0.1")
         assert len(problems) == 1 and "connection refused" in problems[0] and not notes
-    problems, notes = _connectable([_source(port, host="localhost")], "127.0.0.1")
-    assert len(problems) == 1 and "connection refused" in problems[0] and not notes
 
 
 def test_unreachable_from_here_is_noted_not_failed_and_other_protocols_are_not_dialled(

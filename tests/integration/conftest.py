@@ -15,6 +15,7 @@ threads oversubscribe the cores and make decoding 5-10x slower.
 from __future__ import annotations
 
 import os
+import re
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -46,32 +47,58 @@ SHARED_SERVER_ARGS = (
 )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def refused_address() -> Iterator[str]:
     """``127.0.0.1:PORT`` that refuses connections while the block runs: the port is bound, not
-    listening, so no other server can take it. A ``free_port()`` address once answered: a
-    negative control's toy server, started meanwhile, had been given that port."""
+    listening, so no other server can take it. An address whose port was bound and closed once
+    answered: a negative control's toy server, started meanwhile, had been given that port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         yield f"127.0.0.1:{s.getsockname()[1]}"
 
 
+#: What ``refengine serve`` prints once every listener is bound: the address and its services.
+LISTENING = re.compile(r"^refengine: listening on (\S+) \(([^)]*)\)$", re.MULTILINE)
+
+
 @dataclass
 class ServerProcess:
     """A ``refengine serve`` subprocess. ``startup_states`` holds every Health state seen
-    while waiting for READY (names such as ``HEALTH_STATE_STARTING``)."""
+    while waiting for READY (names such as ``HEALTH_STATE_STARTING``).
 
-    address: str
-    control_address: str
+    It listens on port 0 (a port the kernel picks at bind) and says which: a port picked by the
+    test beforehand could be taken meanwhile, and then a server of another test, or a toy, could
+    answer there. ``address`` and ``control_address`` wait for that announcement."""
+
     proc: subprocess.Popen
     log_path: Path
     startup_states: list[str] = field(default_factory=list)
+    _services: dict[str, str] = field(default_factory=dict)  # service name -> HOST:PORT
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT of Inference (and of Control, unless it has a listener of its own)."""
+        return self.listening()["Inference"]
+
+    @property
+    def control_address(self) -> str:
+        return self.listening()["Control"]
+
+    def listening(self, timeout: float = 120.0) -> dict[str, str]:
+        """Service name -> the HOST:PORT the server announced, once it bound every listener."""
+        deadline = time.monotonic() + timeout
+        while not self._services:
+            announced = LISTENING.findall(self.log_tail(chars=1 << 20))
+            if announced:
+                self._services = {name: where for where, names in announced for name in names.split(" + ")}
+            elif self.proc.poll() is not None:
+                raise RuntimeError(f"refengine serve exited with {self.proc.returncode} before listening:\n"
+                                   f"{self.log_tail()}")
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"refengine serve not listening after {timeout:g} s:\n{self.log_tail()}")
+            else:
+                time.sleep(0.05)
+        return self._services
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -123,25 +150,21 @@ def _wait_ready(server: ServerProcess, timeout: float) -> None:
 
 def start_server(log_path: Path, *extra_args: str, control_port: bool = False, wait_ready: bool = True,
                  timeout: float = 240.0, patch: str = "") -> ServerProcess:
-    """Start ``python -m refengine.cli serve`` on 127.0.0.1 (free ports) and, by default,
+    """Start ``python -m refengine.cli serve`` on 127.0.0.1 (port 0: see ServerProcess) and, by default,
     wait until Health is READY. ``control_port``: put Control on its own listener. ``patch``:
     Python run in the server process before the CLI (a deliberately broken server for a test)."""
-    port = free_port()
     launcher = ["-c", f"{patch}\nimport sys\nfrom refengine.cli import main\nsys.exit(main(sys.argv[1:]))"] \
         if patch else ["-m", "refengine.cli"]
-    args = [sys.executable, *launcher, "serve", "--model", MODEL,
-            "--host", "127.0.0.1", "--port", str(port), *extra_args]
-    control = port
+    args = [sys.executable, *launcher, "serve", "--model", MODEL, "--host", "127.0.0.1", "--port", "0", *extra_args]
     if control_port:
-        control = free_port()
-        args += ["--control-port", str(control)]
+        args += ["--control-port", "0"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": os.environ.get("REFENGINE_TEST_THREADS", "1"),
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = open(log_path, "w")  # noqa: SIM115 - the child owns it while it runs
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()
-    server = ServerProcess(f"127.0.0.1:{port}", f"127.0.0.1:{control}", proc, log_path)
+    server = ServerProcess(proc, log_path)
     if wait_ready:
         _wait_ready(server, timeout)
     return server

@@ -35,7 +35,7 @@ from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
 from refengine.protocol import oe
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
 from refengine.server.validation import CANDIDATE_BYTES, TOKEN_INFO_BYTES
-from tests.integration.conftest import ServerProcess, Stream, free_port, start_server, wait_ready
+from tests.integration.conftest import ServerProcess, Stream, start_server, wait_ready
 from tests.integration.test_server_message_limits import _longest_tokens
 from tests.support_matrix import observe
 
@@ -482,7 +482,7 @@ def proxied_with(upstream: str, **faults: object) -> tuple[grpc.Server, int, Fau
     proxy = FaultyProxy(upstream, **faults)
     server = grpc.server(futures.ThreadPoolExecutor(4))
     pb_grpc.add_KvPullServicer_to_server(proxy, server)
-    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, port, proxy
 

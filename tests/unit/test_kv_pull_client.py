@@ -186,15 +186,14 @@ def test_a_connection_error_s_details_go_to_the_log_not_the_client(caplog: pytes
     answer (NOT_FOUND: the session is gone) still reaches it."""
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        closed_port = probe.getsockname()[1]
     transfer = GrpcKvTransfer(PULL_TIMEOUT_S)
     transfer.bind(_Store(), lambda *_: None)
     server, port = _serve(_Source(grpc.StatusCode.NOT_FOUND))
     try:
-        with pytest.raises(TransferFailure) as refused:
-            transfer.pull(_order(closed_port), Cancellation())
+        with socket.socket() as probe:  # bound, not listening: it refuses, and no server takes the port meanwhile
+            probe.bind(("127.0.0.1", 0))
+            with pytest.raises(TransferFailure) as refused:
+                transfer.pull(_order(probe.getsockname()[1]), Cancellation())
         with pytest.raises(TransferFailure, match="answered NOT_FOUND"):
             transfer.pull(_order(port), Cancellation())
     finally:

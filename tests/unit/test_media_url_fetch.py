@@ -217,10 +217,9 @@ def test_the_whole_fetch_has_one_deadline(base: str, path: str) -> None:
 
 def test_failures_are_invalid_requests(monkeypatch: pytest.MonkeyPatch, base: str) -> None:
     fetch_refused(base + "/missing", allow("127.0.0.1"), "HTTP 404")
-    with socket.socket() as unused:
+    with socket.socket() as unused:  # bound, not listening: it refuses, and no server started meanwhile takes it
         unused.bind(("127.0.0.1", 0))
-        port = unused.getsockname()[1]
-    fetch_refused(f"http://127.0.0.1:{port}/", allow("127.0.0.1"), "ConnectionRefusedError")
+        fetch_refused(f"http://127.0.0.1:{unused.getsockname()[1]}/", allow("127.0.0.1"), "ConnectionRefusedError")
 
     def resolver(host: str, *args: object, **kwargs: object) -> None:
         if host == "stuck.test":
