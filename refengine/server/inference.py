@@ -25,12 +25,13 @@ import grpc
 from refengine.engine.interface import EngineClient
 from refengine.protocol import oe
 from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
-from refengine.server.errors import STALLED_CONSUMER, Rejection, abort_call, disconnect, rejection_from_engine
+from refengine.server.errors import STALLED_CONSUMER, Rejection, abort_call, rejection_from_engine
 from refengine.server.metadata import read_inference_metadata
 from refengine.server.responses import ResponseBuilder
 from refengine.server.state import ServerState
-from refengine.server.stream_bridge import ABORT_CONFIRM_SECONDS, OutputBridge
+from refengine.server.stream_bridge import OutputBridge
 from refengine.server.validation import ServerFacts, prompt_positions_limit, validate_generate
+from refengine.server.write_watch import WriteWatch
 from refengine.types import GenerationRequest, RequestError
 
 logger = logging.getLogger(__name__)
@@ -50,29 +51,6 @@ def _cheap_to_add(params: GenerationRequest) -> bool:
     prompt_length = len(params.prompt) if params.prompt is not None else len(params.prompt_token_ids or ())
     return (params.guided is None and not params.media and not params.media_handles
             and prompt_length <= INLINE_PROMPT_LENGTH)
-
-
-async def _write(context: grpc.aio.ServicerContext, event: oe.GenerateResponse, bridge: OutputBridge) -> None:
-    """One event. A client that takes none of it while nothing more comes from the engine (its
-    request finished, or failed: stalled, drained) is disconnected once that end is
-    ``stall_timeout`` + ``ABORT_CONFIRM_SECONDS`` old (room to resume reading and get the terminal
-    event). Found by review: such a stream, its client holding the connection but never reading
-    again, stayed open for good, and every drain waited the grace period and the flush for it."""
-    write = asyncio.ensure_future(context.write(event))
-    patience = bridge.stall_timeout + ABORT_CONFIRM_SECONDS
-    while not write.done():
-        try:
-            await asyncio.wait({write}, timeout=bridge.stall_timeout)
-        except asyncio.CancelledError:  # the call ended (a client cancel): the write goes with it
-            write.cancel()
-            raise
-        ended_at = bridge.ended_at
-        if not write.done() and ended_at is not None and asyncio.get_running_loop().time() - ended_at >= patience:
-            logger.warning("request %s: client read nothing for %.1f s after its stream ended; disconnecting it",
-                           bridge.request_id, patience)
-            disconnect(context, write, f"the client read nothing for over {patience:.0f} s after the stream's "
-                       f"end (stall timeout {bridge.stall_timeout:g} s); disconnected")
-    write.result()
 
 
 class InferenceServicer(oe.InferenceServicer):
@@ -178,6 +156,7 @@ class InferenceServicer(oe.InferenceServicer):
         builder = ResponseBuilder(request.request_id, max(request.sampling.num_sequences, 1),
                                   self.state.options.max_send_message_bytes, self.state.session_ref)
         self.state.add_stream(bridge)  # cut off at once when accepted after the drain deadline
+        writes = WriteWatch(context, bridge, asyncio.current_task())
         try:
             while not builder.terminal_sent:
                 out = await bridge.next()
@@ -187,10 +166,11 @@ class InferenceServicer(oe.InferenceServicer):
                     # its PrefillReady gave way to an EngineError (an event too large): never sent (K7)
                     self.state.engine.abort_kv_session(out.prefill.session_id)
                 for event in events:
-                    await _write(context, event, bridge)
+                    await writes.send(event)
                 if oversized is None and builder.oversized is not None:  # its final output ends the stream
                     self.state.engine.abort(request.request_id)
         finally:
+            writes.close()
             self.state.streams.discard(bridge)
             # K7: the client left before its terminal event was built: a PrefillReady still to come
             # is never sent, so its session is released. One whose write had begun may have reached

@@ -10,7 +10,7 @@ a client that does not read), ``on_stall`` runs once: the server aborts the engi
 and the stream ends with a terminal ``EngineError(OVERLOADED, retryable)``. Outputs beyond
 ``capacity`` still queue meanwhile (the engine must not block), so the overflow is bounded
 by what the engine produces in one stall timeout. A client that reads nothing even then is
-disconnected by the servicer (``inference._write``), which ``ended_at`` times.
+disconnected by the servicer (``write_watch.WriteWatch``), which ``ended_at`` times.
 
 Invariants:
 - :meth:`next` returns each engine output once, in order; after a failure (:meth:`fail`)
