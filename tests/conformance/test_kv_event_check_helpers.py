@@ -14,6 +14,7 @@ from refengine.conformance.checks_kv_sources import _connectable
 from refengine.conformance.kv_subscriber import _key
 from refengine.conformance.registry import CheckFailed
 from refengine.protocol import oe
+from tests.refused_ports import refused_port
 
 
 def _hash(n: int) -> oe.KvBlockHash:
@@ -71,9 +72,7 @@ def _source(port: int, host: str = "127.0.0.1", protocol: str = "tcp") -> oe.KvE
 def test_a_listening_source_is_connectable_and_a_closed_port_is_not() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         assert _connectable([_source(listener.getsockname()[1])], "127.0.0.1") == ([], [])
-    with socket.socket() as closed:  # bound, not listening: it refuses, and no server takes the port meanwhile
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
+    with refused_port() as port:
         for target_host in ("127.0.0.1", "other.example"):  # a loopback source is judged wherever the target is
             problems, notes = _connectable([_source(port)], target_host)
             assert len(problems) == 1 and "connection refused" in problems[0] and not notes

@@ -27,7 +27,7 @@ from tests.conformance.fake_server import Faults, serve
 from tests.conformance.rule_ids import PROFILE_PAGES, profile_rules_in
 from tests.conformance.test_conformance import REPO
 from tests.conformance.test_negative_controls import GUIDED_CHECKS
-from tests.integration.conftest import refused_address
+from tests.refused_ports import refused_address
 
 
 def test_guided_checks_skip_without_guided_decoding() -> None:

@@ -20,7 +20,6 @@ import re
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import signal  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -45,16 +44,6 @@ SHARED_SERVER_ARGS = (
     "--max-model-len", "2048", "--num-kv-blocks", "128", "--max-num-seqs", "16",
     "--stream-buffer", "16", "--stall-timeout-seconds", "20", "--shutdown-grace-seconds", "5",
 )
-
-
-@contextmanager
-def refused_address() -> Iterator[str]:
-    """``127.0.0.1:PORT`` that refuses connections while the block runs: the port is bound, not
-    listening, so no other server can take it. An address whose port was bound and closed once
-    answered: a negative control's toy server, started meanwhile, had been given that port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        yield f"127.0.0.1:{s.getsockname()[1]}"
 
 
 #: What ``refengine serve`` prints once every listener is bound: the address and its services.

@@ -20,6 +20,7 @@ from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
 from refengine.server.kv_pull_client import MAX_CACHED_SOURCES, GrpcKvTransfer
 from refengine.types import KvEndpointSpec, KvSessionSpec
+from tests.refused_ports import refused_port
 
 PULL_TIMEOUT_S = 30.0
 
@@ -184,16 +185,12 @@ def test_a_connection_error_s_details_go_to_the_log_not_the_client(caplog: pytes
     """Found by review: the client saw gRPC's connection error ("Connection refused", "Failed
     parsing HTTP/2") for the endpoint it named, telling it what listens there. A source's own
     answer (NOT_FOUND: the session is gone) still reaches it."""
-    import socket
-
     transfer = GrpcKvTransfer(PULL_TIMEOUT_S)
     transfer.bind(_Store(), lambda *_: None)
     server, port = _serve(_Source(grpc.StatusCode.NOT_FOUND))
     try:
-        with socket.socket() as probe:  # bound, not listening: it refuses, and no server takes the port meanwhile
-            probe.bind(("127.0.0.1", 0))
-            with pytest.raises(TransferFailure) as refused:
-                transfer.pull(_order(probe.getsockname()[1]), Cancellation())
+        with refused_port() as closed_port, pytest.raises(TransferFailure) as refused:
+            transfer.pull(_order(closed_port), Cancellation())
         with pytest.raises(TransferFailure, match="answered NOT_FOUND"):
             transfer.pull(_order(port), Cancellation())
     finally:

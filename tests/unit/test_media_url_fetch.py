@@ -21,6 +21,7 @@ from refengine.config import MediaConfig
 from refengine.multimodal import url_fetch
 from refengine.multimodal.url_fetch import address_refusal, fetch_url
 from refengine.types import InvalidRequestError, MediaInput
+from tests.refused_ports import refused_port
 from tests.unit.media_helpers import load_image
 from tests.unit.test_media_sources import DEFAULT, PNG
 
@@ -217,9 +218,8 @@ def test_the_whole_fetch_has_one_deadline(base: str, path: str) -> None:
 
 def test_failures_are_invalid_requests(monkeypatch: pytest.MonkeyPatch, base: str) -> None:
     fetch_refused(base + "/missing", allow("127.0.0.1"), "HTTP 404")
-    with socket.socket() as unused:  # bound, not listening: it refuses, and no server started meanwhile takes it
-        unused.bind(("127.0.0.1", 0))
-        fetch_refused(f"http://127.0.0.1:{unused.getsockname()[1]}/", allow("127.0.0.1"), "ConnectionRefusedError")
+    with refused_port() as port:
+        fetch_refused(f"http://127.0.0.1:{port}/", allow("127.0.0.1"), "ConnectionRefusedError")
 
     def resolver(host: str, *args: object, **kwargs: object) -> None:
         if host == "stuck.test":
