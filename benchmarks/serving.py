@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,26 +41,32 @@ MODEL = "smollm2-135m-instruct"
 FULL, QUICK = (144, 80, 0.6), (48, 12, 0.3)
 
 
-def start_server(engine_flags: list[str], threads: int) -> tuple[subprocess.Popen, str, Path]:
-    import socket
+#: What ``refengine serve`` prints once every listener is bound (with ``--port 0``: the port it got).
+LISTENING = re.compile(r"^refengine: listening on (\S+) \(Inference", re.MULTILINE)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"refengine-serving-bench-{port}.log"
+
+def start_server(engine_flags: list[str], threads: int) -> tuple[subprocess.Popen, str, Path]:
+    """A ``refengine serve`` on a port it picks itself (``--port 0``), READY; no port chosen
+    here beforehand, which another socket could take before the server binds it."""
+    fd, name = tempfile.mkstemp(prefix="refengine-serving-bench-", suffix=".log", dir=os.environ.get("TMPDIR"))
+    log = Path(name)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "refengine.cli", "serve", "--model", MODEL, "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "WARNING", *engine_flags]
-    with open(log, "w") as out:
+           "--port", "0", "--log-level", "WARNING", *engine_flags]
+    with os.fdopen(fd, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    address = f"127.0.0.1:{port}"
     try:
+        deadline = time.monotonic() + 600
+        while not (announced := LISTENING.search(log.read_text(errors="replace"))):
+            _check_running(proc, log)
+            if time.monotonic() > deadline:
+                raise TimeoutError("refengine serve not listening after 600 s")
+            time.sleep(0.05)
+        address = announced.group(1)
         with OpenEngineClient(address, timeout=2) as client:
-            deadline = time.monotonic() + 600
             while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"refengine serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+                _check_running(proc, log)
                 try:
                     client.wait_until_ready(timeout=2)
                     return proc, address, log
@@ -69,6 +77,11 @@ def start_server(engine_flags: list[str], threads: int) -> tuple[subprocess.Pope
         proc.kill()
         proc.wait()
         raise
+
+
+def _check_running(proc: subprocess.Popen, log: Path) -> None:
+    if proc.poll() is not None:
+        raise RuntimeError(f"refengine serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
 
 
 def inprocess_sender(engine, prefix: str) -> runner.Sender:  # noqa: ANN001 - Engine

@@ -86,9 +86,21 @@ def request(rid: str, prompt: list[int], max_tokens: int = 5, salt: str | None =
 
 
 def free_port() -> int:
+    """A port for the one test of an explicit port; the others bind port 0 (no window in which
+    another socket takes the port) and read what they got with ``live_at`` / ``replay_at``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def live_at(pub: ZmqKvEventPublisher) -> str:
+    """The endpoint a started publisher's PUB socket is bound to."""
+    return f"tcp://127.0.0.1:{pub.describe('127.0.0.1')['port']}"
+
+
+def replay_at(pub: ZmqKvEventPublisher) -> str:
+    """The endpoint a started publisher's replay (ROUTER) socket is bound to."""
+    return pub.describe("127.0.0.1")["replay_endpoint"]
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:
@@ -215,8 +227,8 @@ def started(request):
     publishers: list[ZmqKvEventPublisher] = []
 
     def start(engine: Engine, **kwargs) -> ZmqKvEventPublisher:
-        kwargs.setdefault("endpoint", f"tcp://127.0.0.1:{free_port()}")
-        kwargs.setdefault("replay_endpoint", f"tcp://127.0.0.1:{free_port()}")
+        kwargs.setdefault("endpoint", "tcp://127.0.0.1:0")
+        kwargs.setdefault("replay_endpoint", "tcp://127.0.0.1:0")
         pub = ZmqKvEventPublisher(engine, medium=MEDIUM, **kwargs)
         pub.start()
         publishers.append(pub)
@@ -231,7 +243,7 @@ def test_frames_decode_into_the_engines_own_batches(tiny, ctx, started) -> None:
     engine = make_engine(tiny)
     pub = started(engine, topic="kv")
     mirror = Mirror(engine)
-    sub = subscriber(ctx, pub.endpoint, b"kv")
+    sub = subscriber(ctx, live_at(pub), b"kv")
     shared = ids(1, 12)
     engine.run_until_done([request("a", shared + ids(2, 5))])
     engine.run_until_done([request("b", shared + ids(3, 9)), request("s", ids(4, 10), salt="tenant-7")])
@@ -267,7 +279,7 @@ def test_replay_returns_the_retained_batches_and_the_end_marker(tiny, ctx, start
     engine = make_engine(tiny)
     pub = started(engine)
     mirror = Mirror(engine)
-    sub = subscriber(ctx, pub.endpoint)
+    sub = subscriber(ctx, live_at(pub))
     for i in range(4):
         engine.run_until_done([request(f"r{i}", ids(10 + i, 9), max_tokens=2)])
     n = len(mirror.batches())
@@ -275,12 +287,12 @@ def test_replay_returns_the_retained_batches_and_the_end_marker(tiny, ctx, start
     wait_until(lambda: pub.num_published == n, "every batch published")
     live = [(int.from_bytes(s, "big"), p) for _, s, p in receive(sub, n)]
     assert [s for s, _ in live] == list(range(n))
-    assert replay(ctx, pub.replay_endpoint, 0) == live
-    assert replay(ctx, pub.replay_endpoint, 2) == live[2:]
-    assert replay(ctx, pub.replay_endpoint, n) == []  # nothing newer: just the end marker
-    assert replay(ctx, pub.replay_endpoint, 0, start_frame=(2).to_bytes(4, "big")) == live[2:]  # as vLLM reads it
+    assert replay(ctx, replay_at(pub), 0) == live
+    assert replay(ctx, replay_at(pub), 2) == live[2:]
+    assert replay(ctx, replay_at(pub), n) == []  # nothing newer: just the end marker
+    assert replay(ctx, replay_at(pub), 0, start_frame=(2).to_bytes(4, "big")) == live[2:]  # as vLLM reads it
     for odd in (b"", bytes(9)):  # no u64: nothing replayed, but an answer all the same
-        assert replay(ctx, pub.replay_endpoint, 0, start_frame=odd) == []
+        assert replay(ctx, replay_at(pub), 0, start_frame=odd) == []
     sub.close(linger=0)
 
     small = make_engine(tiny)
@@ -290,14 +302,14 @@ def test_replay_returns_the_retained_batches_and_the_end_marker(tiny, ctx, start
         small.run_until_done([request(f"q{i}", ids(20 + i, 9), max_tokens=2)])
     m = len(small_mirror.batches())
     wait_until(lambda: bounded.num_published == m, "every batch published")
-    assert [s for s, _ in replay(ctx, bounded.replay_endpoint, 0)] == [m - 2, m - 1]
+    assert [s for s, _ in replay(ctx, replay_at(bounded), 0)] == [m - 2, m - 1]
 
 
 def test_a_consumer_view_ends_equal_to_the_pool_after_evictions_and_a_reset(tiny, ctx, started) -> None:
     engine = make_engine(tiny, num_blocks=10)  # a few prompts of 3-4 blocks each must evict
     pub = started(engine)
     mirror = Mirror(engine)
-    sub = subscriber(ctx, pub.endpoint)
+    sub = subscriber(ctx, live_at(pub))
     view: dict[int, int | None] = {}
     received = 0
 
@@ -321,10 +333,10 @@ def test_a_consumer_view_ends_equal_to_the_pool_after_evictions_and_a_reset(tiny
     assert view.keys() == published(engine) and view
 
     replayed: dict[int, int | None] = {}
-    for _, payload in replay(ctx, pub.replay_endpoint, 0):
+    for _, payload in replay(ctx, replay_at(pub), 0):
         apply(replayed, decode(payload))
     assert replayed == view
-    kinds = [e["type"] for _, p in replay(ctx, pub.replay_endpoint, 0) for e in decode(p)]
+    kinds = [e["type"] for _, p in replay(ctx, replay_at(pub), 0) for e in decode(p)]
     assert "BlockRemoved" in kinds and "AllBlocksCleared" in kinds
     sub.close(linger=0)
 
@@ -334,8 +346,7 @@ def test_a_publisher_cut_off_by_the_engine_resends_the_cache_after_a_clear(tiny,
     blocks, then live batches again; what the operator sees: one warning saying so."""
     engine = make_engine(tiny, subscriber_buffer=1)
     gate = threading.Event()
-    pub = ZmqKvEventPublisher(engine, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}",
-                              medium=MEDIUM)
+    pub = ZmqKvEventPublisher(engine, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", medium=MEDIUM)
     drain = pub._drain
 
     def stalled() -> None:  # the publisher thread falls behind the engine once
@@ -352,13 +363,13 @@ def test_a_publisher_cut_off_by_the_engine_resends_the_cache_after_a_clear(tiny,
         messages = []
 
         def clears() -> int:
-            messages[:] = [decode(p) for _, p in replay(ctx, pub.replay_endpoint, 0)]
+            messages[:] = [decode(p) for _, p in replay(ctx, replay_at(pub), 0)]
             return sum(events[:1] == [{"type": "AllBlocksCleared"}] for events in messages)
 
         wait_until(lambda: clears() == 1, "the snapshot after the cut-off")
 
         def caught_up() -> bool:
-            messages[:] = [decode(p) for _, p in replay(ctx, pub.replay_endpoint, 0)]
+            messages[:] = [decode(p) for _, p in replay(ctx, replay_at(pub), 0)]
             view.clear()
             for events in messages:
                 apply(view, events)
@@ -416,7 +427,7 @@ def test_close_delivers_what_it_published_to_a_subscriber_a_little_behind(tiny, 
     alone would not outlive the serve process, which exits next)."""
     engine = make_engine(tiny, subscriber_buffer=100_000)
     pub = started(engine, replay_endpoint=None)
-    sub = subscriber(ctx, pub.endpoint, rcvhwm=5)  # holds little: the rest waits on the publisher's side
+    sub = subscriber(ctx, live_at(pub), rcvhwm=5)  # holds little: the rest waits on the publisher's side
     batches = 120
     for _ in range(batches):
         engine.kv_events.publish([BlockStored(random.randbytes(32), None, tuple(range(BLOCK)), BLOCK, ("m",))
