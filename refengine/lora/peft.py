@@ -288,8 +288,12 @@ def _scaled_pair(path: Path, layer: int, proj: str, pair: dict[str, torch.Tensor
 
 
 def _digest(*contents: bytes) -> str:
+    """One digest of several files: each is preceded by its length, so that bytes moved from the
+    end of one file to the start of the next make another digest (without the lengths, the
+    digest was that of the files' concatenation)."""
     digest = hashlib.sha256()
     for data in contents:
+        digest.update(len(data).to_bytes(8, "little"))
         digest.update(data)
     return digest.hexdigest()[:32]
 

@@ -547,6 +547,18 @@ def test_the_cache_key_is_the_digest_of_the_bytes_the_weights_came_from(tiny, ad
     assert now == make_engine(tiny, root).loras.load(spec("all8", root))[0].cache_key != original_key
 
 
+def test_the_cache_key_tells_where_one_file_ends() -> None:
+    """The key digests the config and the weights each with its length: moving a byte from the end
+    of one to the start of the other changes it (the digest of their concatenation did not)."""
+    from refengine.lora import peft
+
+    config, weights = b'{"r": 8}', b"\x20\x00safetensors"
+    keys = {peft._digest(config, weights), peft._digest(config + weights[:1], weights[1:]),
+            peft._digest(config[:-1], config[-1:] + weights)}
+    assert len(keys) == 3
+    assert peft._digest(config, weights) == peft._digest(config, weights)
+
+
 def test_unreadable_adapter_files_are_invalid_argument(tiny, adapters, monkeypatch) -> None:
     """R1: a directory or file the engine cannot read (permissions; gone mid-load) is "not
     visible to the engine": INVALID_ARGUMENT, not the INTERNAL an uncaught OSError became."""
