@@ -55,8 +55,13 @@ def _run(args: argparse.Namespace) -> int:
         return run_bench(args)
     if args.command == "conformance":
         return run_conformance(args)
+    from refengine.commands.serve_model import model_problem
     from refengine.server.app import serve_from_args
 
+    problem = model_problem(args.model)
+    if problem:
+        print(f"refengine serve: --model: {problem}", file=sys.stderr)
+        return 2
     return serve_from_args(args)
 
 

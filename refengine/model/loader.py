@@ -29,13 +29,8 @@ from refengine.model.manifest import (
     Manifest,
     ModelNotFoundError,
     UnsupportedModelError,
-    hf_dir_missing,
-    load_manifest,
-    locate_gguf,
-    locate_local_dir,
-    manifest_names,
+    locate_model,
     refuse_pickle_only,
-    unknown_name_error,
 )
 from refengine.model.weight_shapes import check_lm_weights
 
@@ -83,44 +78,23 @@ def _converted(gguf_path: Path, target: Path) -> Path:
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ResolvedModel:
-    """Turn a manifest name, a Hugging Face directory or a ``.gguf`` file into a ResolvedModel.
+    """Turn a manifest name, a Hugging Face directory or a ``.gguf`` file (``locate_model``) into
+    a ResolvedModel.
 
-    A bare word that names a manifest always means the manifest (whatever the current
-    directory holds). A GGUF is converted once into ``<cache_dir>/models/<name>``;
-    ``cache_dir`` defaults to ``config.default_cache_dir()`` (``$REFENGINE_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/refengine``, else ``~/.cache/refengine``).
+    A GGUF is converted once into ``<cache_dir>/models/<name>`` (a manifest's) or
+    ``<name>-<fingerprint>`` (a file's); ``cache_dir`` defaults to ``config.default_cache_dir()``
+    (``$REFENGINE_CACHE_DIR``, else ``$XDG_CACHE_HOME/refengine``, else ``~/.cache/refengine``).
     Raises ModelNotFoundError (what to put where) or UnsupportedModelError.
     """
     models_cache = (cache_dir or default_cache_dir()) / "models"
-    is_bare_name = "/" not in name_or_path and not name_or_path.endswith(".gguf")
-    if is_bare_name and name_or_path in manifest_names():
-        manifest = load_manifest(name_or_path)
-        if manifest.source.kind == "gguf_package":
-            path = _converted(locate_gguf(manifest), models_cache / manifest.name)
-        else:
-            path = locate_local_dir(manifest)
-        _warn_on_architecture_mismatch(manifest, path)
-        return ResolvedModel(name=manifest.name, path=path, manifest=manifest)
-
-    given = Path(name_or_path).expanduser()
-    path = given.resolve()
-    # Either name may say .gguf: in the Hugging Face hub cache ``x.gguf`` links to a nameless blob;
-    # a link ``current`` may point at ``model.gguf``. The served name is the one that says it.
-    if path.is_file() and ".gguf" in (given.suffix, path.suffix):
-        name = given.stem if given.suffix == ".gguf" else path.stem
-        target = models_cache / f"{name}-{source_fingerprint(path)[:12]}"
-        return ResolvedModel(name=name, path=_converted(path, target))
-    if path.is_dir():
-        refuse_pickle_only(path)
-        missing = hf_dir_missing(path)
-        if missing:
-            raise ModelNotFoundError(
-                f"{path} is not a complete Hugging Face model directory: missing {', '.join(missing)}"
-            )
-        return ResolvedModel(name=path.name, path=path)
-    if path.exists():
-        raise ModelNotFoundError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
-    raise unknown_name_error(name_or_path)
+    located = locate_model(name_or_path)
+    path = located.path
+    if located.is_gguf:
+        target = located.name if located.manifest else f"{located.name}-{source_fingerprint(path)[:12]}"
+        path = _converted(path, models_cache / target)
+    if located.manifest is not None:
+        _warn_on_architecture_mismatch(located.manifest, path)
+    return ResolvedModel(name=located.name, path=path, manifest=located.manifest)
 
 
 def _warn_on_architecture_mismatch(manifest: Manifest, path: Path) -> None:

@@ -206,3 +206,46 @@ def locate_gguf(manifest: Manifest) -> Path:
             f"Model {manifest.name!r}: no file matching {src.filename_glob!r} in {Path(spec.origin).parent}"
         )
     return matches[0]
+
+
+@dataclass(frozen=True)
+class LocatedModel:
+    """What a model string names, found on disk and checked, before anything is converted or
+    loaded: ``path`` is a complete Hugging Face directory, or a GGUF file (``is_gguf``) that
+    becomes one. ``name`` is the served name; ``manifest`` is ``None`` for a path."""
+
+    name: str
+    path: Path
+    is_gguf: bool
+    manifest: Manifest | None = None
+
+
+def locate_model(name_or_path: str) -> LocatedModel:
+    """Find what ``name_or_path`` names: a manifest name, a Hugging Face directory or a ``.gguf``
+    file. A bare word that names a manifest always means the manifest (whatever the current
+    directory holds). Raises ModelNotFoundError (what to put where) or UnsupportedModelError.
+
+    Without torch, so that ``refengine serve`` refuses a wrong ``--model`` before it listens."""
+    is_bare_name = "/" not in name_or_path and not name_or_path.endswith(".gguf")
+    if is_bare_name and name_or_path in manifest_names():
+        manifest = load_manifest(name_or_path)
+        if manifest.source.kind == "gguf_package":
+            return LocatedModel(manifest.name, locate_gguf(manifest), True, manifest)
+        return LocatedModel(manifest.name, locate_local_dir(manifest), False, manifest)
+    given = Path(name_or_path).expanduser()
+    path = given.resolve()
+    # Either name may say .gguf: in the Hugging Face hub cache ``x.gguf`` links to a nameless blob;
+    # a link ``current`` may point at ``model.gguf``. The served name is the one that says it.
+    if path.is_file() and ".gguf" in (given.suffix, path.suffix):
+        return LocatedModel(given.stem if given.suffix == ".gguf" else path.stem, path, True)
+    if path.is_dir():
+        refuse_pickle_only(path)
+        missing = hf_dir_missing(path)
+        if missing:
+            raise ModelNotFoundError(
+                f"{path} is not a complete Hugging Face model directory: missing {', '.join(missing)}"
+            )
+        return LocatedModel(path.name, path, False)
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
+    raise unknown_name_error(name_or_path)

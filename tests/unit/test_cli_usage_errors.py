@@ -105,3 +105,41 @@ def test_an_unusable_cache_directory_is_one_line_not_a_traceback(tmp_path) -> No
                             env={**ENV, "REFENGINE_CACHE_DIR": str(blocker / "cache")})
     assert "Traceback" not in result.stderr, result.stderr[-600:]
     assert result.returncode == 2 and "REFENGINE_CACHE_DIR" in result.stderr and str(blocker) in result.stderr
+
+
+@pytest.mark.parametrize("what", ["unknown name", "no such path", "incomplete directory", "pickle only"])
+def test_a_model_that_cannot_be_found_is_refused_before_listening(tmp_path, what: str) -> None:  # noqa: ANN001
+    """Found by review: the server listened, then the loader failed (exit 1 after announcing its
+    ports). A model string that leads to no servable files is now exit 2, as a bad flag is."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    if what == "pickle only":
+        (directory / "pytorch_model.bin").write_bytes(b"")
+    model = {"unknown name": "no-such-model", "no such path": str(tmp_path / "nowhere")}.get(what, str(directory))
+    result = cli("serve", "--host", "127.0.0.1", "--port", "0", "--model", model, timeout=60)
+    assert "Traceback" not in result.stderr, result.stderr[-600:]
+    assert "listening on" not in result.stdout, "a port announced for a model that cannot load"
+    expected = {"unknown name": "neither a known model name", "no such path": "neither a known model name",
+                "incomplete directory": "missing config.json", "pickle only": "pickle"}[what]
+    assert result.returncode == 2 and "refengine serve: --model: " in result.stderr, result.stderr[-600:]
+    assert expected in result.stderr, result.stderr[-600:]
+
+
+def test_a_model_that_fails_to_load_ends_the_server_with_exit_1(tmp_path) -> None:  # noqa: ANN001
+    """What only loading finds (here an empty weight file) still ends the server after it listened:
+    exit 1, the reason in its log."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_text("{}" if name.endswith(".json") else "")
+    result = cli("serve", "--host", "127.0.0.1", "--port", "0", "--model", str(directory))
+    assert "listening on 127.0.0.1:" in result.stdout, result.stdout
+    assert result.returncode == 1 and "the model failed to load" in result.stderr, result.stderr[-600:]
+
+
+def test_the_model_check_imports_no_torch() -> None:
+    """The check runs before ``serve`` listens, which is within a quarter second without torch."""
+    code = ("import sys\nfrom refengine.commands.serve_model import model_problem\n"
+            "assert model_problem('smollm2-135m-instruct') == ''\nassert 'torch' not in sys.modules, 'torch'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV)
+    assert result.returncode == 0, result.stderr[-600:]
