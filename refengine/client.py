@@ -245,6 +245,9 @@ def prefill(client: OpenEngineClient, request: oe.GenerateRequest, timeout: floa
         if kind == "error":
             raise PrefillFailed(f"prefill failed: {error_code_name(event.error.code)}: {event.error.message}",
                                 event)
+        if kind == "finished" and event.finished.reason == oe.FINISH_REASON_CANCELLED:
+            # An abort (Abort RPC, a drain, a fault) ends a prefill as any stream (A4): no session.
+            raise PrefillFailed(f"the prefill was cancelled: {event.finished.message or 'no reason given'}", event)
         if kind in ("token", "finished"):
             raise PrefillFailed(f"not a prefill server: it sent a {kind} event (K4)", event)
         if prompt_events is not None:

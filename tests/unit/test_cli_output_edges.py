@@ -1,8 +1,9 @@
 """Edges of the CLI's output and of the two-hop client, found by review (each test failed
 before its fix): in-process ``--json`` is strict JSON with named candidate fields, a
 disaggregated generation abandoned while its PromptOutput is being handled releases the
-prefill's KV session, a bench length range never passes uint32, and a console that cannot
-show a character does not end ``generate`` with a traceback."""
+prefill's KV session, a cancelled prefill is said to be cancelled, a bench length range never
+passes uint32, and a console that cannot show a character does not end ``generate`` with a
+traceback."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 from refengine.bench import UINT32_MAX
 from refengine.bench.workload import RequestOptions, random_requests, to_message
-from refengine.client import generate_disaggregated
+from refengine.client import PrefillFailed, generate_disaggregated
 from refengine.commands.generate_output import JsonPrinter
 from refengine.protocol import oe
 from refengine.types.outputs import Candidate, RequestOutput, SequenceDelta, TokenInfo
@@ -71,6 +72,29 @@ def test_an_abandoned_two_hop_generation_releases_the_session(events_taken: int)
         next(events)
     events.close()  # what the CLI's closing() does on Ctrl-C or a broken pipe
     assert prefill.aborted == ["s1"]
+
+
+class EndedPrefill:
+    """A prefill hop that ends with ``GenerationFinished(reason)`` instead of PrefillReady."""
+
+    def __init__(self, reason: int) -> None:
+        self.reason = reason
+
+    def generate(self, request: Any, timeout: float | None = None, metadata: Any = None) -> Iterator[Any]:
+        yield oe.GenerateResponse(request_id="r", finished=oe.GenerationFinished(reason=self.reason, message="aborted"))
+
+
+def test_a_cancelled_prefill_is_said_to_be_cancelled() -> None:
+    """Found by a chaos run (an Abort on the prefill server mid-prefill): the prefill ends with
+    GenerationFinished(CANCELLED), as A4 asks, and the client said 'not a prefill server'."""
+    events = generate_disaggregated(EndedPrefill(oe.FINISH_REASON_CANCELLED), Decode(),  # type: ignore[arg-type]
+                                    oe.GenerateRequest(request_id="r", prompt="p"))
+    with pytest.raises(PrefillFailed, match="the prefill was cancelled: aborted") as failed:
+        next(events)
+    assert failed.value.event is not None and failed.value.event.finished.reason == oe.FINISH_REASON_CANCELLED
+    with pytest.raises(PrefillFailed, match="not a prefill server"):  # it finished its output: it decoded
+        next(generate_disaggregated(EndedPrefill(oe.FINISH_REASON_STOP), Decode(),  # type: ignore[arg-type]
+                                    oe.GenerateRequest(request_id="r", prompt="p")))
 
 
 def test_bench_output_lengths_stay_within_uint32() -> None:
