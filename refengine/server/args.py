@@ -33,6 +33,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT, how long running streams may take to finish")
     g.add_argument("--stream-buffer", type=int, default=d.stream_buffer,
                    help="engine outputs a stream may hold undelivered before its stall clock starts")
+    g.add_argument("--stream-buffer-mib", type=int, default=d.stream_buffer_bytes // MIB,
+                   help="estimated memory a stream's undelivered outputs may hold before its stall clock starts, "
+                   "MiB; at 4x it the stream ends at once (EngineError OVERLOADED, retryable)")
     g.add_argument("--stall-timeout-seconds", type=float, default=d.stall_timeout_seconds,
                    help="a stream whose client reads nothing this long while its buffer is full is aborted "
                    "(EngineError OVERLOADED, retryable)")
@@ -63,6 +66,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         max_receive_message_bytes=args.max_receive_message_mib * MIB,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         stream_buffer=args.stream_buffer,
+        stream_buffer_bytes=args.stream_buffer_mib * MIB,
         stall_timeout_seconds=args.stall_timeout_seconds,
         health_probe_timeout_seconds=args.health_probe_timeout_seconds,
         kv_events_zmq=args.kv_events_zmq,

@@ -122,6 +122,13 @@ STALLED_CONSUMER = EngineFault(
     "aborted to free its resources; retry and read the stream promptly",
     retryable=True,
 )
+OUTRUN_CONSUMER = EngineFault(
+    "overloaded",
+    "the client read the stream slower than the engine produced it, and the output waiting for it "
+    "passed 4x the server's --stream-buffer-mib; the request was aborted to free its memory; retry, "
+    "reading promptly or asking for fewer logprob candidates",
+    retryable=True,
+)
 DRAINED = EngineFault(
     "cancelled",
     "cancelled by the server's drain: it is shutting down and the grace period ended before the "

@@ -25,8 +25,9 @@ import grpc
 from refengine.engine.interface import EngineClient
 from refengine.protocol import oe
 from refengine.server.convert import StreamSettings, stream_settings, to_engine_request
-from refengine.server.errors import STALLED_CONSUMER, Rejection, abort_call, rejection_from_engine
+from refengine.server.errors import OUTRUN_CONSUMER, STALLED_CONSUMER, Rejection, abort_call, rejection_from_engine
 from refengine.server.metadata import read_inference_metadata
+from refengine.server.options import MIB
 from refengine.server.responses import ResponseBuilder
 from refengine.server.state import ServerState
 from refengine.server.stream_bridge import OutputBridge
@@ -79,7 +80,8 @@ class InferenceServicer(oe.InferenceServicer):
         settings = stream_settings(request.extra, self.server_stream)
         params = to_engine_request(request, meta, prompt_positions_limit(request, facts))
         bridge = OutputBridge(asyncio.get_running_loop(), request.request_id, settings.stream_buffer,
-                              settings.stall_timeout_seconds, self._on_stall, engine.abort_kv_session)
+                              settings.stall_timeout_seconds, self._on_stall, engine.abort_kv_session,
+                              buffer_bytes=self.state.options.stream_buffer_bytes)
         try:
             aborted_while_waiting = await self._wait_retired(params.request_id, context.time_remaining())
             if _cheap_to_add(params):
@@ -135,9 +137,13 @@ class InferenceServicer(oe.InferenceServicer):
             bridge.id_released()
 
     def _on_stall(self, bridge: OutputBridge) -> None:
-        if bridge.fail(STALLED_CONSUMER):
-            logger.warning("request %s: client stopped reading for %.1f s; aborting it",
-                           bridge.request_id, bridge.stall_timeout)
+        if bridge.fail(OUTRUN_CONSUMER if bridge.outrun else STALLED_CONSUMER):
+            if bridge.outrun:
+                logger.warning("request %s: the client reads slower than the engine produces; aborting it with "
+                               "over %d MiB waiting for it", bridge.request_id, bridge.overflow_bytes // MIB)
+            else:
+                logger.warning("request %s: client stopped reading for %.1f s; aborting it",
+                               bridge.request_id, bridge.stall_timeout)
             self.state.engine.abort(bridge.request_id)
 
     async def Generate(self, request: oe.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802

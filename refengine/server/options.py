@@ -52,6 +52,11 @@ class ServerOptions:
     - ``stream_buffer``: engine outputs one stream may hold undelivered before its stall clock
       starts. The engine thread never blocks: outputs past the buffer still queue, but only
       for ``stall_timeout_seconds``.
+    - ``stream_buffer_bytes``: the same bound on the outputs' estimated memory
+      (``stream_bridge.held_bytes``: logprob candidates dominate, ~9 MiB a token for ``all`` over
+      SmolLM2's vocabulary). Past ``OVERFLOW_FACTOR`` (4) times it the stream ends at once with
+      ``EngineError(OVERLOADED, retryable)``: its client reads slower than the engine produces, and
+      the stall clock, restarted by every write, would let the backlog grow to the end of the request.
     - ``stall_timeout_seconds``: a full buffer with no write completing for this long aborts
       the request and ends the stream with ``EngineError(OVERLOADED, retryable)``. A client that
       takes nothing for this long + 15 s (``ABORT_CONFIRM_SECONDS``) after its stream's end (a stall,
@@ -75,6 +80,7 @@ class ServerOptions:
     max_receive_message_bytes: int = 32 * MIB
     shutdown_grace_seconds: float = 30.0
     stream_buffer: int = 64
+    stream_buffer_bytes: int = 32 * MIB
     stall_timeout_seconds: float = 30.0
     health_probe_timeout_seconds: float = 10.0
     kv_events_zmq: str | None = None
@@ -103,6 +109,9 @@ class ServerOptions:
         # Messages name the flag the operator typed (found by review: they named the fields).
         if self.stream_buffer < 1:
             raise ValueError(f"--stream-buffer must be >= 1, got {self.stream_buffer}")
+        if not MIB <= self.stream_buffer_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(f"--stream-buffer-mib must be in 1..{MAX_MESSAGE_BYTES // MIB}, "
+                             f"got {self.stream_buffer_bytes / MIB:g}")
         for name in ("shutdown_grace_seconds", "stall_timeout_seconds", "health_probe_timeout_seconds"):
             if not 0 < getattr(self, name) <= MAX_SECONDS:  # see MAX_SECONDS: inf overflows waits
                 raise ValueError(f"{_flag(name)} must be in (0, {MAX_SECONDS:g}] seconds, got {getattr(self, name)}")

@@ -4,12 +4,16 @@ The engine calls :meth:`OutputBridge.sink` on its own thread after every step; t
 only schedules :meth:`_push` on the loop (``call_soon_threadsafe``), so the engine thread
 never blocks and never runs gRPC code. The servicer awaits :meth:`next`.
 
-Bounded delivery: ``capacity`` outputs may wait undelivered. When the buffer is full and
-the consumer takes nothing for ``stall_timeout`` seconds (its gRPC writes are stuck behind
-a client that does not read), ``on_stall`` runs once: the server aborts the engine request
-and the stream ends with a terminal ``EngineError(OVERLOADED, retryable)``. Outputs beyond
-``capacity`` still queue meanwhile (the engine must not block), so the overflow is bounded
-by what the engine produces in one stall timeout. A client that reads nothing even then is
+Bounded delivery: ``capacity`` outputs, and ``buffer_bytes`` of their estimated memory
+(``held_bytes``), may wait undelivered. When the buffer is full and the consumer takes nothing
+for ``stall_timeout`` seconds (its gRPC writes are stuck behind a client that does not read),
+``on_stall`` runs once: the server aborts the engine request and the stream ends with a
+terminal ``EngineError(OVERLOADED, retryable)``. Outputs beyond the buffer still queue meanwhile
+(the engine must not block). A client that reads, but slower than the engine produces, restarts
+the stall clock with every output it takes, so its backlog could grow to the end of the request
+(found by review: one client asking for ``all`` candidates and reading nothing grew the server
+by 2.5 GB within the 30 s stall timeout): past ``OVERFLOW_FACTOR`` times ``buffer_bytes``
+``on_stall`` runs at once, with ``outrun`` set. A client that reads nothing even after the end is
 disconnected by the servicer (``write_watch.WriteWatch``), which ``ended_at`` times.
 
 Invariants:
@@ -39,6 +43,13 @@ from refengine.types import EngineFault, RequestOutput, Usage
 # 2-core machine (the terminal EngineError then went out without its usage). Ends at the confirmation.
 ABORT_CONFIRM_SECONDS = 15.0
 
+#: What an undelivered output holds in memory, estimated from its parts: measured with tracemalloc
+#: (2026-12-07), a ``Candidate`` with its int, float and rank is about 184 bytes. Candidates dominate
+#: at scale: an ``all`` request makes one per vocabulary entry and token (SmolLM2: 49,152, ~9 MiB).
+OUTPUT_BYTES, TOKEN_BYTES, CANDIDATE_BYTES = 512, 256, 192
+#: Past this many times ``buffer_bytes`` undelivered, a stream ends at once (see the module's doc).
+OVERFLOW_FACTOR = 4
+
 
 class OutputBridge:
     def __init__(
@@ -49,9 +60,12 @@ class OutputBridge:
         stall_timeout: float,
         on_stall: Callable[[OutputBridge], None],
         release_session: Callable[[str], object] = lambda session_id: None,
+        buffer_bytes: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.capacity = capacity
+        self.buffer_bytes = buffer_bytes  # None: bounded by the number of outputs only
+        self.outrun = False  # on_stall ran because the backlog passed OVERFLOW_FACTOR x buffer_bytes
         self.stall_timeout = stall_timeout
         self.engine_finished = False  # the engine's final output reached the loop
         self.engine_done = asyncio.Event()  # the engine retired the id (see id_released)
@@ -60,7 +74,8 @@ class OutputBridge:
         self.ended_at: float | None = None  # loop time the engine side ended: finished, or failed
         self._loop = loop
         self._on_stall = on_stall
-        self._pending: deque[RequestOutput] = deque()
+        self._pending: deque[tuple[RequestOutput, int]] = deque()  # each with its held_bytes
+        self._pending_bytes = 0
         self._wakeup = asyncio.Event()
         self._stall_timer: asyncio.TimerHandle | None = None
         self._final_usage: Usage | None = None
@@ -88,9 +103,11 @@ class OutputBridge:
         if out.prefill is not None and (self.failure is not None or self._abandoned):
             self._release_session(out.prefill.session_id)  # its PrefillReady will never be sent
         elif self.failure is None and not self._abandoned:
-            self._pending.append(out)
-            if len(self._pending) >= self.capacity and not self.engine_finished:
-                self._start_stall_clock()
+            size = held_bytes(out)
+            self._pending.append((out, size))
+            self._pending_bytes += size
+            if not self.engine_finished:
+                self._check_backlog()
         else:
             self._dropped_tokens += _num_tokens(out)
         self._wakeup.set()
@@ -100,10 +117,34 @@ class OutputBridge:
         still to come."""
         self._abandoned = True
         self._stop_stall_clock()
-        for out in self._pending:
+        for out, _ in self._pending:
             if out.prefill is not None:
                 self._release_session(out.prefill.session_id)
+        self._clear_pending()
+
+    def _check_backlog(self) -> None:
+        """An output queued: the stall clock runs while the buffer is full, and past the overflow
+        ``on_stall`` runs now (once)."""
+        if self.buffer_bytes is not None and self._pending_bytes >= self.overflow_bytes and not self.outrun:
+            self.outrun = True
+            self._stop_stall_clock()
+            self._on_stall(self)
+        elif self._full():
+            self._start_stall_clock()
+
+    @property
+    def overflow_bytes(self) -> int:
+        """The backlog at which the stream ends at once (``buffer_bytes`` must be set)."""
+        assert self.buffer_bytes is not None
+        return OVERFLOW_FACTOR * self.buffer_bytes
+
+    def _full(self) -> bool:
+        return len(self._pending) >= self.capacity or (
+            self.buffer_bytes is not None and self._pending_bytes >= self.buffer_bytes)
+
+    def _clear_pending(self) -> None:
         self._pending.clear()
+        self._pending_bytes = 0
 
     def id_released(self) -> None:
         """The engine holds the request id no more: it finished the request, or it never
@@ -133,8 +174,8 @@ class OutputBridge:
             return False
         self.failure = fault
         self.ended_at = self._loop.time()
-        self._dropped_tokens += sum(_num_tokens(out) for out in self._pending)
-        self._pending.clear()
+        self._dropped_tokens += sum(_num_tokens(out) for out, _ in self._pending)
+        self._clear_pending()
         self._stop_stall_clock()
         self._wakeup.set()
         return True
@@ -146,9 +187,10 @@ class OutputBridge:
             if self.failure is not None:
                 return await self._terminal_failure()
             if self._pending:
-                out = self._pending.popleft()
+                out, size = self._pending.popleft()
+                self._pending_bytes -= size
                 self._stop_stall_clock()  # the consumer made progress
-                if len(self._pending) >= self.capacity and not self.engine_finished:
+                if self._full() and not self.engine_finished:
                     self._start_stall_clock()
                 if out.finished:
                     self._terminal_returned = True
@@ -176,3 +218,10 @@ class OutputBridge:
 
 def _num_tokens(out: RequestOutput) -> int:
     return sum(len(delta.tokens) for delta in out.deltas)
+
+
+def held_bytes(out: RequestOutput) -> int:
+    """``out``'s estimated memory while it waits (the constants above)."""
+    infos = [info for delta in out.deltas for info in delta.tokens]
+    infos.extend(out.prompt_tokens or ())
+    return OUTPUT_BYTES + sum(TOKEN_BYTES + CANDIDATE_BYTES * len(info.candidates) for info in infos)

@@ -348,6 +348,29 @@ def test_a_stalled_client_that_never_reads_again_is_disconnected(client: OpenEng
     assert "read nothing" in info.value.details()
 
 
+def test_a_client_outrun_by_the_engine_is_ended_before_its_stall_timeout(client: OpenEngineClient) -> None:
+    """Found by review: a client asking for all-vocabulary candidates (~9 MiB of Python objects a
+    token here) that read nothing grew the server by 2.5 GB before its stall timeout ended it, and
+    one that read slowly restarted the stall clock with every output. Past 4x --stream-buffer-mib
+    (32 MiB: ~14 tokens) waiting, the stream now ends at once: EngineError(OVERLOADED, retryable)
+    saying why, the request aborted and its KV freed, long before the 20 s stall timeout."""
+    wait_idle(client)
+    request = _long_request("outrun-1")
+    request.response.output_candidates.all.SetInParent()
+    started = time.monotonic()
+    with _own_connection(client) as own:
+        events = own.generate(request, timeout=120)
+        assert next(events).WhichOneof("event") == "token"  # then read nothing
+        wait_idle(client, timeout=60)
+        assert time.monotonic() - started < 15, "aborted by the stall timeout, not by the backlog"
+        rest = list(events)  # read again: what was waiting, then the terminal error
+    assert [e.WhichOneof("event") for e in rest[:-1]] == ["token"] * (len(rest) - 1)
+    final = rest[-1]
+    assert final.WhichOneof("event") == "error" and final.error.code == oe.ERROR_CODE_OVERLOADED, final
+    assert final.error.retryable and "slower than the engine produced" in final.error.message
+    assert len(rest) - 1 < LONG // 4 and final.usage.completion_tokens == len(rest)  # G16: what was sent
+
+
 def test_deadline_exceeded_aborts_engine_work(client: OpenEngineClient) -> None:
     """A client deadline is a transport-level end: non-OK status, no EngineError, KV freed."""
     wait_idle(client)

@@ -43,6 +43,8 @@ def test_a_port_in_use_is_a_usage_error(busy_port: int, flag: str) -> None:
 
 @pytest.mark.parametrize(("argv", "flag"), [
     (["--stream-buffer", "0"], "--stream-buffer"),
+    (["--stream-buffer-mib", "0"], "--stream-buffer-mib"),
+    (["--stream-buffer-mib", "4096"], "--stream-buffer-mib"),
     (["--shutdown-grace-seconds", "0"], "--shutdown-grace-seconds"),
     (["--stall-timeout-seconds", "0"], "--stall-timeout-seconds"),
     (["--health-probe-timeout-seconds", "0"], "--health-probe-timeout-seconds"),
