@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from refengine.server.options import MIB, ServerOptions
+from refengine.server.stream_bridge import OVERFLOW_FACTOR
 
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 
@@ -35,7 +36,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="engine outputs a stream may hold undelivered before its stall clock starts")
     g.add_argument("--stream-buffer-mib", type=int, default=d.stream_buffer_bytes // MIB,
                    help="estimated memory a stream's undelivered outputs may hold before its stall clock starts, "
-                   "MiB; at 4x it the stream ends at once (EngineError OVERLOADED, retryable)")
+                   f"MiB; at {OVERFLOW_FACTOR}x it the stream ends at once (EngineError OVERLOADED, retryable)")
     g.add_argument("--stall-timeout-seconds", type=float, default=d.stall_timeout_seconds,
                    help="a stream whose client reads nothing this long while its buffer is full is aborted "
                    "(EngineError OVERLOADED, retryable)")

@@ -21,6 +21,7 @@ from typing import NoReturn
 import grpc
 
 from refengine.protocol import oe
+from refengine.server.stream_bridge import OVERFLOW_FACTOR
 from refengine.types import (
     DuplicateRequestError,
     EngineFault,
@@ -125,8 +126,8 @@ STALLED_CONSUMER = EngineFault(
 OUTRUN_CONSUMER = EngineFault(
     "overloaded",
     "the client read the stream slower than the engine produced it, and the output waiting for it "
-    "passed 4x the server's --stream-buffer-mib; the request was aborted to free its memory; retry, "
-    "reading promptly or asking for fewer logprob candidates",
+    f"passed {OVERFLOW_FACTOR}x the server's --stream-buffer-mib; the request was aborted to free its memory; "
+    "retry, reading promptly or asking for fewer logprob candidates",
     retryable=True,
 )
 DRAINED = EngineFault(
