@@ -54,7 +54,8 @@ class ServerOptions:
       for ``stall_timeout_seconds``.
     - ``stream_buffer_bytes``: the same bound on the outputs' estimated memory
       (``stream_bridge.held_bytes``: logprob candidates dominate, ~9 MiB a token for ``all`` over
-      SmolLM2's vocabulary). Past ``stream_bridge.OVERFLOW_FACTOR`` times it the stream ends at once with
+      SmolLM2's vocabulary). When what waits behind the next output to send passes
+      ``stream_bridge.OVERFLOW_FACTOR`` times it, the stream ends at once with
       ``EngineError(OVERLOADED, retryable)``: its client reads slower than the engine produces, and
       the stall clock, restarted by every write, would let the backlog grow to the end of the request.
     - ``stall_timeout_seconds``: a full buffer with no write completing for this long aborts

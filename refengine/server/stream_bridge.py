@@ -12,9 +12,10 @@ terminal ``EngineError(OVERLOADED, retryable)``. Outputs beyond the buffer still
 (the engine must not block). A client that reads, but slower than the engine produces, restarts
 the stall clock with every output it takes, so its backlog could grow to the end of the request
 (found by review: one client asking for ``all`` candidates and reading nothing grew the server
-by 2.5 GB within the 30 s stall timeout): past ``OVERFLOW_FACTOR`` times ``buffer_bytes``
-``on_stall`` runs at once, with ``outrun`` set. A client that reads nothing even after the end is
-disconnected by the servicer (``write_watch.WriteWatch``), which ``ended_at`` times.
+by 2.5 GB within the 30 s stall timeout): when what waits behind the next output to send
+passes ``OVERFLOW_FACTOR`` times ``buffer_bytes``, ``on_stall`` runs at once, with ``outrun``
+set. A client that reads nothing even after the end is disconnected by the servicer
+(``write_watch.WriteWatch``), which ``ended_at`` times.
 
 Invariants:
 - :meth:`next` returns each engine output once, in order; after a failure (:meth:`fail`)
@@ -123,9 +124,12 @@ class OutputBridge:
         self._clear_pending()
 
     def _check_backlog(self) -> None:
-        """An output queued: the stall clock runs while the buffer is full, and past the overflow
-        ``on_stall`` runs now (once)."""
-        if self.buffer_bytes is not None and self._pending_bytes >= self.overflow_bytes and not self.outrun:
+        """An output queued: the stall clock runs while the buffer is full, and ``on_stall`` runs
+        now (once) when what waits behind the next output to send passes the overflow. Not the next
+        one itself: a single output larger than the overflow is what the request asked for (its
+        size was checked against the message limit before acceptance), not a client falling behind."""
+        behind_next = self._pending_bytes - self._pending[0][1]
+        if self.buffer_bytes is not None and behind_next >= self.overflow_bytes and not self.outrun:
             self.outrun = True
             self._stop_stall_clock()
             self._on_stall(self)
