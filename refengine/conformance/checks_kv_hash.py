@@ -22,7 +22,7 @@ from refengine.conformance.assertions import expect_valid
 from refengine.conformance.checks_lora import describe, load, scratch
 from refengine.conformance.checks_media import _image, _placeholder
 from refengine.conformance.encoder_support import unique_png
-from refengine.conformance.kv_announced import Tracker, announced
+from refengine.conformance.kv_announced import Tracker, announced, caught_up
 from refengine.conformance.kv_subscriber import (
     HashKey,
     KvView,
@@ -104,10 +104,13 @@ def lora_in_block_hash(t: Target) -> str:
     so its blocks hash differently, a chain of its own from a new root. Skips, saying why,
     without LoRA or adapter files (section R needs the same), or when the adapter does not load
     (R's finding). It waits for what it judges, not for a time window: the base prompt's blocks
-    until announced (``kv_announced``), then the adapted prompt's chain root, unless its Usage
-    shows it served from cache (found with a stream whose step's later batches come 1 s late:
-    the base prompt's late batches, counted as the adapter's, passed a server leaving the
-    adapter out of the block hash)."""
+    until announced (``kv_announced``), then the adapted prompt's chain root; when its Usage
+    shows it served from cache, every batch the server had published by then (``caught_up``:
+    a count of cached tokens alone proves nothing, K3's control counts a request's own blocks
+    as cached, and its adapted chain, on a stream running late under load, failed E4 in CI).
+    Counting what came within a time window passed a server leaving the adapter out of the
+    block hash on a stream whose step's later batches come 1 s late: the base prompt's late
+    batches counted as the adapter's."""
     _need_text(t)
     with scratch(t, "e4lora") as files:
         adapter = files.specs[0]
@@ -121,12 +124,14 @@ def lora_in_block_hash(t: Target) -> str:
             before = len(tracker.sub.batches)
             usage = generate(t, prompt, lora_name=adapter.lora_name)
             cached = usage.cached_prompt_tokens if usage is not None else 0
-            if not cached:  # else the violation is visible already
+            if not cached:
 
                 def rooted(_: Any) -> bool:
                     return bool(_roots(tracker.stored_since(before)))
 
                 tracker.sub.wait(rooted)
+            else:  # a violation only if no chain comes: judged on all the server had published by now
+                caught_up(t, tracker)
             expect(not tracker.sub.errors, f"the subscription failed: {tracker.sub.describe()}")
             since = tracker.stored_since(before)
         finally:

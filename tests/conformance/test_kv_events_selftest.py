@@ -186,13 +186,13 @@ MODEL_CONFIG = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 16
                 "num_key_value_heads": 2, "head_dim": 4, "num_hidden_layers": 1}
 
 
-def run_adapted(lora_not_in_hash: bool, scratch: Path) -> Any:
+def run_adapted(lora_not_in_hash: bool, scratch: Path, count_own_blocks: bool = False) -> Any:
     scratch.mkdir()
     config = scratch / "config.json"
     config.write_text(json.dumps(MODEL_CONFIG))
     (scratch / "lora").mkdir()
     return run_one(KvFaults(staggered=True), "E4:lora_in_block_hash",
-                   Faults(lora=True, lora_not_in_hash=lora_not_in_hash),
+                   Faults(lora=True, lora_not_in_hash=lora_not_in_hash, count_own_blocks=count_own_blocks),
                    lora_dir=str(scratch / "lora"), lora_model_config=str(config))
 
 
@@ -201,6 +201,7 @@ def run_imaged(media_not_in_hash: bool) -> Any:
                    Faults(images=True, media_not_in_hash=media_not_in_hash), media_placeholder_token_id=PLACEHOLDER)
 
 
+runs("adapter-own-blocks-cached", lambda scratch: run_adapted(False, scratch, count_own_blocks=True))
 for _fault in (False, True):
     runs(f"adapter-{_fault}", lambda scratch, fault=_fault: run_adapted(fault, scratch))
     runs(f"image-{_fault}", lambda _, fault=_fault: run_imaged(fault))
@@ -250,6 +251,17 @@ def test_the_adapter_block_hash_check_on_a_lagging_stream(lora_not_in_hash: bool
     result = outcomes[f"adapter-{lora_not_in_hash}"].result()
     assert result.status is status, result.message
     assert lora_not_in_hash is ("without the adapter in the block hash" in result.message), result.message
+
+
+def test_the_adapter_block_hash_check_does_not_take_cached_tokens_for_proof(outcomes: dict[str, Future[Any]]) -> None:
+    """Found in CI (K3's negative control also failed E4): a server counting a request's own fresh
+    blocks as cached (K3's violation) reported cached tokens for the adapted prompt, so the check
+    judged at once, before its chain arrived on a stream running late, and failed it as serving
+    the base model's blocks. It now judges every batch the server had published by then: the
+    adapter's chain of its own, late, passes (K3 fails such a server, not E4)."""
+    result = outcomes["adapter-own-blocks-cached"].result()
+    assert result.status is Status.PASS, result.message
+    assert "of its own" in result.message, result.message
 
 
 @pytest.mark.parametrize(("media_not_in_hash", "status"), [(False, Status.PASS), (True, Status.FAIL)],
