@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -35,14 +34,11 @@ sys.path.insert(0, str(REPO))
 
 from refengine.bench import report, runner, target, workload  # noqa: E402
 from refengine.client import OpenEngineClient  # noqa: E402
+from refengine.protocol.addresses import announced_listeners  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 #: (input_len, output_len, range_ratio): prompts 57-231 ids and outputs 32-128 tokens; quick: 33-63 and 8-16.
 FULL, QUICK = (144, 80, 0.6), (48, 12, 0.3)
-
-
-#: What ``refengine serve`` prints once every listener is bound (with ``--port 0``: the port it got).
-LISTENING = re.compile(r"^refengine: listening on (\S+) \(Inference", re.MULTILINE)
 
 
 def start_server(engine_flags: list[str], threads: int) -> tuple[subprocess.Popen, str, Path]:
@@ -58,12 +54,12 @@ def start_server(engine_flags: list[str], threads: int) -> tuple[subprocess.Pope
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
-        while not (announced := LISTENING.search(log.read_text(errors="replace"))):
+        while not (announced := announced_listeners(log.read_text(errors="replace"))):
             _check_running(proc, log)
             if time.monotonic() > deadline:
                 raise TimeoutError("refengine serve not listening after 600 s")
             time.sleep(0.05)
-        address = announced.group(1)
+        address = announced["Inference"]
         with OpenEngineClient(address, timeout=2) as client:
             while time.monotonic() < deadline:
                 _check_running(proc, log)

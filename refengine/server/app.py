@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from refengine.args_config import engine_config_from_args
 from refengine.config import EngineConfig
 from refengine.engine.interface import EngineClient
+from refengine.protocol.addresses import listening_line
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as kv_pull
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as kv_pull_grpc
 from refengine.protocol.v1alpha1 import media_pb2, media_pb2_grpc
@@ -147,8 +148,7 @@ class Server:
                 flag = "--port" if server is main else "--control-port"
                 raise ListenError(f"{flag} {port}: cannot listen on {host_port(host, port)} (in use, or not an "
                                   "address of this machine)") from None
-            what = " + ".join(name.rsplit(".", 1)[-1] for name in services)
-            announced.append(f"refengine: listening on {host_port(host, bound)} ({what})")
+            announced.append(listening_line(host_port(host, bound), [name.rsplit(".", 1)[-1] for name in services]))
             self.listeners.append(server)
             if server is main:  # K4, ENC9: sessions and embedding handles are pulled from the Inference port
                 self.state.kv_endpoints = (KvEndpointSpec(advertised_host(o), bound, "grpc"),)

@@ -15,7 +15,6 @@ threads oversubscribe the cores and make decoding 5-10x slower.
 from __future__ import annotations
 
 import os
-import re
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -33,6 +32,7 @@ import pytest  # noqa: E402
 
 from refengine.client import OpenEngineClient  # noqa: E402
 from refengine.protocol import oe  # noqa: E402
+from refengine.protocol.addresses import announced_listeners  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
@@ -44,10 +44,6 @@ SHARED_SERVER_ARGS = (
     "--max-model-len", "2048", "--num-kv-blocks", "128", "--max-num-seqs", "16",
     "--stream-buffer", "16", "--stall-timeout-seconds", "20", "--shutdown-grace-seconds", "5",
 )
-
-
-#: What ``refengine serve`` prints once every listener is bound: the address and its services.
-LISTENING = re.compile(r"^refengine: listening on (\S+) \(([^)]*)\)$", re.MULTILINE)
 
 
 @dataclass
@@ -75,19 +71,18 @@ class ServerProcess:
 
     def listening(self, timeout: float = 120.0) -> dict[str, str]:
         """Service name -> the HOST:PORT the server announced, once it bound every listener."""
+        if self._services:
+            return self._services
         deadline = time.monotonic() + timeout
-        while not self._services:
-            announced = LISTENING.findall(self.log_tail(chars=1 << 20))
-            if announced:
-                self._services = {name: where for where, names in announced for name in names.split(" + ")}
-            elif self.proc.poll() is not None:
+        while not (services := announced_listeners(self.log_tail(chars=1 << 20))):
+            if self.proc.poll() is not None:
                 raise RuntimeError(f"refengine serve exited with {self.proc.returncode} before listening:\n"
                                    f"{self.log_tail()}")
-            elif time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"refengine serve not listening after {timeout:g} s:\n{self.log_tail()}")
-            else:
-                time.sleep(0.05)
-        return self._services
+            time.sleep(0.05)
+        self._services = services
+        return services
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
