@@ -59,12 +59,17 @@ def default_cache_dir() -> Path:
 # ----------------------------------------------------------------------------- configs
 
 
+#: What llama3 (Llama 3.1) RoPE scaling reads; transformers' _validate_llama3_rope_parameters requires each.
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder, as read from ``config.json``.
 
     ``rope_scaling`` holds the Hugging Face dict (``rope_type`` = ``llama3`` is the
-    only non-default kind we implement); ``None`` means plain RoPE.
+    only non-default kind we implement, with every key of ``LLAMA3_ROPE_KEYS``: transformers
+    refuses a config without one, so no default is guessed); ``None`` means plain RoPE.
     """
 
     architecture: str
@@ -97,10 +102,26 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim must be even, got {self.head_dim}")
         check_positive_float(self, "rms_norm_eps")
         check_positive_float(self, "rope_theta")
+        self._check_rope_scaling()
         check_int(self, "bos_token_id", 0, self.vocab_size - 1, optional=True)
         if any(not is_int(t) or not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ValueError(f"ModelConfig.eos_token_ids must be integers in [0, vocab_size={self.vocab_size}), "
                              f"got {self.eos_token_ids!r}")
+
+    def _check_rope_scaling(self) -> None:
+        if self.rope_scaling is None:
+            return
+        rope_type = self.rope_scaling.get("rope_type")
+        if rope_type != "llama3":
+            raise ValueError(f"ModelConfig.rope_scaling: RoPE scaling {rope_type!r} is not implemented (only 'llama3')")
+        if missing := [key for key in LLAMA3_ROPE_KEYS if key not in self.rope_scaling]:
+            raise ValueError(f"ModelConfig.rope_scaling: llama3 RoPE scaling needs {', '.join(missing)} "
+                             "(transformers refuses it without them too)")
+        if any(isinstance(self.rope_scaling[key], bool) or not isinstance(self.rope_scaling[key], (int, float))
+               or self.rope_scaling[key] <= 0 for key in LLAMA3_ROPE_KEYS):
+            raise ValueError("ModelConfig.rope_scaling: llama3 RoPE scaling's "
+                             f"{', '.join(LLAMA3_ROPE_KEYS)} must be positive numbers, got "
+                             f"{ {key: self.rope_scaling[key] for key in LLAMA3_ROPE_KEYS} }")
 
 
 @dataclass(frozen=True)

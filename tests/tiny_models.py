@@ -56,12 +56,19 @@ def model_config_from_hf(model: transformers.PreTrainedModel) -> ModelConfig:
         max_position_embeddings=c.max_position_embeddings,
         rms_norm_eps=c.rms_norm_eps,
         rope_theta=getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"],
-        rope_scaling=getattr(c, "rope_scaling", None),
+        rope_scaling=_rope_scaling(c),
         tie_word_embeddings=c.tie_word_embeddings,
         attention_bias=isinstance(model, transformers.Qwen2ForCausalLM),
         bos_token_id=c.bos_token_id,
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos]),
     )
+
+
+def _rope_scaling(config: transformers.PretrainedConfig) -> dict | None:
+    """transformers 5 gives every model a rope dict (``rope_type`` 'default' for plain RoPE);
+    ModelConfig holds None for plain RoPE."""
+    rope = getattr(config, "rope_scaling", None)
+    return None if not rope or rope.get("rope_type", "default") == "default" else dict(rope)
 
 
 def hf_weights(model: transformers.PreTrainedModel) -> dict[str, torch.Tensor]:

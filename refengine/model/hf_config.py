@@ -81,8 +81,6 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
         return float(theta), None
     if rope_type != "llama3":
         raise UnsupportedModelError(f"RoPE scaling {rope_type!r} is not implemented (only 'llama3')")
-    if "factor" not in params:
-        raise UnsupportedModelError("config.json: llama3 RoPE scaling (rope_parameters) needs 'factor'")
     if config.get("original_max_position_embeddings") is not None:
         params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     else:

@@ -17,8 +17,7 @@ from refengine.kernels.fused import FusedOps
 def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1: keep high frequencies, divide low ones by ``factor``, blend between."""
     factor = scaling["factor"]
-    low_freq_factor = scaling.get("low_freq_factor", 1.0)
-    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_context_len = scaling["original_max_position_embeddings"]
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
@@ -36,12 +35,8 @@ class RotaryEmbedding:
         self.ops = ops or FusedOps()
         dim = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        scaling = config.rope_scaling or {}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type == "llama3":
-            inv_freq = _llama3_scaled_inv_freq(inv_freq, scaling)
-        elif rope_type not in ("default", None):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+        if config.rope_scaling is not None:  # llama3, with every key it needs (ModelConfig checks)
+            inv_freq = _llama3_scaled_inv_freq(inv_freq, config.rope_scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         half = dim // 2

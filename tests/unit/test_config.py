@@ -80,6 +80,10 @@ BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
      r"ModelConfig\.rms_norm_eps must be a finite number > 0"),
     ("theta", lambda: ModelConfig(**MODEL | dict(rope_theta=float("nan"))), r"ModelConfig\.rope_theta"),
     ("eos", lambda: ModelConfig(**MODEL | dict(eos_token_ids=(2, -1))), r"ModelConfig\.eos_token_ids"),
+    ("rope_kind", lambda: ModelConfig(**MODEL | dict(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+     r"ModelConfig\.rope_scaling: RoPE scaling 'yarn' is not implemented"),
+    ("rope_llama3_keys", lambda: ModelConfig(**MODEL | dict(rope_scaling={"rope_type": "llama3", "factor": 8.0})),
+     r"needs low_freq_factor, high_freq_factor, original_max_position_embeddings"),
     # past the vocabulary: min_tokens suppressed it with an index_put that failed the whole step
     ("eos_vocab", lambda: ModelConfig(**MODEL | dict(eos_token_ids=(MODEL["vocab_size"],))),
      r"ModelConfig\.eos_token_ids must be integers in \[0, vocab_size="),

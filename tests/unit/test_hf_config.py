@@ -87,12 +87,29 @@ def test_llama3_original_max_positions_follow_transformers(tmp_path: Path, inner
     torch.testing.assert_close(logits_of(directory, ids), want, atol=2e-4, rtol=1e-4)
 
 
-def test_llama3_without_factor_is_refused(tmp_path: Path) -> None:
-    """llama3 RoPE scaling without 'factor' is an UnsupportedModelError, not a KeyError at model build."""
+@pytest.mark.parametrize("missing", ["factor", "low_freq_factor", "high_freq_factor"])
+def test_llama3_missing_a_key_is_refused_as_transformers_refuses_it(tmp_path: Path, missing: str) -> None:
+    """llama3 RoPE scaling without one of its keys is an UnsupportedModelError naming the key, not a
+    KeyError at model build, and not a guessed default: transformers refuses the same file (before,
+    the two frequency factors defaulted to 1 and 4, so a config transformers cannot load was served)."""
     directory = save_model(tiny_model(), tmp_path / "m")
-    edit_config(directory, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
-                                            "original_max_position_embeddings": 64})
-    with pytest.raises(UnsupportedModelError, match="llama3 RoPE scaling .*needs 'factor'"):
+    rope = {"rope_theta": 10000.0, "original_max_position_embeddings": 64} | LLAMA3
+    del rope[missing]
+    edit_config(directory, rope_parameters=rope)
+    with pytest.raises(KeyError, match=missing):  # the oracle
+        transformers.AutoConfig.from_pretrained(directory)
+    with pytest.raises(UnsupportedModelError, match=rf"config\.json: .*llama3 RoPE scaling needs {missing}"):
+        load_model_config(directory)
+
+
+@pytest.mark.parametrize(("key", "value"), [("factor", 0), ("low_freq_factor", -1.0), ("high_freq_factor", "4"),
+                                            ("original_max_position_embeddings", True)])
+def test_llama3_keys_that_are_not_positive_numbers_are_refused(tmp_path: Path, key: str, value: object) -> None:
+    """They would divide by zero or flip the blend; transformers only warns, and builds tables of inf/nan."""
+    directory = save_model(tiny_model(), tmp_path / "m")
+    edit_config(directory, rope_parameters={"rope_theta": 10000.0, "original_max_position_embeddings": 64}
+                | LLAMA3 | {key: value})
+    with pytest.raises(UnsupportedModelError, match="must be positive numbers"):
         load_model_config(directory)
 
 

@@ -156,12 +156,14 @@ def test_legacy_config_layout(tmp_path: Path) -> None:
     """config.json as written before transformers 5: rope_theta + rope_scaling, head_dim absent."""
     legacy = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96)
     legacy |= dict(num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=8192)
-    legacy |= dict(rope_theta=5e5, rope_scaling={"type": "llama3", "factor": 8.0}, eos_token_id=[5, 6])
+    legacy_rope = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    legacy |= dict(rope_theta=5e5, rope_scaling=legacy_rope, eos_token_id=[5, 6])
     (tmp_path / "config.json").write_text(json.dumps(legacy))
     config = load_model_config(tmp_path)
     assert (config.head_dim, config.num_key_value_heads, config.eos_token_ids) == (16, 4, (5, 6))
     # original_max_position_embeddings defaults to max_position_embeddings, as in transformers
-    assert config.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert config.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     (tmp_path / "config.json").write_text(json.dumps(legacy | {"rope_scaling": {"type": "yarn"}}))
     with pytest.raises(UnsupportedModelError, match="yarn"):
         load_model_config(tmp_path)
