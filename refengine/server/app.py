@@ -11,9 +11,9 @@ Shutdown on SIGTERM/SIGINT (a second signal skips the grace period and the flush
 1. draining: new Generate → UNAVAILABLE; Health answers NOT_READY with a check naming the
    drain (the release has no DRAINING state), grpc.health.v1 NOT_SERVING; the other Control
    RPCs keep answering;
-2. running streams, requests still being accepted and Encode calls get ``--shutdown-grace-seconds`` to
-   finish, and a prefill server's KV sessions (an encoder's handles) to be pulled (the KV pull
-   service keeps answering);
+2. running streams, requests still being accepted, Encode calls and LoRA loads or unloads get
+   ``--shutdown-grace-seconds`` to finish, and a prefill server's KV sessions (an encoder's
+   handles) to be pulled (the KV pull service keeps answering);
 3. the rest end with one ``EngineError(CANCELLED, retryable=true)`` naming the drain (also one
    accepted after the deadline), and their engine requests are aborted (KV freed); the flush waits
    for the engine to confirm the aborts and for those events to be written;
@@ -246,7 +246,7 @@ class Server:
             await asyncio.sleep(0.02)
 
     def _draining_work(self) -> bool:
-        """What the grace period waits for: streams, acceptances, Encode calls, and a prefill
+        """What the grace period waits for: streams, acceptances, Encode and LoRA calls, and a prefill
         server's KV sessions (an encoder's handles) not yet pulled. One dropped at once would fail
         its consumer's request for good (KV_SESSION_NOT_FOUND, not retryable) while its pull could
         still run, on every rolling restart (found by review); a pull, a release or the lease ends it."""

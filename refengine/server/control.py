@@ -12,8 +12,9 @@ Choices where the contract is silent (ref):
   this server's endpoint (a prefill server's sessions are pulled from its port) and every
   backend's protocol, ``schema_version`` 3 (``refengine.kv-session/3``);
 - LoRA: the engine applies R1–R5 (``lora/registry.py``); loading reads files, so it runs
-  off the event loop. LoRA disabled → FAILED_PRECONDITION for all three RPCs, ``ListLoras``
-  included (R5). ``LoadLora`` without ``adapter`` → INVALID_ARGUMENT (R1);
+  off the event loop. A drain's grace period waits for a load or unload under way (X3).
+  LoRA disabled → FAILED_PRECONDITION for all three RPCs, ``ListLoras`` included (R5).
+  ``LoadLora`` without ``adapter`` → INVALID_ARGUMENT (R1);
 - ``GetKvEventSources`` / ``SubscribeKvEvents``: ``kv_events_service.py``;
 - ``Abort(kv_session)`` frees a held session (ABORTED); an unknown, released or expired one →
   NOT_FOUND (A2, K7): a session is not a request, so it has no ALREADY_FINISHED window.
@@ -236,7 +237,8 @@ class ControlServicer(oe.ControlServicer):
                 engine.load_lora, LoraAdapterSpec(a.lora_id, a.lora_name, a.source_path))
             return oe.LoadLoraResponse(adapter=_adapter(spec), already_loaded=already)
 
-        return await self._run(context, build)
+        with self.state.held_for_drain():  # its reply, not the listeners' cancel, ends it
+            return await self._run(context, build)
 
     async def UnloadLora(self, request, context):  # noqa: ANN001, ANN201, N802
         async def build() -> oe.UnloadLoraResponse:
@@ -246,7 +248,8 @@ class ControlServicer(oe.ControlServicer):
             adapter = await asyncio.to_thread(engine.unload_lora, request.lora_name)
             return oe.UnloadLoraResponse(adapter=_adapter(adapter))
 
-        return await self._run(context, build)
+        with self.state.held_for_drain():
+            return await self._run(context, build)
 
     async def ListLoras(self, request, context):  # noqa: ANN001, ANN201, N802
         async def build() -> oe.ListLorasResponse:

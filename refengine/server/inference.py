@@ -147,18 +147,16 @@ class InferenceServicer(oe.InferenceServicer):
             self.state.engine.abort(bridge.request_id)
 
     async def Generate(self, request: oe.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
-        self.state.accepting += 1  # a drain starting now waits for this request too (X3)
-        try:
-            bridge = await self._accept(request, context)
-        except Rejection as rejection:
-            await abort_call(context, rejection.code, rejection.message)
-            return
-        except Exception as exc:  # a bug, not the client's fault: say so, keep serving
-            logger.exception("request %s: refused by an internal error", request.request_id)
-            await abort_call(context, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-            return
-        finally:
-            self.state.accepting -= 1
+        with self.state.held_for_drain():  # a drain starting now waits for this request too (X3)
+            try:
+                bridge = await self._accept(request, context)
+            except Rejection as rejection:
+                await abort_call(context, rejection.code, rejection.message)
+                return
+            except Exception as exc:  # a bug, not the client's fault: say so, keep serving
+                logger.exception("request %s: refused by an internal error", request.request_id)
+                await abort_call(context, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+                return
         builder = ResponseBuilder(request.request_id, max(request.sampling.num_sequences, 1),
                                   self.state.options.max_send_message_bytes, self.state.session_ref)
         self.state.add_stream(bridge)  # cut off at once when accepted after the drain deadline

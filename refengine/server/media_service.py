@@ -65,13 +65,8 @@ class MediaServicer(media_grpc.MediaServicer):
                                 "handles made were released")
             return media.EncodeResponse(handles=[handle_to_pb(h, self.state.kv_endpoints) for h in handles])
 
-        # A drain waits for an Encode under way as for a Generate being accepted (X3). Before, the
-        # listeners' stop cancelled it 0.5 s after SIGTERM, whatever the grace period (found by review).
-        self.state.accepting += 1
-        try:
+        with self.state.held_for_drain():
             return await self._run(context, build)
-        finally:
-            self.state.accepting -= 1
 
     async def Release(self, request: media.ReleaseRequest, context: grpc.aio.ServicerContext):  # noqa: N802, ANN201
         async def build() -> media.ReleaseResponse:

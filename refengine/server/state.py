@@ -68,7 +68,7 @@ class ServerState:
         self.started_at = time.monotonic()
         self.streams: set[OutputBridge] = set()  # accepted Generate streams not yet ended
         # Generate calls inside acceptance (validation, a grammar compiled on a worker thread),
-        # and Encode calls under way: the drain waits for them as for streams (X3).
+        # Encode and LoRA lifecycle calls under way: the drain waits for them (held_for_drain).
         self.accepting = 0
         self.drain_deadline_passed = False  # from then on, a stream is cut off as soon as it is accepted
         # Streams that ended (client cancel, disconnect) before their engine request did, by
@@ -83,6 +83,17 @@ class ServerState:
         self.kv_endpoints: tuple[KvEndpointSpec, ...] = ()  # where this (prefill) server serves its sessions
         self.slow_work = SlowWork()  # Generate's acceptance and Encode: off asyncio's default executor
         self._listeners: list[Callable[[Lifecycle], None]] = []
+
+    @contextlib.contextmanager
+    def held_for_drain(self) -> Iterator[None]:
+        """Work a drain's grace period waits for as for a running stream (X3): a Generate inside
+        acceptance, an Encode, a LoadLora or UnloadLora under way. Otherwise the listeners' stop
+        cancelled it 0.5 s after SIGTERM, whatever the grace period (found by review)."""
+        self.accepting += 1
+        try:
+            yield
+        finally:
+            self.accepting -= 1
 
     def on_change(self, listener: Callable[[Lifecycle], None]) -> None:
         self._listeners.append(listener)
