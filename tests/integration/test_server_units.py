@@ -269,6 +269,7 @@ def test_unload_lora_waiting_for_a_load_does_not_block_the_event_loop() -> None:
     from types import SimpleNamespace
 
     from refengine.server.control import ControlServicer
+    from refengine.server.state import ServerState
     from refengine.types import LoraAdapterSpec
 
     class Engine:
@@ -278,7 +279,10 @@ def test_unload_lora_waiting_for_a_load_does_not_block_the_event_loop() -> None:
             time.sleep(0.6)  # the registry's lifecycle lock, held by a load reading its files
             return LoraAdapterSpec(2, name, "/adapters/b")
 
-    servicer = ControlServicer(SimpleNamespace(engine_for_control=Engine))
+    class State(SimpleNamespace):
+        held_for_drain = ServerState.held_for_drain
+
+    servicer = ControlServicer(State(engine_for_control=Engine, accepting=0))
 
     async def scenario() -> tuple[float, str]:
         gaps: list[float] = []

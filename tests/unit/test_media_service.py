@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from refengine.protocol import oe
 from refengine.protocol.v1alpha1 import media_pb2 as media
 from refengine.server.media_service import MediaServicer
+from refengine.server.state import ServerState
 from refengine.server.workers import SlowWork
 from refengine.types import EmbeddingHandleSpec, MediaInput
 
@@ -42,8 +43,14 @@ class SlowEncoder:
         return len(handle_ids)
 
 
+class FakeState(SimpleNamespace):
+    """The parts of ServerState an Encode uses; the drain's count is the real one."""
+
+    held_for_drain = ServerState.held_for_drain
+
+
 def servicer(engine: SlowEncoder) -> MediaServicer:
-    state = SimpleNamespace(engine_for_generate=lambda: engine, engine_for_control=lambda: engine, caps=None,
+    state = FakeState(engine_for_generate=lambda: engine, engine_for_control=lambda: engine, caps=None,
                             kv_endpoints=(), slow_work=SlowWork(), accepting=0)
     return MediaServicer(state)  # type: ignore[arg-type]
 
