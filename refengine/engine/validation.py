@@ -1,4 +1,4 @@
-"""Checks a request before the engine accepts it (RULES G1, G4–G7).
+"""Checks a request before the engine accepts it (RULES G1, G4–G7; ref: the cache salt's size).
 
 Every check raises ``InvalidRequestError`` with a message naming the field and
 the allowed range; nothing is allocated before all checks pass.
@@ -17,6 +17,12 @@ MAX_STOP_STRING_CHARS = 1024
 #: character, so 1,024 strings of 1,024 characters cost 260 MB each (and 64 are cached).
 MAX_STOP_CHARS_TOTAL = 16384
 MAX_STOP_TOKEN_IDS = 1024
+#: ``kv.cache_salt`` (and an Encode's ``cache_salt``), in UTF-8 bytes. The contract sets no bound
+#: (K2); the salt is hashed into every block key of the request and sent in every BlockStored
+#: event's ``extra_keys``, and encoder-cache entries keep it: unbounded, a 4 MB salt grew an
+#: encoder by 33 MB per Encode, kept after release (found by review). Salts are tenant ids or
+#: random tokens: 1 KiB holds any of them.
+MAX_CACHE_SALT_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,14 @@ def validate_inputs(request: GenerationRequest) -> None:
     has_prompt = request.prompt is not None
     has_ids = request.prompt_token_ids is not None
     _require(has_prompt != has_ids, "exactly one of prompt or token_ids must be set")
+    validate_cache_salt("kv.cache_salt", request.kv.cache_salt)
+
+
+def validate_cache_salt(field: str, salt: str | None) -> None:
+    """``MAX_CACHE_SALT_BYTES`` at most; checked before anything is hashed or cached."""
+    if salt and len(salt) * 4 > MAX_CACHE_SALT_BYTES:  # a character is at most 4 bytes: count only a long one
+        size = len(salt.encode())
+        _require(size <= MAX_CACHE_SALT_BYTES, f"{field} is {size} bytes; at most {MAX_CACHE_SALT_BYTES}")
 
 
 def validate_sampling(request: GenerationRequest, limits: Limits) -> None:

@@ -186,6 +186,21 @@ def test_encode_cache_release_expiry_and_integrity(llava: TinyLlava) -> None:
     encoder.shutdown()
 
 
+def test_a_salt_past_the_bound_is_refused_before_anything_is_cached(llava: TinyLlava) -> None:
+    """ref: an Encode's cache_salt is bounded as kv.cache_salt is (1,024 UTF-8 bytes). Found by
+    review: a 4 MB salt per Encode grew the encoder by 33 MB each time, kept after release in the
+    cache entries' keys."""
+    encoder = make_encoder(llava.directory)
+    image = [MediaInput("image", raw_bytes=IMAGES[0])]
+    with pytest.raises(InvalidRequestError, match="cache_salt is 1025 bytes; at most 1024"):
+        encoder.encode(image, cache_salt="s" * 1025)
+    refused = encoder.media_stats()
+    assert (refused.held_handles, refused.cached_entries, refused.cache_misses) == (0, 0, 0)
+    handle, = encoder.encode(image, cache_salt="s" * 1024)
+    assert not handle.cached and encoder.media_stats().held_handles == 1
+    encoder.shutdown()
+
+
 def test_a_salted_encode_uses_only_its_salt_s_cache_entries(llava: TinyLlava) -> None:
     """ENC4's salt (before it, an Encode had no salt): a uuid names an image within one salt
     alone. Another salt, or no salt, naming a different image by the same uuid gets that image's

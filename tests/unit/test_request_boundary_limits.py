@@ -37,6 +37,7 @@ from refengine.types import (
     GenerationRequest,
     GuidedSpec,
     InvalidRequestError,
+    KvParams,
     LogprobParams,
     SamplingParams,
     StoppingParams,
@@ -258,6 +259,21 @@ def test_request_id_bytes_bound() -> None:
     assert _code(sv.validate_generate, _gen(request_id="a" * 1025), RequestMetadata(), FACTS) is INVALID
     assert _code(sv.validate_generate, _gen(request_id="é" * 512 + "a"), RequestMetadata(), FACTS) is INVALID
     assert _code(sv.validate_generate, _gen(request_id=""), RequestMetadata(), FACTS) is INVALID
+
+
+@pytest.mark.parametrize(("salt", "ok"), [(None, True), ("", True), ("s" * 1024, True), ("\U0001F600" * 256, True),
+                                         ("s" * 1025, False), ("\U0001F600" * 256 + "s", False),
+                                         ("é" * 300, True), ("é" * 513, False)])
+def test_cache_salt_bytes_bound(salt: str | None, ok: bool) -> None:
+    """ref: ``kv.cache_salt`` is at most 1,024 UTF-8 bytes (K2 sets no bound; the salt goes into
+    every block key, BlockStored event and encoder-cache key), counted in bytes, not characters."""
+    assert ev.MAX_CACHE_SALT_BYTES == 1024
+    request = _req(kv=KvParams(cache_salt=salt))
+    if ok:
+        ev.validate_inputs(request)
+    else:
+        with pytest.raises(InvalidRequestError, match=rf"kv\.cache_salt is {len(salt.encode())} bytes; at most 1024"):
+            ev.validate_inputs(request)
 
 
 def test_g3_model_names() -> None:
