@@ -35,7 +35,7 @@ from refengine.engine.info import configured_context, engine_info
 from refengine.engine.interface import EngineInfo
 from refengine.engine.media import MediaInputs, salted
 from refengine.engine.no_generate import NoGenerate
-from refengine.engine.validation import validate_cache_salt
+from refengine.engine.validation import validate_encode
 from refengine.kv.transfer.base import KvTransferBackend
 from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
 from refengine.kv.transfer.sessions import KvSession, KvSessionStore
@@ -118,11 +118,7 @@ class EncoderEngine(HandleSessions, NoGenerate):
         """One handle per item, in order (see the module docstring); with ``cache_salt``, cache
         entries of that salt only. Raises ``InvalidRequestError`` for bad media or lease,
         ``OverloadedError`` when the arena has no room."""
-        if not items:
-            raise InvalidRequestError("items: at least one media item is required")
-        validate_cache_salt("cache_salt", cache_salt)
-        if len(items) > self.config.media.max_items:
-            raise InvalidRequestError(f"{len(items)} media items; at most {self.config.media.max_items} per request")
+        validate_encode(len(items), self.config.media.max_items, cache_salt)
         lease = self._lease(lease_seconds)
         data = self.media.fetch(items)
         with self.media.decoding:  # from decoded to encoded: the pixels' memory is bounded

@@ -40,6 +40,9 @@ class HandleSessions:
     def kv_session_content(self, session_id: str) -> str:
         return self.handles.content(session_id)
 
+    def kv_session_blocks(self, session_id: str) -> int:
+        return self.handles.num_blocks(session_id)
+
     def block_nbytes(self) -> int:
         return self.arena.block_nbytes
 

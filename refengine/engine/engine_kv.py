@@ -120,6 +120,9 @@ class EngineKvMixin:
     def kv_session_content(self, session_id: str) -> str:
         return self.kv_sessions.content(session_id)
 
+    def kv_session_blocks(self, session_id: str) -> int:
+        return self.kv_sessions.num_blocks(session_id)
+
     def block_nbytes(self) -> int:
         return self.block_io.block_nbytes
 

@@ -89,6 +89,9 @@ class EngineClient(Protocol):
     def kv_session_content(self, session_id: str) -> str:
         """What a live session holds (``KvSessionStore.content``): said to its puller, who checks it."""
 
+    def kv_session_blocks(self, session_id: str) -> int:
+        """How many blocks a live session holds (an embedding handle: rows), for a pull's range check."""
+
     def block_nbytes(self) -> int:
         """Bytes of one KV block over all layers."""
 

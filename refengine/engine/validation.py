@@ -61,6 +61,13 @@ def validate_cache_salt(field: str, salt: str | None) -> None:
         _require(size <= MAX_CACHE_SALT_BYTES, f"{field} is {size} bytes; at most {MAX_CACHE_SALT_BYTES}")
 
 
+def validate_encode(num_items: int, max_items: int, cache_salt: str) -> None:
+    """An Encode's item count and salt (draft profile ``encoder``), before any media is read."""
+    _require(num_items > 0, "items: at least one media item is required")
+    _require(num_items <= max_items, f"{num_items} media items; at most {max_items} per request")
+    validate_cache_salt("cache_salt", cache_salt)
+
+
 def validate_sampling(request: GenerationRequest, limits: Limits) -> None:
     s = request.sampling
     for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):

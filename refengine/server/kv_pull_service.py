@@ -6,7 +6,9 @@ thread while the session cannot be freed (``KvSessionStore.begin_read``); a chun
 blocks, at most ``--kv-pull-chunk-kib`` and within ``--max-send-message-mib`` (at least one
 block: a server whose one block exceeds its message limit does not start), with its CRC-32,
 so memory stays bounded by one chunk per pull in flight. Unknown, released or expired session →
-NOT_FOUND; a range outside the session or another KV layout → INVALID_ARGUMENT.
+NOT_FOUND; a range outside the session (checked whole before any chunk), an empty one or another
+KV layout → INVALID_ARGUMENT; a Pin of NaN or ≤ 0 seconds → INVALID_ARGUMENT (one longer than
+``--kv-pull-timeout`` is capped). While the model loads: UNAVAILABLE, as the Control RPCs.
 
 An encoder server (draft profile ``encoder``) serves its embedding handles the same way: a
 handle is a session whose blocks are embedding rows, its layout the rows' (ENC9).
@@ -23,7 +25,7 @@ from refengine.engine.interface import EngineClient
 from refengine.kv.transfer.base import SESSION_CONTENT_KEY, content_digest, pinned_content
 from refengine.protocol.kvpull.v1 import kv_pull_pb2 as pb
 from refengine.protocol.kvpull.v1 import kv_pull_pb2_grpc as pb_grpc
-from refengine.server.errors import abort_call
+from refengine.server.errors import Rejection, abort_call
 from refengine.server.state import ServerState
 from refengine.types import InvalidRequestError, KvSessionMismatch, KvSessionNotFound
 
@@ -47,10 +49,13 @@ class KvPullServicer(pb_grpc.KvPullServicer):
         self.state = state
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> EngineClient:
-        engine = self.state.engine
-        if engine is None or engine.info.role not in ("prefill", "encoder"):
+        try:  # still loading (or failed to): UNAVAILABLE, as every Control RPC answers then
+            engine = self.state.engine_for_control()
+        except Rejection as rejection:
+            await abort_call(context, rejection.code, rejection.message)
+        if engine.info.role not in ("prefill", "encoder"):
             await abort_call(context, grpc.StatusCode.FAILED_PRECONDITION,
-                                "this server holds no KV sessions (it is not a ready prefill or encoder server)")
+                             "this server holds no KV sessions (it is not a prefill or encoder server)")
         return engine
 
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext):  # noqa: N802, ANN201
@@ -61,8 +66,15 @@ class KvPullServicer(pb_grpc.KvPullServicer):
                                 f"kv_layout {request.kv_layout!r} differs from this server's {layout!r}")
         try:  # the puller checks what the session holds (an embedding handle: its item, ENC8)
             content = engine.kv_session_content(request.session_id)
+            size = engine.kv_session_blocks(request.session_id)
         except KvSessionNotFound as exc:
             await abort_call(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        # The whole range, before any chunk: a range past the end failed only at its first chunk
+        # outside, after streaming the rest, and an empty one answered OK (found by review).
+        if request.num_blocks < 1 or request.first_block_index + request.num_blocks > size:
+            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT,
+                             f"blocks [{request.first_block_index}, {request.first_block_index + request.num_blocks}) "
+                             f"requested; session {request.session_id!r} holds {size} (num_blocks must be at least 1)")
         await context.send_initial_metadata(((SESSION_CONTENT_KEY, content_digest(content)),))
         per_chunk = blocks_per_chunk(self.state.engine_config.kv_transfer.chunk_bytes,
                                      self.state.options.max_send_message_bytes, engine.block_nbytes())
@@ -87,7 +99,9 @@ class KvPullServicer(pb_grpc.KvPullServicer):
 
     async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.SessionReply:  # noqa: N802
         engine = await self._engine(context)
-        seconds = min(max(request.seconds, 0.0), self.state.engine_config.kv_transfer.pull_timeout_seconds)
+        if not request.seconds > 0:  # NaN and 0 too: a pin of no time pins nothing, and NaN poisons the window
+            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, f"seconds must be > 0, got {request.seconds}")
+        seconds = min(request.seconds, self.state.engine_config.kv_transfer.pull_timeout_seconds)
         try:
             content = engine.kv_session_content(request.session_id)
             block_ids = engine.pin_kv_session(request.session_id, seconds, request.expected_content)

@@ -44,7 +44,8 @@ class _SourceEngine:
 
 
 async def _serve_and_pin(sessions: KvSessionStore, reader_timeout: float) -> grpc.StatusCode:
-    state = SimpleNamespace(engine=_SourceEngine(sessions), engine_config=SimpleNamespace(
+    engine = _SourceEngine(sessions)
+    state = SimpleNamespace(engine=engine, engine_for_control=lambda: engine, engine_config=SimpleNamespace(
         kv_transfer=SimpleNamespace(pull_timeout_seconds=30.0)))
     server = grpc.aio.server()
     pb_grpc.add_KvPullServicer_to_server(KvPullServicer(state), server)

@@ -35,10 +35,12 @@ def test_a_kv_pull_read_does_not_wait_for_generate_acceptance_workers() -> None:
     engine = SimpleNamespace(
         info=SimpleNamespace(role="prefill"),
         add_request=lambda params, sink: gate.wait(30),  # a grammar compile waiting for a compile thread
-        kv_layout=lambda: "L", kv_session_content=lambda sid: "c", block_nbytes=lambda: 16,
+        kv_layout=lambda: "L", kv_session_content=lambda sid: "c", kv_session_blocks=lambda sid: 1,
+        block_nbytes=lambda: 16,
         read_kv_session=lambda sid, first, n: b"\0" * 16 * n)
     kv_transfer = SimpleNamespace(chunk_bytes=1 << 20)
-    state = SimpleNamespace(engine=engine, engine_config=SimpleNamespace(kv_transfer=kv_transfer),
+    state = SimpleNamespace(engine=engine, engine_for_control=lambda: engine,
+                            engine_config=SimpleNamespace(kv_transfer=kv_transfer),
                             options=SimpleNamespace(max_send_message_bytes=64 << 20))
     workers = min(32, (os.cpu_count() or 1) + 4)
 

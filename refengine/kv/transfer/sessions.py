@@ -113,6 +113,11 @@ class KvSessionStore:
         with self._lock:
             return self._live(session_id).content
 
+    def num_blocks(self, session_id: str) -> int:
+        """How many blocks a live session holds."""
+        with self._lock:
+            return len(self._live(session_id).block_ids)
+
     def renew(self, session_id: str, seconds: float) -> float:
         """Set a live session's lease to end ``seconds`` from now; returns that end (the clock's time)."""
         with self._lock:
