@@ -302,6 +302,8 @@ def read_peft_adapter(path: Path, model: ModelConfig, max_rank: int, roots: Sequ
     """Read and check the adapter in directory ``path``, confined by the caller to ``roots`` (real
     paths), from which it is opened (``confined.ConfinedDirectory``)."""
     config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if odd := [f.name for f in (config_file, weights_file) if f.exists() and not f.is_file()]:
+        raise _refuse(path, f"{odd[0]} is not a regular file")  # a FIFO or a directory: never opened
     if not config_file.is_file():
         raise _refuse(path, f"no {CONFIG_FILE} (a PEFT adapter directory is expected)")
     if not weights_file.is_file():

@@ -71,3 +71,15 @@ def test_a_float64_lora_a_past_float32s_range_is_refused(model_config: ModelConf
     tensors[next(name for name in sorted(tensors) if name.endswith("lora_A.weight"))][0, 0] = 1e300
     save_file(tensors, str(weights))
     assert "NaN or infinity" in refused(root, model_config, directory)
+
+
+@pytest.mark.parametrize("name", ["adapter_model.safetensors", "adapter_config.json"])
+def test_a_fifo_in_place_of_an_adapter_file_is_named_as_such(model_config: ModelConfig, tmp_path: Path,
+                                                             name: str) -> None:
+    """Refused without opening it (a FIFO's open would wait for a writer), and said so: the message
+    said the file was missing (found by a review probe)."""
+    root = Path(os.path.realpath(tmp_path))
+    directory = adapter(root, model_config)
+    (directory / name).unlink()
+    os.mkfifo(directory / name)
+    assert f"{name} is not a regular file" in refused(root, model_config, directory)
