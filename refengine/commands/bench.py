@@ -168,7 +168,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(json.dumps(summary, indent=2))
         return 0
-    print(report.format_table(summary))
-    if args.json is not None:
+    if args.json is not None:  # first: a reader of stdout that left early (| head, a pager) loses the table only
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    print(report.format_table(summary))
     return 0

@@ -32,6 +32,13 @@ def _printer(args: argparse.Namespace, options: GenerateOptions) -> Printer:
     return TextPrinter(options.num_sequences or 1, options.logprobs is not None, options.prompt_logprob_start or 0)
 
 
+def _refused(printer: Printer | None, message: str) -> None:
+    """The refusal on stderr, on a line of its own: after streamed text it ends that line first (a
+    JSON printer never leaves one open; found by review: a blank line came before every in-stream error)."""
+    broke_a_line = printer is not None and printer.mid_line
+    print(f"{chr(10) if broke_a_line else ''}refengine generate: {message}", file=sys.stderr)
+
+
 def run_remote(args: argparse.Namespace, options: GenerateOptions) -> int:
     """Through ``--remote``, or prefill on ``--prefill`` then decode on ``--decode`` (the
     two-hop flow of ``refengine.client.generate_disaggregated``), ``--encoder`` first if given."""
@@ -66,12 +73,10 @@ def run_remote(args: argparse.Namespace, options: GenerateOptions) -> int:
                 return REFUSED
             printer.close()
     except grpc.RpcError as exc:  # refused before acceptance (a bad regex), or the stream broke
-        broke_a_line = printer is not None and printer.mid_line
-        print(f"{chr(10) if broke_a_line else ''}refengine generate: {exc.code().name}: {exc.details()}",
-              file=sys.stderr)
+        _refused(printer, f"{exc.code().name}: {exc.details()}")
         return REFUSED
     except (GenerationError, PrefillFailed) as exc:
-        print(f"\nrefengine generate: {exc}", file=sys.stderr)
+        _refused(printer, str(exc))
         return REFUSED
     finally:
         for hop in (prefill_client, encoder_client):

@@ -5,6 +5,7 @@ found before the run, and vllm's flag spellings are accepted."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -121,6 +122,20 @@ def test_a_closed_stdout_exits_quietly(toy: Toy, command: str) -> None:
     os.close(write)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 141 and "BrokenPipeError" not in err and "Traceback" not in err, err
+
+
+def test_a_closed_stdout_still_gets_the_json_file_written(toy: Toy, tmp_path: Path) -> None:
+    """The file asked for is written before the table (found by review: `bench --json F | true`
+    lost the run's results, the table's print failing first)."""
+    read, write = os.pipe()
+    os.close(read)
+    path = tmp_path / "result.json"
+    proc = refengine("bench", "--target", toy.address, "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
+                     "--json", str(path), stdout=write)
+    os.close(write)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141, err
+    assert json.loads(path.read_text())["completed"] == 2
 
 
 def test_an_unwritable_json_path_stops_the_run_before_it_starts(toy: Toy, tmp_path: Path,

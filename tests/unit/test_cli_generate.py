@@ -414,6 +414,8 @@ def test_an_unnamed_error_code_and_a_cut_stream_exit_1(servers: Servers, capsys:
     remote = servers.addresses["@remote"]
     assert main(["generate", ODD_CODE, "--remote", remote]) == 1
     assert "refengine generate: ErrorCode(999): failed on purpose" in capsys.readouterr().err
+    assert main(["generate", ODD_CODE, "--remote", remote, "--json"]) == 1  # every JSON line is whole: no blank one
+    assert capsys.readouterr().err.startswith("refengine generate: ErrorCode(999): failed on purpose")
     assert main(["generate", CUT, "--remote", remote, "--num-sequences", "2"]) == 1
     assert "the stream ended before output(s) [0, 1] finished" in capsys.readouterr().err
 
