@@ -304,8 +304,12 @@ def mixed_adapters(t: Target) -> str:
     different outputs (the adapters are strong enough to matter); run concurrently
     (so they may share a batch), every request returns exactly its solo output."""
     with scratch(t, "r7", count=2) as s:
-        for spec in s.specs:
-            expect_code(load(t, spec), grpc.StatusCode.OK, f"LoadLora {describe(spec)}")
+        for index, spec in enumerate(s.specs):
+            loaded = load(t, spec)
+            if index and loaded[0] == grpc.StatusCode.RESOURCE_EXHAUSTED:  # found by review: R7 failed it
+                skip(f"the server holds one adapter at a time (a second LoadLora: RESOURCE_EXHAUSTED, "
+                     f"{loaded[2]!r}); R7 needs two loaded")
+            expect_code(loaded, grpc.StatusCode.OK, f"LoadLora {describe(spec)}")
         names = ["", *(spec.lora_name for spec in s.specs)]
         label = {"": "base model", **{n: f"adapter {n!r}" for n in names[1:]}}
         solo = {n: expect_valid(t.generate(lora_request(t, "r7-solo", n, 12)), what=f"{label[n]} alone").tokens()

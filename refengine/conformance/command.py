@@ -1,7 +1,8 @@
 """The conformance command line, shared by ``refengine conformance`` and
 ``python -m refengine.conformance``.
 
-    refengine conformance --target HOST:PORT [--profile P ...] [--rules G1,L] [--format text|markdown|json]
+    refengine conformance --target HOST:PORT [--control HOST:PORT] [--profile P ...] [--rules G1,L]
+                          [--format text|markdown|json]
                           [--prefill HOST:PORT --decode HOST:PORT] [--encoder HOST:PORT] [--load N --duration S]
 
 Exit status (:data:`EPILOG`): 0 when nothing failed, 1 when a check (or the load run) failed,
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser, positional: bool = False) -> 
     if positional:  # python -m refengine.conformance HOST:PORT (the older form)
         parser.add_argument("address", nargs="?", default="", help="HOST:PORT of the server (or --target)")
     parser.add_argument("--target", default="", metavar="HOST:PORT", help="the server under test")
+    parser.add_argument("--control", default="", metavar="HOST:PORT",
+                        help="the target's Control service, when it listens apart from Inference (refengine: "
+                        "--control-port); default: the --target address")
     parser.add_argument("--profile", action="append", default=[], choices=list(BY_NAME),
                         help="run only this profile's checks (repeatable; default: every profile)")
     parser.add_argument("--rules", default="", help="comma-separated rule ids or sections (e.g. G1,G14,L,ENC)")
@@ -108,7 +112,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    slow_reader_s=args.slow_reader_seconds,
                    slow_reader_extra=_json_object("--slow-reader-extra", args.slow_reader_extra),
                    known_extra_keys=_json_object("--known-extra-keys", args.known_extra_keys),
-                   prefill_address=args.prefill,
+                   prefill_address=args.prefill, control_address=args.control,
                    decode_address=args.decode, lora_dir=args.lora_dir, lora_model_config=args.lora_model_config,
                    media_placeholder_token_id=args.media_placeholder_token_id, encoder_address=args.encoder,
                    eviction_budget_tokens=args.eviction_budget_tokens,
@@ -118,6 +122,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
 def _selected(args: argparse.Namespace) -> list[Check]:
     """The checks --rules and --profile select together; ValueError when none or a bad id."""
     rules = [r for r in args.rules.split(",") if r.strip()]
+    if args.rules and not rules:  # found by review: --rules ",," ran the whole suite
+        raise ValueError(f"--rules {args.rules!r} names no rule")
     checks = select(rules or None)
     if args.profile:
         wanted = {c.name for c in checks_of(args.profile)}
@@ -146,8 +152,8 @@ def _check_arguments(args: argparse.Namespace) -> tuple[str, list[Check], Option
     address = args.target or getattr(args, "address", "")
     if not address:
         raise ValueError("name the server with --target HOST:PORT")
-    for flag, value in (("--target", address), ("--prefill", args.prefill), ("--decode", args.decode),
-                        ("--encoder", args.encoder)):
+    for flag, value in (("--target", address), ("--control", args.control), ("--prefill", args.prefill),
+                        ("--decode", args.decode), ("--encoder", args.encoder)):
         if value:
             try:
                 check_address(value)

@@ -143,8 +143,8 @@ def run_load(report: Report, address: str, options: Options, load: LoadOptions) 
     """Run the load against ``address`` and return ``report`` with its results and counts added."""
     start = time.perf_counter()
     tally = _Tally()
-    with Target(address, dataclasses.replace(options, stream_timeout_s=max(options.stream_timeout_s,
-                                                                            load.duration_s))) as t:
+    with Target(address, dataclasses.replace(options, stream_timeout_s=max(options.stream_timeout_s, load.duration_s)),
+                options.control_address) as t:
         deadline = time.monotonic() + load.duration_s
         threads = [threading.Thread(target=_client, args=(t, load.seed * 1000 + i, deadline, tally), daemon=True)
                    for i in range(load.streams)]

@@ -46,6 +46,10 @@ class Options:
     # that need it skip without it. K10 compares the pair with the target when that is AGGREGATED.
     prefill_address: str = ""
     decode_address: str = ""
+    # The target's Control service, when it listens apart from Inference (refengine: --control-port);
+    # "" = the target's own address. Only the target's: a server named with --prefill/--decode/--encoder
+    # serves both on its address.
+    control_address: str = ""
     # R1–R7: a directory the target can read (inside its LoRA root, e.g. refengine's --lora-root)
     # where the checks write small PEFT adapters, and the served model's Hugging Face config.json
     # (their shapes); the R checks that need adapter files skip without both.

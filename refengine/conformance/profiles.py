@@ -86,23 +86,34 @@ def _flag(field: str) -> Callable[[Target], Claim]:
     return claim
 
 
+#: How a server says it has no KV events: not implemented, or (as R5 for LoRA) turned off in its configuration.
+NO_KV_EVENTS = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION)
+
+
 def _kv_events(t: Target) -> Claim:
     code, _ = t.unary_code("GetKvEventSources", oe.GetKvEventSourcesRequest())
-    if code != grpc.StatusCode.UNIMPLEMENTED:
+    if code not in NO_KV_EVENTS:
         return True, f"GetKvEventSources answers {code.name}"
     call = t.control.SubscribeKvEvents(oe.SubscribeKvEventsRequest(), timeout=1.0)
     try:
         next(call, None)
     except grpc.RpcError as err:
-        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-            return False, "GetKvEventSources and SubscribeKvEvents are UNIMPLEMENTED"
+        if err.code() in NO_KV_EVENTS:
+            return False, f"GetKvEventSources answers {code.name}, SubscribeKvEvents {err.code().name}"
     finally:
         call.cancel()
     return True, "SubscribeKvEvents is implemented"
 
 
 def _prefix_cache(t: Target) -> Claim:
+    """One one-token Generate. Found by review: on a PREFILL target it left a KV session held until
+    its lease ended (one more each run), and a DECODE target was said to report no usage."""
+    if t.server_info.engine_role == oe.ENGINE_ROLE_DECODE:
+        return False, "the target is a DECODE server: the K checks send plain prompts, and each request it takes " \
+                      "carries a KV session prefilled elsewhere"
     res = t.generate(t.request("claim", max_tokens=1))
+    for ready in res.of("prefill_ready"):  # a PREFILL target holds the prompt's KV for a decode server: free it
+        t.unary_code("Abort", oe.AbortRequest(kv_session=ready.kv_session))
     usage = res.usage()
     if not res.ok or usage is None:
         return False, f"a one-token Generate gave no usage ({res.describe()})"
@@ -155,9 +166,9 @@ PROFILES: tuple[Profile, ...] = (
     Profile("lora", "LoRA lifecycle and per-request adapters", ("R",), _flag("supports_lora"),
             "supports_lora = true"),
     Profile("kv-events", "KV events: SubscribeKvEvents, GetKvEventSources", ("E",), _kv_events,
-            "GetKvEventSources or SubscribeKvEvents implemented"),
+            "GetKvEventSources or SubscribeKvEvents implemented, and not turned off (FAILED_PRECONDITION)"),
     Profile("prefix-cache", "prefix-cache reuse reported, bypassed, namespaced by salt", ("K1", "K2", "K3"),
-            _prefix_cache, "Usage.cached_prompt_tokens is reported"),
+            _prefix_cache, "Usage.cached_prompt_tokens is reported (a DECODE target: not claimed)"),
     Profile("prefill", "PREFILL role: PrefillReady, sessions held and released", ("K4", "K6", "K7"),
             _role(oe.ENGINE_ROLE_PREFILL, "prefill_address", "--prefill"),
             "the target is PREFILL, or a --prefill server is named"),

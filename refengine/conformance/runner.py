@@ -128,7 +128,7 @@ def run_report(address: str, checks: Iterable[Check], options: Options | None = 
     ``checks`` in order. ``core_run``: the checks include the core profile's, not picked by rule:
     a target that does not generate (PREFILL, DECODE, an encoder) is a ConnectError then (found by
     review: a PREFILL target failed 38 checks of the core profile, which assumes AGGREGATED)."""
-    with Target(address, options) as target:
+    with Target(address, options, (options or Options()).control_address) as target:
         role = target.server_info.engine_role
         if core_run and role != oe.ENGINE_ROLE_AGGREGATED:
             raise ConnectError(f"the target's engine_role is {_role_name(role)}, and the core profile checks a "
@@ -137,13 +137,7 @@ def run_report(address: str, checks: Iterable[Check], options: Options | None = 
         for flag, named in (("--prefill", target.options.prefill_address), ("--decode", target.options.decode_address),
                             ("--encoder", target.options.encoder_address)):
             if named:
-                peer = Target(named, target.options)
-                try:
-                    peer.connect()
-                except ConnectError as err:
-                    raise ConnectError(f"{flag}: {err}") from None
-                finally:
-                    peer.close()
+                _check_named(flag, Target(named, target.options))
         claimed = claims(target)
         profiles = [ProfileClaim(p.name, p.title, p.draft, *claimed[p.name]) for p in PROFILES]
         results = []
@@ -155,6 +149,26 @@ def run_report(address: str, checks: Iterable[Check], options: Options | None = 
             if result.status is Status.FAIL and (lost := _gone_during(target, chk, len(results))):
                 raise TargetLost(lost, Report(address, server_facts(target), profiles, results[:-1], stopped=lost))
         return Report(address, server_facts(target), profiles, results)
+
+
+#: The engine_role a server named by each flag must report (an encoder is found by its draft profile).
+NAMED_ROLES = {"--prefill": oe.ENGINE_ROLE_PREFILL, "--decode": oe.ENGINE_ROLE_DECODE}
+
+
+def _check_named(flag: str, peer: Target) -> None:
+    """A server named by ``flag`` answers discovery and has the flag's role, or the run cannot test
+    it (ConnectError naming the flag). Found by review: an AGGREGATED server named as --prefill
+    failed all nine K and M3 checks, exit 1, with no word on the flag."""
+    try:
+        peer.connect()
+        role = peer.server_info.engine_role
+        if flag in NAMED_ROLES and role != NAMED_ROLES[flag]:
+            raise ConnectError(f"{peer.address} reports engine_role {_role_name(role)}, not "
+                               f"{_role_name(NAMED_ROLES[flag])}")
+    except ConnectError as err:
+        raise ConnectError(f"{flag}: {err}") from None
+    finally:
+        peer.close()
 
 
 class TargetLost(ConnectError):
@@ -171,10 +185,16 @@ def _gone_during(target: Target, check: Check, num_run: int) -> str:
     check would fail with UNAVAILABLE, blamed on its rule (found by review: a server stopped mid-run
     got 48 failures across a dozen rules, exit 1). Says so, naming the check; "" while it answers."""
     code, _ = target.unary_code("GetServerInfo", oe.GetServerInfoRequest())
-    if code != grpc.StatusCode.UNAVAILABLE:
-        return ""
-    return (f"{target.address} stopped answering (UNAVAILABLE) during check {check.name} (check {num_run} of the "
-            "run): no verdict on it or on the checks after it")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        why = "stopped answering (UNAVAILABLE)"
+    else:  # a draining server still answers Control while it refuses new work (found by review: 11 false FAILs)
+        code, health = target.unary_code("Health", oe.HealthRequest())
+        if code != grpc.StatusCode.OK or health.state != oe.HEALTH_STATE_NOT_READY:
+            return ""
+        said = "; ".join(f"{c.name}: {c.message}" for c in health.checks if c.state == oe.HEALTH_STATE_NOT_READY)
+        why = f"stopped serving (Health NOT_READY{': ' + said if said else ''})"
+    return (f"{target.address} {why} during check {check.name} (check {num_run} of the run): no verdict on it or "
+            "on the checks after it")
 
 
 def run(address: str, rules: Iterable[str] | None = None, options: Options | None = None,

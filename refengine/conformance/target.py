@@ -52,16 +52,19 @@ class ConnectError(Exception):
 class Target(LoadWaits):
     """One OpenEngine server, reached at ``address`` (``host:port``)."""
 
-    def __init__(self, address: str, options: Options | None = None) -> None:
+    def __init__(self, address: str, options: Options | None = None, control_address: str = "") -> None:
+        """``control_address``: where this server's Control listens, when apart from ``address``."""
         self.address = address
         self.options = options or Options()
         # A subchannel of its own: in a process that talked to an earlier server on the same port
         # (a test harness, a tool running the suite repeatedly), a shared one may still be in its
         # reconnect backoff, and connect() would time out waiting for it.
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.control_channel = grpc.insecure_channel(control_address, options=CHANNEL_OPTIONS) \
+            if control_address else self.channel
         self._peers: list[Target] = []  # other servers of this run (connect_peer), closed with this one
         self.inference = oe.InferenceStub(self.channel)
-        self.control = oe.ControlStub(self.channel)
+        self.control = oe.ControlStub(self.control_channel)
         self._ids = itertools.count()
         self._run = uuid.uuid4().hex[:6]
         self.cache: dict[str, Any] = {}  # results shared between checks (reference runs)
@@ -84,11 +87,14 @@ class Target(LoadWaits):
         :class:`ConnectError` saying why the server cannot be tested. GetLoad is optional (the
         ``load`` profile is claimed only when it answers): when it does, an idle server's used
         KV blocks become the idle value of :meth:`wait_idle`."""
-        try:
-            grpc.channel_ready_future(self.channel).result(timeout=self.options.rpc_timeout_s)
-        except grpc.FutureTimeoutError:
-            raise ConnectError(f"cannot connect to {self.address} within {self.options.rpc_timeout_s:g} s") from None
+        apart = () if self.control_channel is self.channel else ((self.control_channel, "the --control address"),)
+        for channel, address in ((self.channel, self.address), *apart):
+            try:
+                grpc.channel_ready_future(channel).result(timeout=self.options.rpc_timeout_s)
+            except grpc.FutureTimeoutError:
+                raise ConnectError(f"cannot connect to {address} within {self.options.rpc_timeout_s:g} s") from None
         self.server_info = self._discover("GetServerInfo", oe.GetServerInfoRequest())
+        self._check_inference()
         served = self.server_info.supported_models
         model = self.options.model or (served[0] if served else "")
         if not model:
@@ -105,8 +111,23 @@ class Target(LoadWaits):
         try:
             return self.unary(method, request)
         except grpc.RpcError as err:
+            split = " (is Control served on another port? name it with --control)" if method == "GetServerInfo" \
+                and err.code() == grpc.StatusCode.UNIMPLEMENTED and self.control_channel is self.channel else ""
             raise ConnectError(f"{self.address}: discovery failed: {method}({str(request).strip() or '{}'}) "
-                               f"answered {err.code().name}: {err.details()}") from None
+                               f"answered {err.code().name}: {err.details()}{split}") from None
+
+    def _check_inference(self) -> None:
+        """Inference is served at the target's address: an empty Generate (refused, nothing run) is not
+        UNIMPLEMENTED. Found by review: a Control-only port ran the whole suite, 63 checks failing on
+        UNIMPLEMENTED and some refusal checks passing on it."""
+        try:
+            for _ in self.inference.Generate(oe.GenerateRequest(), timeout=self.options.rpc_timeout_s):
+                pass
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise ConnectError(f"{self.address} does not serve openengine.v1.Inference (Generate is "
+                                   "UNIMPLEMENTED): point --target at the Inference port and --control at "
+                                   "Control's") from None
 
     def connect_peer(self, address: str, role: str) -> Target:
         """Another server of the same run (``role``: the option naming it, e.g. ``--encoder``),
@@ -138,6 +159,8 @@ class Target(LoadWaits):
         for peer in self._peers:
             peer.close()
         self.channel.close()
+        if self.control_channel is not self.channel:
+            self.control_channel.close()
 
     def __enter__(self) -> Target:
         return self.connect()

@@ -14,12 +14,12 @@ from collections.abc import Sequence as Seq
 
 from refengine.config import EngineConfig
 from refengine.engine.core import EngineCore, KvEventSink
-from refengine.engine.kv_events import KvEventHub, KvEventSubscription
+from refengine.engine.kv_events import KV_EVENTS_DISABLED, KvEventHub, KvEventSubscription
 from refengine.kv.transfer.base import KvTransferBackend, SessionPinner, read_identity
 from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
 from refengine.kv.transfer.sessions import KvSessionStore, expecting
 from refengine.model.kv_io import KvBlockIO
-from refengine.types import EngineStats, InvalidRequestError, KvEvent
+from refengine.types import EngineStats, FeatureDisabledError, InvalidRequestError, KvEvent
 
 
 def choose_transfer_backends(config: EngineConfig, given: Seq[KvTransferBackend]) -> dict[str, KvTransferBackend]:
@@ -84,7 +84,7 @@ class EngineKvMixin:
         """A subscription to the numbered event batches: from a snapshot of the cached
         blocks, or replayed from ``start_sequence_number``, or live from the next batch."""
         if not self.config.kv_events.enabled:
-            raise InvalidRequestError("KV events are disabled on this engine (--no-kv-events)")
+            raise FeatureDisabledError(KV_EVENTS_DISABLED)
         if include_snapshot and start_sequence_number:
             raise InvalidRequestError("include_snapshot and start_sequence_number exclude each other: a snapshot "
                                       "starts a view afresh, a replay continues one")

@@ -19,6 +19,9 @@ from collections.abc import Callable
 
 from refengine.types import BlockStored, KvEvent, KvEventBatch
 
+#: What SubscribeKvEvents and GetKvEventSources say on a server started without KV events.
+KV_EVENTS_DISABLED = "KV events are disabled on this server (it was started with --no-kv-events)"
+
 logger = logging.getLogger(__name__)
 
 

@@ -26,9 +26,9 @@ from refengine.types import (
     DuplicateRequestError,
     EngineFault,
     EngineStoppedError,
+    FeatureDisabledError,
     InvalidRequestError,
     LoraConflictError,
-    LoraDisabledError,
     LoraNotFoundError,
     OverloadedError,
     RequestError,
@@ -43,7 +43,7 @@ REFUSAL_CODES: tuple[tuple[type[RequestError], grpc.StatusCode], ...] = (
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (LoraNotFoundError, grpc.StatusCode.NOT_FOUND),
     (LoraConflictError, grpc.StatusCode.ALREADY_EXISTS),
-    (LoraDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
+    (FeatureDisabledError, grpc.StatusCode.FAILED_PRECONDITION),  # LoRA's R5, KV events' (ref)
 )
 
 

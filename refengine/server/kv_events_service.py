@@ -26,14 +26,14 @@ from typing import Protocol
 import grpc
 
 from refengine.engine.interface import EngineClient
-from refengine.engine.kv_events import KvEventSubscription
+from refengine.engine.kv_events import KV_EVENTS_DISABLED, KvEventSubscription
 from refengine.protocol import oe
 from refengine.server.errors import Rejection, abort_call, disconnect, invalid
 from refengine.server.kv_events_wire import batch_response, storage_medium
 from refengine.server.metadata import DATA_PARALLEL_RANKS
 from refengine.server.options import ServerOptions, is_wildcard_host
 from refengine.server.state import ServerState
-from refengine.types import RequestError
+from refengine.types import FeatureDisabledError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ def check_ranks(ranks: list[int]) -> list[int]:
 
 def kv_event_sources(state: ServerState, request: oe.GetKvEventSourcesRequest) -> oe.GetKvEventSourcesResponse:
     state.engine_for_control()
+    if not state.engine_config.kv_events.enabled:
+        raise Rejection(grpc.StatusCode.FAILED_PRECONDITION, KV_EVENTS_DISABLED)
     ranks = check_ranks(list(request.data_parallel_ranks))
     described = state.kv_event_source
     if described is None:
@@ -93,6 +95,9 @@ async def subscribe(state: ServerState, request: oe.SubscribeKvEventsRequest,
     except asyncio.CancelledError:
         subscribing.add_done_callback(_close_abandoned)
         raise
+    except FeatureDisabledError as exc:  # --no-kv-events (ref), as R5 for LoRA
+        await abort_call(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return
     except RequestError as exc:
         await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return

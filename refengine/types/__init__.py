@@ -11,6 +11,7 @@ before acceptance), ``kv_events`` (what the prefix cache published); import them
 from refengine.types.errors import (
     DuplicateRequestError,
     EngineStoppedError,
+    FeatureDisabledError,
     InvalidRequestError,
     KvSessionMismatch,
     KvSessionNotFound,
@@ -83,6 +84,7 @@ __all__ = [
     "LogprobParams",
     "LoraAdapterSpec",
     "LoraConflictError",
+    "FeatureDisabledError",
     "LoraDisabledError",
     "LoraNotFoundError",
     "MediaInput",

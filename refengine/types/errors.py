@@ -26,7 +26,13 @@ class KvSessionMismatch(ValueError):
 
 
 
-class LoraDisabledError(RequestError):
+class FeatureDisabledError(RequestError):
+    """A feature this engine was started without (ref: KV events under ``--no-kv-events``), as R5
+    has LoRA's: FAILED_PRECONDITION, not INVALID_ARGUMENT (the request is fine; the server is not
+    set up for it)."""
+
+
+class LoraDisabledError(FeatureDisabledError):
     """LoRA is not enabled on this engine (R5)."""
 
 

@@ -158,8 +158,14 @@ def test_an_unreachable_named_server_is_a_connect_error_naming_it(capsys: pytest
     options = Options(prefill_address=NOWHERE, decode_address=NOWHERE, rpc_timeout_s=1.0)
     with pytest.raises(ConnectError, match=f"--prefill: cannot connect to {NOWHERE} within 1 s"):
         run_report(toy_address, select(["K4"]), options)
-    code, err = _main(capsys, "--target", toy_address, "--prefill", toy_address, "--decode", NOWHERE,
-                      "--rpc-timeout", "1", "--rules", "K4")
+    servers, prefill, _, engines = serve_pair(Faults())
+    try:
+        code, err = _main(capsys, "--target", toy_address, "--prefill", prefill, "--decode", NOWHERE,
+                          "--rpc-timeout", "1", "--rules", "K4")
+    finally:
+        for server, engine in zip(servers, engines, strict=True):
+            server.stop(0)
+            engine.running = False
     assert code == 2 and f"--decode: cannot connect to {NOWHERE}" in err, err
 
 

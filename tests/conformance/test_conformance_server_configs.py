@@ -1,0 +1,118 @@
+"""The suite against refengine servers set up otherwise than the main conformance server: what each
+setting turns off is not claimed or skipped, never failed, and a target the suite cannot test is
+said so (exit 2's ConnectError). Found by a review run of ``refengine conformance`` over ten server
+configurations; each test fails without its fix.
+
+One server: KV events and the prefix cache turned off, one LoRA adapter at a time, Control on its
+own port (``--control-port``). A second, a PREFILL server, for the prefix-cache claim's probe.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from refengine.client import OpenEngineClient
+from refengine.conformance import Options, Status
+from refengine.conformance.registry import select
+from refengine.conformance.runner import run_report
+from refengine.conformance.target import ConnectError
+from refengine.protocol import oe
+from tests.conformance.conftest import SERVER_ARGS
+from tests.integration.conftest import ServerProcess, start_server
+
+OFF = ("--no-kv-events", "--no-prefix-caching", "--max-loras", "1", "--max-loaded-loras", "1")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, conformance_lora: dict[str, str]) -> Iterator[ServerProcess]:
+    args = [a for a in SERVER_ARGS if a not in ("--kv-events-zmq", "tcp://127.0.0.1:0")]
+    lora = ("--enable-lora", "--lora-root", conformance_lora["lora_dir"])
+    process = start_server(tmp_path_factory.mktemp("configs") / "server.log", *args, *OFF, *lora, control_port=True)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def options(server: ServerProcess, conformance_lora: dict[str, str]) -> Options:
+    return Options(control_address=server.control_address, **conformance_lora)
+
+
+@pytest.fixture(scope="module")
+def results(server: ServerProcess, options: Options) -> dict[str, tuple[Status, str]]:
+    report = run_report(server.address, select(["D1", "E", "K1", "K2", "R7"]), options)
+    return {r.name: (r.status, r.message) for r in report.results}
+
+
+def test_kv_events_turned_off_answer_failed_precondition(server: ServerProcess) -> None:
+    """ref: as R5 for LoRA. They answered INVALID_ARGUMENT (Subscribe) and OK with no source
+    (GetKvEventSources), so the suite claimed the profile and failed seven E checks."""
+    with grpc.insecure_channel(server.control_address) as channel:
+        control = oe.ControlStub(channel)
+        with pytest.raises(grpc.RpcError) as sources:
+            control.GetKvEventSources(oe.GetKvEventSourcesRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as subscribe:
+            next(iter(control.SubscribeKvEvents(oe.SubscribeKvEventsRequest(), timeout=10)))
+    for err in (sources.value, subscribe.value):
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "--no-kv-events" in err.details()
+
+
+def test_the_kv_events_profile_is_not_claimed(results: dict[str, tuple[Status, str]]) -> None:
+    e_checks = {name: outcome for name, outcome in results.items() if name.startswith("E")}
+    assert e_checks and all(status is Status.NOT_CLAIMED and "FAILED_PRECONDITION" in message
+                            for status, message in e_checks.values()), e_checks
+
+
+@pytest.mark.parametrize("name", ["K1:bypass_skips_reuse", "K2:salt_namespaces"])
+def test_no_prefix_cache_skips_what_needs_a_hit(results: dict[str, tuple[Status, str]], name: str) -> None:
+    """They passed on counts that are 0 whatever the server does without a cache."""
+    status, message = results[name]
+    assert status is Status.SKIP and "not served from cache" in message, (status, message)
+
+
+def test_one_adapter_at_a_time_skips_r7(results: dict[str, tuple[Status, str]]) -> None:
+    """--max-loaded-loras 1 refuses a second load with RESOURCE_EXHAUSTED, as documented: R7 failed it."""
+    status, message = results["R7:mixed_adapters"]
+    assert status is Status.SKIP and "one adapter at a time" in message, (status, message)
+
+
+def test_control_apart_is_reached_with_control(results: dict[str, tuple[Status, str]]) -> None:
+    assert results["D1:schema_revision"][0] is Status.PASS, results["D1:schema_revision"]
+
+
+def test_a_target_that_cannot_be_tested_is_said_so(server: ServerProcess, options: Options) -> None:
+    """A Control-only port ran every check (63 failed on UNIMPLEMENTED); the Inference port alone
+    failed discovery without a word on why."""
+    checks = select(["D1"])
+    with pytest.raises(ConnectError, match="does not serve openengine.v1.Inference"):
+        run_report(server.control_address, checks, Options())
+    with pytest.raises(ConnectError, match="name it with --control"):
+        run_report(server.address, checks, Options())
+
+
+def test_the_prefix_cache_claim_leaves_no_session_on_a_prefill_target(tmp_path: Path) -> None:
+    """The claim's one-token Generate made a KV session, held until its lease ended, on every run.
+    And a server of another role named with --decode is said so: an AGGREGATED one named as --prefill
+    failed the nine K and M3 checks, exit 1, with no word on the flag."""
+    process = start_server(tmp_path / "prefill.log", "--role", "prefill", "--kv-advertise-host", "127.0.0.1",
+                           "--max-model-len", "512", "--num-kv-blocks", "64")
+    try:
+        wrong = Options(prefill_address=process.address, decode_address=process.address)
+        with pytest.raises(ConnectError, match="--decode: .* reports engine_role ENGINE_ROLE_PREFILL, not "
+                                               "ENGINE_ROLE_DECODE"):
+            run_report(process.address, select(["D1"]), wrong)
+        report = run_report(process.address, select(["D1"]), Options())
+        assert [r.status for r in report.results] == [Status.PASS]
+        with OpenEngineClient(process.address) as client:
+            deadline = time.monotonic() + 10
+            while (load := client.load()).active_kv_sessions and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert load.active_kv_sessions == 0 and load.used_kv_blocks == 0, load
+    finally:
+        process.stop()
