@@ -20,6 +20,8 @@ def check_address(address: str) -> str:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {address!r}")
+    if "/" in host:  # a URL (http://h:1): it read as host "http://h" and failed only at connect (found by review)
+        raise ValueError(f"expected HOST:PORT, no scheme or path, got {address!r}")
     return address
 
 

@@ -41,6 +41,8 @@ def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     (["--json", "/nonexistent-dir/r.json"], "--json /nonexistent-dir/r.json: cannot be written"),
     (["--json", "/tmp"], "--json /tmp: cannot be written"),  # a directory: it crashed after the whole run
     (["--profile", "lora", "--rules", "G1"], "no check is both in --rules G1 and in --profile lora"),
+    (["--rules", ",,"], "--rules ',,' names no rule"),  # ran the whole suite
+    (["--control", "http://h:1"], "--control"),
     (["--timeout", "0"], "--timeout must be in (0, 1e+07] seconds"),
     (["--timeout", "nan"], "--timeout must be in"),  # passed "> 0" and failed G1 with DEADLINE_EXCEEDED
     (["--rpc-timeout", "inf"], "--rpc-timeout must be in"),  # OverflowError: timestamp out of range
