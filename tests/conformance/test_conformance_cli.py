@@ -148,4 +148,5 @@ def test_load_mode_catches_a_server_that_never_gets_idle() -> None:
     by_name = {r.name: r for r in report.results}
     assert by_name["H4:load_idle_after"].status is Status.FAIL
     assert "running=1" in by_name["H4:load_idle_after"].message
-    assert by_name["X1:load_malformed_refused"].status is Status.PASS
+    # a short run may send no malformed request: then X1 skips (it passed on nothing before, found by review)
+    assert by_name["X1:load_malformed_refused"].status in (Status.PASS, Status.SKIP)
