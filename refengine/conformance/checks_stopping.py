@@ -87,7 +87,10 @@ def stop_token_excluded(t: Target) -> str:
     expect_finish(res, oe.FINISH_REASON_STOP, what=f"stop token {token}")
     expect(res.tokens() == ref.tokens()[:j], f"stop token {token} at position {j}: tokens {res.tokens()}, "
                                              f"expected {ref.tokens()[:j]}")
-    expect(ref.text().startswith(res.text()), f"text {res.text()!r} is not a prefix of {ref.text()!r}")
+    # A prefix only where no invalid byte run is rendered: a byte-fallback tokenizer gives one U+FFFD
+    # per byte of a run, and the run cut short may decode to a character (found by review).
+    whole = "\ufffd" not in ref.text()
+    expect(not whole or ref.text().startswith(res.text()), f"text {res.text()!r} is not a prefix of {ref.text()!r}")
     # Exact when a delta ends right before token j and no character can be split there: the
     # reference is ASCII (then every token has text of its own), or a delta also ends right
     # before token j - 1 and token j - 1 has text (it completes no character with token j).
@@ -100,8 +103,8 @@ def stop_token_excluded(t: Target) -> str:
         res = _stop_run(t, stop_token=token, include=True)
         expect(res.tokens() == ref.tokens()[: j + 1],
                f"include_stop_in_output: tokens {res.tokens()}, expected {ref.tokens()[: j + 1]}")
-        expect(ref.text().startswith(res.text()), f"include_stop_in_output: text {res.text()!r} is not a prefix "
-                                                  f"of {ref.text()!r}")
+        expect(not whole or ref.text().startswith(res.text()),
+               f"include_stop_in_output: text {res.text()!r} is not a prefix of {ref.text()!r}")
         if exact and through is not None:
             expect(res.text() == through, f"include_stop_in_output: text {res.text()!r}, expected {through!r}")
         elif exact and ascii_text:

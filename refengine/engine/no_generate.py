@@ -7,7 +7,13 @@ from collections.abc import Callable
 
 from refengine.engine.interface import OutputSink
 from refengine.engine.kv_events import KvEventSubscription
-from refengine.types import GenerationRequest, InvalidRequestError, LoraAdapterSpec, LoraDisabledError
+from refengine.types import (
+    FeatureDisabledError,
+    GenerationRequest,
+    InvalidRequestError,
+    LoraAdapterSpec,
+    LoraDisabledError,
+)
 
 ROLE_MISMATCH = ("role mismatch: this is an encoder server; send media to refengine.v1alpha1.Media/Encode and "
                  "Generate to an aggregated, prefill or decode server")
@@ -39,7 +45,7 @@ class NoGenerate:
 
     def subscribe_kv_events(self, on_ready: Callable[[], None], include_snapshot: bool = False,
                             start_sequence_number: int = 0) -> KvEventSubscription:
-        raise InvalidRequestError("an encoder server has no KV cache, so no KV events")
+        raise FeatureDisabledError("an encoder server has no KV cache, so no KV events")
 
     def load_lora(self, spec: LoraAdapterSpec) -> tuple[LoraAdapterSpec, bool]:
         raise LoraDisabledError(NO_LORA)

@@ -260,3 +260,28 @@ def test_l3_a_token_s_own_candidate_entry_agrees_with_it(info: oe.TokenInfo, fai
             _expect_own_candidate(info, 2, "output token 0")
     else:
         _expect_own_candidate(info, 2, "output token 0")
+
+
+def _deltas(req: Any, *pieces: tuple[list[str], str]) -> StreamResult:
+    """A stream of TokenOutputs (token texts, delta text), then a LENGTH finish with usage."""
+    events = [oe.GenerateResponse(request_id=req.request_id, token=oe.TokenOutput(
+        output_index=0, tokens=[oe.TokenInfo(token_id=100 + i, token=t) for i, t in enumerate(texts)], text=text))
+        for texts, text in pieces]
+    fin = oe.GenerateResponse(request_id=req.request_id, finished=oe.GenerationFinished(
+        output_index=0, reason=oe.FINISH_REASON_LENGTH))
+    count = sum(len(texts) for texts, _ in pieces)
+    fin.usage.CopyFrom(oe.Usage(prompt_tokens=1, completion_tokens=count, total_tokens=count + 1))
+    return _stream(req, *events, fin)
+
+
+def test_g11_overlap_is_not_judged_on_an_invalid_byte_run() -> None:
+    """A byte-fallback tokenizer renders an invalid run of byte tokens as one U+FFFD per byte while a
+    byte token's own text may be a character it completes alone: a false 'deltas overlap' (found by
+    review on a LLaVA tokenizer). Overlapping deltas of plain text are still found."""
+    from refengine.conformance.assertions import overlapping_outputs
+
+    req = oe.GenerateRequest(request_id="g11")
+    byte_run = _deltas(req, (["o", "g"], "og"), (["\u0724", "H"], "\ufffd" * 3 + "H"))
+    assert overlapping_outputs(byte_run) == []
+    repeated = _deltas(req, (["o", "g"], "og"), (["a", "b"], "gab"))
+    assert overlapping_outputs(repeated) == [(0, 1)]

@@ -30,12 +30,14 @@ from refengine.model.vision import VISION_PREFIXES
 from refengine.multimodal.embedding_rows import EmbeddingEntries, RowPool
 from refengine.types import (
     EmbeddingTransferSpec,
+    FeatureDisabledError,
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
     KvEndpointSpec,
     KvParams,
     KvSessionNotFound,
+    LoraAdapterSpec,
     MediaInput,
     OverloadedError,
     SamplingParams,
@@ -183,6 +185,17 @@ def test_encode_cache_release_expiry_and_integrity(llava: TinyLlava) -> None:
     with pytest.raises(InvalidRequestError, match="at least one"):
         encoder.encode(())
     assert encoder.reset_prefix_cache() > 0 and encoder.media_stats().cached_entries == 0
+    encoder.shutdown()
+
+
+def test_kv_events_and_lora_are_features_an_encoder_lacks(llava: TinyLlava) -> None:
+    """ENC2: SubscribeKvEvents and the LoRA RPCs are FAILED_PRECONDITION (FeatureDisabledError), as
+    on a server started without them; SubscribeKvEvents was INVALID_ARGUMENT, unlike --no-kv-events."""
+    encoder = make_encoder(llava.directory)
+    with pytest.raises(FeatureDisabledError, match="no KV events"):
+        encoder.subscribe_kv_events(lambda: None)
+    with pytest.raises(FeatureDisabledError):
+        encoder.load_lora(LoraAdapterSpec(1, "a", "/adapters/a"))
     encoder.shutdown()
 
 
