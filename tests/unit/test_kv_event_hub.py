@@ -24,6 +24,7 @@ from refengine.types import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    FeatureDisabledError,
     GenerationRequest,
     InvalidRequestError,
     KvEventBatch,
@@ -218,7 +219,7 @@ def test_snapshot_and_replay_exclude_each_other_and_disabled_events_refuse(tiny)
     with pytest.raises(InvalidRequestError, match="exclude each other"):
         engine.subscribe_kv_events(lambda: None, include_snapshot=True, start_sequence_number=3)
     off = make_engine(tiny, enabled=False)
-    with pytest.raises(InvalidRequestError, match="disabled"):
+    with pytest.raises(FeatureDisabledError, match="disabled"):  # FAILED_PRECONDITION, as R5's LoRA (ref)
         off.subscribe_kv_events(lambda: None)
     assert off.core.pool._events is None  # no subscriber can exist: nothing is recorded
 

@@ -64,7 +64,9 @@ class KvPullServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """The decode engine holds the blocks now: free the session.
+        """The decode engine holds the blocks now: free the session. NOT_FOUND when it is unknown or
+        released, or past its lease with nothing holding its blocks; one past its lease that a pin or
+        a read in flight still holds answers OK (its reader got the blocks while they were held).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
