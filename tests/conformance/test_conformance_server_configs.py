@@ -4,19 +4,17 @@ said so (exit 2's ConnectError). Found by a review run of ``refengine conformanc
 configurations; each test fails without its fix.
 
 One server: KV events and the prefix cache turned off, one LoRA adapter at a time, Control on its
-own port (``--control-port``). A second, a PREFILL server, for the prefix-cache claim's probe.
+own port (``--control-port``). The claims on PREFILL and DECODE targets are tested on the pair of
+tests/integration/test_disagg_grpc.py.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
-from refengine.client import OpenEngineClient
 from refengine.conformance import Options, Status
 from refengine.conformance.registry import select
 from refengine.conformance.runner import run_report
@@ -94,25 +92,3 @@ def test_a_target_that_cannot_be_tested_is_said_so(server: ServerProcess, option
         run_report(server.control_address, checks, Options())
     with pytest.raises(ConnectError, match="name it with --control"):
         run_report(server.address, checks, Options())
-
-
-def test_the_prefix_cache_claim_leaves_no_session_on_a_prefill_target(tmp_path: Path) -> None:
-    """The claim's one-token Generate made a KV session, held until its lease ended, on every run.
-    And a server of another role named with --decode is said so: an AGGREGATED one named as --prefill
-    failed the nine K and M3 checks, exit 1, with no word on the flag."""
-    process = start_server(tmp_path / "prefill.log", "--role", "prefill", "--kv-advertise-host", "127.0.0.1",
-                           "--max-model-len", "512", "--num-kv-blocks", "64")
-    try:
-        wrong = Options(prefill_address=process.address, decode_address=process.address)
-        with pytest.raises(ConnectError, match="--decode: .* reports engine_role ENGINE_ROLE_PREFILL, not "
-                                               "ENGINE_ROLE_DECODE"):
-            run_report(process.address, select(["D1"]), wrong)
-        report = run_report(process.address, select(["D1"]), Options())
-        assert [r.status for r in report.results] == [Status.PASS]
-        with OpenEngineClient(process.address) as client:
-            deadline = time.monotonic() + 10
-            while (load := client.load()).active_kv_sessions and time.monotonic() < deadline:
-                time.sleep(0.1)
-        assert load.active_kv_sessions == 0 and load.used_kv_blocks == 0, load
-    finally:
-        process.stop()

@@ -26,10 +26,10 @@ from google.protobuf import json_format
 
 from refengine.client import OpenEngineClient, generate_disaggregated, prefill
 from refengine.conformance.kv_subscriber import KvSubscriber, KvView
-from refengine.conformance.registry import Status
+from refengine.conformance.registry import Status, select
 from refengine.conformance.report import format_matrix
-from refengine.conformance.runner import run
-from refengine.conformance.target import Options
+from refengine.conformance.runner import run, run_report
+from refengine.conformance.target import ConnectError, Options
 from refengine.kv.transfer.base import KvRegion
 from refengine.kv.transfer.nixl_backend import NixlKvTransfer, nixl_available
 from refengine.protocol import oe
@@ -596,6 +596,26 @@ def test_conformance_section_k_passes_on_the_pair(servers, server_address: str) 
     for result in results:
         observe("prefill+decode", result)
     assert len(results) == 13 and all(r.status is Status.PASS for r in results), format_matrix(results)
+
+
+def test_the_conformance_claims_on_a_prefill_and_a_decode_target(servers, clients) -> None:
+    """Found by a review run of ``refengine conformance``: the prefix-cache claim's one-token
+    Generate left a KV session on a PREFILL target until its lease ended (one more each run), and
+    a DECODE target was said to give no usage; a server of the wrong role named with --decode
+    failed the nine K and M3 checks, exit 1, with no word on the flag."""
+    prefill, decode = servers["prefill"].address, servers["decode"].address
+    before = clients["prefill"].load().active_kv_sessions
+    report = run_report(prefill, select(["D1"]), Options())
+    assert [r.status for r in report.results] == [Status.PASS]
+    deadline = time.monotonic() + 2.0  # GetLoad shows a release a step later; the lease is SESSION_TTL_S
+    while clients["prefill"].load().active_kv_sessions > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert clients["prefill"].load().active_kv_sessions <= before  # the probe's session was aborted at once
+    claims = {p.name: p for p in run_report(decode, select(["D1"]), Options()).profiles}
+    assert not claims["prefix-cache"].claimed and "DECODE server" in claims["prefix-cache"].why
+    with pytest.raises(ConnectError, match="--decode: .* reports engine_role ENGINE_ROLE_PREFILL, not "
+                                           "ENGINE_ROLE_DECODE"):
+        run_report(prefill, select(["D1"]), Options(prefill_address=prefill, decode_address=prefill))
 
 
 def test_a_prefill_cancelled_during_its_last_step_leaves_no_session(clients) -> None:
