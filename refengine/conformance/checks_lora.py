@@ -147,9 +147,16 @@ def lora_request(t: Target, tag: str, name: str, max_tokens: int = 8) -> Any:
 @check("R1", "LoadLora: lora_id ≤ 0, empty name, relative or missing or non-directory path → INVALID_ARGUMENT")
 def invalid_adapters(t: Target) -> str:
     """R1: each malformed adapter (one field wrong, the rest valid) is refused with
-    INVALID_ARGUMENT, as is a request without an adapter; none of them is listed afterwards."""
+    INVALID_ARGUMENT, as is a request without an adapter; none of them is listed afterwards. The
+    valid adapter is loaded (and unloaded) first: a server refusing it too shows nothing by its
+    refusals (found by review: with --lora-dir outside the server's LoRA root R1 passed)."""
     with scratch(t, "r1") as s:
         good = s.specs[0]
+        code, _, details = load(t, good)
+        if code != grpc.StatusCode.OK:
+            skip(f"the valid adapter {describe(good)} was refused too ({code.name}: {details}), so refusals show "
+                 "nothing: is --lora-dir inside the server's LoRA root?")
+        expect_code(unload(t, good.lora_name), grpc.StatusCode.OK, f"UnloadLora {good.lora_name!r}")
         wrong = {"lora_id 0": {"lora_id": 0}, "negative lora_id": {"lora_id": -7}, "empty lora_name": {"lora_name": ""},
                  "relative source_path": {"source_path": os.path.relpath(good.source_path, "/")},
                  "empty source_path": {"source_path": ""},

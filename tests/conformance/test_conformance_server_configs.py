@@ -10,6 +10,7 @@ tests/integration/test_disagg_grpc.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import grpc
@@ -92,3 +93,14 @@ def test_a_target_that_cannot_be_tested_is_said_so(server: ServerProcess, option
         run_report(server.control_address, checks, Options())
     with pytest.raises(ConnectError, match="name it with --control"):
         run_report(server.address, checks, Options())
+
+
+def test_r1_skips_when_even_a_valid_adapter_is_refused(server: ServerProcess, options: Options,
+                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--lora-dir outside the server's LoRA root: every load is refused, so R1's refusals showed
+    nothing, and it passed (found by review)."""
+    outside = dataclasses.replace(options, lora_dir=str(tmp_path_factory.mktemp("outside-the-root")))
+    (result,) = run_report(server.address, select(["R1"]), outside).results
+    assert result.status is Status.SKIP and "refused too" in result.message, result
+    (inside,) = run_report(server.address, select(["R1"]), options).results
+    assert inside.status is Status.PASS, inside
