@@ -56,9 +56,8 @@ def validate_inputs(request: GenerationRequest) -> None:
 
 def validate_cache_salt(field: str, salt: str | None) -> None:
     """``MAX_CACHE_SALT_BYTES`` at most; checked before anything is hashed or cached."""
-    if salt and len(salt) * 4 > MAX_CACHE_SALT_BYTES:  # a character is at most 4 bytes: count only a long one
-        size = len(salt.encode())
-        _require(size <= MAX_CACHE_SALT_BYTES, f"{field} is {size} bytes; at most {MAX_CACHE_SALT_BYTES}")
+    size = len(salt.encode()) if salt else 0
+    _require(size <= MAX_CACHE_SALT_BYTES, f"{field} is {size} bytes; at most {MAX_CACHE_SALT_BYTES}")
 
 
 def validate_encode(num_items: int, max_items: int, cache_salt: str) -> None:

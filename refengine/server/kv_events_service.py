@@ -28,12 +28,12 @@ import grpc
 from refengine.engine.interface import EngineClient
 from refengine.engine.kv_events import KV_EVENTS_DISABLED, KvEventSubscription
 from refengine.protocol import oe
-from refengine.server.errors import Rejection, abort_call, disconnect, invalid
+from refengine.server.errors import Rejection, abort_call, disconnect, invalid, rejection_from_engine
 from refengine.server.kv_events_wire import batch_response, storage_medium
 from refengine.server.metadata import DATA_PARALLEL_RANKS
 from refengine.server.options import ServerOptions, is_wildcard_host
 from refengine.server.state import ServerState
-from refengine.types import FeatureDisabledError, RequestError
+from refengine.types import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +95,9 @@ async def subscribe(state: ServerState, request: oe.SubscribeKvEventsRequest,
     except asyncio.CancelledError:
         subscribing.add_done_callback(_close_abandoned)
         raise
-    except FeatureDisabledError as exc:  # --no-kv-events (ref), as R5 for LoRA
-        await abort_call(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return
-    except RequestError as exc:
-        await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except RequestError as exc:  # the engine's refusal codes: --no-kv-events is FAILED_PRECONDITION (ref)
+        rejection = rejection_from_engine(exc)
+        await abort_call(context, rejection.code, rejection.message)
         return
     live = _Live(ready)
     state.kv_subscribers.add(live)

@@ -33,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -226,6 +227,5 @@ def _num_tokens(out: RequestOutput) -> int:
 
 def held_bytes(out: RequestOutput) -> int:
     """``out``'s estimated memory while it waits (the constants above)."""
-    infos = [info for delta in out.deltas for info in delta.tokens]
-    infos.extend(out.prompt_tokens or ())
+    infos = itertools.chain.from_iterable((*(delta.tokens for delta in out.deltas), out.prompt_tokens or ()))
     return OUTPUT_BYTES + sum(TOKEN_BYTES + CANDIDATE_BYTES * len(info.candidates) for info in infos)
