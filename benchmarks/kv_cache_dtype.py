@@ -3,7 +3,7 @@ float32 cache, in the same run, each next to its memory roof.
 
 SmolLM2-135M-Instruct (float32 weights), ``--threads`` torch threads (default 2). One decode step
 (build + execute) at each batch × context, for each attention backend and KV dtype it reads: the
-native CPU kernel (float32, bfloat16) and the torch reference (float32, bfloat16, float16). The
+native CPU kernel and the torch reference (float32, bfloat16, float16 each). The
 roof is (weight bytes + the batch's KV bytes) ÷ the memory read bandwidth measured here. A 16-bit
 cache halves the KV bytes, so it pays where the KV read is a large part of the step (long
 contexts, large batches); ``× fp32 KV`` is the step time ratio on the same backend (below 1 =
@@ -42,7 +42,7 @@ from refengine.scheduler.scheduler import ScheduledSequence, SchedulerOutput  # 
 from refengine.scheduler.sequence import Sequence  # noqa: E402
 
 #: (attention backend, KV dtypes it reads)
-RUNS = (("cpu", ("float32", "bfloat16")), ("torch", ("float32", "bfloat16", "float16")))
+RUNS = (("cpu", ("float32", "bfloat16", "float16")), ("torch", ("float32", "bfloat16", "float16")))
 
 
 def decode_step(parts, backend: str, kv_dtype: str, batch: int, context: int, repeats: int = 5) -> float:
@@ -81,7 +81,7 @@ def main() -> int:
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
     print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s; KV blocks (16 tokens) per GiB: "
           + ", ".join(f"{d} {(1 << 30) // kv_bytes_per_block(config, 16, DTYPES[d])}"
-                      for d in ("float32", "bfloat16")))
+                      for d in ("float32", "bfloat16", "float16")))
     print("\n| backend | KV dtype | batch | context | decode step ms | × fp32 KV | roof ms | roof / step |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     shapes = [(32, 1024)] if args.quick else [(1, 1024), (32, 128), (32, 1024), (64, 1024), (16, 2048)]

@@ -95,8 +95,6 @@ def together(model_parts, prompt_ids, kv_dtype: str) -> list[list[int]]:
 @pytest.mark.parametrize("repeat", [1, 8], ids=["short", "long"])  # long: the first chunk is a fresh prompt >= 64
 def test_logits_match_transformers_with_a_rounded_cache(model_parts, hf_rounded, prompt_ids, kv_dtype, backend,
                                                         repeat) -> None:
-    if backend == "cpu" and kv_dtype == "float16":
-        pytest.skip("the native kernel reads float32 and bfloat16 caches (auto takes the torch reference)")
     config, weights, _, _ = model_parts
     kv = DTYPES[kv_dtype]
     runner = ModelRunner(config, weights, CacheConfig(block_size=16, num_blocks=64), 2048, kv_dtype=kv,

@@ -381,10 +381,15 @@ def test_the_backend_takes_the_chosen_bf16_query_form() -> None:
     assert CpuPagedBackend()._bf16_query_kernel is kernels[form.name]  # noqa: SLF001
 
 
+#: (query dtype, cache dtype): each cache dtype's kernels, and bf16 queries.
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)]
+DTYPE_PAIR_IDS = ["float32", "bfloat16", "float16-cache"]
+
+
 @pytest.mark.parametrize("block_size", [16, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPE_PAIRS, ids=DTYPE_PAIR_IDS)
 @pytest.mark.parametrize("backend", [CpuPagedBackend, TorchReferenceBackend])
-def test_never_reads_unwritten_slots(backend, block_size, dtype) -> None:
+def test_never_reads_unwritten_slots(backend, block_size, dtype, kv_dtype) -> None:
     """Unwritten slots full of NaN (partial last blocks, spare blocks) must not reach any output
     (a freed block keeps what its last owner wrote, NaN included). SDPA's masked positions still
     meet their values (0 x NaN), so the SDPA paths must not be passed them at all; in bf16 the
@@ -393,8 +398,8 @@ def test_never_reads_unwritten_slots(backend, block_size, dtype) -> None:
     if dtype == torch.bfloat16 and backend is CpuPagedBackend and not native_bf16():
         pytest.skip("this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
     seqs = make_seqs(MIXED, NUM_KV_HEADS * 3, 64, seed=5)
-    results = run_steps(backend(), seqs, block_size, seed=2, fill=float("nan"), dtype=dtype)
-    assert max_error_vs_oracle(seqs, results) <= (TOLERANCE if dtype == torch.float32 else 0.05)
+    results = run_steps(backend(), seqs, block_size, seed=2, fill=float("nan"), dtype=dtype, kv_dtype=kv_dtype)
+    assert max_error_vs_oracle(seqs, results) <= (TOLERANCE if dtype == kv_dtype == torch.float32 else 0.05)
 
 
 def test_large_scores_stay_finite() -> None:
@@ -433,11 +438,11 @@ def test_batch_invariance(head_dim, dtype) -> None:
             assert torch.equal(alone.context_out[0], batched.context_out[i]), f"context of sequence {i}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPE_PAIRS, ids=DTYPE_PAIR_IDS)
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (40, 16), (64, 8)],
                          ids=["chunk-kernel", "row-kernel-dim40", "row-kernel-block8"])
-def test_rows_do_not_depend_on_the_chunking(group, dtype, head_dim, block_size) -> None:
+def test_rows_do_not_depend_on_the_chunking(group, dtype, kv_dtype, head_dim, block_size) -> None:
     """A prompt of 300 tokens as one chunk, or cut into two steps: after 1 (a one-token prompt),
     120, 256 (the first key tile's end) or 299 (the last row as a decode step). Every row is
     bitwise the same: the chunk kernel's key tiles start at absolute positions and a vector's
@@ -447,10 +452,10 @@ def test_rows_do_not_depend_on_the_chunking(group, dtype, head_dim, block_size) 
     if dtype == torch.bfloat16 and not native_bf16():
         pytest.skip("this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
     whole = make_seq(0, 300, NUM_KV_HEADS * group, head_dim, seed=21)
-    one_chunk = run_steps(CpuPagedBackend(), [whole], block_size, seed=7, dtype=dtype).new_out[0]
+    one_chunk = run_steps(CpuPagedBackend(), [whole], block_size, seed=7, dtype=dtype, kv_dtype=kv_dtype).new_out[0]
     for cut in (1, 120, 256, 299):
         split = SeqData(cut, 300 - cut, whole.k, whole.v, whole.q_new[:cut], whole.q_new[cut:])
-        two_steps = run_steps(CpuPagedBackend(), [split], block_size, seed=8 + cut, dtype=dtype)
+        two_steps = run_steps(CpuPagedBackend(), [split], block_size, seed=8 + cut, dtype=dtype, kv_dtype=kv_dtype)
         assert torch.equal(two_steps.context_out[0], one_chunk[:cut]), f"first chunk, cut at {cut}"
         assert torch.equal(two_steps.new_out[0], one_chunk[cut:]), f"second chunk, cut at {cut}"
 

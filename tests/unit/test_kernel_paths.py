@@ -46,10 +46,18 @@ def test_bf16_on_avx512_bf16_without_amx_names_the_native_gemm(monkeypatch) -> N
     assert "projections in oneDNN (disabled by --no-native-kernels" in bf16
 
 
-def test_a_cache_the_native_kernel_cannot_read_takes_the_reference(caplog) -> None:
-    """--kv-cache-dtype float16 under float32 weights: auto skips the native kernel, saying why,
-    and the start-up log names the cache dtype."""
+def test_a_cache_the_native_kernel_cannot_read_takes_the_reference(monkeypatch, caplog) -> None:
+    """--kv-cache-dtype float16 under float32 weights: the native kernel reads it where its library
+    has the float16 kernels; where the compiler had no _Float16, auto skips it, saying why. The
+    start-up log names the cache dtype either way."""
+    from refengine.kernels.attention import registry
+    from refengine.kernels.attention.cpu_paged import native_kernel_unavailable_reason
+
+    unavailable = native_kernel_unavailable_reason()
     with caplog.at_level(logging.INFO, logger="refengine.engine.info"):
-        backend, why, _ = kernel_paths(EngineConfig(kv_cache_dtype="float16"))
-    assert backend == "torch" and "reads a float32 or bfloat16 KV cache, not torch.float16" in why
+        backend, _, _ = kernel_paths(EngineConfig(kv_cache_dtype="float16"))
+    assert backend == ("torch" if unavailable else "cpu")
     assert any("KV cache in float16 under float32 weights" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(registry, "float16_cache_available", lambda: False)
+    backend, why, _ = kernel_paths(EngineConfig(kv_cache_dtype="float16"))
+    assert backend == "torch" and (unavailable or "compiler without _Float16") in why

@@ -11,6 +11,7 @@ backend is off by the 16-bit rounding, far above that tolerance: the test tells 
 from __future__ import annotations
 
 import argparse
+import platform
 from dataclasses import replace
 
 import pytest
@@ -19,11 +20,13 @@ import torch
 from refengine.args import add_engine_args
 from refengine.args_config import engine_config_from_args
 from refengine.config import CacheConfig, EngineConfig, KernelConfig
+from refengine.kernels import cpu
 from refengine.kernels.attention import TorchReferenceBackend, make_attention_backend, registry
 from refengine.kernels.attention.cpu_paged import CpuPagedBackend, native_kernel_unavailable_reason
 from refengine.model.kv_io import KvBlockIO
 from refengine.model.runner import ModelRunner, kv_bytes_per_block
 from tests.tiny_models import hf_weights, make_tiny_hf_model, model_config_from_hf
+from tests.unit.kernel_helpers import forget_loaded_kernels
 from tests.unit.test_cpu_paged_attention import (
     MIXED,
     NUM_KV_HEADS,
@@ -49,7 +52,8 @@ def rounded(seqs: list[SeqData], kv_dtype: torch.dtype) -> list[SeqData]:
     (TorchReferenceBackend, torch.bfloat16),
     (TorchReferenceBackend, torch.float16),
     pytest.param(CpuPagedBackend, torch.bfloat16, marks=needs_native),
-], ids=["torch-bf16", "torch-fp16", "cpu-bf16"])
+    pytest.param(CpuPagedBackend, torch.float16, marks=needs_native),
+], ids=["torch-bf16", "torch-fp16", "cpu-bf16", "cpu-fp16"])
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_float32_queries_on_a_16_bit_cache_match_the_rounded_oracle(backend, kv_dtype, block_size) -> None:
     seqs = make_seqs(MIXED, NUM_KV_HEADS * 3, 64, seed=block_size)
@@ -72,26 +76,88 @@ def test_bf16_queries_on_a_float32_cache() -> None:
 
 
 @needs_native
-def test_the_native_and_reference_backends_agree_on_a_bf16_cache() -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_native_and_reference_backends_agree_on_a_16_bit_cache(kv_dtype) -> None:
     seqs = make_seqs(MIXED, NUM_KV_HEADS * 2, 128, seed=11)
-    native = run_steps(CpuPagedBackend(), seqs, 16, kv_dtype=torch.bfloat16)
-    reference = run_steps(TorchReferenceBackend(), seqs, 16, kv_dtype=torch.bfloat16)
+    native = run_steps(CpuPagedBackend(), seqs, 16, kv_dtype=kv_dtype)
+    reference = run_steps(TorchReferenceBackend(), seqs, 16, kv_dtype=kv_dtype)
     for a, b in zip(native.new_out, reference.new_out, strict=True):
         torch.testing.assert_close(a, b, atol=TOLERANCE, rtol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("value_scale", [1e-6, 1e4], ids=["subnormal", "large"])
+@pytest.mark.parametrize("block_size", [16, 8])  # 16: the chunk kernel; 8: the row kernel
+def test_a_float16_cache_reads_subnormal_and_large_values_exactly(block_size, value_scale) -> None:
+    """float16's range widens exactly: keys and values ~1e-6 are all float16 subnormals (under
+    2^-14: a conversion that flushed them would read 0), ~1e4 near its 65,504 maximum. Queries of
+    the inverse size keep the scores ordinary; the output must be the rounded oracle's to float32
+    accuracy, relative to the values' scale."""
+    seqs = make_seqs(MIXED, NUM_KV_HEADS * 3, 64, seed=13)
+    for s in seqs:
+        s.k.mul_(value_scale)
+        s.v.mul_(value_scale)
+        s.q_context.div_(value_scale)
+        s.q_new.div_(value_scale)
+    oracle = rounded(seqs, torch.float16)
+    if value_scale < 1:
+        assert max(s.v.abs().max().item() for s in oracle) < 2.0 ** -14  # every value is subnormal
+    results = run_steps(CpuPagedBackend(), seqs, block_size, seed=3, kv_dtype=torch.float16)
+    assert max_error_vs_oracle(oracle, results) <= TOLERANCE * value_scale
+
+
+@pytest.fixture
+def avx2_library(monkeypatch: pytest.MonkeyPatch, tmp_path):  # noqa: ANN201
+    """The attention library built for AVX2 (``-march=x86-64-v3``), in a fresh cache: the generic
+    vector forms of the 16-bit loads, which CPUs without AVX-512 run (this one would take the
+    AVX-512 forms). At -O1: their results, not their speed, are tested (2 s to build, not 10).
+    Skips where the compiler cannot target it."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the generic forms are built here by targeting x86-64-v3")
+    monkeypatch.setenv("REFENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    flags = {"-march=native": "-march=x86-64-v3", "-O3": "-O1"}
+    monkeypatch.setattr(cpu, "COMPILE_FLAGS", tuple(flags.get(f, f) for f in cpu.COMPILE_FLAGS))
+    forget_loaded_kernels()
+    library = cpu.load("paged_attention")
+    if library.library is None:
+        pytest.skip(f"the library does not build for x86-64-v3 here: {library.reason}")
+    yield library.library
+    forget_loaded_kernels()  # before the environment is restored: the next load() looks again
+
+
+@needs_native
+def test_the_generic_vector_forms_read_16_bit_caches(avx2_library) -> None:
+    """Built without AVX-512, bfloat16 widens by a vector shift and float16 by the compiler's
+    _Float16 conversion: the same rounded-oracle accuracy on both kernels (chunk and row)."""
+    assert avx2_library.chunk_attention_bf16qf_available() == 0  # built without AVX-512 indeed
+    assert avx2_library.paged_attention_f16_available() == 1  # GCC 12+ has _Float16 on x86-64
+    for kv_dtype in (torch.bfloat16, torch.float16):
+        for block_size in (16, 8):
+            seqs = make_seqs(MIXED, NUM_KV_HEADS * 3, 64, seed=block_size)
+            results = run_steps(CpuPagedBackend(), seqs, block_size, seed=block_size, kv_dtype=kv_dtype)
+            assert max_error_vs_oracle(rounded(seqs, kv_dtype), results) <= TOLERANCE, (kv_dtype, block_size)
 
 
 # ----------------------------------------------------------------------------- choosing a backend
 
 
-def test_auto_picks_a_backend_that_reads_the_cache_dtype() -> None:
+def test_auto_picks_a_backend_that_reads_the_cache_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native kernel reads float32, bfloat16 and float16 caches on any CPU (16-bit ones widen by
+    a shift or an exact conversion); auto takes the torch reference for a float16 cache only where
+    the compiler had no ``_Float16`` to build those kernels with, and says so."""
     kernels = KernelConfig()
-    fp16 = make_attention_backend("auto", torch.float32, "cpu", kernels, kv_dtype=torch.float16)
-    assert type(fp16) is TorchReferenceBackend  # the native kernel reads float32 and bfloat16 caches only
-    with pytest.raises(ValueError, match="reads a float32 or bfloat16 KV cache, not torch.float16"):
-        make_attention_backend("cpu", torch.float32, "cpu", kernels, kv_dtype=torch.float16)
-    if not NATIVE:  # bf16 caches under float32 queries: the native kernel, on any CPU (it widens by a shift)
-        assert type(make_attention_backend("auto", torch.float32, "cpu", kernels, kv_dtype=torch.bfloat16)) \
+    with pytest.raises(ValueError, match="reads a float32, bfloat16 or float16 KV cache, not torch.float64"):
+        make_attention_backend("cpu", torch.float32, "cpu", kernels, kv_dtype=torch.float64)
+    if NATIVE:
+        return
+    for kv_dtype in (torch.bfloat16, torch.float16):
+        assert type(make_attention_backend("auto", torch.float32, "cpu", kernels, kv_dtype=kv_dtype)) \
             is CpuPagedBackend
+    monkeypatch.setattr(registry, "float16_cache_available", lambda: False)
+    fp16 = make_attention_backend("auto", torch.float32, "cpu", kernels, kv_dtype=torch.float16)
+    assert type(fp16) is TorchReferenceBackend
+    with pytest.raises(ValueError, match="compiler without _Float16: no float16 KV cache kernels"):
+        make_attention_backend("cpu", torch.float32, "cpu", kernels, kv_dtype=torch.float16)
 
 
 def test_flashinfer_needs_the_cache_in_the_query_dtype(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,11 +24,13 @@ chunks gave logits 1 ulp apart (found by review; G18 promises bit-identical gree
 they no longer do, at the row kernel's speed.
 
 Keys are stored transposed within each block (values so in the AMX form's layout). float32 or
-bfloat16 queries (bfloat16 on CPUs with native bf16, ``cpu_features``) on a float32 or bfloat16
-cache (``--kv-cache-dtype``, any pairing): the kernels read 16-bit keys and values and accumulate
-in float32. float32 queries are read as they are; bfloat16 queries on a bfloat16 cache that the
-AMX form does not take go, where the library was built with AVX-512, to ``chunk_attention_bf16q``
-or ``chunk_attention_bf16qf``, which read their bits and score them as ``vdpbf16ps`` does (exact
+bfloat16 queries (bfloat16 on CPUs with native bf16, ``cpu_features``) on a float32, bfloat16 or
+float16 cache (``--kv-cache-dtype``, any pairing): the kernels read 16-bit keys and values and
+accumulate in float32 (a float16 cache, where the compiler has ``_Float16``, on any CPU: widening
+is exact; on SmolLM2's decode shapes it reads as fast as a bfloat16 one, benchmarks/README.md).
+float32 queries are read as they are; bfloat16 queries on a bfloat16 cache that the AMX form
+does not take go, where the library was built with AVX-512, to ``chunk_attention_bf16q`` or
+``chunk_attention_bf16qf``, which read their bits and score them as ``vdpbf16ps`` does (exact
 products of two bfloat16, float32 sums), and sum the values that way too, by pairs of positions
 under the softmax weights rounded to bfloat16 (as GPU flash attention rounds P; the softmax sum
 adds the rounded weights: ``paged_attention_values.h``).
@@ -57,6 +59,17 @@ def native_kernel_unavailable_reason(enabled: bool = True) -> str:
     """Why the native kernel cannot be used here; "" when it can. ``enabled`` is
     ``KernelConfig.native_cpu_kernels``."""
     return cpu.load("paged_attention", enabled).reason
+
+
+#: The query dtypes the kernels take (bfloat16 only where the CPU has native bf16: registry.py).
+QUERY_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def float16_cache_available() -> bool:
+    """Whether the library has the float16-cache kernels: built where the compiler has a
+    ``_Float16`` (kernels/cpu/paged_attention.c). Only asked once the library has loaded."""
+    library = cpu.load("paged_attention").library
+    return library is not None and bool(library.paged_attention_f16_available())
 
 
 # The chunk kernel's entry points for bfloat16 queries on a bfloat16 cache, by the dot products
@@ -148,9 +161,13 @@ class CpuPagedBackend(AttentionBackend):
         library = cpu.load("paged_attention").library
         if library is None:
             raise RuntimeError(f"native CPU attention unavailable: {native_kernel_unavailable_reason()}")
-        self._row_kernels = {torch.float32: library.paged_attention, torch.bfloat16: library.paged_attention_bf16}
-        self._chunk_kernels = {torch.float32: library.chunk_attention, torch.bfloat16: library.chunk_attention_bf16}
-        self._stores = {torch.float32: library.store_kv, torch.bfloat16: library.store_kv_bf16}
+        # The kernels by cache dtype (queries float32 or bfloat16 whatever the cache holds).
+        suffixes = {torch.float32: "", torch.bfloat16: "_bf16"}
+        if float16_cache_available():
+            suffixes[torch.float16] = "_f16"
+        self._row_kernels = {dtype: getattr(library, f"paged_attention{s}") for dtype, s in suffixes.items()}
+        self._chunk_kernels = {dtype: getattr(library, f"chunk_attention{s}") for dtype, s in suffixes.items()}
+        self._stores = {dtype: getattr(library, f"store_kv{s}") for dtype, s in suffixes.items()}
         for kernel in (*self._row_kernels.values(), *self._chunk_kernels.values()):
             kernel.restype = ctypes.c_int
             kernel.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int64]
@@ -206,8 +223,8 @@ class CpuPagedBackend(AttentionBackend):
         meta = self._meta
         assert meta is not None, "prepare() must run before forward()"
         kv_dtype = k_cache.dtype
-        assert kv_dtype in self._row_kernels and q.dtype in self._row_kernels and q.is_cpu, \
-            "the native kernel takes float32 or bfloat16 queries and caches on CPU"
+        assert kv_dtype in self._row_kernels and q.dtype in QUERY_DTYPES and q.is_cpu, \
+            "the native kernel takes float32 or bfloat16 queries on CPU, on a float32, bfloat16 or float16 cache"
         # The cache's layout follows from the queries' head_dim, as kv_cache_shapes chose it.
         _, num_heads, q_head_dim = q.shape
         amx = self._amx_takes(q_head_dim, meta.block_size)

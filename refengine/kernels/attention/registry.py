@@ -20,7 +20,11 @@ import torch
 
 from refengine.config import KernelConfig
 from refengine.kernels.attention.base import AttentionBackend
-from refengine.kernels.attention.cpu_paged import CpuPagedBackend, native_kernel_unavailable_reason
+from refengine.kernels.attention.cpu_paged import (
+    CpuPagedBackend,
+    float16_cache_available,
+    native_kernel_unavailable_reason,
+)
 from refengine.kernels.attention.torch_ref import TorchReferenceBackend
 from refengine.kernels.cpu_features import native_bf16
 
@@ -139,9 +143,14 @@ def _cpu_unavailable(dtype: torch.dtype, kv_dtype: torch.dtype, device: str, ker
         return f"it needs float32 (or bfloat16 with native bf16) on CPU, not {dtype} on {device}"
     if dtype == torch.bfloat16 and not native_bf16():
         return "bfloat16 needs a CPU with native bf16 dot products (avx512_bf16 or amx_bf16)"
-    if kv_dtype not in (torch.float32, torch.bfloat16):  # the kernel widens bf16 by a shift: any CPU
-        return f"its kernel reads a float32 or bfloat16 KV cache, not {kv_dtype}"
-    return native_kernel_unavailable_reason(kernels.native_cpu_kernels)
+    # Any CPU: bf16 widens by a shift, float16 by an exact conversion where the compiler has _Float16.
+    if kv_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"its kernel reads a float32, bfloat16 or float16 KV cache, not {kv_dtype}"
+    if reason := native_kernel_unavailable_reason(kernels.native_cpu_kernels):
+        return reason
+    if kv_dtype == torch.float16 and not float16_cache_available():
+        return "its library was built by a compiler without _Float16: no float16 KV cache kernels"
+    return ""
 
 
 def _always_available(dtype: torch.dtype, kv_dtype: torch.dtype, device: str, kernels: KernelConfig) -> str:

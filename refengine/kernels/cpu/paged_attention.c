@@ -8,11 +8,11 @@
  *                    a time, online softmax; the backend runs every row through it where it
  *                    takes the shape (kernels/attention/cpu_paged.py), the row kernel elsewhere.
  *
- * Layouts (contiguous; the caches float32, or bfloat16 for the *_bf16 entry points, whose
- * queries and outputs stay float32, and for chunk_attention_bf16q and _bf16qf, whose queries
- * are bfloat16 (two forms with the same bits, built with AVX512-BF16 and AVX-512; see the end of
- * this file; their value pass multiplies by the softmax weights rounded to bfloat16,
- * paged_attention_values.h): every product accumulates in float32):
+ * Layouts (contiguous; the caches float32, or bfloat16 for the *_bf16 entry points and float16
+ * for the *_f16 ones, whose queries and outputs stay float32, and for chunk_attention_bf16q and
+ * _bf16qf, whose queries are bfloat16 (two forms with the same bits, built with AVX512-BF16 and
+ * AVX-512; see the end of this file; their value pass multiplies by the softmax weights rounded
+ * to bfloat16, paged_attention_values.h): every product accumulates in float32):
  *   q                 [num_tokens, num_heads, head_dim], rows q_row_stride apart
  *   out               [num_tokens, num_heads, head_dim]
  *   k_cache           [num_blocks, num_kv_heads, head_dim, block_size]   keys transposed
@@ -129,6 +129,37 @@ static inline float bf16_to_float(uint16_t x)
     return f;
 }
 
+/* float16: widening is exact, by the conversion instruction (vcvtph2ps, AVX-512F) or the
+ * compiler's _Float16 (GCC 12+ on x86-64 and aarch64; __FLT16_MAX__ says it has one). Where the
+ * compiler has no _Float16 the float16 entry points are not built: paged_attention_f16_available
+ * says so and the backend registry takes the torch reference (kernels/attention/registry.py). */
+#ifdef __FLT16_MAX__
+#define HAVE_FLOAT16 1
+#ifdef __AVX512F__
+static inline vec16 load16_f16(const uint16_t *p)
+{
+    return (vec16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+#else
+typedef _Float16 f16x16 __attribute__((vector_size(32)));
+static inline vec16 load16_f16(const uint16_t *p)
+{
+    f16x16 halves;
+    memcpy(&halves, p, sizeof halves);
+    return __builtin_convertvector(halves, vec16);
+}
+#endif
+static inline float f16_to_float(uint16_t x)
+{
+    _Float16 half;
+    memcpy(&half, &x, sizeof half);
+    return (float)half;
+}
+int paged_attention_f16_available(void) { return 1; }
+#else
+int paged_attention_f16_available(void) { return 0; }
+#endif
+
 /* float32 caches: paged_attention, chunk_attention, store_kv. */
 #define KV_T float
 #define KV_LOAD16(p) load16(p)
@@ -144,8 +175,20 @@ static inline float bf16_to_float(uint16_t x)
 #undef KV_TO_F
 #undef KV_NAME
 
-/* bfloat16 caches: paged_attention_bf16, chunk_attention_bf16, store_kv_bf16 (q and out stay float32). */
+/* float16 caches: paged_attention_f16, chunk_attention_f16, store_kv_f16 (q and out stay float32). */
 #define KV_T uint16_t
+#ifdef HAVE_FLOAT16
+#define KV_LOAD16(p) load16_f16(p)
+#define KV_TO_F(x) f16_to_float(x)
+#define KV_NAME(n) n##_f16
+#include "paged_attention_kv.h"
+#include "paged_attention_chunk.h"
+#undef KV_LOAD16
+#undef KV_TO_F
+#undef KV_NAME
+#endif
+
+/* bfloat16 caches: paged_attention_bf16, chunk_attention_bf16, store_kv_bf16 (q and out stay float32). */
 #define KV_LOAD16(p) load16_bf16(p)
 #define KV_TO_F(x) bf16_to_float(x)
 #define KV_NAME(n) n##_bf16

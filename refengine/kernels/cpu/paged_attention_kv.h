@@ -1,9 +1,9 @@
-/* The kernels of paged_attention.c for one KV element type: included twice by it, with
- *   KV_T          the cache element type (float, or uint16_t holding bfloat16 bits),
+/* The kernels of paged_attention.c for one KV element type: included once per type by it, with
+ *   KV_T          the cache element type (float, or uint16_t holding bfloat16 or float16 bits),
  *   KV_LOAD16(p)  16 consecutive elements as a vec16 of floats,
  *   KV_TO_F(x)    one element as a float,
  *   KV_NAME(n)    the name of function n for this type (n itself for float).
- * Queries, scores, softmax and accumulators are float32 for both. */
+ * Queries, scores, softmax and accumulators are float32 for every type. */
 
 /* Scaled scores of every query head against every position: scores[h * context_len +
  * position]. A block's keys (all KV heads) are one contiguous 12 KiB run at
