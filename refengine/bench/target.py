@@ -17,6 +17,7 @@ from google.protobuf import json_format
 
 from refengine.client import OpenEngineClient
 from refengine.protocol import oe
+from refengine.protocol.reachability import not_ready_reason
 
 __all__ = ["DEFAULT_VOCAB_SIZE", "Target", "TargetError", "discover"]
 
@@ -44,10 +45,8 @@ def _rpc_failure(exc: grpc.RpcError) -> str:
 def discover(client: OpenEngineClient, model: str = "", connect_timeout: float = 10.0) -> Target:
     """The model (``model``, else the server's first supported one) and its input facts;
     raises :class:`TargetError`."""
-    try:
-        grpc.channel_ready_future(client.channel).result(timeout=connect_timeout)
-    except grpc.FutureTimeoutError:
-        raise TargetError(f"{client.address}: not reachable within {connect_timeout:g} s") from None
+    if reason := not_ready_reason(client.channel, connect_timeout):
+        raise TargetError(f"{client.address}: not reachable within {connect_timeout:g} s: {reason}")
     try:
         server = client.server_info()
     except grpc.RpcError as exc:

@@ -28,6 +28,7 @@ from refengine.conformance.stream_ledger import StreamLedger
 from refengine.conformance.streams import Background, StreamResult
 from refengine.conformance.target_load import LoadWaits
 from refengine.protocol import oe
+from refengine.protocol.reachability import not_ready_reason
 
 Metadata = Sequence[tuple[str, str]]
 
@@ -89,10 +90,8 @@ class Target(LoadWaits):
         KV blocks become the idle value of :meth:`wait_idle`."""
         apart = () if self.control_channel is self.channel else ((self.control_channel, "the --control address"),)
         for channel, address in ((self.channel, self.address), *apart):
-            try:
-                grpc.channel_ready_future(channel).result(timeout=self.options.rpc_timeout_s)
-            except grpc.FutureTimeoutError:
-                raise ConnectError(f"cannot connect to {address} within {self.options.rpc_timeout_s:g} s") from None
+            if reason := not_ready_reason(channel, self.options.rpc_timeout_s):
+                raise ConnectError(f"cannot connect to {address} within {self.options.rpc_timeout_s:g} s: {reason}")
         self.server_info = self._discover("GetServerInfo", oe.GetServerInfoRequest())
         self._check_inference()
         served = self.server_info.supported_models
