@@ -8,3 +8,5 @@ the server only through the generated stubs and ``refengine.client``.
 """
 
 UINT32_MAX = 2**32 - 1  # token ids, max_tokens and top_n are uint32 on the wire (here: the CLI imports it cheaply)
+#: The latencies a ``--goodput`` objective may bound, in ms (``report.meets``).
+SLO_METRICS = ("ttft", "tpot", "e2el")

@@ -3,7 +3,8 @@
 JSON keys (``refengine bench --json``), all at the top level:
 
 - ``target``, ``model``, ``num_prompts``, ``seed``, ``max_concurrency`` (null: unlimited),
-  ``request_rate`` (requests/s, or the string ``"inf"``: all at once)
+  ``request_rate`` (requests/s, or the string ``"inf"``: all at once), ``burstiness`` (the
+  shape of the gamma-distributed gaps between arrivals: 1 = Poisson)
 - ``completed``, ``failed``: requests that finished / that were refused or broke
 - ``duration``: s from the first send to the end of the last stream
 - ``input_tokens``, ``output_tokens`` (and vllm's aliases ``total_input_tokens``,
@@ -12,10 +13,14 @@ JSON keys (``refengine bench --json``), all at the top level:
   counted in the stream)
 - ``request_throughput`` (req/s), ``output_throughput`` and ``total_token_throughput``
   (tok/s, input + output): over ``duration``
+- ``request_goodput`` (req/s): completed requests that met every ``--goodput`` objective
+  (``ttft``, ``tpot``, ``e2el`` in ms; a request of one output token has no TPOT and meets
+  that one), over ``duration``; null without objectives
 - ``mean_X_ms``, ``median_X_ms``, ``p90_X_ms``, ``p99_X_ms`` for X in ``ttft`` (send to the
   first token), ``tpot`` (per request: (last token-bearing event - first token) / (output
-  tokens - 1)) and ``itl`` (one sample per token-bearing event after the first: the gap since
-  the previous one, however many tokens it holds); null when no request gave a sample
+  tokens - 1)), ``itl`` (one sample per token-bearing event after the first: the gap since
+  the previous one, however many tokens it holds) and ``e2el`` (send to the stream's end);
+  null when no request gave a sample
 - ``errors``: kind -> count. The failure kinds are gRPC status names (``RESOURCE_EXHAUSTED``,
   ``DEADLINE_EXCEEDED``...), ``EngineError`` codes (``ERROR_CODE_OVERLOADED``...),
   ``no_finish`` (the stream ended without a terminal event) or a client exception's class
@@ -30,13 +35,13 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from refengine.bench.runner import RunResult
+from refengine.bench.runner import RequestRecord, RunResult
 
-__all__ = ["format_table", "percentile", "summarize"]
+__all__ = ["format_table", "meets", "percentile", "summarize"]
 
 QUANTILES = (("mean", "Mean", None), ("median", "Median", 50.0), ("p90", "P90", 90.0), ("p99", "P99", 99.0))
 LATENCIES = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
-             ("itl", "Inter-token Latency", "ITL"))
+             ("itl", "Inter-token Latency", "ITL"), ("e2el", "End-to-end Latency", "E2EL"))
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
@@ -59,9 +64,23 @@ def _stats(name: str, seconds: Sequence[float]) -> dict[str, float | None]:
     return out
 
 
-def summarize(result: RunResult, meta: dict[str, Any]) -> dict[str, Any]:
+def meets(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
+    """Whether a completed request met every objective (metric of ``bench.SLO_METRICS`` -> ms). Under two
+    output tokens there is no TPOT, and a TPOT objective is met; with no token at all there is
+    no TTFT, and a TTFT objective is not."""
+    seconds = {"ttft": record.ttft, "tpot": record.tpot, "e2el": record.e2el}
+    for name, limit_ms in slos_ms.items():
+        value = seconds[name]
+        if value is None and name == "tpot":
+            continue
+        if value is None or 1000 * value > limit_ms:
+            return False
+    return True
+
+
+def summarize(result: RunResult, meta: dict[str, Any], slos_ms: dict[str, float] | None = None) -> dict[str, Any]:
     """The JSON object of a run; ``meta`` gives target, model, num_prompts, seed,
-    max_concurrency, request_rate (put first)."""
+    max_concurrency, request_rate, burstiness (put first); ``slos_ms`` the ``--goodput`` objectives."""
     done = [r for r in result.records if r.error is None]
     duration = result.duration
     input_tokens = sum(r.sent_prompt_tokens or 0 if r.prompt_tokens is None else r.prompt_tokens for r in done)
@@ -73,10 +92,12 @@ def summarize(result: RunResult, meta: dict[str, Any]) -> dict[str, Any]:
                                "total_input_tokens": input_tokens, "total_output_tokens": output_tokens}
     per_s = 1 / duration if duration > 0 else 0.0
     summary.update(request_throughput=len(done) * per_s, output_throughput=output_tokens * per_s,
-                   total_token_throughput=(input_tokens + output_tokens) * per_s)
+                   total_token_throughput=(input_tokens + output_tokens) * per_s,
+                   request_goodput=sum(meets(r, slos_ms) for r in done) * per_s if slos_ms else None)
     summary |= _stats("ttft", [r.ttft for r in done if r.ttft is not None])
     summary |= _stats("tpot", [tpot for r in done if (tpot := r.tpot) is not None])
     summary |= _stats("itl", [gap for r in done for gap in r.itl])
+    summary |= _stats("e2el", [r.e2el for r in done])
     kinds = Counter(r.error for r in result.records if r.error is not None)
     kinds.update(note for r in done for note in r.notes)
     summary["errors"] = dict(sorted(kinds.items()))
@@ -106,6 +127,8 @@ def format_table(summary: dict[str, Any]) -> str:
              _line("Total input tokens", summary["input_tokens"]),
              _line("Total generated tokens", summary["output_tokens"]),
              _line("Request throughput (req/s)", summary["request_throughput"]),
+             *([_line("Request goodput (req/s)", summary["request_goodput"])]
+               if summary.get("request_goodput") is not None else []),
              _line("Output token throughput (tok/s)", summary["output_throughput"]),
              _line("Total token throughput (tok/s)", summary["total_token_throughput"])]
     for key, title, short in LATENCIES:

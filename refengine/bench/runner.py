@@ -85,6 +85,11 @@ class RequestRecord:
         return self.counted_tokens if self.completion_tokens is None else self.completion_tokens
 
     @property
+    def e2el(self) -> float:
+        """Send to the stream's end, vllm's E2EL (end-to-end latency)."""
+        return self.ended - self.sent
+
+    @property
     def tpot(self) -> float | None:
         """(last token-bearing event - first token) / (output tokens - 1), vllm's TPOT; None
         under two tokens. It ends at the last token, not at the stream's end: the terminal

@@ -146,17 +146,18 @@ def dataset_requests(path: Path, num_prompts: int, output_len: int) -> list[Benc
     return requests
 
 
-def arrival_times(n: int, request_rate: float, seed: int) -> list[float]:
-    """Send offsets (s from the start) of ``n`` requests: a Poisson process of ``request_rate``
-    per second (exponential gaps), the first at 0; all at 0 when the rate is infinite. The
-    gaps have an RNG of their own so that they do not depend on the prompts drawn."""
+def arrival_times(n: int, request_rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Send offsets (s from the start) of ``n`` requests, the first at 0; all at 0 when the rate is
+    infinite. The gaps are gamma-distributed with shape ``burstiness`` and mean 1 / ``request_rate``
+    (vllm's ``--burstiness``): 1 is a Poisson process (exponential gaps), below 1 burstier, above 1
+    more even. They have an RNG of their own so that they do not depend on the prompts drawn."""
     if request_rate == math.inf:
         return [0.0] * n
     rng = random.Random(f"arrivals-{seed}")
     times, now = [], 0.0
     for _ in range(n):
         times.append(now)
-        now += rng.expovariate(request_rate)
+        now += rng.gammavariate(burstiness, 1 / (request_rate * burstiness))
     return times
 
 

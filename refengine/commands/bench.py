@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from refengine.args import DefaultsHelpFormatter
-from refengine.bench import UINT32_MAX
+from refengine.bench import SLO_METRICS, UINT32_MAX
 from refengine.client import MAX_DEADLINE_SECONDS, address_arg
 from refengine.commands.generate_options import file_text
 
@@ -48,6 +48,19 @@ _deadline = _arg_type(float, lambda v: 0 < v <= MAX_DEADLINE_SECONDS, f"seconds 
 _ratio = _arg_type(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 
 
+def _slo(text: str) -> tuple[str, float]:
+    """``--goodput``: one ``METRIC:MS`` objective."""
+    metric, _, limit = text.partition(":")
+    try:
+        limit_ms = float(limit)
+    except ValueError:
+        limit_ms = math.nan
+    if metric not in SLO_METRICS or not 0 < limit_ms < math.inf:
+        raise argparse.ArgumentTypeError(f"must be METRIC:MS with METRIC one of {', '.join(SLO_METRICS)} and MS > 0, "
+                                         f"got {text!r}")
+    return metric, limit_ms
+
+
 def _json_text(value: str) -> str:
     """``--guided-json``: a path to a schema file, else the schema as inline JSON."""
     try:
@@ -78,7 +91,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrency", type=_positive_int, default=None,
                    help="requests in flight at most (default: unlimited)")
     p.add_argument("--request-rate", type=_positive_float, default=math.inf,
-                   help="Poisson arrivals, requests/s; inf sends all at once")
+                   help="arrivals per second (Poisson at --burstiness 1); inf sends all at once")
+    p.add_argument("--burstiness", type=_positive_float, default=1.0,
+                   help="shape of the gamma-distributed gaps between arrivals: 1 = Poisson, < 1 burstier, "
+                        "> 1 more even (their mean stays 1 / --request-rate)")
+    p.add_argument("--goodput", nargs="+", type=_slo, default=None, metavar="METRIC:MS",
+                   help=f"service-level objectives, METRIC one of {', '.join(SLO_METRICS)}: also report the rate "
+                        "of completed requests that met them all (default: none)")
     p.add_argument("--dataset", type=Path, default=None, metavar="FILE.jsonl",
                    help='one object a line: "prompt" (text) or "token_ids", optionally "output_len"/"max_tokens" '
                         "(default: random token ids)")
@@ -127,6 +146,11 @@ def run_bench(args: argparse.Namespace) -> int:
     from refengine.bench.progress import Progress
     from refengine.client import OpenEngineClient
 
+    slos_ms = dict(args.goodput or ())
+    if len(slos_ms) < len(args.goodput or ()):
+        print(f"refengine bench: --goodput names a metric twice: {' '.join(f'{m}:{v:g}' for m, v in args.goodput)}",
+              file=sys.stderr)
+        return USAGE_ERROR
     why = _unwritable(Path(args.json)) if args.json not in (None, "-") else None
     if why is not None:
         print(f"refengine bench: --json {args.json}: {why}", file=sys.stderr)
@@ -160,11 +184,11 @@ def run_bench(args: argparse.Namespace) -> int:
             guided_choice=tuple(args.guided_choice or ()), logprobs=args.logprobs, lora_name=args.lora_name)
         progress = Progress(len(requests)) if not args.no_progress and sys.stderr.isatty() else None
         send = runner.GrpcSender(client, options, args.timeout)
-        result = runner.run(requests, workload.arrival_times(len(requests), args.request_rate, args.seed), send,
-                            args.max_concurrency, progress, cancel=send.cancel)
+        arrivals = workload.arrival_times(len(requests), args.request_rate, args.seed, args.burstiness)
+        result = runner.run(requests, arrivals, send, args.max_concurrency, progress, cancel=send.cancel)
     summary = report.summarize(result, {"target": args.target, "model": found.model, "num_prompts": len(requests),
                                         "seed": args.seed, "max_concurrency": args.max_concurrency,
-                                        "request_rate": args.request_rate})
+                                        "request_rate": args.request_rate, "burstiness": args.burstiness}, slos_ms)
     if args.json == "-":
         print(json.dumps(summary, indent=2))
         return 0

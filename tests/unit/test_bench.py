@@ -162,6 +162,18 @@ def test_a_finite_rate_spreads_the_arrivals() -> None:
     assert workload.arrival_times(5, math.inf, 7) == [0.0] * 5
 
 
+@pytest.mark.parametrize("burstiness", [0.25, 4.0])
+def test_burstiness_shapes_the_gaps_and_keeps_their_mean(burstiness: float) -> None:
+    """Gamma-distributed gaps of shape ``burstiness`` (vllm's --burstiness): the mean stays
+    1 / rate and the coefficient of variation is 1 / sqrt(shape) (1 for Poisson)."""
+    times = workload.arrival_times(4000, 50.0, 3, burstiness)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    mean = sum(gaps) / len(gaps)
+    spread = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps))
+    assert mean == pytest.approx(1 / 50, rel=0.1)
+    assert spread / mean == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)
+
+
 def test_the_runner_sends_on_schedule() -> None:
     def send(request: workload.BenchRequest, record: runner.RequestRecord) -> None:
         record.finished = True
@@ -244,7 +256,7 @@ def test_guides_logprobs_and_lora_reach_the_request(toy: Toy, tmp_path: Path) ->
 def test_the_cli_end_to_end(toy: Toy, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "refengine.cli", "bench", "--target", toy.address, "--num-prompts", "4",
-           "--input-len", "8", "--output-len", "5", "--ignore-eos", "--json", str(out)]
+           "--input-len", "8", "--output-len", "5", "--ignore-eos", "--goodput", "e2el:60000", "--json", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr
@@ -253,11 +265,14 @@ def test_the_cli_end_to_end(toy: Toy, tmp_path: Path) -> None:
     keys = {"completed", "failed", "duration", "input_tokens", "output_tokens", "total_input_tokens",
             "total_output_tokens", "request_throughput", "output_throughput", "total_token_throughput", "errors",
             "target", "model", "num_prompts", "seed", "max_concurrency", "request_rate"}
-    keys |= {f"{q}_{m}_ms" for q in ("mean", "median", "p90", "p99") for m in ("ttft", "tpot", "itl")}
+    keys |= {f"{q}_{m}_ms" for q in ("mean", "median", "p90", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
+    keys |= {"burstiness", "request_goodput"}
     assert keys <= result.keys()
     assert (result["completed"], result["input_tokens"], result["output_tokens"]) == (4, 32, 20)
     assert (result["target"], result["model"], result["request_rate"], result["max_concurrency"]) == \
         (toy.address, "toy", "inf", None)
+    assert result["burstiness"] == 1.0 and result["request_goodput"] == result["request_throughput"] > 0
+    assert "Request goodput (req/s):" in done.stdout
 
 
 def test_json_without_a_path_replaces_the_table(toy: Toy, capsys: pytest.CaptureFixture[str]) -> None:
@@ -313,8 +328,54 @@ def test_percentiles_and_latencies_on_known_inputs() -> None:
     assert summary["median_itl_ms"] == pytest.approx(350) and summary["p99_itl_ms"] == pytest.approx(595)
     assert summary["mean_itl_ms"] == pytest.approx(350)
     assert (summary["request_throughput"], summary["total_token_throughput"]) == (0.5, 7.5)
-    assert summary["request_rate"] == "inf"
-    assert "Mean TTFT (ms):" in report.format_table({**summary, "target": "t", "model": "m"})
+    assert summary["mean_e2el_ms"] == pytest.approx(1300)  # send to the stream's end
+    assert summary["request_rate"] == "inf" and summary["request_goodput"] is None
+    table = report.format_table({**summary, "target": "t", "model": "m"})
+    assert "Mean TTFT (ms):" in table and "P99 E2EL (ms):" in table and "goodput" not in table
+
+
+def _record(ttft: float, tokens: int, end: float) -> runner.RequestRecord:
+    """A completed request: its first token at ``ttft``, the rest 0.1 s apart, the end at ``end``."""
+    record = runner.RequestRecord(0, sent=0.0, finished=True)
+    for i in range(tokens):
+        record.tokens(1, ttft + 0.1 * i)
+    record.usage(4, tokens)
+    record.close(end)
+    return record
+
+
+def test_goodput_counts_the_requests_meeting_every_objective() -> None:
+    """vllm's --goodput: TTFT 0.2 s / TPOT 0.1 s / E2EL 1 s against objectives of 300 ms,
+    150 ms and 1,200 ms. A request of one token has no TPOT (met); one of none, no TTFT (not met)."""
+    fast, slow_first, long_end, one_token = _record(0.2, 3, 1.0), _record(0.5, 3, 1.0), _record(0.2, 3, 2.0), \
+        _record(0.2, 1, 0.3)
+    slos = {"ttft": 300.0, "tpot": 150.0, "e2el": 1200.0}
+    assert [report.meets(r, slos) for r in (fast, slow_first, long_end, one_token)] == [True, False, False, True]
+    assert not report.meets(_record(0.0, 0, 0.3), {"ttft": 300.0})
+    assert report.meets(slow_first, {"tpot": 150.0}) and not report.meets(fast, {"tpot": 50.0})
+    failed = runner.RequestRecord(0, sent=0.0)
+    failed.fail("UNAVAILABLE")
+    failed.close(0.1)
+    summary = report.summarize(runner.RunResult([fast, slow_first, long_end, one_token, failed], 2.0),
+                               {"request_rate": 1.0}, slos)
+    assert summary["request_goodput"] == pytest.approx(2 / 2.0)  # fast and one_token, over 2 s
+    assert "Request goodput (req/s):" in report.format_table({**summary, "target": "t", "model": "m"})
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--goodput", "ttft"], "must be METRIC:MS"),
+    (["--goodput", "itl:5"], "METRIC one of ttft, tpot, e2el"),
+    (["--goodput", "ttft:0"], "MS > 0"),
+    (["--goodput", "ttft:nan"], "MS > 0"),
+    (["--goodput", "ttft:5", "ttft:6"], "--goodput names a metric twice"),
+    (["--burstiness", "0"], "--burstiness: must be a number > 0"),
+])
+def test_bad_goodput_and_burstiness_are_usage_errors(args: list[str], says: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        code = main(["bench", "--target", "127.0.0.1:1", *args])
+        raise SystemExit(code)
+    assert stop.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_input_tokens_without_usage_are_the_token_ids_sent() -> None:
