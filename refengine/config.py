@@ -17,7 +17,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from refengine.config_checks import check_bool, check_choice, check_int, check_name, check_positive_float, is_int
+from refengine.config_checks import (
+    UINT32_MAX,
+    check_bool,
+    check_choice,
+    check_int,
+    check_name,
+    check_positive_float,
+    is_int,
+)
 from refengine.config_features import (
     ENGINE_ROLES,
     GUIDED_BACKENDS,
@@ -138,10 +146,15 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        check_int(self, "block_size", 1)
+        check_int(self, "block_size", 1, UINT32_MAX)  # KV events carry it as uint32
         check_int(self, "num_blocks", 1, optional=True)
         check_int(self, "kv_memory_bytes", 1)
         check_bool(self, "enable_prefix_caching")
+        # A pool under 2 tokens cannot hold a prompt token and one generated: every request would be
+        # refused by a server that reports READY (found by review: --num-kv-blocks 1 --block-size 1).
+        if self.num_blocks is not None and self.num_blocks * self.block_size < 2:
+            raise ValueError(f"CacheConfig.num_blocks x block_size is {self.num_blocks * self.block_size} tokens; a "
+                             "request needs at least 2 (a prompt token and one generated)")
 
 
 @dataclass(frozen=True)
@@ -162,9 +175,9 @@ class SchedulerConfig:
     max_active_requests: int = 4096
 
     def __post_init__(self) -> None:
-        check_int(self, "max_num_batched_tokens", 1)
-        check_int(self, "max_num_seqs", 1)
-        check_int(self, "max_active_requests", 1)
+        check_int(self, "max_num_batched_tokens", 1, UINT32_MAX)
+        check_int(self, "max_num_seqs", 1, UINT32_MAX)
+        check_int(self, "max_active_requests", 1, UINT32_MAX)
 
 
 @dataclass(frozen=True)
@@ -252,8 +265,8 @@ class EngineConfig:
         if not DEVICE_NAME.fullmatch(self.device):  # found by review: "gpu" failed later with a traceback
             raise ValueError(f"EngineConfig.device must be cpu, cuda or cuda:N, got {self.device!r}")
         check_int(self, "max_model_len", 2, optional=True)
-        check_int(self, "max_sequences_per_request", 1)
-        check_int(self, "max_logprobs", 0)
+        check_int(self, "max_sequences_per_request", 1, UINT32_MAX)
+        check_int(self, "max_logprobs", 0, UINT32_MAX)
         check_int(self, "seed", 0, UINT64_MAX)
         check_int(self, "num_threads", 1, MAX_THREADS, optional=True)
         check_choice(self, "attention_backend", ATTENTION_BACKENDS)

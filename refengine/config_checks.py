@@ -37,6 +37,10 @@ def check_positive_float(owner: object, name: str) -> None:
 #: 1e10, failed every guided compile and every pull, and crashed a prefill engine's step loop
 #: (found by review).
 MAX_SECONDS = 1e7
+#: Counts the wire carries as uint32 (ModelInfo's max_num_sequences and max_top_n, GetLoad's counts,
+#: KvEventSource's max_queue_size): a larger setting was accepted, then failed those RPCs with
+#: INTERNAL (found by review). The bound of every such count, and of the buffers beside them.
+UINT32_MAX = (1 << 32) - 1
 
 
 def check_seconds(owner: object, name: str) -> None:

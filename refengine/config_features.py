@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from refengine.config_checks import (
     LOOPBACK_SOURCES,
+    UINT32_MAX,
     check_bool,
     check_choice,
     check_int,
@@ -48,7 +49,7 @@ class GuidedConfig:
         check_choice(self, "default_backend", GUIDED_BACKENDS)
         check_seconds(self, "compile_timeout_seconds")
         check_seconds(self, "max_token_seconds")
-        check_int(self, "compile_threads", 1)
+        check_int(self, "compile_threads", 1, 64)  # threads start up front: 100,000 failed the load (review)
         check_int(self, "cache_size", 1)
         check_int(self, "cache_bytes", 0)
         check_int(self, "max_spec_bytes", 1)
@@ -71,8 +72,8 @@ class KvEventsConfig:
 
     def __post_init__(self) -> None:
         check_bool(self, "enabled")
-        check_int(self, "retained_batches", 1)
-        check_int(self, "subscriber_buffer", 1)
+        check_int(self, "retained_batches", 1, UINT32_MAX)
+        check_int(self, "subscriber_buffer", 1, UINT32_MAX)
 
 
 ENGINE_ROLES = ("aggregated", "prefill", "decode", "encoder")

@@ -77,11 +77,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
         if options.kv_events_zmq and (not engine_config.kv_events.enabled or engine_config.role == "encoder"):
             raise ValueError("--kv-events-zmq needs KV events: drop --no-kv-events (an encoder server has none)")
         if options.kv_events_zmq:
-            from refengine.server.kv_events_zmq_wire import check_bindable  # pyzmq only when asked for
+            from refengine.server.kv_events_zmq_wire import check_endpoints  # pyzmq only when asked for
 
-            check_bindable(options.kv_events_zmq, "--kv-events-zmq")
-            if options.kv_events_zmq_replay:
-                check_bindable(options.kv_events_zmq_replay, "--kv-events-zmq-replay")
+            check_endpoints(options)
     except ValueError as exc:
         print(f"refengine serve: {exc}", file=sys.stderr)
         return 2
@@ -120,7 +118,8 @@ class Server:
         self._tasks: set[asyncio.Task] = set()
         self.loader: threading.Thread | None = None
 
-    def _build_listeners(self) -> None:
+    def _build_listeners(self) -> list[str]:
+        """Bind every listener; the ``listening_line`` of each, to print once they all serve."""
         o = self.options
         inference, control = InferenceServicer(self.state), ControlServicer(self.state)
         shared = o.control_port is None
@@ -137,7 +136,7 @@ class Server:
             side = grpc.aio.server(options=o.grpc_options())
             add_servicer(control, "Control", side)
             plan.append((side, o.control_host or o.host, o.control_port, (CONTROL_SERVICE,), ()))
-        announced: list[str] = []  # said once every listener is bound: a supervisor reads a port that serves
+        announced: list[str] = []
         for server, host, port, services, others in plan:
             self.health.register(server, services)
             reflection.enable_server_reflection((*services, *others, "grpc.health.v1.Health", reflection.SERVICE_NAME),
@@ -152,8 +151,7 @@ class Server:
             self.listeners.append(server)
             if server is main:  # K4, ENC9: sessions and embedding handles are pulled from the Inference port
                 self.state.kv_endpoints = (KvEndpointSpec(advertised_host(o), bound, "grpc"),)
-        for line in announced:
-            print(line, flush=True)
+        return announced
 
     def _background(self, coro) -> None:  # noqa: ANN001 - a coroutine
         task = asyncio.get_running_loop().create_task(coro)
@@ -168,15 +166,20 @@ class Server:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        self.state.on_change(lambda lifecycle: self._background(self.health.follow(lifecycle)))
-        self._build_listeners()
-        await self.health.follow(Lifecycle.STARTING)
-        for server in self.listeners:
-            await server.start()
+        # Signals first: a supervisor that reads the listening lines may signal at once; before,
+        # a SIGTERM just after them killed the process (no drain, exit -15) and a SIGINT raised
+        # inside gRPC's start (found by review).
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
         loop.add_signal_handler(signal.SIGUSR1, lambda: self._background(kv_events_service.reset_prefix_cache(
             self.state)))
+        self.state.on_change(lambda lifecycle: self._background(self.health.follow(lifecycle)))
+        announced = self._build_listeners()
+        await self.health.follow(Lifecycle.STARTING)
+        for server in self.listeners:
+            await server.start()
+        for line in announced:  # once every listener serves: a supervisor reads ports that answer
+            print(line, flush=True)
         code = await self._load_and_serve()
         await self._shutdown()
         return code

@@ -43,7 +43,7 @@ import msgpack
 import zmq
 
 from refengine.kv.keys import block_hash_u64
-from refengine.server.options import is_wildcard_host
+from refengine.server.options import ServerOptions, is_wildcard_host
 from refengine.types import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
@@ -98,6 +98,8 @@ def split_tcp(endpoint: str) -> tuple[str, str]:
     host, sep, port = endpoint[len("tcp://"):].rpartition(":")
     if not sep or not (port == "*" or port.isdigit()):
         raise ValueError(f"KV event endpoint must be tcp://HOST:PORT, got {endpoint!r}")
+    if port != "*" and int(port) > 65535:  # ZMQ bound port % 65536 and advertised that (found by review)
+        raise ValueError(f"KV event endpoint port must be in 0..65535 (0 or *: a free port), got {endpoint!r}")
     return host.removeprefix("[").removesuffix("]"), port
 
 
@@ -105,10 +107,31 @@ def tcp_endpoint(host: str, port: int | str) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def check_bindable(endpoint: str, flag: str) -> None:
-    """``ValueError`` naming ``flag`` when ``endpoint`` cannot be bound now (address in use, not
-    this host's): checked before the model loads, so a busy port fails in seconds, not after a
-    long load with a traceback (found by review)."""
+def check_endpoints(options: ServerOptions) -> None:
+    """``ValueError`` naming the flag when a ZMQ endpoint of ``options`` is malformed, has the
+    port of another (or of a gRPC listener), or cannot be bound now (in use, not this host's).
+    Checked before the model loads, so that a busy port fails in seconds, not after a long load
+    (found by review; the endpoints were bound one by one and released, so that two of the
+    same port, or one on --port, passed and failed after the load). A port named twice is refused
+    whatever the hosts: a port of its own for each socket."""
+    taken = {port: flag for port, flag in ((options.port, "--port"), (options.control_port, "--control-port"))
+             if port}
+    for flag, endpoint in (("--kv-events-zmq", options.kv_events_zmq),
+                           ("--kv-events-zmq-replay", options.kv_events_zmq_replay)):
+        if endpoint is None:
+            continue
+        try:
+            port = split_tcp(endpoint)[1]
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+        if port not in ("0", "*"):
+            if int(port) in taken:
+                raise ValueError(f"{flag} {endpoint}: port {port} is {taken[int(port)]}'s; give each its own")
+            taken[int(port)] = flag
+        _check_bindable(endpoint, flag)
+
+
+def _check_bindable(endpoint: str, flag: str) -> None:
     socket = zmq.Context.instance().socket(zmq.PUB)
     try:
         bind_endpoint(socket, endpoint)

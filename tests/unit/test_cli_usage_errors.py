@@ -74,6 +74,12 @@ def test_server_option_errors_name_the_flag(argv: list[str], flag: str) -> None:
                                          "--guided-max-token-seconds", "--media-url-timeout", "--embedding-lease",
                                          "--embedding-max-lease", "--embedding-pull-timeout")
       for value in ("inf", "1e10")],
+    # Counts the wire carries as uint32 (found by review: accepted, then GetModelInfo and
+    # GetKvEventSources failed with INTERNAL), and buffers beside them.
+    *[([flag, str(1 << 32)], flag) for flag in ("--max-logprobs", "--max-num-seqs", "--max-num-batched-tokens",
+                                                 "--max-sequences-per-request", "--kv-events-subscriber-buffer",
+                                                 "--kv-events-retained-batches")],
+    (["--guided-compile-threads", "65"], "--guided-compile-threads"),  # started up front: 100,000 failed the load
 ])
 def test_engine_option_errors_name_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):

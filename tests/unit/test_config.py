@@ -44,26 +44,29 @@ MODEL = dict(architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, in
 # ----------------------------------------------------------------------------- validation
 
 BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
-    ("block_size", lambda: CacheConfig(block_size=0), r"CacheConfig\.block_size must be an integer >= 1, got 0"),
+    ("block_size", lambda: CacheConfig(block_size=0),
+     r"CacheConfig\.block_size must be an integer in \[1, \d+\], got 0"),
+    ("pool_of_one_token", lambda: CacheConfig(block_size=1, num_blocks=1),
+     r"num_blocks x block_size is 1 tokens; a request needs at least 2"),
     ("num_blocks", lambda: CacheConfig(num_blocks=0), r"CacheConfig\.num_blocks .*>= 1 or None, got 0"),
     ("kv_memory_bytes", lambda: CacheConfig(kv_memory_bytes=0), r"CacheConfig\.kv_memory_bytes .*>= 1"),
     ("prefix_caching", lambda: CacheConfig(enable_prefix_caching=1), r"enable_prefix_caching must be True or False"),
     ("batched_tokens", lambda: SchedulerConfig(max_num_batched_tokens=0), r"SchedulerConfig\.max_num_batched_tokens"),
-    ("max_num_seqs", lambda: SchedulerConfig(max_num_seqs=-1), r"SchedulerConfig\.max_num_seqs .*>= 1, got -1"),
+    ("max_num_seqs", lambda: SchedulerConfig(max_num_seqs=-1), r"SchedulerConfig\.max_num_seqs.*in \[1, \d+\], got -1"),
     ("active_requests", lambda: SchedulerConfig(max_active_requests=0), r"SchedulerConfig\.max_active_requests"),
     ("float_for_int", lambda: SchedulerConfig(max_num_seqs=2.0), r"max_num_seqs must be an integer"),
-    ("bool_for_int", lambda: CacheConfig(block_size=True), r"block_size must be an integer >= 1, got True"),
+    ("bool_for_int", lambda: CacheConfig(block_size=True), r"block_size must be an integer in \[1, \d+\], got True"),
     ("native_kernels", lambda: KernelConfig(native_cpu_kernels="no"), r"KernelConfig\.native_cpu_kernels"),
     ("onednn", lambda: KernelConfig(onednn_linear=None), r"KernelConfig\.onednn_linear must be True or False"),
     ("dtype", lambda: EngineConfig(dtype="float64"), r"EngineConfig\.dtype must be one of float32, float16, bfloat16"),
     ("backend", lambda: EngineConfig(attention_backend="flash"),
      r"attention_backend must be one of auto, flashinfer, triton, cpu, torch"),
     ("max_model_len", lambda: EngineConfig(max_model_len=1), r"EngineConfig\.max_model_len .*>= 2 or None, got 1"),
-    ("max_logprobs", lambda: EngineConfig(max_logprobs=-1), r"EngineConfig\.max_logprobs .*>= 0, got -1"),
+    ("max_logprobs", lambda: EngineConfig(max_logprobs=-1), r"EngineConfig\.max_logprobs .*in \[0, \d+\], got -1"),
     ("seed_negative", lambda: EngineConfig(seed=-1), r"EngineConfig\.seed .* in \[0, 18446744073709551615\], got -1"),
     ("seed_too_big", lambda: EngineConfig(seed=1 << 64), r"EngineConfig\.seed must be an integer in \[0, "),
     ("num_threads", lambda: EngineConfig(num_threads=0), r"EngineConfig\.num_threads .*\[1, 4096\] or None, got 0"),
-    ("per_request", lambda: EngineConfig(max_sequences_per_request=0), r"max_sequences_per_request .*>= 1"),
+    ("per_request", lambda: EngineConfig(max_sequences_per_request=0), r"max_sequences_per_request .*in \[1, \d+\]"),
     ("model", lambda: EngineConfig(model=""), r"EngineConfig\.model must be a non-empty string"),
     ("served_name", lambda: EngineConfig(served_model_name=""), r"served_model_name must be a non-empty string or"),
     ("device", lambda: EngineConfig(device=""), r"EngineConfig\.device must be a non-empty string"),
@@ -114,7 +117,7 @@ def test_defaults_and_edge_values_are_valid() -> None:
         kind()
     ModelConfig(**MODEL, bos_token_id=1, eos_token_ids=(2,))
     EngineConfig(seed=(1 << 64) - 1, max_model_len=2, max_logprobs=0, num_threads=1,
-                 cache=CacheConfig(block_size=1, num_blocks=1, kv_memory_bytes=1),
+                 cache=CacheConfig(block_size=1, num_blocks=2, kv_memory_bytes=1),
                  scheduler=SchedulerConfig(max_num_batched_tokens=1, max_num_seqs=1, max_active_requests=1),
                  max_sequences_per_request=1)
 
@@ -284,7 +287,8 @@ def test_deprecated_max_num_sequences_alias(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_flag_errors_name_the_flag_and_the_field() -> None:
-    with pytest.raises(ValueError, match=r"^--block-size: CacheConfig\.block_size must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"^--block-size: CacheConfig\.block_size must be an integer in \[1, \d+\], "
+                                         r"got 0$"):
         parse("--block-size", "0")
     with pytest.raises(ValueError, match=r"^--kv-memory-mib: CacheConfig\.kv_memory_bytes"):
         parse("--kv-memory-mib", "0")
@@ -327,7 +331,7 @@ def test_serve_help_lists_every_flag_once_with_its_default(capsys: pytest.Captur
 
 def test_serve_refuses_a_bad_flag_value_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "--block-size", "0"]) == 2
-    assert "refengine serve: --block-size: CacheConfig.block_size must be an integer >= 1" in capsys.readouterr().err
+    assert "refengine serve: --block-size: CacheConfig.block_size must be an integer in [1, " in capsys.readouterr().err
 
 
 def test_config_and_args_import_no_torch() -> None:

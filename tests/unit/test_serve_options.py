@@ -1,7 +1,8 @@
 """``refengine serve`` refuses settings it cannot honour at start (exit 2, one line), before
 loading anything: out-of-range ports (gRPC would bind the port modulo 65536, possibly another
-server's), a wildcard ``--advertise-host`` (E6: it is what clients are told to connect to), an
-unknown log level, a ZMQ KV event source on a server without KV events."""
+server's), ZMQ endpoints that are malformed or share a port, a wildcard ``--advertise-host``
+(E6: it is what clients are told to connect to), an unknown log level, a ZMQ KV event source
+on a server without KV events."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ from refengine.cli import build_parser, main
     (["--kv-events-zmq", "tcp://127.0.0.1:0", "--no-kv-events"], "--kv-events-zmq needs KV events"),
     (["--kv-events-zmq", "tcp://127.0.0.1:0", "--role", "encoder"], "--kv-events-zmq needs KV events"),
     (["--port", "8100", "--control-port", "8100"], "--control-port 8100 is --port"),  # a bind traceback before
+    # Hosts (found by review: they failed to bind, blamed on --port, after gRPC's own log lines).
+    *[(["--host", host], f"--host must be a host name or an IP address, got {host!r}")
+      for host in ("", "\u00ff", " 127.0.0.1", "127.0.0.1:80")],
+    (["--port", "0", "--control-port", "0", "--control-host", "a b"], "--control-host must be a host name"),
+    (["--advertise-host", "http://x"], "--advertise-host must be a host name or an IP address"),
+    # ZMQ endpoints (found by review): a port past 65535 was bound modulo 65536 and advertised so; a
+    # port shared with another socket or a gRPC listener failed only after the model had loaded.
+    (["--kv-events-zmq", "tcp://127.0.0.1:99999"], "--kv-events-zmq: KV event endpoint port must be in 0..65535"),
+    (["--kv-events-zmq", "garbage"], "--kv-events-zmq: KV event endpoint must be tcp://HOST:PORT"),
+    (["--port", "47003", "--kv-events-zmq", "tcp://127.0.0.1:47003"], "port 47003 is --port's"),
+    (["--port", "0", "--control-port", "47004", "--kv-events-zmq", "tcp://*:47004"], "port 47004 is --control-port's"),
+    (["--kv-events-zmq", "tcp://127.0.0.1:47005", "--kv-events-zmq-replay", "tcp://127.0.0.1:47005"],
+     "--kv-events-zmq-replay tcp://127.0.0.1:47005: port 47005 is --kv-events-zmq's"),
 ])
 def test_settings_refused_at_start(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
     assert main(["serve", *args]) == 2
