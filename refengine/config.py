@@ -298,6 +298,10 @@ class EngineConfig:
                            ("encoder", EncoderConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"EngineConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+        if self.attention_backend in ("flashinfer", "triton") and self.device == "cpu":
+            # Known from the flags alone: it failed after the listeners were up (found by review).
+            raise ValueError(f"EngineConfig.attention_backend {self.attention_backend} needs CUDA; the device is cpu "
+                             "(auto picks the CPU kernels)")
         limit = self.scheduler.max_num_seqs
         if self.max_sequences_per_request > limit:
             raise ValueError(

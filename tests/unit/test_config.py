@@ -59,6 +59,8 @@ BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
     ("native_kernels", lambda: KernelConfig(native_cpu_kernels="no"), r"KernelConfig\.native_cpu_kernels"),
     ("onednn", lambda: KernelConfig(onednn_linear=None), r"KernelConfig\.onednn_linear must be True or False"),
     ("dtype", lambda: EngineConfig(dtype="float64"), r"EngineConfig\.dtype must be one of float32, float16, bfloat16"),
+    ("cuda_backend_on_cpu", lambda: EngineConfig(attention_backend="flashinfer"),
+     r"attention_backend flashinfer needs CUDA; the device is cpu"),
     ("backend", lambda: EngineConfig(attention_backend="flash"),
      r"attention_backend must be one of auto, flashinfer, triton, cpu, torch"),
     ("max_model_len", lambda: EngineConfig(max_model_len=1), r"EngineConfig\.max_model_len .*>= 2 or None, got 1"),
