@@ -93,6 +93,17 @@ def source_entry(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | 
     return entry.lower().rstrip(".")
 
 
+def is_host(text: str) -> bool:
+    """A host name (``is_host_name``) or an IP address, an IPv6 one with or without brackets."""
+    if is_host_name(text):
+        return True
+    try:
+        ipaddress.ip_address(text[1:-1] if text.startswith("[") and text.endswith("]") else text)
+    except ValueError:
+        return False
+    return True
+
+
 def is_host_name(text: str) -> bool:
     """Letters, digits, hyphens and underscores (names a resolver takes, as Docker's service
     names) in dot-separated labels, an optional final dot: nothing a dialer would decode or

@@ -15,6 +15,7 @@ from refengine.config_checks import (
     check_choice,
     check_int,
     check_seconds,
+    is_host,
     source_entry,
 )
 
@@ -197,6 +198,10 @@ class MediaConfig:
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
                 raise ValueError(f"MediaConfig.{name} must be a tuple of non-empty strings, got {value!r}")
+        for host in self.url_allow_hosts:  # a URL here never matched a request's host (found by review)
+            if not is_host(host):
+                raise ValueError(f"MediaConfig.url_allow_hosts entries must be host names or IP addresses (no "
+                                 f"scheme, port or path), got {host!r}")
         check_bool(self, "url_allow_private")
         check_seconds(self, "url_timeout_seconds")
         check_int(self, "url_max_redirects", 0, 20)

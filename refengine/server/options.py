@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from refengine.config_checks import MAX_SECONDS, is_host_name
+from refengine.config_checks import MAX_SECONDS, is_host
 
 MIB = 1 << 20
 MAX_MESSAGE_BYTES = 2047 * MIB  # gRPC keeps message limits in a C int (2^31 - 1 bytes)
@@ -18,17 +18,6 @@ def host_port(host: str, port: int | str) -> str:
     """``host:port`` as gRPC parses it: an IPv6 literal in brackets (``[::1]:50051``). Unbracketed,
     ``::`` and ``::1`` failed to bind, blamed on the port (found by review)."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-def _is_host(text: str) -> bool:
-    """A host name, or an IP address (IPv6 with or without brackets)."""
-    if is_host_name(text):
-        return True
-    try:
-        ipaddress.ip_address(text.removeprefix("[").removesuffix("]") if text.startswith("[") else text)
-    except ValueError:
-        return False
-    return True
 
 
 def is_wildcard_host(host: str) -> bool:
@@ -108,7 +97,7 @@ class ServerOptions:
             if port is not None and not 0 <= port <= 65535:  # gRPC would bind port % 65536 (another server's)
                 raise ValueError(f"{_flag(name)} must be in 0..65535 (0: a free port), got {port}")
         for name in ("host", "control_host"):
-            if (host := getattr(self, name)) is not None and not _is_host(host):
+            if (host := getattr(self, name)) is not None and not is_host(host):
                 # Found by review: an empty or malformed --host failed to bind, blamed on --port.
                 raise ValueError(f"{_flag(name)} must be a host name or an IP address, got {host!r}")
         if self.port and self.control_port == self.port and (self.control_host or self.host) == self.host:
@@ -122,7 +111,7 @@ class ServerOptions:
         if self.advertise_host is not None and is_wildcard_host(self.advertise_host):
             raise ValueError(f"--advertise-host {self.advertise_host!r} is a bind wildcard; name a host clients "
                              "can connect to (E6)")
-        if self.advertise_host is not None and not _is_host(self.advertise_host):
+        if self.advertise_host is not None and not is_host(self.advertise_host):
             raise ValueError(f"--advertise-host must be a host name or an IP address, got {self.advertise_host!r}")
         # Messages name the flag the operator typed (found by review: they named the fields).
         if self.stream_buffer < 1:

@@ -80,6 +80,8 @@ def test_server_option_errors_name_the_flag(argv: list[str], flag: str) -> None:
                                                  "--max-sequences-per-request", "--kv-events-subscriber-buffer",
                                                  "--kv-events-retained-batches")],
     (["--guided-compile-threads", "65"], "--guided-compile-threads"),  # started up front: 100,000 failed the load
+    (["--media-url-allow", "http://x/"], "--media-url-allow"),  # a URL never matched a request's host
+    (["--attention-backend", "triton"], "--attention-backend"),  # needs CUDA: failed after listening
 ])
 def test_engine_option_errors_name_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
