@@ -42,7 +42,7 @@ from refengine.kv.transfer.sessions import KvSessionStore
 from refengine.lora.registry import LoraRegistry
 from refengine.model.dtypes import DTYPES
 from refengine.model.kv_io import KvBlockIO
-from refengine.model.runner import make_runner
+from refengine.model.runner import kv_bytes_per_block, kv_pool_blocks, make_runner
 from refengine.sampling.guided import GuideCompiler
 from refengine.types import (
     EngineFault,
@@ -152,6 +152,11 @@ class Engine(EngineAcceptMixin, EngineKvMixin, EngineLoraMixin, EngineLoopMixin)
         devices.resolve_device(config.device)  # a missing GPU fails now, not after the weights load
         resolved = loader.resolve_model(config.model)
         model_config, dtype = loader.load_model_config(resolved.path), DTYPES[config.dtype]
+        # So does a KV pool that holds no block or cannot fit the memory free now (found by review).
+        kv_dtype = DTYPES[config.kv_dtype]
+        num_blocks = kv_pool_blocks(model_config, config.cache, kv_dtype)
+        devices.check_kv_cache_fits(num_blocks * kv_bytes_per_block(model_config, config.cache.block_size, kv_dtype),
+                                    num_blocks, config.device)
         weights = loader.load_weights(resolved.path, dtype)
         media = MediaInputs.from_model(resolved.path, model_config, weights, dtype, config.device, config.media)
         vision = media.expectation.fingerprint if media is not None else ""

@@ -35,6 +35,19 @@ from refengine.model.input import ModelInput
 from refengine.model.llama import LlamaModel, LoraSlotShape
 
 
+def kv_pool_blocks(config: ModelConfig, cache: CacheConfig, kv_dtype: torch.dtype) -> int:
+    """The KV pool's blocks: ``cache.num_blocks``, else as many as ``kv_memory_bytes`` holds;
+    ``ValueError`` when it holds none. From the flags and the model's config alone, so that
+    ``Engine.from_config`` asks it before the weights load (found by review: a --block-size too
+    large for the budget failed only after a whole load)."""
+    block_bytes = kv_bytes_per_block(config, cache.block_size, kv_dtype)
+    if cache.num_blocks is None and cache.kv_memory_bytes < block_bytes:  # was one block, past the budget
+        raise ValueError(f"--kv-memory-mib {cache.kv_memory_bytes / (1 << 20):g} holds no KV block of "
+                         f"{cache.block_size} tokens ({block_bytes / (1 << 20):.3g} MiB for this model): "
+                         "raise it, or lower --block-size")
+    return cache.num_blocks or cache.kv_memory_bytes // block_bytes
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
@@ -91,12 +104,7 @@ class ModelRunner:
         kernels = kernels or KernelConfig()
         self.config = config
         self.block_size = cache.block_size
-        block_bytes = kv_bytes_per_block(config, cache.block_size, kv_dtype)
-        if cache.num_blocks is None and cache.kv_memory_bytes < block_bytes:  # was one block, past the budget
-            raise ValueError(f"--kv-memory-mib {cache.kv_memory_bytes / (1 << 20):g} holds no KV block of "
-                             f"{cache.block_size} tokens ({block_bytes / (1 << 20):.3g} MiB for this model): "
-                             "raise it, or lower --block-size")
-        self.num_blocks = cache.num_blocks or cache.kv_memory_bytes // block_bytes
+        self.num_blocks = kv_pool_blocks(config, cache, kv_dtype)
         # No sequence outgrows the pool, so RoPE tables and graph block tables stop there: a config's
         # max_position_embeddings (2**40 in a hostile file) never sizes an allocation on its own.
         max_model_len = min(max_model_len, self.num_blocks * cache.block_size)
