@@ -136,8 +136,9 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--device", default=d.device, help="torch device (default: %(default)s)")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="auto: the first available of flashinfer (CUDA, 16-bit), triton (CUDA), cpu (the native "
-                   "paged kernel: float32, or bfloat16 on CPUs with native bf16; built with the machine's C compiler "
-                   "on first use) and torch (the reference) (default: %(default)s)")
+                   "paged kernel: float32, or bfloat16 on CPUs with native bf16, on a float32, bfloat16 or float16 "
+                   "cache; built with the machine's C compiler on first use) and torch (the reference) "
+                   "(default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context limit in tokens, >= 2 (default: None = the model's own limit, bounded by what "
                    "the KV pool holds for one sequence)")

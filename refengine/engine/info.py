@@ -38,24 +38,26 @@ def kernel_paths(config: EngineConfig) -> tuple[str, str, str]:
         logger.info("KV cache in %s under %s weights (--kv-cache-dtype); attention computes in %s",
                     config.kv_dtype, config.dtype, config.dtype)
     on_cpu_bf16 = config.dtype == "bfloat16" and config.device == "cpu"
-    bf16 = bf16_path(bf16_gemm(config.kernels.native_cpu_kernels), bf16_attention_path(chosen)) if on_cpu_bf16 else ""
+    bf16 = (bf16_path(bf16_gemm(config.kernels.native_cpu_kernels), bf16_attention_path(chosen, config.kv_dtype))
+            if on_cpu_bf16 else "")
     if bf16:
         (logger.info if native_bf16() else logger.warning)("--dtype bfloat16 on CPU: %s", bf16)
     return chosen, why, bf16
 
 
-def bf16_attention_path(backend: str) -> str:
-    """What computes bf16 attention on the CPU under ``backend``, for ``bf16_path``."""
+def bf16_attention_path(backend: str, kv_dtype: str) -> str:
+    """What computes bf16 attention on the CPU under ``backend`` over a ``kv_dtype`` cache, for
+    ``bf16_path``. Only a bf16 cache is read by bf16 dot products; over another the kernel widens
+    the queries to float32 (found by review: the line named vdpbf16ps over a float16 cache)."""
     if backend != "cpu":
-        return f"the {backend} attention backend"
+        return f"the {backend} attention backend on a {kv_dtype} KV cache"
     from refengine.kernels.attention.cpu_paged import amx_form_available, bf16_query_form
 
-    form = bf16_query_form()
+    form = bf16_query_form() if kv_dtype == "bfloat16" else None
     dots = f"dot products by {form.name}: {form.why}" if form else "queries widened to float32"
-    if amx_form_available():
-        dots = (f"dot products on AMX tiles on a bf16 cache where head_dim is a multiple of 32, "
-                f"else {dots}")
-    return f"the native attention kernel (fp32 accumulation; {dots})"
+    if kv_dtype == "bfloat16" and amx_form_available():
+        dots = f"dot products on AMX tiles where head_dim is a multiple of 32, else {dots}"
+    return f"the native attention kernel on a {kv_dtype} KV cache (fp32 accumulation; {dots})"
 
 
 def engine_info(config: EngineConfig, model_config: ModelConfig, served_model_name: str, max_model_len: int,

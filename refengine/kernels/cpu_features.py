@@ -42,5 +42,5 @@ def bf16_path(gemm: str, attention: str) -> str:
     what runs bf16 attention (``engine.info``)."""
     found = [flag for flag in BF16_FLAGS if flag in cpu_flags()]
     if found:
-        return f"native bf16 ({', '.join(found)}): bf16 projections in {gemm}, bf16 KV in {attention}"
+        return f"native bf16 ({', '.join(found)}): bf16 projections in {gemm}, attention in {attention}"
     return "no native bf16 on this CPU (no avx512_bf16 or amx_bf16): bf16 is emulated and slower than float32"

@@ -61,3 +61,21 @@ def test_a_cache_the_native_kernel_cannot_read_takes_the_reference(monkeypatch, 
     monkeypatch.setattr(registry, "float16_cache_available", lambda: False)
     backend, why, _ = kernel_paths(EngineConfig(kv_cache_dtype="float16"))
     assert backend == "torch" and (unavailable or "compiler without _Float16") in why
+
+
+def test_the_bf16_line_names_the_cache_dtype_attention_reads(monkeypatch) -> None:
+    """bf16 dot products only over a bf16 cache; over a float16 one the kernel widens the queries
+    (found by review: the line named vdpbf16ps over a float16 cache)."""
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    backend, _, bf16 = kernel_paths(EngineConfig(dtype="bfloat16", kv_cache_dtype="float16"))
+    if backend == "cpu":
+        assert "attention in the native attention kernel on a float16 KV cache (fp32 accumulation; queries " \
+               "widened to float32)" in bf16, bf16
+    else:
+        assert f"attention in the {backend} attention backend on a float16 KV cache" in bf16, bf16
+    _, _, bf16 = kernel_paths(EngineConfig(dtype="bfloat16"))
+    assert "on a bfloat16 KV cache" in bf16, bf16
+    from refengine.kernels.attention.cpu_paged import bf16_query_form
+
+    if backend == "cpu" and bf16_query_form() is not None:
+        assert "dot products by" in bf16, bf16

@@ -92,8 +92,7 @@ def make_attention_backend(
     ``kv_dtype`` cache (None = ``dtype``). Raises ValueError for an unknown or unavailable name."""
     kernels = kernels if kernels is not None else KernelConfig()
     chosen, why = choose_backend(name, dtype, device, kernels, kv_dtype)
-    if name == AUTO:
-        logger.info("attention backend %s (%s)", chosen, why)
+    logger.info("attention backend %s (%s)", chosen, why)  # named too: the start-up log says what runs
     return _BACKENDS[chosen].factory(dtype, kv_dtype or dtype, device, kernels)
 
 
