@@ -283,8 +283,9 @@ class EngineConfig:
         aliases = self.served_model_aliases
         if not isinstance(aliases, tuple):  # a list would make the frozen config unhashable
             raise ValueError(f"EngineConfig.served_model_aliases must be a tuple of names, got {aliases!r}")
-        if any(not alias for alias in aliases):
-            raise ValueError("EngineConfig.served_model_aliases: an alias must be a non-empty name")
+        if any(not isinstance(alias, str) or not alias or alias != alias.strip() for alias in aliases):
+            raise ValueError(f"EngineConfig.served_model_aliases: an alias must be a non-empty name without white "
+                             f"space around it, got {list(aliases)}")
         if len(set(aliases)) != len(aliases):
             raise ValueError(f"EngineConfig.served_model_aliases lists a name twice: {list(aliases)}")
         if self.served_model_name is not None and self.served_model_name in aliases:

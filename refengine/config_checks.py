@@ -70,6 +70,8 @@ def check_name(owner: object, name: str, optional: bool = False) -> None:
     if not isinstance(value, str) or not value:
         none = " or None" if optional else ""
         raise ValueError(f"{type(owner).__name__}.{name} must be a non-empty string{none}, got {value!r}")
+    if value != value.strip():  # " " was served as a model name no client would type (found by review)
+        raise ValueError(f"{type(owner).__name__}.{name} must not begin or end with white space, got {value!r}")
 
 
 #: ``KvTransferConfig.allowed_sources`` entries that are not a host or network.

@@ -74,6 +74,8 @@ BAD_VALUES: list[tuple[str, Callable[[], Any], str]] = [
     ("device", lambda: EngineConfig(device=""), r"EngineConfig\.device must be a non-empty string"),
     ("debug_kv", lambda: EngineConfig(debug_kv_integrity="yes"), r"debug_kv_integrity must be True or False"),
     ("alias_empty", lambda: EngineConfig(served_model_aliases=("",)), r"an alias must be a non-empty name"),
+    ("alias_spaced", lambda: EngineConfig(served_model_aliases=(" a",)), r"without white space around it"),
+    ("served_name_blank", lambda: EngineConfig(served_model_name=" "), r"must not begin or end with white space"),
     ("alias_twice", lambda: EngineConfig(served_model_aliases=("a", "a")), r"lists a name twice"),
     ("alias_is_name", lambda: EngineConfig(served_model_name="a", served_model_aliases=("a",)), r"repeats the served"),
     ("alias_list", lambda: EngineConfig(served_model_aliases=["a"]), r"served_model_aliases must be a tuple"),
