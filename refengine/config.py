@@ -299,10 +299,11 @@ class EngineConfig:
                            ("encoder", EncoderConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"EngineConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
-        if self.attention_backend in ("flashinfer", "triton") and self.device == "cpu":
-            # Known from the flags alone: it failed after the listeners were up (found by review).
-            raise ValueError(f"EngineConfig.attention_backend {self.attention_backend} needs CUDA; the device is cpu "
-                             "(auto picks the CPU kernels)")
+        # Known from the flags alone: a CUDA backend on cpu failed after the listeners were up (review).
+        runs_on = {"flashinfer": "cuda", "triton": "cuda", "cpu": "cpu"}.get(self.attention_backend)
+        if runs_on is not None and (runs_on == "cpu") != (self.device == "cpu"):
+            raise ValueError(f"EngineConfig.attention_backend {self.attention_backend} runs on {runs_on}, not on "
+                             f"{self.device} (auto picks what the device runs)")
         limit = self.scheduler.max_num_seqs
         if self.max_sequences_per_request > limit:
             raise ValueError(

@@ -65,9 +65,9 @@ def _stats(name: str, seconds: Sequence[float]) -> dict[str, float | None]:
 
 
 def meets(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
-    """Whether a completed request met every objective (metric of ``bench.SLO_METRICS`` -> ms). Under two
-    output tokens there is no TPOT, and a TPOT objective is met; with no token at all there is
-    no TTFT, and a TTFT objective is not."""
+    """Whether a completed request met every objective (metric of ``bench.SLO_METRICS`` -> ms).
+    Under two output tokens there is no TPOT, and a TPOT objective is met; with no token at all
+    there is no TTFT, and a TTFT objective is not."""
     seconds = {"ttft": record.ttft, "tpot": record.tpot, "e2el": record.e2el}
     for name, limit_ms in slos_ms.items():
         value = seconds[name]
