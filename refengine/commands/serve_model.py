@@ -15,6 +15,8 @@ from refengine.model.manifest import ModelNotFoundError, UnsupportedModelError, 
 
 def model_problem(model: str) -> str:
     """Why ``model`` cannot be served, or "" when it names files to load."""
+    if not model.strip():  # found by review: "" read as the working directory, "not a model directory"
+        return "empty: give a manifest name (models/*.toml), an HF directory or a .gguf file"
     try:
         locate_model(model)
     except (ModelNotFoundError, UnsupportedModelError) as exc:

@@ -74,6 +74,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
     try:
         options = options_from_args(args)
         engine_config = engine_config_from_args(args)
+        for root in engine_config.lora.roots:  # every load under it would be refused (found by review)
+            if not os.path.isdir(root):
+                raise ValueError(f"--lora-root {root}: not a directory")
         if options.kv_events_zmq and (not engine_config.kv_events.enabled or engine_config.role == "encoder"):
             raise ValueError("--kv-events-zmq needs KV events: drop --no-kv-events (an encoder server has none)")
         if options.kv_events_zmq:

@@ -96,6 +96,10 @@ class ServerOptions:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:  # gRPC would bind port % 65536 (another server's)
                 raise ValueError(f"{_flag(name)} must be in 0..65535 (0: a free port), got {port}")
+        if self.instance_id is not None and (not self.instance_id or self.instance_id != self.instance_id.strip()):
+            # "" was replaced by a random id without a word (found by review)
+            raise ValueError(f"--instance-id must be a non-empty name without white space around it, got "
+                             f"{self.instance_id!r} (leave it out for a random id per process)")
         for name in ("host", "control_host"):
             if (host := getattr(self, name)) is not None and not is_host(host):
                 # Found by review: an empty or malformed --host failed to bind, blamed on --port.

@@ -59,7 +59,7 @@ class ServerState:
     def __init__(self, options: ServerOptions, engine_config: EngineConfig) -> None:
         self.options = options
         self.engine_config = engine_config
-        self.instance_id = options.instance_id or f"refengine-{uuid.uuid4().hex[:12]}"
+        self.instance_id = options.instance_id or f"refengine-{uuid.uuid4().hex[:12]}"  # None: random
         self.lifecycle = Lifecycle.STARTING
         self.engine: EngineClient | None = None  # once loaded
         self.caps: Capabilities | None = None

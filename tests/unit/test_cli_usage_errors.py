@@ -117,7 +117,7 @@ def test_an_unusable_cache_directory_is_one_line_not_a_traceback(tmp_path) -> No
     assert result.returncode == 2 and "REFENGINE_CACHE_DIR" in result.stderr and str(blocker) in result.stderr
 
 
-@pytest.mark.parametrize("what", ["unknown name", "no such path", "incomplete directory", "pickle only"])
+@pytest.mark.parametrize("what", ["unknown name", "no such path", "incomplete directory", "pickle only", "empty"])
 def test_a_model_that_cannot_be_found_is_refused_before_listening(tmp_path, what: str) -> None:  # noqa: ANN001
     """Found by review: the server listened, then the loader failed (exit 1 after announcing its
     ports). A model string that leads to no servable files is now exit 2, as a bad flag is."""
@@ -125,12 +125,14 @@ def test_a_model_that_cannot_be_found_is_refused_before_listening(tmp_path, what
     directory.mkdir()
     if what == "pickle only":
         (directory / "pytorch_model.bin").write_bytes(b"")
-    model = {"unknown name": "no-such-model", "no such path": str(tmp_path / "nowhere")}.get(what, str(directory))
+    model = {"unknown name": "no-such-model", "no such path": str(tmp_path / "nowhere"), "empty": ""}.get(
+        what, str(directory))
     result = cli("serve", "--host", "127.0.0.1", "--port", "0", "--model", model, timeout=60)
     assert "Traceback" not in result.stderr, result.stderr[-600:]
     assert "listening on" not in result.stdout, "a port announced for a model that cannot load"
     expected = {"unknown name": "neither a known model name", "no such path": "neither a known model name",
-                "incomplete directory": "missing config.json", "pickle only": "pickle"}[what]
+                "incomplete directory": "missing config.json", "pickle only": "pickle",
+                "empty": "--model: empty: give a manifest name"}[what]
     assert result.returncode == 2 and "refengine serve: --model: " in result.stderr, result.stderr[-600:]
     assert expected in result.stderr, result.stderr[-600:]
 

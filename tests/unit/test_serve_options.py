@@ -32,6 +32,8 @@ from refengine.cli import build_parser, main
       for host in ("", "\u00ff", " 127.0.0.1", "127.0.0.1:80")],
     (["--port", "0", "--control-port", "0", "--control-host", "a b"], "--control-host must be a host name"),
     (["--advertise-host", "http://x"], "--advertise-host must be a host name or an IP address"),
+    (["--instance-id", ""], "--instance-id must be a non-empty name"),  # was replaced by a random id, silently
+    (["--enable-lora", "--lora-root", "/nonexistent-lora-root"], "--lora-root /nonexistent-lora-root: not a directory"),
     # ZMQ endpoints (found by review): a port past 65535 was bound modulo 65536 and advertised so; a
     # port shared with another socket or a gRPC listener failed only after the model had loaded.
     (["--kv-events-zmq", "tcp://127.0.0.1:99999"], "--kv-events-zmq: KV event endpoint port must be in 0..65535"),
