@@ -177,8 +177,9 @@ class OpenEngineClient:
         return self.control.Health(request, timeout=self.timeout, metadata=self.metadata)
 
     def abort(self, request_id: str | None = None, *, all_requests: bool = False,
-              kv_session: oe.KvSessionRef | None = None) -> oe.AbortResponse:
-        """Set exactly one target (the server rejects none or several with INVALID_ARGUMENT)."""
+              kv_session: oe.KvSessionRef | None = None, timeout: float | None = None) -> oe.AbortResponse:
+        """Set exactly one target (the server rejects none or several with INVALID_ARGUMENT).
+        ``timeout``: this call's deadline (None: the client's)."""
         request = oe.AbortRequest()
         if request_id is not None:
             request.request_id = request_id
@@ -186,7 +187,8 @@ class OpenEngineClient:
             request.all_requests.SetInParent()
         if kv_session is not None:
             request.kv_session.CopyFrom(kv_session)
-        return self.control.Abort(request, timeout=self.timeout, metadata=self.metadata)
+        return self.control.Abort(request, timeout=self.timeout if timeout is None else timeout,
+                                  metadata=self.metadata)
 
     def wait_until_ready(self, timeout: float = 300.0, poll: float = 0.2) -> oe.HealthResponse:
         """Poll ``Health`` until READY; raises ``TimeoutError`` (with the last state) otherwise."""
@@ -222,6 +224,13 @@ def stream_text(address: str, prompt: str, model: str = "", max_tokens: int = 12
                 yield event.token.text
             elif kind == "error":
                 raise GenerationError(event.error)
+            elif kind == "finished" and event.finished.reason == oe.FINISH_REASON_CANCELLED:
+                # an abort (Abort RPC, drain) cut the text short: not a quiet end (found by review)
+                raise GenerationError(oe.EngineError(code=oe.ERROR_CODE_CANCELLED, message=event.finished.message))
+            elif kind == "prefill_ready":  # a prefill server: release the session it would hold for a decode
+                _abort_session(client, event.prefill_ready.kv_session, None)
+                raise GenerationError(oe.EngineError(code=oe.ERROR_CODE_ROLE_MISMATCH, message=(
+                    f"{address} is a prefill server: it generates no text (use generate_disaggregated)")))
 
 
 class PrefillFailed(RuntimeError):
@@ -272,25 +281,33 @@ def generate_disaggregated(prefill_client: OpenEngineClient, decode_client: Open
                            metadata: Metadata | None = None) -> Iterator[oe.GenerateResponse]:
     """Prefill on one server, decode on another; yields the request's events as one server
     would: the prefill's ``PromptOutput`` (when prompt logprobs were asked for), then the decode
-    server's events. The decode request targets the session's rank (M3). Unless the decode
-    stream ends with its ``Finished`` events, the session is aborted on the prefill server
-    (best effort), so a refused, failed or abandoned decode leaves no KV held until the lease."""
+    server's events. The decode request targets the session's rank (M3). ``timeout`` is each
+    hop's deadline (and the release's below), not the whole call's.
+
+    Unless the decode stream ends with a ``Finished`` that is not CANCELLED, the session is
+    aborted on the prefill server (best effort, within ``timeout``), so a refused, failed,
+    cancelled or abandoned decode leaves no KV held until the lease (found by review: a decode
+    cancelled while queued, before its pull, left the session held ~30 s). Cancel by closing the
+    returned iterator from the thread that iterates it (a generator refuses ``close`` from another
+    thread while it runs), or by closing the clients."""
     prompt_events: list[oe.GenerateResponse] = []
     ready = prefill(prefill_client, request, timeout, metadata, prompt_events)
     decoded = False
     try:
         yield from prompt_events  # inside: a caller stopping here (Ctrl-C) releases the session too
         for event in decode_client.generate(decode_request_for(request, ready), timeout=timeout, metadata=metadata):
-            decoded = event.WhichOneof("event") == "finished"
+            decoded = event.WhichOneof("event") == "finished" and event.finished.reason != oe.FINISH_REASON_CANCELLED
             yield event
     finally:
         if not decoded:
-            _abort_session(prefill_client, ready.prefill_ready.kv_session)
+            _abort_session(prefill_client, ready.prefill_ready.kv_session, timeout)
 
 
-def _abort_session(client: OpenEngineClient, session: oe.KvSessionRef) -> None:
-    """Release a session the decode did not consume; NOT_FOUND (already pulled or expired) is fine."""
+def _abort_session(client: OpenEngineClient, session: oe.KvSessionRef, timeout: float | None) -> None:
+    """Release a session the decode did not consume; NOT_FOUND (already pulled or expired) is
+    fine, and so is a client the caller closed first (its ValueError: the iterator's close must
+    not raise, found by review)."""
     try:
-        client.abort(kv_session=session)
-    except grpc.RpcError:
+        client.abort(kv_session=session, timeout=timeout)
+    except (grpc.RpcError, ValueError):
         pass

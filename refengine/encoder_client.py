@@ -108,8 +108,9 @@ def generate_epd(encoder: MediaClient, prefill_client: OpenEngineClient, decode_
 
 def _release(encoder: MediaClient, handle_ids: list[str]) -> None:
     """Best effort: a failed Release (the encoder gone once the rows were pulled) must not fail a
-    complete stream or replace the stream's own error; the lease frees the handles anyway (ENC7)."""
+    complete stream or replace the stream's own error; the lease frees the handles anyway (ENC7).
+    Nor must a client the caller closed first (its ValueError, found by review)."""
     try:
         encoder.release(handle_ids)
-    except grpc.RpcError:
+    except (grpc.RpcError, ValueError):
         pass

@@ -86,16 +86,22 @@ def run_remote(args: argparse.Namespace, options: GenerateOptions) -> int:
 
 
 def _raise_if_failed(event: oe.GenerateResponse, client: OpenEngineClient, remote: str | None) -> None:
-    """An ``EngineError`` ends the run; so does a ``PrefillReady``, which only a prefill server named
-    by ``--remote`` sends here (``generate_disaggregated`` consumes the ``--prefill`` hop's). Its
-    session is released at once: left alone it held its KV blocks until its lease ended."""
+    """An ``EngineError`` ends the run, as does a CANCELLED ``Finished``; so does a ``PrefillReady``,
+    which only a prefill server named by ``--remote`` sends here (``generate_disaggregated``
+    consumes the ``--prefill`` hop's). Its session is released at once: left alone it held its KV
+    blocks until its lease ended."""
     import grpc
 
     from refengine.client import GenerationError, PrefillFailed
+    from refengine.protocol import oe
 
     kind = event.WhichOneof("event")
     if kind == "error":
         raise GenerationError(event.error)
+    if kind == "finished" and event.finished.reason == oe.FINISH_REASON_CANCELLED:
+        # an abort (Abort RPC, a drain) cut the output short: exit 1, not a quiet 0 (found by review)
+        raise GenerationError(oe.EngineError(code=oe.ERROR_CODE_CANCELLED,
+                                             message=event.finished.message or "the server cancelled the request"))
     if kind == "prefill_ready":
         try:
             client.abort(kv_session=event.prefill_ready.kv_session)

@@ -55,7 +55,8 @@ class Prefill:
         ready.prefill_ready.kv_session.session_id = "s1"
         yield ready
 
-    def abort(self, request_id: str | None = None, *, all_requests: bool = False, kv_session: Any = None) -> None:
+    def abort(self, request_id: str | None = None, *, all_requests: bool = False, kv_session: Any = None,
+              timeout: float | None = None) -> None:
         self.aborted.append(kv_session.session_id)
 
 
