@@ -77,6 +77,9 @@ class OpenEngineClient:
         """``timeout``: deadline of unary RPCs (``generate`` takes its own). ``channel_options``:
         extra gRPC channel arguments (e.g. ``("grpc.use_local_subchannel_pool", 1)`` for a
         connection of its own)."""
+        if timeout is not None and not 0 < timeout <= MAX_DEADLINE_SECONDS:  # also refuses nan
+            # inf or nan made every call fail at once with DEADLINE_EXCEEDED (found by review)
+            raise ValueError(f"timeout must be in (0, {MAX_DEADLINE_SECONDS:g}] seconds or None, got {timeout!r}")
         self.address = address
         self.timeout = timeout
         self.metadata = tuple(metadata)

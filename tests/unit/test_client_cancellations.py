@@ -3,7 +3,8 @@
 server's session held until its lease; a caller that closed the prefill client first got a
 traceback from the iterator's close; the release waited the client's 30 s past the call's
 deadline; ``stream_text`` ended a cancelled stream quietly and, on a prefill server, left the
-session held; ``refengine generate`` exited 0 on a cancelled request."""
+session held; ``refengine generate`` exited 0 on a cancelled request; a client deadline of inf
+failed every call."""
 
 from __future__ import annotations
 
@@ -87,3 +88,10 @@ def test_the_cli_fails_a_cancelled_request() -> None:
     with pytest.raises(GenerationError, match="ERROR_CODE_CANCELLED: aborted"):
         _raise_if_failed(CANCELLED, FakeClient([]), None)
     _raise_if_failed(STOPPED, FakeClient([]), None)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0.0, -1.0, 1e12])
+def test_a_client_deadline_no_call_could_keep_is_refused(timeout: float) -> None:
+    """inf or nan made every call fail at once with DEADLINE_EXCEEDED (found by review)."""
+    with pytest.raises(ValueError, match="timeout must be in"):
+        client_module.OpenEngineClient("127.0.0.1:1", timeout=timeout)
