@@ -92,8 +92,7 @@ def _raise_if_failed(event: oe.GenerateResponse, client: OpenEngineClient, remot
     blocks until its lease ended."""
     import grpc
 
-    from refengine.client import GenerationError, PrefillFailed
-    from refengine.protocol import oe
+    from refengine.client import GenerationError, PrefillFailed, oe
 
     kind = event.WhichOneof("event")
     if kind == "error":
