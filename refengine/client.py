@@ -231,7 +231,7 @@ def stream_text(address: str, prompt: str, model: str = "", max_tokens: int = 12
                 # an abort (Abort RPC, drain) cut the text short: not a quiet end (found by review)
                 raise GenerationError(oe.EngineError(code=oe.ERROR_CODE_CANCELLED, message=event.finished.message))
             elif kind == "prefill_ready":  # a prefill server: release the session it would hold for a decode
-                _abort_session(client, event.prefill_ready.kv_session, None)
+                release_kv_session(client, event.prefill_ready.kv_session)
                 raise GenerationError(oe.EngineError(code=oe.ERROR_CODE_ROLE_MISMATCH, message=(
                     f"{address} is a prefill server: it generates no text (use generate_disaggregated)")))
 
@@ -303,11 +303,12 @@ def generate_disaggregated(prefill_client: OpenEngineClient, decode_client: Open
             yield event
     finally:
         if not decoded:
-            _abort_session(prefill_client, ready.prefill_ready.kv_session, timeout)
+            release_kv_session(prefill_client, ready.prefill_ready.kv_session, timeout)
 
 
-def _abort_session(client: OpenEngineClient, session: oe.KvSessionRef, timeout: float | None) -> None:
-    """Release a session the decode did not consume; NOT_FOUND (already pulled or expired) is
+def release_kv_session(client: OpenEngineClient, session: oe.KvSessionRef, timeout: float | None = None) -> None:
+    """Best effort: abort a prefill server's session no decode consumed (the two-hop flow here, and
+    ``refengine generate`` given a prefill server). NOT_FOUND (already pulled or expired) is
     fine, and so is a client the caller closed first (its ValueError: the iterator's close must
     not raise, found by review)."""
     try:

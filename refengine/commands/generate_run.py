@@ -90,9 +90,7 @@ def _raise_if_failed(event: oe.GenerateResponse, client: OpenEngineClient, remot
     which only a prefill server named by ``--remote`` sends here (``generate_disaggregated``
     consumes the ``--prefill`` hop's). Its session is released at once: left alone it held its KV
     blocks until its lease ended."""
-    import grpc
-
-    from refengine.client import GenerationError, PrefillFailed, oe
+    from refengine.client import GenerationError, PrefillFailed, oe, release_kv_session
 
     kind = event.WhichOneof("event")
     if kind == "error":
@@ -102,10 +100,7 @@ def _raise_if_failed(event: oe.GenerateResponse, client: OpenEngineClient, remot
         raise GenerationError(oe.EngineError(code=oe.ERROR_CODE_CANCELLED,
                                              message=event.finished.message or "the server cancelled the request"))
     if kind == "prefill_ready":
-        try:
-            client.abort(kv_session=event.prefill_ready.kv_session)
-        except grpc.RpcError:
-            pass  # released or expired already: nothing is held
+        release_kv_session(client, event.prefill_ready.kv_session)
         raise PrefillFailed(f"{remote} is a prefill server (it answered PrefillReady, K4): "
                             f"use --prefill {remote} --decode HOST:PORT")
 
